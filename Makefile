@@ -1,0 +1,68 @@
+# hp_fastload developer commands. Every target sets up what it needs on a fresh machine:
+# a venv in .venv with the pins of constraints.txt, and a release build of the Rust extension.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+DEPS := $(VENV)/.deps-installed
+PYTEST_ARGS ?=
+
+.PHONY: help venv build demo test test-rust test-python lint lint-rust lint-python format bench bench-compare clean
+
+help:
+	@echo "make demo          load a generated Mixtral checkpoint into 2 gloo ranks (FSDP2 + TP) and check it"
+	@echo "make test          lint + cargo test + pytest"
+	@echo "make bench         criterion + pytest-benchmark"
+	@echo "make bench-compare hp_fastload against the peers, one table"
+
+$(DEPS): constraints.txt pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -c constraints.txt torch safetensors transformers huggingface_hub numpy tqdm \
+		pytest pytest-timeout pytest-benchmark ruff mypy maturin
+	touch $(DEPS)
+
+venv: $(DEPS)
+
+build: $(DEPS)
+	VIRTUAL_ENV=$(abspath $(VENV)) PATH=$(abspath $(VENV))/bin:$$PATH $(VENV)/bin/maturin develop --release -q
+
+demo: build
+	$(PY) -m hp_fastload.cli demo
+
+test: build lint test-rust test-python
+
+test-rust:
+	cargo test --release -q
+
+test-python: build
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: lint-rust lint-python
+
+lint-rust:
+	cargo fmt --all -- --check
+	cargo clippy --release --all-targets -q -- -D warnings
+	cargo clippy --release --all-targets --features python -q -- -D warnings
+
+lint-python: $(DEPS)
+	$(VENV)/bin/ruff check python tests benches
+	$(VENV)/bin/ruff format --check python tests benches
+	$(VENV)/bin/mypy
+
+format: $(DEPS)
+	cargo fmt --all
+	$(VENV)/bin/ruff format python tests benches
+	$(VENV)/bin/ruff check --fix python tests benches
+
+bench: build
+	cargo bench --bench engine
+	$(PY) -m pytest benches -q --benchmark-only --benchmark-enable
+
+bench-compare: build
+	$(PY) benches/compare.py
+
+clean:
+	cargo clean
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,42 @@
+"""Stub of the Rust extension module ``hp_fastload._core`` (see rust/python.rs)."""
+
+import os
+from typing import Final
+
+MAX_NDIM: Final[int]
+ITEM_WIDTH: Final[int]
+DTYPE_CODES: Final[dict[str, int]]
+DEFAULT_THREADS: Final[int]
+
+class SafetensorsHeader:
+    """A parsed, validated safetensors header (the file is re-checked before every read)."""
+
+    def __new__(cls, path: str | os.PathLike[str]) -> SafetensorsHeader: ...
+    @property
+    def path(self) -> str: ...
+    @property
+    def file_size(self) -> int: ...
+    @property
+    def data_start(self) -> int: ...
+    def metadata(self) -> dict[str, str] | None: ...
+    def __len__(self) -> int: ...
+    def names(self) -> list[str]: ...
+    def entries(self) -> list[tuple[str, str, tuple[int, ...], int, int]]:
+        """(name, safetensors dtype, shape, begin, end) in file order; begin/end relative to data_start."""
+    def index(self, name: str) -> int: ...
+
+def execute(
+    headers: list[SafetensorsHeader],
+    dests: bytes,
+    items: bytes,
+    threads: int | None = None,
+    backend: str = "auto",
+) -> dict[str, int | str]:
+    """Read a batch of strided boxes into caller memory, with the GIL released.
+
+    ``dests``: little-endian int64 triples (address, nbytes, dtype code); the memory must stay valid and
+    untouched until the call returns. ``items``: int64 records of ``ITEM_WIDTH`` fields
+    [file, tensor, src_base, dest, dst_base, ndim, lengths x MAX_NDIM, src_strides x MAX_NDIM,
+    dst_strides x MAX_NDIM], in elements. ``backend``: "auto", "mmap" or "pread". Returns the stats
+    bytes_copied, bytes_read_from_files, runs, spans, backend, threads.
+    """

@@ -1,0 +1,328 @@
+"""The user-facing loaders: ``load``, ``plan``, ``HuggingFaceCheckpointer``, ``resolve_hf_loader``.
+
+Owns the seed's contract (hyper-parallel's ``HuggingFaceCheckpointer``): loader resolution, argument checks,
+the two loaders (``legacy``: whole tensors, converted on the host, sliced; ``dcp``: exact region reads),
+cross-rank agreement on failures (every rank raises when one fails, nobody hangs), the report, progress and
+the one summary log line. Planning lives in ``plan``, reading in ``execute``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Collection, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import errors
+from .execute import execute_plan
+from .index import CheckpointIndex, resolve_checkpoint_location
+from .plan import LoadPlan, LoadReport, plan_load
+from .rules import resolve_mapping
+from .targets import build_targets
+
+__all__ = ["HF_LOADER_ENV", "LOADERS", "HuggingFaceCheckpointer", "load", "plan", "resolve_hf_loader"]
+
+log = logging.getLogger("hp_fastload")
+
+HF_LOADER_ENV = "HYPER_PARALLEL_HF_LOADER"
+LOADERS = ("legacy", "dcp")
+DEFAULT_LOADER = "dcp"
+
+
+def resolve_hf_loader(loader: str | None = None) -> str:
+    """The loader name: the argument, else ``$HYPER_PARALLEL_HF_LOADER``, else ``"dcp"`` (case-insensitive)."""
+    value = loader if loader is not None else os.environ.get(HF_LOADER_ENV) or DEFAULT_LOADER
+    name = str(value).strip().lower()
+    if name not in LOADERS:
+        raise ValueError(
+            f"Unknown pretrained loader {value!r}; expected one of {', '.join(LOADERS)} "
+            f"(set through the loader argument or {HF_LOADER_ENV})"
+        )
+    return name
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Cross-rank agreement
+
+
+def _dist_active() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+_REBUILDABLE: dict[str, type[BaseException]] = {
+    cls.__name__: cls
+    for cls in (
+        ValueError,
+        TypeError,
+        RuntimeError,
+        KeyError,
+        FileNotFoundError,
+        PermissionError,
+        OSError,
+        NotImplementedError,
+        errors.HpFastloadError,
+        errors.HeaderError,
+        errors.PlanError,
+        errors.ReadError,
+        errors.TargetError,
+    )
+}
+
+
+def _agree(stage: str, fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` on every rank; if it fails on any rank, every rank raises (same type where possible)."""
+    result = None
+    failure: BaseException | None = None
+    try:
+        result = fn()
+    except Exception as exc:
+        failure = exc
+    if not _dist_active():
+        if failure is not None:
+            raise failure
+        return result
+    payload = None if failure is None else (type(failure).__name__, str(failure))
+    gathered: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, payload)
+    if failure is not None:
+        raise failure
+    for rank, item in enumerate(gathered):
+        if item is not None:
+            name, message = item
+            cls = _REBUILDABLE.get(name)
+            text = f"{stage} failed on rank {rank}: {name}: {message}"
+            if cls is not None and issubclass(cls, Exception):
+                raise cls(text)
+            raise RuntimeError(text)
+    return result
+
+
+def _resolve_location_once(path: str | os.PathLike[str], revision: str | None) -> Path:
+    """Resolve on rank 0 only (Hub cache touched once), broadcast the local path."""
+    if not _dist_active() or torch.distributed.get_world_size() == 1:
+        return resolve_checkpoint_location(path, revision=revision)
+    box: list[Any] = [None]
+    if torch.distributed.get_rank() == 0:
+        try:
+            box[0] = ("ok", str(resolve_checkpoint_location(path, revision=revision)))
+        except Exception as exc:
+            box[0] = ("err", type(exc).__name__, str(exc))
+    torch.distributed.broadcast_object_list(box, src=0)
+    if box[0][0] == "err":
+        cls = _REBUILDABLE.get(box[0][1], RuntimeError)
+        raise cls(box[0][2])
+    return Path(box[0][1])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# load / plan
+
+
+def _progress_bar(
+    total: int, enabled: bool | None
+) -> tuple[Callable[[int], None] | None, Callable[[], None]]:
+    rank0 = not _dist_active() or torch.distributed.get_rank() == 0
+    if enabled is False or not rank0 or total <= 0:
+        return None, lambda: None
+    if enabled is None and not sys.stderr.isatty():
+        return None, lambda: None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None, lambda: None
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="Loading weights", leave=False)
+    return bar.update, bar.close
+
+
+def plan(
+    model: nn.Module,
+    path: str | os.PathLike[str],
+    *,
+    weights_mapping: Iterable[Any] | None = None,
+    key_mapping: Mapping[str, str] | None = None,
+    strict: bool = False,
+    loader: str | None = None,
+    external_target_fqns: Collection[str] = frozenset(),
+    claimed_source_keys: Collection[str] = frozenset(),
+    mesh_override: Any = None,
+    revision: str | None = None,
+) -> LoadPlan:
+    """Dry run: what this rank (or a virtual rank, see ``targets.build_targets``'s ``mesh_override``) reads.
+
+    Reads headers only. ``LoadPlan.read_bytes_by_file()`` / ``read_bytes_by_target()`` / ``summary()``.
+    """
+    name = resolve_hf_loader(loader)
+    location = resolve_checkpoint_location(path, revision=revision)
+    index = CheckpointIndex.open(location)
+    targets = build_targets(
+        model, external_target_fqns=frozenset(external_target_fqns), mesh_override=mesh_override
+    )
+    rules = resolve_mapping(model, weights_mapping, key_mapping)
+    return plan_load(
+        model,
+        index,
+        targets,
+        rules,
+        strict=strict,
+        trace=name == "dcp",
+        claimed_source_keys=frozenset(claimed_source_keys),
+        loader=name,
+    )
+
+
+def load(
+    model: nn.Module,
+    path: str | os.PathLike[str],
+    *,
+    weights_mapping: Iterable[Any] | None = None,
+    key_mapping: Mapping[str, str] | None = None,
+    strict: bool = True,
+    loader: str | None = None,
+    threads: int | None = None,
+    progress: bool | None = None,
+    external_target_fqns: Collection[str] = frozenset(),
+    claimed_source_keys: Collection[str] = frozenset(),
+    backend: str | None = None,
+    revision: str | None = None,
+) -> LoadReport:
+    """Fill ``model``'s parameters and persistent buffers (DTensor shards or plain) from a HF checkpoint.
+
+    Every rank of the default process group must call it together. Writes in place (parameter identity is
+    preserved). ``strict`` raises ``RuntimeError`` before any byte is read when model tensors would stay
+    missing; unexpected checkpoint keys are only logged.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"load() needs a live nn.Module to write into, got {type(model).__name__}")
+    name = resolve_hf_loader(loader)
+    start = time.perf_counter()
+
+    location = _resolve_location_once(path, revision)
+
+    def _plan() -> LoadPlan:
+        index = CheckpointIndex.open(location)
+        targets = build_targets(model, external_target_fqns=frozenset(external_target_fqns))
+        rules = resolve_mapping(model, weights_mapping, key_mapping)
+        return plan_load(
+            model,
+            index,
+            targets,
+            rules,
+            strict=strict,
+            trace=name == "dcp",
+            claimed_source_keys=frozenset(claimed_source_keys),
+            loader=name,
+        )
+
+    load_plan: LoadPlan = _agree("Planning the pretrained load", _plan)
+    total = load_plan.bytes_needed
+    update, close = _progress_bar(total, progress)
+    try:
+        stats = _agree(
+            "Reading the pretrained checkpoint",
+            lambda: execute_plan(
+                load_plan, legacy=name == "legacy", threads=threads, backend=backend, progress=update
+            ),
+        )
+    finally:
+        close()
+    for target, _ in load_plan.region_reads.values():
+        target.tensor._is_hf_initialized = True
+    for deferred in load_plan.deferred:
+        for target in deferred.claims.values():
+            target.tensor._is_hf_initialized = True
+    _record_used_rules(model, load_plan.used_rules)
+    seconds = time.perf_counter() - start
+    report = LoadReport(
+        loaded_keys=load_plan.report.loaded_keys,
+        missing_keys=load_plan.report.missing_keys,
+        unexpected_keys=load_plan.report.unexpected_keys,
+        bytes_read=stats.bytes_read,
+        bytes_needed=total,
+        checkpoint_bytes=load_plan.report.checkpoint_bytes,
+        seconds=seconds,
+        region_targets=load_plan.report.region_targets,
+        deferred_targets=load_plan.report.deferred_targets,
+        loader=name,
+    )
+    if report.unexpected_keys:
+        log.warning(
+            "Ignored %d checkpoint tensors not owned by this model; first keys: %s",
+            len(report.unexpected_keys),
+            ", ".join(report.unexpected_keys[:10]),
+        )
+    log.info(report.summary())
+    return report
+
+
+def _record_used_rules(model: nn.Module, used: list[Any]) -> None:
+    try:
+        model._weight_conversions = used
+    except (AttributeError, TypeError):  # pragma: no cover - exotic modules
+        pass
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The seed's checkpointer
+
+
+class HuggingFaceCheckpointer:
+    """Load-only checkpointer for Hugging Face safetensors checkpoints (hyper-parallel's contract).
+
+    Args:
+        loader: ``"dcp"`` (exact region reads) or ``"legacy"`` (whole tensors, sliced on the host); None
+            reads ``$HYPER_PARALLEL_HF_LOADER``, default ``"dcp"``. Resolved here, so a bad value fails
+            before any file is opened.
+        weights_mapping: the rule list; None uses the model's transformers conversion mapping.
+    """
+
+    def __init__(self, *, loader: str | None = None, weights_mapping: Iterable[Any] | None = None) -> None:
+        self.loader = resolve_hf_loader(loader)
+        self.weights_mapping = list(weights_mapping) if weights_mapping is not None else None
+
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError(
+            "HuggingFaceCheckpointer only loads pretrained checkpoints; save training state with a "
+            "distributed checkpointer (torch.distributed.checkpoint) or export with the model's save_pretrained()"
+        )
+
+    def load(
+        self,
+        path: str | os.PathLike[str],
+        state: dict[str, Any],
+        *,
+        strict_model: bool = True,
+        extra_state_skeleton: Any = None,
+        external_target_fqns: Collection[str] = frozenset(),
+        claimed_source_keys: Collection[str] = frozenset(),
+        **load_kwargs: Any,
+    ) -> dict[str, Any]:
+        """Fill ``state["model"]`` in place; sets and returns ``state`` with ``state["load_report"]``."""
+        if extra_state_skeleton is not None:
+            raise ValueError(
+                "a pretrained Hugging Face checkpoint carries no training state: extra_state_skeleton must be None"
+            )
+        if not path:
+            raise ValueError("pretrained_path must be provided when load_base_model=True")
+        model = state.get("model")
+        if not isinstance(model, nn.Module):
+            raise TypeError(
+                "state['model'] must be a live nn.Module (loading writes into its distributed parameters in "
+                f"place), got {type(model).__name__}"
+            )
+        state["load_report"] = load(
+            model,
+            path,
+            weights_mapping=self.weights_mapping,
+            strict=strict_model,
+            loader=self.loader,
+            external_target_fqns=external_target_fqns,
+            claimed_source_keys=claimed_source_keys,
+            **load_kwargs,
+        )
+        return state

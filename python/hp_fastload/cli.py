@@ -1,0 +1,94 @@
+"""Command line: ``hp-fastload <command>``.
+
+Each subcommand is a ``_register_<name>(subparsers)`` function that adds its parser and sets ``func``;
+:func:`main` dispatches to it. To add a command, write its register function and append it to
+``_COMMANDS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .engine import SafetensorsFile
+from .errors import HpFastloadError
+
+
+def _safetensors_paths(path: str) -> list[str]:
+    if os.path.isdir(path):
+        found = sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors"))
+        if not found:
+            raise FileNotFoundError(f"{path}: no *.safetensors files in this directory")
+        return found
+    return [path]
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    report: list[dict[str, Any]] = []
+    for path in _safetensors_paths(args.path):
+        f = SafetensorsFile(path)
+        tensors = []
+        for key in f:
+            begin, end = f.offsets(key)
+            tensors.append(
+                {"name": key, "dtype": f.dtype(key), "shape": list(f.shape(key)), "bytes": end - begin}
+            )
+        report.append({"path": path, "file_size": f.file_size, "metadata": f.metadata(), "tensors": tensors})
+    if args.json:
+        json.dump(report, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    total_tensors = total_bytes = 0
+    for entry in report:
+        data = sum(t["bytes"] for t in entry["tensors"])
+        count, size = len(entry["tensors"]), entry["file_size"]
+        print(f"{entry['path']}: {count} tensors, {data} data bytes, file {size} bytes")
+        for t in entry["tensors"]:
+            numel = math.prod(t["shape"])
+            print(f"  {t['name']}  {t['dtype']}  {t['shape']}  {t['bytes']} bytes  ({numel} elements)")
+        total_tensors += len(entry["tensors"])
+        total_bytes += data
+    if len(report) > 1:
+        print(f"total: {len(report)} files, {total_tensors} tensors, {total_bytes} data bytes")
+    return 0
+
+
+def _register_inspect(subparsers: Any) -> None:
+    p = subparsers.add_parser("inspect", help="list the tensors of a safetensors file or directory")
+    p.add_argument("path", help="a .safetensors file or a directory of them")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.set_defaults(func=_inspect)
+
+
+_COMMANDS: list[Callable[[Any], None]] = [_register_inspect]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser with every registered subcommand."""
+    parser = argparse.ArgumentParser(
+        prog="hp-fastload", description=__doc__.splitlines()[0] if __doc__ else None
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for register in _COMMANDS:
+        register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``hp-fastload``; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        status: int = args.func(args)
+    except (HpFastloadError, OSError) as exc:
+        print(f"hp-fastload {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

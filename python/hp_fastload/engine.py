@@ -1,0 +1,388 @@
+"""Engine-level API: safetensors headers and batched box reads into CPU tensors.
+
+This module owns the bridge between torch tensors and the Rust engine (``hp_fastload._core``): dtype names,
+the :class:`SafetensorsFile` header view, and the packing of read requests into the engine's int64 item
+records. It does not plan anything (which boxes a rank needs is the loader's business) and it never touches
+tensor bytes itself: one :func:`read_many` call is one Rust call, with the GIL released while it reads.
+
+Item array layout (``int64``, shape ``[n, ITEM_WIDTH]``; all numbers in elements)::
+
+    COL_FILE       index into the ``files`` list
+    COL_TENSOR     index of the tensor in that file's header (``SafetensorsFile.tensor_index``)
+    COL_SRC_BASE   element index in the tensor of the box's first element
+    COL_DEST       index into the ``dests`` list of (address, nbytes, dtype code)
+    COL_DST_BASE   element index in the destination buffer (destination dtype) of the first element
+    COL_NDIM       number of dims used (0..MAX_NDIM)
+    COL_LENGTHS .. +MAX_NDIM       box extent per dim
+    COL_SRC_STRIDES .. +MAX_NDIM   source stride per dim
+    COL_DST_STRIDES .. +MAX_NDIM   destination stride per dim (unused slots 0)
+
+Sub-byte dtypes (``F4``, ``F6_E2M3``, ``F6_E3M2``) have no torch dtype here: they are read only into a
+contiguous ``torch.uint8`` tensor holding exactly the box's bytes, and only boxes whose rows start and end on
+byte boundaries.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from typing import Any, TypeAlias
+
+import numpy as np
+import torch
+
+from . import _core
+from .errors import PlanError
+
+__all__ = [
+    "COL_DEST",
+    "COL_DST_BASE",
+    "COL_DST_STRIDES",
+    "COL_FILE",
+    "COL_LENGTHS",
+    "COL_NDIM",
+    "COL_SRC_BASE",
+    "COL_SRC_STRIDES",
+    "COL_TENSOR",
+    "DTYPE_CODES",
+    "ITEM_WIDTH",
+    "MAX_NDIM",
+    "SAFETENSORS_TO_TORCH",
+    "SUB_BYTE_BITS",
+    "TORCH_TO_SAFETENSORS",
+    "SafetensorsFile",
+    "execute_items",
+    "open_file",
+    "read_into",
+    "read_many",
+    "safetensors_dtype_name",
+]
+
+MAX_NDIM: int = _core.MAX_NDIM
+ITEM_WIDTH: int = _core.ITEM_WIDTH
+COL_FILE = 0
+COL_TENSOR = 1
+COL_SRC_BASE = 2
+COL_DEST = 3
+COL_DST_BASE = 4
+COL_NDIM = 5
+COL_LENGTHS = 6
+COL_SRC_STRIDES = COL_LENGTHS + MAX_NDIM
+COL_DST_STRIDES = COL_SRC_STRIDES + MAX_NDIM
+
+#: safetensors dtype name -> the engine's integer code.
+DTYPE_CODES: dict[str, int] = dict(_core.DTYPE_CODES)
+
+#: Bits per element of the dtypes smaller than a byte.
+SUB_BYTE_BITS: dict[str, int] = {"F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
+
+_TORCH_NAMES = {
+    "bool": "BOOL",
+    "uint8": "U8",
+    "int8": "I8",
+    "int16": "I16",
+    "uint16": "U16",
+    "int32": "I32",
+    "uint32": "U32",
+    "int64": "I64",
+    "uint64": "U64",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "float32": "F32",
+    "float64": "F64",
+    "complex64": "C64",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+    "float8_e4m3fnuz": "F8_E4M3FNUZ",
+    "float8_e5m2fnuz": "F8_E5M2FNUZ",
+    "float8_e8m0fnu": "F8_E8M0",
+}
+#: torch dtype -> safetensors dtype name (only the dtypes this torch build has).
+TORCH_TO_SAFETENSORS: dict[torch.dtype, str] = {
+    getattr(torch, attr): name for attr, name in _TORCH_NAMES.items() if hasattr(torch, attr)
+}
+#: safetensors dtype name -> torch dtype (sub-byte dtypes are absent: see the module docstring).
+SAFETENSORS_TO_TORCH: dict[str, torch.dtype] = {name: dt for dt, name in TORCH_TO_SAFETENSORS.items()}
+
+
+def safetensors_dtype_name(dtype: torch.dtype) -> str:
+    """The safetensors name of a torch dtype (``torch.bfloat16`` -> ``"BF16"``)."""
+    try:
+        return TORCH_TO_SAFETENSORS[dtype]
+    except KeyError:
+        raise PlanError(f"torch dtype {dtype} has no safetensors equivalent") from None
+
+
+PathOrFile: TypeAlias = "str | os.PathLike[str] | SafetensorsFile"
+Request: TypeAlias = "tuple[PathOrFile, str, Sequence[int], Sequence[int], torch.Tensor]"
+
+
+class SafetensorsFile:
+    """The header of one safetensors file: keys, dtypes, shapes, byte ranges.
+
+    Args:
+        path: the ``.safetensors`` file. The header is parsed and validated (strictly) once; every read
+            re-checks the file's size and identity, so a file that shrank or was replaced since raises
+            :class:`~hp_fastload.ReadError` instead of returning wrong bytes.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        self.header = _core.SafetensorsHeader(self.path)
+        self._entries: dict[str, tuple[int, str, tuple[int, ...], int, int]] = {
+            name: (i, dtype, shape, begin, end)
+            for i, (name, dtype, shape, begin, end) in enumerate(self.header.entries())
+        }
+
+    def _entry(self, key: str) -> tuple[int, str, tuple[int, ...], int, int]:
+        try:
+            return self._entries[key]
+        except KeyError:
+            raise KeyError(f"{self.path}: no tensor named {key!r}") from None
+
+    def keys(self) -> list[str]:
+        """Tensor names in file (data offset) order."""
+        return list(self._entries)
+
+    def metadata(self) -> dict[str, str] | None:
+        """The ``__metadata__`` strings, or None when the file has none."""
+        return self.header.metadata()
+
+    def dtype(self, key: str) -> str:
+        """The safetensors dtype name of ``key`` (``"BF16"``, ``"F8_E4M3"``, ...)."""
+        return self._entry(key)[1]
+
+    def torch_dtype(self, key: str) -> torch.dtype:
+        """The torch dtype of ``key``; ``torch.uint8`` for sub-byte dtypes (their bytes, packed)."""
+        name = self.dtype(key)
+        if name in SUB_BYTE_BITS:
+            return torch.uint8
+        try:
+            return SAFETENSORS_TO_TORCH[name]
+        except KeyError:
+            raise PlanError(f"{self.path}: tensor {key!r} has dtype {name}, which this torch lacks") from None
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        """The shape of ``key``."""
+        return self._entry(key)[2]
+
+    def offsets(self, key: str) -> tuple[int, int]:
+        """The absolute byte range ``[begin, end)`` of ``key`` in the file."""
+        _, _, _, begin, end = self._entry(key)
+        start = self.header.data_start
+        return start + begin, start + end
+
+    def tensor_index(self, key: str) -> int:
+        """Position of ``key`` in the header (the ``COL_TENSOR`` value of an item)."""
+        return self._entry(key)[0]
+
+    @property
+    def file_size(self) -> int:
+        """Size of the file when the header was read."""
+        return self.header.file_size
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __repr__(self) -> str:
+        return f"SafetensorsFile({self.path!r}, tensors={len(self)})"
+
+
+_CACHE_SIZE = 256
+_cache: OrderedDict[str, tuple[tuple[int, int, int, int], SafetensorsFile]] = OrderedDict()
+_cache_lock = threading.Lock()
+
+
+def open_file(path_or_file: PathOrFile) -> SafetensorsFile:
+    """A :class:`SafetensorsFile` for a path, reusing a cached one while the file is unchanged.
+
+    The cache is keyed by path and checked against (device, inode, size, mtime) on every call, so a file
+    that was rewritten is parsed again.
+    """
+    if isinstance(path_or_file, SafetensorsFile):
+        return path_or_file
+    path = os.fspath(path_or_file)
+    st = os.stat(path)
+    stamp = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    with _cache_lock:
+        hit = _cache.get(path)
+        if hit is not None and hit[0] == stamp:
+            _cache.move_to_end(path)
+            return hit[1]
+    opened = SafetensorsFile(path)
+    with _cache_lock:
+        _cache[path] = (stamp, opened)
+        _cache.move_to_end(path)
+        while len(_cache) > _CACHE_SIZE:
+            _cache.popitem(last=False)
+    return opened
+
+
+def _ints(values: Sequence[int], what: str, key: str) -> list[int]:
+    try:
+        return [int(v) for v in values]
+    except (TypeError, ValueError):
+        raise PlanError(f"tensor {key!r}: {what} must be a sequence of ints, got {values!r}") from None
+
+
+def _fill_item(
+    row: np.ndarray[Any, np.dtype[np.int64]],
+    f: SafetensorsFile,
+    key: str,
+    offsets: Sequence[int],
+    lengths: Sequence[int],
+    out: torch.Tensor,
+) -> tuple[int, int, int]:
+    """Validates one request and writes its item row; returns the destination triple."""
+    if key not in f:
+        raise PlanError(f"{f.path}: no tensor named {key!r}")
+    _, name, shape, _, _ = f._entries[key]
+    where = f"{f.path}: tensor {key!r} (shape {list(shape)}, {name})"
+    offs, lens = _ints(offsets, "offsets", key), _ints(lengths, "lengths", key)
+    if len(offs) != len(shape) or len(lens) != len(shape):
+        raise PlanError(
+            f"{where}: offsets ({len(offs)} entries) and lengths ({len(lens)} entries) must have one entry "
+            f"per dim ({len(shape)})"
+        )
+    if len(shape) > MAX_NDIM:
+        raise PlanError(f"{where}: {len(shape)} dims, the engine reads at most {MAX_NDIM}")
+    for d, (o, n, size) in enumerate(zip(offs, lens, shape, strict=True)):
+        if o < 0 or n < 0 or o + n > size:
+            raise PlanError(f"{where}: dim {d}: offset {o} + length {n} is outside the dim's size {size}")
+    if not isinstance(out, torch.Tensor):
+        raise PlanError(f"{where}: out must be a torch.Tensor, got {type(out).__name__}")
+    if out.device.type != "cpu":
+        raise PlanError(
+            f"{where}: out is on {out.device}; the engine writes CPU memory, so read into a CPU (pinned) "
+            "tensor and copy it to the device"
+        )
+    src_strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
+    src_base = sum(o * s for o, s in zip(offs, src_strides, strict=True))
+    storage = out.untyped_storage()
+    row[COL_SRC_BASE] = src_base
+    row[COL_NDIM] = len(shape)
+    row[COL_LENGTHS : COL_LENGTHS + len(shape)] = lens
+    row[COL_SRC_STRIDES : COL_SRC_STRIDES + len(shape)] = src_strides
+    bits = SUB_BYTE_BITS.get(name)
+    if bits is not None:
+        box_bits = math.prod(lens) * bits
+        if out.dtype != torch.uint8 or not out.is_contiguous() or out.numel() * 8 != box_bits:
+            raise PlanError(
+                f"{where}: {name} elements are smaller than a byte; read them into a contiguous torch.uint8 "
+                f"tensor of {box_bits / 8:g} bytes (got {out.dtype}, shape {list(out.shape)})"
+            )
+        row[COL_DST_BASE] = out.storage_offset() * 8 // bits
+        row[COL_DST_STRIDES : COL_DST_STRIDES + len(shape)] = [
+            math.prod(lens[d + 1 :]) for d in range(len(shape))
+        ]
+        return storage.data_ptr(), storage.nbytes(), DTYPE_CODES[name]
+    if tuple(out.shape) != tuple(lens):
+        raise PlanError(f"{where}: out has shape {list(out.shape)} but the box has lengths {lens}")
+    dst_name = TORCH_TO_SAFETENSORS.get(out.dtype)
+    if dst_name is None:
+        raise PlanError(f"{where}: cannot read into a tensor of dtype {out.dtype}")
+    row[COL_DST_BASE] = out.storage_offset()
+    row[COL_DST_STRIDES : COL_DST_STRIDES + len(shape)] = list(out.stride())
+    return storage.data_ptr(), storage.nbytes(), DTYPE_CODES[dst_name]
+
+
+def execute_items(
+    files: Sequence[SafetensorsFile | _core.SafetensorsHeader],
+    dests: Sequence[tuple[int, int, int]] | np.ndarray[Any, Any],
+    items: np.ndarray[Any, Any],
+    threads: int | None = None,
+    backend: str | None = None,
+) -> dict[str, int | str]:
+    """Runs a prebuilt item array (layout in the module docstring) in one engine call.
+
+    Args:
+        files: the files that ``COL_FILE`` indexes.
+        dests: (address, nbytes, dtype code) per destination; the caller keeps that memory alive and
+            untouched until this returns.
+        items: ``int64`` array of shape ``[n, ITEM_WIDTH]``.
+        threads: worker threads (default: available parallelism, at most 16).
+        backend: ``"auto"`` (default), ``"mmap"`` or ``"pread"``.
+
+    Returns:
+        The engine's stats: bytes_copied, bytes_read_from_files, runs, spans, backend, threads.
+    """
+    headers = [f.header if isinstance(f, SafetensorsFile) else f for f in files]
+    dest_array = np.ascontiguousarray(np.asarray(dests, dtype="<i8").reshape(-1, 3))
+    item_array = np.ascontiguousarray(np.asarray(items, dtype="<i8"))
+    if item_array.ndim != 2 or item_array.shape[1] != ITEM_WIDTH:
+        raise PlanError(f"items must have shape [n, {ITEM_WIDTH}], got {list(item_array.shape)}")
+    return _core.execute(
+        headers, dest_array.tobytes(), item_array.tobytes(), threads=threads, backend=backend or "auto"
+    )
+
+
+def read_many(
+    requests: Sequence[Request],
+    threads: int | None = None,
+    backend: str | None = None,
+) -> dict[str, int | str]:
+    """Reads many boxes in one engine call.
+
+    Args:
+        requests: ``(path_or_file, key, offsets, lengths, out)`` tuples: the box
+            ``tensor[offsets[0]:offsets[0]+lengths[0], ...]`` of tensor ``key`` is written into the CPU
+            tensor ``out`` of shape ``lengths`` (any strides, any view of a larger tensor), converted to
+            ``out.dtype`` when both are floating types. Destinations must not overlap.
+        threads: worker threads (default: available parallelism, at most 16).
+        backend: ``"auto"`` (default), ``"mmap"`` or ``"pread"``.
+
+    Returns:
+        The engine's stats: bytes_copied, bytes_read_from_files, runs, spans, backend, threads.
+
+    Raises:
+        PlanError: a request is malformed (unknown key, box outside the tensor, wrong ``out``, impossible
+            cast, overlapping destinations); nothing has been written.
+        ReadError: a file is shorter than its header says or changed since it was opened.
+    """
+    files: list[SafetensorsFile] = []
+    file_ids: dict[int, int] = {}
+    dests: list[tuple[int, int, int]] = []
+    dest_ids: dict[tuple[int, int, int], int] = {}
+    rows = np.zeros((len(requests), ITEM_WIDTH), dtype=np.int64)
+    for k, request in enumerate(requests):
+        try:
+            source, key, offsets, lengths, out = request
+        except (TypeError, ValueError):
+            raise PlanError(
+                f"request {k} must be (path_or_file, key, offsets, lengths, out), got {request!r}"
+            ) from None
+        f = open_file(source)
+        file_id = file_ids.setdefault(id(f), len(files))
+        if file_id == len(files):
+            files.append(f)
+        dest = _fill_item(rows[k], f, key, offsets, lengths, out)
+        dest_id = dest_ids.setdefault(dest, len(dests))
+        if dest_id == len(dests):
+            dests.append(dest)
+        rows[k, COL_FILE] = file_id
+        rows[k, COL_TENSOR] = f.tensor_index(key)
+        rows[k, COL_DEST] = dest_id
+    return execute_items(files, dests, rows, threads=threads, backend=backend)
+
+
+def read_into(
+    path_or_file: PathOrFile,
+    key: str,
+    offsets: Sequence[int],
+    lengths: Sequence[int],
+    out: torch.Tensor,
+    *,
+    threads: int | None = None,
+    backend: str | None = None,
+) -> dict[str, int | str]:
+    """Reads one box of one tensor into ``out``; see :func:`read_many`."""
+    return read_many([(path_or_file, key, offsets, lengths, out)], threads=threads, backend=backend)

@@ -1,0 +1,321 @@
+"""Execution: a ``LoadPlan`` -> bytes in the targets' local shards. Decides nothing.
+
+Owns: packing read items into the Rust engine's item array (one ``_core.execute`` call per batch, GIL
+released), temporary buffers for items with elementwise post-ops or casts the engine does not do, pinned
+staging with non-blocking host-to-device copies for CUDA targets (double-buffered, bounded by a budget),
+and the deferred groups (whole sources read by the engine, converted with torch, sliced locally — or, for
+the legacy loader, cut with ``distribute_tensor``).
+"""
+
+from __future__ import annotations
+
+import array
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import _core
+from .engine import safetensors_dtype_name
+from .errors import PlanError
+from .index import CheckpointIndex
+from .plan import DeferredGroup, LoadPlan, ReadItem, _convert
+from .region import apply_post
+from .targets import Target
+
+__all__ = ["ExecStats", "execute_plan", "read_whole"]
+
+MAX_NDIM: int = _core.MAX_NDIM
+_ENGINE_FLOATS = {
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+}
+DEFAULT_BATCH_BYTES = 1 << 30
+DEFAULT_STAGING_BYTES = 512 << 20
+
+
+def _engine_casts(src: torch.dtype, dst: torch.dtype) -> bool:
+    return src == dst or (src in _ENGINE_FLOATS and dst in _ENGINE_FLOATS)
+
+
+@dataclass
+class ExecStats:
+    bytes_read: int = 0
+    engine_calls: int = 0
+    items: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class _Batch:
+    """Items of one engine call: headers, destination buffers and the packed item array."""
+
+    def __init__(self, index: CheckpointIndex | None) -> None:
+        self.index = index
+        self.headers: list[Any] = []
+        self._header_pos: dict[int, int] = {}
+        self.dests = array.array("q")
+        self._dest_pos: dict[tuple[int, torch.dtype], int] = {}
+        self.items = array.array("q")
+        self.keep: list[torch.Tensor] = []  # tensors whose memory the engine writes: keep them alive
+        self.after: list[Callable[[], None]] = []  # work after the engine call (post-ops, H2D copies)
+        self.nbytes = 0
+        self.count = 0
+
+    def _file(self, file: Any, key: str) -> tuple[int, int]:
+        header = file.header
+        pos = self._header_pos.get(id(header))
+        if pos is None:
+            pos = self._header_pos[id(header)] = len(self.headers)
+            self.headers.append(header)
+        return pos, header.index(key)
+
+    def _dest(self, tensor: torch.Tensor) -> int:
+        storage = tensor.untyped_storage()
+        ptr = storage.data_ptr()
+        key = (ptr, tensor.dtype)
+        pos = self._dest_pos.get(key)
+        if pos is None:
+            pos = self._dest_pos[key] = len(self._dest_pos)
+            code = _core.DTYPE_CODES[safetensors_dtype_name(tensor.dtype)]
+            self.dests.extend((ptr, storage.nbytes(), code))
+            self.keep.append(tensor)
+        return pos
+
+    def add(
+        self,
+        key: str,
+        storage_base: int,
+        storage_strides: Sequence[int],
+        lengths: Sequence[int],
+        dest: torch.Tensor,
+        dest_offsets: Sequence[int],
+    ) -> None:
+        """One strided box of checkpoint tensor ``key`` into ``dest`` at ``dest_offsets``."""
+        assert self.index is not None
+        entry = self.index.entry(key)
+        self.add_from(entry.file, key, storage_base, storage_strides, lengths, dest, dest_offsets)
+
+    def add_from(
+        self,
+        file: Any,
+        key: str,
+        storage_base: int,
+        storage_strides: Sequence[int],
+        lengths: Sequence[int],
+        dest: torch.Tensor,
+        dest_offsets: Sequence[int],
+    ) -> None:
+        """Like ``add`` with the file given (a ``SafetensorsFile``), for readers without an index."""
+        ndim = len(lengths)
+        if ndim > MAX_NDIM:
+            raise PlanError(f"{key}: a read of {ndim} dims exceeds the engine's {MAX_NDIM}")
+        file_pos, tensor_pos = self._file(file, key)
+        dest_strides = dest.stride()
+        dst_base = dest.storage_offset() + sum(o * s for o, s in zip(dest_offsets, dest_strides, strict=True))
+        pad = MAX_NDIM - ndim
+        self.items.extend((file_pos, tensor_pos, storage_base, self._dest(dest), dst_base, ndim))
+        self.items.extend(lengths)
+        self.items.extend([0] * pad)
+        self.items.extend(storage_strides)
+        self.items.extend([0] * pad)
+        self.items.extend(dest_strides)
+        self.items.extend([0] * pad)
+        numel = 1
+        for length in lengths:
+            numel *= length
+        self.nbytes += numel * file.torch_dtype(key).itemsize
+        self.count += 1
+
+    def run(self, threads: int | None, backend: str | None, stats: ExecStats) -> None:
+        if self.count:
+            _core.execute(
+                self.headers,
+                self.dests.tobytes(),
+                self.items.tobytes(),
+                threads=threads,
+                backend=backend or "auto",
+            )
+            stats.engine_calls += 1
+            stats.items += self.count
+            stats.bytes_read += self.nbytes
+        for fn in self.after:
+            fn()
+
+
+def _box_view(tensor: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
+    view = tensor
+    for d, (o, n) in enumerate(zip(offsets, lengths, strict=True)):
+        view = view.narrow(d, o, n)
+    return view
+
+
+class _Stager:
+    """Pinned host staging for CUDA targets: reads land in pinned memory, then copy non-blocking."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+        self.pending: list[tuple[torch.cuda.Event, torch.Tensor]] = []
+        self.in_flight = 0
+
+    def staging_for(self, local: torch.Tensor) -> torch.Tensor:
+        """A pinned host tensor shaped like ``local``; waits for older copies when over budget."""
+        nbytes = local.numel() * local.element_size()
+        while self.pending and self.in_flight + nbytes > self.budget:
+            event, buf = self.pending.pop(0)
+            event.synchronize()
+            self.in_flight -= buf.numel() * buf.element_size()
+        self.in_flight += nbytes
+        return torch.empty(local.shape, dtype=local.dtype, pin_memory=True)
+
+    def copy(self, local: torch.Tensor, staging: torch.Tensor) -> None:
+        assert self.stream is not None
+        with torch.cuda.stream(self.stream):
+            local.copy_(staging, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        self.pending.append((event, staging))
+
+    def finish(self) -> None:
+        if self.stream is not None:
+            self.stream.synchronize()
+        self.pending.clear()
+        self.in_flight = 0
+
+
+def _add_target_items(batch: _Batch, target: Target, items: list[ReadItem], stager: _Stager | None) -> None:
+    local = target.local()
+    dest = local
+    if local.device.type == "cuda":
+        assert stager is not None
+        staging = stager.staging_for(local)
+        dest = staging
+        batch.keep.append(staging)
+        batch.after.append(lambda: stager.copy(local, staging))
+    elif local.device.type != "cpu":
+        raise PlanError(f"{target.names[0]}: targets on {local.device} are not supported (cpu or cuda)")
+    assert batch.index is not None
+    for item in items:
+        src_dtype = batch.index.entry(item.source).dtype
+        if not item.post and _engine_casts(src_dtype, dest.dtype):
+            batch.add(
+                item.source, item.storage_base, item.storage_strides, item.lengths, dest, item.dest_offsets
+            )
+            continue
+        temp = torch.empty(item.lengths, dtype=src_dtype)
+        batch.add(
+            item.source, item.storage_base, item.storage_strides, item.lengths, temp, (0,) * len(item.lengths)
+        )
+        batch.keep.append(temp)
+        view = _box_view(dest, item.dest_offsets, item.lengths)
+
+        def finish(
+            view: torch.Tensor = view, temp: torch.Tensor = temp, post: tuple[Any, ...] = item.post
+        ) -> None:
+            view.copy_(apply_post(temp, post) if post else temp)
+
+        # post-ops must run before a CUDA copy of the same staging buffer: insert ahead of it
+        batch.after.insert(len(batch.after) - (1 if dest is not local else 0), finish)
+
+
+def read_whole(
+    index: CheckpointIndex, keys: Sequence[str], threads: int | None, backend: str | None, stats: ExecStats
+) -> dict[str, torch.Tensor]:
+    """Whole checkpoint tensors as fresh CPU tensors, in one engine call."""
+    batch = _Batch(index)
+    out: dict[str, torch.Tensor] = {}
+    for key in keys:
+        if key in out:
+            continue
+        entry = index.entry(key)
+        tensor = torch.empty(entry.shape, dtype=entry.dtype)
+        out[key] = tensor
+        strides = tuple(tensor.stride())
+        batch.add(key, 0, strides, entry.shape, tensor, (0,) * len(entry.shape))
+    batch.run(threads, backend, stats)
+    return out
+
+
+def _copy_local_from_full(target: Target, full: torch.Tensor, legacy: bool) -> None:
+    local = target.local()
+    if legacy and target.is_dtensor:
+        from torch.distributed.tensor import distribute_tensor
+
+        dt = target.tensor
+        shard = distribute_tensor(full, dt.device_mesh, dt.placements, src_data_rank=None).to_local()
+        if tuple(shard.shape) != tuple(local.shape):
+            raise PlanError(
+                f"Local shape mismatch for {target.names[0]}: checkpoint shard {tuple(shard.shape)} "
+                f"vs target {tuple(local.shape)}"
+            )
+        local.copy_(shard)
+        return
+    for goff, glen, loff in target.region.boxes():
+        _box_view(local, loff, glen).copy_(_box_view(full, goff, glen))
+
+
+def _run_deferred(
+    deferred: DeferredGroup,
+    model: Any,
+    index: CheckpointIndex,
+    legacy: bool,
+    threads: int | None,
+    backend: str | None,
+    stats: ExecStats,
+) -> None:
+    group = deferred.group
+    sources = read_whole(index, group.keys, threads, backend, stats)
+    if group.rule is None:
+        outputs = {group.target: sources[group.keys[0]]}
+    else:
+        outputs = _convert(group, model, lambda k: sources[k])
+    for name, target in deferred.claims.items():
+        full = outputs[name]
+        with torch.no_grad():
+            _copy_local_from_full(target, full, legacy)
+
+
+def execute_plan(
+    plan: LoadPlan,
+    *,
+    legacy: bool = False,
+    threads: int | None = None,
+    backend: str | None = None,
+    batch_bytes: int = DEFAULT_BATCH_BYTES,
+    staging_bytes: int = DEFAULT_STAGING_BYTES,
+    progress: Callable[[int], None] | None = None,
+) -> ExecStats:
+    """Fill the plan's targets. ``progress(nbytes)`` is called after each batch."""
+    stats = ExecStats()
+    index = plan.index
+    needs_cuda = any(t.local().device.type == "cuda" for t, _ in plan.region_reads.values())
+    stager = _Stager(staging_bytes) if needs_cuda else None
+    batch = _Batch(index)
+    with torch.no_grad():
+        for target, items in plan.region_reads.values():
+            if not items:
+                continue
+            _add_target_items(batch, target, items, stager)
+            if batch.nbytes >= batch_bytes:
+                done = batch.nbytes
+                batch.run(threads, backend, stats)
+                if progress:
+                    progress(done)
+                batch = _Batch(index)
+        done = batch.nbytes
+        batch.run(threads, backend, stats)
+        if progress and done:
+            progress(done)
+        for deferred in plan.deferred:
+            before = stats.bytes_read
+            _run_deferred(deferred, plan.model, index, legacy, threads, backend, stats)
+            if progress:
+                progress(stats.bytes_read - before)
+    if stager is not None:
+        stager.finish()
+    return stats

@@ -1,0 +1,193 @@
+"""Checkpoint resolution: where the tensors of a Hugging Face checkpoint live.
+
+Owns: turning a user's ``path`` (a ``.safetensors`` file of any name, a directory with
+``model.safetensors.index.json`` or ``model.safetensors``, a directory of shards without an index, or a Hub
+repo id resolved through huggingface_hub's cache) into a ``CheckpointIndex``: key -> (file, dtype, shape).
+Only headers are read. It does not plan or read tensor bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .engine import SafetensorsFile
+from .errors import HeaderError
+from .rules import dot_natural_key
+
+__all__ = ["CheckpointIndex", "TensorEntry", "resolve_checkpoint_location"]
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One checkpoint tensor: its file and header facts."""
+
+    key: str
+    file: SafetensorsFile
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+def _is_hub_id(text: str) -> bool:
+    parts = text.split("/")
+    return 1 <= len(parts) <= 2 and all(parts) and not text.startswith((".", "/", "~"))
+
+
+def _resolve_hub(repo_id: str, revision: str | None) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise FileNotFoundError(
+            f"{repo_id!r} is neither a file nor a directory, and huggingface_hub is not installed "
+            "to resolve it as a Hub repo id (pip install 'hp_fastload[hub]')"
+        ) from exc
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in {"1", "true", "yes", "on"}
+    path = snapshot_download(
+        repo_id=repo_id,
+        revision=revision,
+        allow_patterns=["*.safetensors", "*.safetensors.index.json", "config.json"],
+        local_files_only=offline,
+    )
+    return Path(path)
+
+
+def resolve_checkpoint_location(path: str | os.PathLike[str], *, revision: str | None = None) -> Path:
+    """A local file or directory for ``path``; Hub ids go through huggingface_hub (offline-aware).
+
+    In a distributed run, call it on one rank and broadcast (``checkpointer`` does), so the Hub cache is
+    touched once.
+    """
+    text = os.fspath(path)
+    if not text:
+        raise ValueError("pretrained_path must be provided: got an empty checkpoint path")
+    local = Path(text).expanduser()
+    if local.is_file():
+        if local.suffix != ".safetensors":
+            raise ValueError(f"only safetensors checkpoints are supported, got: {local}")
+        return local
+    if local.is_dir():
+        return local
+    if _is_hub_id(text):
+        return _resolve_hub(text, revision)
+    raise FileNotFoundError(f"checkpoint not found: {text} is not a file, a directory or a Hub repo id")
+
+
+class CheckpointIndex:
+    """Key -> tensor entry over every file of a checkpoint (headers only)."""
+
+    def __init__(self, files: list[SafetensorsFile], key_files: dict[str, SafetensorsFile]) -> None:
+        self.files = files
+        self._entries: dict[str, TensorEntry] = {}
+        for key, file in key_files.items():
+            self._entries[key] = TensorEntry(key, file, file.torch_dtype(key), tuple(file.shape(key)))
+        self._keys = sorted(self._entries, key=dot_natural_key)
+
+    @classmethod
+    def open(cls, location: str | os.PathLike[str]) -> CheckpointIndex:
+        """Index a resolved location (see ``resolve_checkpoint_location``)."""
+        path = Path(location)
+        if path.is_file():
+            file = SafetensorsFile(str(path))
+            _refuse_torch_sharded(file)
+            return cls([file], dict.fromkeys(file.keys(), file))
+        index_path = path / INDEX_NAME
+        if index_path.is_file():
+            return cls._from_index_json(path, index_path)
+        single = path / SINGLE_NAME
+        if single.is_file():
+            file = SafetensorsFile(str(single))
+            _refuse_torch_sharded(file)
+            return cls([file], dict.fromkeys(file.keys(), file))
+        shards = sorted(path.glob("*.safetensors"), key=lambda p: dot_natural_key(p.name))
+        if not shards:
+            raise FileNotFoundError(f"no {INDEX_NAME}, {SINGLE_NAME} or *.safetensors under {path}")
+        files = [SafetensorsFile(str(p)) for p in shards]
+        key_files: dict[str, SafetensorsFile] = {}
+        for file in files:
+            _refuse_torch_sharded(file)
+            for key in file.keys():
+                if key in key_files:
+                    raise HeaderError(
+                        f"tensor {key!r} is stored in two files: {key_files[key].path} and {file.path}"
+                    )
+                key_files[key] = file
+        return cls(files, key_files)
+
+    @classmethod
+    def _from_index_json(cls, root: Path, index_path: Path) -> CheckpointIndex:
+        try:
+            index = json.loads(index_path.read_text())
+        except (OSError, ValueError) as exc:
+            raise HeaderError(f"failed to read safetensors index {index_path}: {exc}") from exc
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise HeaderError(f"safetensors index has no non-empty weight_map: {index_path}")
+        opened: dict[str, SafetensorsFile] = {}
+        key_files: dict[str, SafetensorsFile] = {}
+        for name in sorted(set(weight_map.values())):
+            if not isinstance(name, str):
+                raise HeaderError(f"weight_map of {index_path} maps a key to {name!r}, not a file name")
+            file_path = root / name
+            if not file_path.is_file():
+                raise FileNotFoundError(
+                    f"safetensors shard named by {index_path} does not exist: {file_path}"
+                )
+            opened[name] = SafetensorsFile(str(file_path))
+            _refuse_torch_sharded(opened[name])
+        for key, name in weight_map.items():
+            file = opened[name]
+            if key not in file:
+                raise HeaderError(f"index {index_path} puts {key!r} in {name}, whose header does not have it")
+            key_files[key] = file
+        return cls(list(opened.values()), key_files)
+
+    def keys(self) -> list[str]:
+        """Every key, in natural order."""
+        return list(self._keys)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def entry(self, key: str) -> TensorEntry:
+        try:
+            return self._entries[key]
+        except KeyError:
+            raise KeyError(f"checkpoint key is not indexed: {key}") from None
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.offsets(k)[1] - f.offsets(k)[0] for k, e in self._entries.items() for f in [e.file])
+
+
+def _refuse_torch_sharded(file: SafetensorsFile) -> None:
+    meta = file.metadata() or {}
+    info = meta.get("DCP_SHARDING_INFO")
+    if not info:
+        return
+    try:
+        sharding = json.loads(info)
+    except ValueError as exc:
+        raise HeaderError(f"{file.path}: DCP_SHARDING_INFO is not JSON: {exc}") from exc
+    for key, record in (sharding or {}).items():
+        offsets = (record or {}).get("saved_offsets") or []
+        if any(int(o) != 0 for o in offsets):
+            raise HeaderError(
+                f"{file.path} is a torch-sharded export (DCP_SHARDING_INFO gives {key!r} offsets {offsets}): "
+                "load it with torch.distributed.checkpoint.load(..., "
+                "storage_reader=hp_fastload.dcp.HuggingFaceStorageReader(dir)) or consolidate it first "
+                "(torch.distributed.checkpoint consolidate_safetensors_files)"
+            )

@@ -1,0 +1,151 @@
+//! Destination buffers and the only code that writes through raw destination pointers.
+//!
+//! A [`DestBuf`] names caller memory: either a borrowed `&mut [u8]` (safe) or a raw address range
+//! ([`DestBuf::from_raw_parts`], `unsafe`: the caller promises the memory stays valid and untouched for
+//! the duration of [`crate::execute`]). Every write goes through a [`Run`] produced by
+//! [`crate::region::plan`], which checked that the run's bytes lie inside its destination buffer and that
+//! no two runs write the same byte; that check is what makes the writes below sound, also when several
+//! threads write disjoint runs of one buffer at once.
+//!
+//! ```
+//! use hp_fastload::{DestBuf, Dtype};
+//! let mut out = vec![0u8; 8];
+//! let dest = DestBuf::from_mut_slice(&mut out, Dtype::F32);
+//! assert_eq!(dest.nbytes(), 8);
+//! ```
+
+#![allow(unsafe_code)]
+
+use std::marker::PhantomData;
+
+use crate::dtype::{cast_dense, cast_strided, Dtype, ElemSink};
+use crate::region::Run;
+
+/// Caller memory that a batch of reads writes into, interpreted as elements of `dtype`.
+#[derive(Clone, Copy, Debug)]
+pub struct DestBuf<'a> {
+    addr: usize,
+    nbytes: usize,
+    dtype: Dtype,
+    _memory: PhantomData<&'a mut [u8]>,
+}
+
+impl<'a> DestBuf<'a> {
+    /// A destination over a mutable byte slice; the borrow lasts as long as the `DestBuf`.
+    pub fn from_mut_slice(buf: &'a mut [u8], dtype: Dtype) -> Self {
+        DestBuf {
+            addr: buf.as_mut_ptr() as usize,
+            nbytes: buf.len(),
+            dtype,
+            _memory: PhantomData,
+        }
+    }
+
+    /// A destination over raw memory.
+    ///
+    /// # Safety
+    /// `addr..addr + nbytes` must be one allocation that is valid for writes, and nothing else may read or
+    /// write it while any [`crate::execute`] call that is given this `DestBuf` runs.
+    pub unsafe fn from_raw_parts(addr: usize, nbytes: usize, dtype: Dtype) -> DestBuf<'static> {
+        DestBuf {
+            addr,
+            nbytes,
+            dtype,
+            _memory: PhantomData,
+        }
+    }
+
+    /// Start address.
+    pub fn addr(&self) -> usize {
+        self.addr
+    }
+
+    /// Size in bytes.
+    pub fn nbytes(&self) -> usize {
+        self.nbytes
+    }
+
+    /// Element type the buffer is written in.
+    pub fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+}
+
+/// Builds the destinations the Python binding received as (address, size, dtype) triples.
+#[cfg(feature = "python")]
+pub(crate) fn from_python(triples: &[(usize, usize, Dtype)]) -> Vec<DestBuf<'static>> {
+    triples
+        .iter()
+        // SAFETY: the contract of `_core.execute` (documented in python.rs and _core.pyi): each triple is
+        // the storage of a live CPU tensor that the caller keeps alive and does not touch during the call.
+        .map(|&(addr, nbytes, dtype)| unsafe { DestBuf::from_raw_parts(addr, nbytes, dtype) })
+        .collect()
+}
+
+/// Calls `f` with the destination bytes of a run whose elements are adjacent (`dst_bytes()` from
+/// `dst_addr`); the slice does not outlive the call.
+pub(crate) fn with_dense_dst<R>(run: &Run, f: impl FnOnce(&mut [u8]) -> R) -> R {
+    assert!(run.dst_is_dense(), "dense destination expected");
+    // SAFETY: region::plan checked that these bytes lie inside one DestBuf (valid for writes by its
+    // constructor's contract) and that no other run of the batch covers any of them.
+    let out = unsafe { std::slice::from_raw_parts_mut(run.dst_addr as *mut u8, run.dst_bytes()) };
+    f(out)
+}
+
+struct SliceSink<'s> {
+    out: &'s mut [u8],
+    size: usize,
+}
+
+impl ElemSink for SliceSink<'_> {
+    #[inline(always)]
+    fn put(&mut self, i: usize, bytes: &[u8]) {
+        self.out[i * self.size..(i + 1) * self.size].copy_from_slice(bytes);
+    }
+}
+
+struct StridedSink {
+    addr: usize,
+    stride: usize,
+}
+
+impl ElemSink for StridedSink {
+    #[inline(always)]
+    fn put(&mut self, i: usize, bytes: &[u8]) {
+        let at = (self.addr + i * self.stride) as *mut u8;
+        // SAFETY: region::plan checked that every element `i < count` of this run lies inside its DestBuf
+        // and is written by no other run; `bytes.len()` is the destination element size.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), at, bytes.len()) };
+    }
+}
+
+/// Writes one run from `src`, which starts at the run's first source element.
+pub(crate) fn write_run(run: &Run, src: &[u8]) {
+    let count = run.count as usize;
+    if run.dst_is_dense() {
+        with_dense_dst(run, |out| {
+            if run.src_is_dense() {
+                let src = &src[..run.src_extent() as usize];
+                cast_dense(run.src_dtype, run.dst_dtype, src, out);
+            } else {
+                let size = run.dst_elem_size();
+                let mut sink = SliceSink { out, size };
+                let stride = run.src_stride as usize;
+                cast_strided(run.src_dtype, run.dst_dtype, src, stride, count, &mut sink);
+            }
+        });
+    } else {
+        let mut sink = StridedSink {
+            addr: run.dst_addr,
+            stride: run.dst_stride,
+        };
+        cast_strided(
+            run.src_dtype,
+            run.dst_dtype,
+            src,
+            run.src_stride as usize,
+            count,
+            &mut sink,
+        );
+    }
+}

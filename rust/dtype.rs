@@ -1,0 +1,701 @@
+//! Safetensors element types, their stable integer codes, and the element casts the engine can fuse into a
+//! copy.
+//!
+//! Casts between floating types reproduce torch's CPU conversions bit for bit on every non-NaN value: a
+//! conversion to a 16-bit or 8-bit float goes through `f32` first (c10's types convert from `float`, so an
+//! `f64` source is rounded twice, as in torch), rounding to nearest-even, and the float8 conversions follow
+//! c10's `fp8e4m3fn_from_fp32_value` (saturating, as in the torch 2.15 headers), `fp8e5m2_from_fp32_value` and `fp8e8m0fnu_from_fp32_value`. NaN
+//! inputs give a NaN (torch's own NaN bit patterns differ between its scalar and vector code paths).
+//! Every other pair of types is copied only to itself. This module owns no I/O and no raw pointers.
+//!
+//! ```
+//! use hp_fastload::Dtype;
+//! assert_eq!(Dtype::from_name("BF16"), Some(Dtype::BF16));
+//! assert_eq!(Dtype::from_code(Dtype::BF16.code()), Some(Dtype::BF16));
+//! assert!(Dtype::BF16.can_cast_to(Dtype::F32));
+//! assert!(!Dtype::I32.can_cast_to(Dtype::F32));
+//! ```
+
+/// A safetensors element type (variants spelled as in safetensors headers).
+#[allow(non_camel_case_types, clippy::upper_case_acronyms)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Dtype {
+    /// Boolean, one byte.
+    BOOL,
+    /// Unsigned 8-bit integer.
+    U8,
+    /// Signed 8-bit integer.
+    I8,
+    /// Signed 16-bit integer.
+    I16,
+    /// Unsigned 16-bit integer.
+    U16,
+    /// Signed 32-bit integer.
+    I32,
+    /// Unsigned 32-bit integer.
+    U32,
+    /// Signed 64-bit integer.
+    I64,
+    /// Unsigned 64-bit integer.
+    U64,
+    /// IEEE half precision.
+    F16,
+    /// bfloat16.
+    BF16,
+    /// IEEE single precision.
+    F32,
+    /// IEEE double precision.
+    F64,
+    /// Complex of two `f32`.
+    C64,
+    /// float8 e4m3 with finite values and one NaN per sign (torch `float8_e4m3fn`).
+    F8_E4M3,
+    /// float8 e5m2 (torch `float8_e5m2`).
+    F8_E5M2,
+    /// float8 e4m3, finite, unsigned zero (torch `float8_e4m3fnuz`).
+    F8_E4M3FNUZ,
+    /// float8 e5m2, finite, unsigned zero (torch `float8_e5m2fnuz`).
+    F8_E5M2FNUZ,
+    /// float8 e8m0 scale (torch `float8_e8m0fnu`).
+    F8_E8M0,
+    /// 4-bit float e2m1, two per byte.
+    F4,
+    /// 6-bit float e2m3.
+    F6_E2M3,
+    /// 6-bit float e3m2.
+    F6_E3M2,
+}
+
+/// Every dtype, in code order.
+pub const ALL_DTYPES: [Dtype; 22] = [
+    Dtype::BOOL,
+    Dtype::U8,
+    Dtype::I8,
+    Dtype::I16,
+    Dtype::U16,
+    Dtype::I32,
+    Dtype::U32,
+    Dtype::I64,
+    Dtype::U64,
+    Dtype::F16,
+    Dtype::BF16,
+    Dtype::F32,
+    Dtype::F64,
+    Dtype::C64,
+    Dtype::F8_E4M3,
+    Dtype::F8_E5M2,
+    Dtype::F8_E4M3FNUZ,
+    Dtype::F8_E5M2FNUZ,
+    Dtype::F8_E8M0,
+    Dtype::F4,
+    Dtype::F6_E2M3,
+    Dtype::F6_E3M2,
+];
+
+impl Dtype {
+    /// The stable integer code used by the Python binding (the index in [`ALL_DTYPES`]).
+    pub fn code(self) -> i64 {
+        ALL_DTYPES
+            .iter()
+            .position(|&d| d == self)
+            .expect("every dtype is listed") as i64
+    }
+
+    /// The dtype with integer code `code`.
+    pub fn from_code(code: i64) -> Option<Dtype> {
+        usize::try_from(code)
+            .ok()
+            .and_then(|c| ALL_DTYPES.get(c).copied())
+    }
+
+    /// The name used in safetensors headers (`"BF16"`, `"F8_E4M3"`, ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            Dtype::BOOL => "BOOL",
+            Dtype::U8 => "U8",
+            Dtype::I8 => "I8",
+            Dtype::I16 => "I16",
+            Dtype::U16 => "U16",
+            Dtype::I32 => "I32",
+            Dtype::U32 => "U32",
+            Dtype::I64 => "I64",
+            Dtype::U64 => "U64",
+            Dtype::F16 => "F16",
+            Dtype::BF16 => "BF16",
+            Dtype::F32 => "F32",
+            Dtype::F64 => "F64",
+            Dtype::C64 => "C64",
+            Dtype::F8_E4M3 => "F8_E4M3",
+            Dtype::F8_E5M2 => "F8_E5M2",
+            Dtype::F8_E4M3FNUZ => "F8_E4M3FNUZ",
+            Dtype::F8_E5M2FNUZ => "F8_E5M2FNUZ",
+            Dtype::F8_E8M0 => "F8_E8M0",
+            Dtype::F4 => "F4",
+            Dtype::F6_E2M3 => "F6_E2M3",
+            Dtype::F6_E3M2 => "F6_E3M2",
+        }
+    }
+
+    /// The dtype with safetensors name `name`.
+    pub fn from_name(name: &str) -> Option<Dtype> {
+        ALL_DTYPES.iter().copied().find(|d| d.name() == name)
+    }
+
+    /// Size of one element in bits (4 and 6 for the sub-byte floats).
+    pub fn bits(self) -> u64 {
+        match self {
+            Dtype::F4 => 4,
+            Dtype::F6_E2M3 | Dtype::F6_E3M2 => 6,
+            Dtype::BOOL
+            | Dtype::U8
+            | Dtype::I8
+            | Dtype::F8_E4M3
+            | Dtype::F8_E5M2
+            | Dtype::F8_E4M3FNUZ
+            | Dtype::F8_E5M2FNUZ
+            | Dtype::F8_E8M0 => 8,
+            Dtype::I16 | Dtype::U16 | Dtype::F16 | Dtype::BF16 => 16,
+            Dtype::I32 | Dtype::U32 | Dtype::F32 => 32,
+            Dtype::I64 | Dtype::U64 | Dtype::F64 | Dtype::C64 => 64,
+        }
+    }
+
+    /// Whether elements are smaller than a byte (and so packed several to a byte).
+    pub fn is_sub_byte(self) -> bool {
+        self.bits() % 8 != 0
+    }
+
+    /// Size of one element in bytes; `None` for sub-byte types.
+    pub fn byte_size(self) -> Option<usize> {
+        (!self.is_sub_byte()).then(|| (self.bits() / 8) as usize)
+    }
+
+    fn is_castable_float(self) -> bool {
+        matches!(
+            self,
+            Dtype::F16
+                | Dtype::BF16
+                | Dtype::F32
+                | Dtype::F64
+                | Dtype::F8_E4M3
+                | Dtype::F8_E5M2
+                | Dtype::F8_E8M0
+        )
+    }
+
+    /// Whether the engine can convert elements of `self` into `dst` while copying.
+    pub fn can_cast_to(self, dst: Dtype) -> bool {
+        self == dst || (self.is_castable_float() && dst.is_castable_float())
+    }
+}
+
+impl std::fmt::Display for Dtype {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Scalar conversions (bit patterns in, bit patterns out).
+
+/// bfloat16 bits to `f32` (exact).
+pub fn bf16_to_f32(h: u16) -> f32 {
+    f32::from_bits(u32::from(h) << 16)
+}
+
+/// `f32` to bfloat16 bits, round to nearest-even; NaN becomes a quiet NaN of the same sign.
+pub fn f32_to_bf16(x: f32) -> u16 {
+    let b = x.to_bits();
+    if x.is_nan() {
+        return ((b >> 16) as u16) | 0x0040;
+    }
+    let bias = 0x7fff + ((b >> 16) & 1);
+    (b.wrapping_add(bias) >> 16) as u16
+}
+
+/// IEEE half bits to `f32` (exact); NaN payloads are kept and quietened.
+pub fn f16_to_f32(h: u16) -> f32 {
+    let sign = u32::from(h & 0x8000) << 16;
+    let exp = u32::from((h >> 10) & 0x1f);
+    let man = u32::from(h & 0x3ff);
+    match exp {
+        0 => {
+            let v = man as f32 * f32::from_bits(0x3380_0000); // 2^-24
+            f32::from_bits(v.to_bits() | sign)
+        }
+        0x1f if man == 0 => f32::from_bits(sign | 0x7f80_0000),
+        0x1f => f32::from_bits(sign | 0x7fc0_0000 | (man << 13)),
+        _ => f32::from_bits(sign | ((exp + 112) << 23) | (man << 13)),
+    }
+}
+
+/// `f32` to IEEE half bits, round to nearest-even, overflow to infinity; NaN stays NaN.
+pub fn f32_to_f16(x: f32) -> u16 {
+    let b = x.to_bits();
+    let sign = ((b >> 16) & 0x8000) as u16;
+    let abs = b & 0x7fff_ffff;
+    if abs > 0x7f80_0000 {
+        return sign | 0x7e00 | ((abs >> 13) & 0x3ff) as u16;
+    }
+    if abs == 0x7f80_0000 {
+        return sign | 0x7c00;
+    }
+    let half_exp = (abs >> 23) as i32 - 127 + 15;
+    if half_exp >= 31 {
+        return sign | 0x7c00;
+    }
+    if half_exp <= 0 {
+        if half_exp < -10 {
+            return sign;
+        }
+        let m = (abs & 0x7f_ffff) | 0x80_0000;
+        let shift = (14 - half_exp) as u32;
+        let q = m >> shift;
+        let rem = m & ((1 << shift) - 1);
+        let halfway = 1 << (shift - 1);
+        let up = rem > halfway || (rem == halfway && q & 1 == 1);
+        return sign | (q + u32::from(up)) as u16;
+    }
+    let m = abs & 0x7f_ffff;
+    let mut h = ((half_exp as u32) << 10) | (m >> 13);
+    let rem = m & 0x1fff;
+    if rem > 0x1000 || (rem == 0x1000 && h & 1 == 1) {
+        h += 1;
+    }
+    sign | h as u16
+}
+
+/// float8 e4m3fn bits to `f32` (exact).
+pub fn e4m3fn_to_f32(v: u8) -> f32 {
+    let sign = u32::from(v & 0x80) << 24;
+    let exp = u32::from((v >> 3) & 0xf);
+    let man = u32::from(v & 0x7);
+    let magnitude = if exp == 0xf && man == 0x7 {
+        return f32::from_bits(sign | 0x7fc0_0000);
+    } else if exp == 0 {
+        man as f32 * f32::from_bits(0x3b00_0000) // 2^-9
+    } else {
+        f32::from_bits(((exp + 120) << 23) | (man << 20))
+    };
+    f32::from_bits(magnitude.to_bits() | sign)
+}
+
+/// `f32` to float8 e4m3fn bits as c10 does it (torch >= 2.10 headers): round to nearest-even; finite
+/// overflow and infinities saturate to ±448, NaN stays NaN.
+pub fn f32_to_e4m3fn(x: f32) -> u8 {
+    let bits = x.to_bits();
+    let sign = ((bits >> 24) & 0x80) as u8;
+    let abs = bits & 0x7fff_ffff;
+    let out = if abs >= 1087 << 20 {
+        if abs > 0x7f80_0000 {
+            0x7f
+        } else {
+            0x7e
+        }
+    } else if abs < 121 << 23 {
+        // Below the smallest normal (2^-6): let the FPU round by adding a denormalizing constant.
+        let denorm = f32::from_bits(141 << 23);
+        let sum = (f32::from_bits(abs) + denorm).to_bits();
+        sum.wrapping_sub(141 << 23) as u8
+    } else {
+        let odd = (abs >> 20) & 1;
+        let r = abs
+            .wrapping_add(((7u32).wrapping_sub(127) << 23).wrapping_add(0x7_ffff))
+            .wrapping_add(odd);
+        // Rounding up into the NaN pattern saturates to the largest finite value.
+        match (r >> 20) as u8 {
+            0x7f => 0x7e,
+            v => v,
+        }
+    };
+    out | sign
+}
+
+/// float8 e5m2 bits to `f32` (exact; through half precision, as c10 does).
+pub fn e5m2_to_f32(v: u8) -> f32 {
+    f16_to_f32(u16::from(v) << 8)
+}
+
+/// `f32` to float8 e5m2 bits as c10 does it: round to nearest-even, overflow to inf, NaN to NaN.
+pub fn f32_to_e5m2(x: f32) -> u8 {
+    let bits = x.to_bits();
+    let sign = ((bits >> 24) & 0x80) as u8;
+    let abs = bits & 0x7fff_ffff;
+    let out = if abs >= 143 << 23 {
+        if abs > 0x7f80_0000 {
+            0x7f
+        } else {
+            0x7c
+        }
+    } else if abs < 113 << 23 {
+        let denorm = f32::from_bits(134 << 23);
+        let sum = (f32::from_bits(abs) + denorm).to_bits();
+        sum.wrapping_sub(134 << 23) as u8
+    } else {
+        let odd = (abs >> 21) & 1;
+        let r = abs
+            .wrapping_add(((15u32).wrapping_sub(127) << 23).wrapping_add(0xf_ffff))
+            .wrapping_add(odd);
+        (r >> 21) as u8
+    };
+    out | sign
+}
+
+/// float8 e8m0 bits to `f32` (exact): 2^(v-127), 0xff is NaN.
+pub fn e8m0_to_f32(v: u8) -> f32 {
+    match v {
+        0xff => f32::NAN,
+        0 => f32::from_bits(0x0040_0000),
+        _ => f32::from_bits(u32::from(v) << 23),
+    }
+}
+
+/// `f32` to float8 e8m0 bits as c10 does it: the sign is dropped, the exponent rounded to nearest-even on
+/// the significand, inf and NaN become NaN.
+pub fn f32_to_e8m0(x: f32) -> u8 {
+    let bits = x.to_bits();
+    let exp = (bits >> 23) & 0xff;
+    if exp == 0xff {
+        return 0xff;
+    }
+    let guard = bits & 0x40_0000 != 0;
+    let round = bits & 0x20_0000 != 0;
+    let sticky = bits & 0x1f_ffff != 0;
+    let lsb = exp > 0;
+    let up = guard && (round || sticky || lsb);
+    (exp + u32::from(up)) as u8
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Fused copy kernels.
+
+/// Where a kernel puts converted elements: `put(i, bytes)` stores the `i`-th element of a run.
+pub(crate) trait ElemSink {
+    fn put(&mut self, i: usize, bytes: &[u8]);
+}
+
+/// A floating type the kernels can convert from and to.
+trait FloatCodec {
+    const SIZE: usize;
+    fn to_f32(b: &[u8]) -> f32;
+    fn to_f64(b: &[u8]) -> f64 {
+        f64::from(Self::to_f32(b))
+    }
+    fn store_f32(x: f32, out: &mut [u8]);
+    /// Converts one element of `S` into `out`; torch's semantics go through `f32` except into `f64`.
+    fn convert_from<S: FloatCodec>(src: &[u8], out: &mut [u8]) {
+        Self::store_f32(S::to_f32(src), out);
+    }
+}
+
+fn le2(b: &[u8]) -> u16 {
+    u16::from_le_bytes([b[0], b[1]])
+}
+
+struct CF16;
+struct CBF16;
+struct CF32;
+struct CF64;
+struct CE4M3;
+struct CE5M2;
+struct CE8M0;
+
+impl FloatCodec for CF16 {
+    const SIZE: usize = 2;
+    fn to_f32(b: &[u8]) -> f32 {
+        f16_to_f32(le2(b))
+    }
+    fn store_f32(x: f32, out: &mut [u8]) {
+        out[..2].copy_from_slice(&f32_to_f16(x).to_le_bytes());
+    }
+}
+impl FloatCodec for CBF16 {
+    const SIZE: usize = 2;
+    fn to_f32(b: &[u8]) -> f32 {
+        bf16_to_f32(le2(b))
+    }
+    fn store_f32(x: f32, out: &mut [u8]) {
+        out[..2].copy_from_slice(&f32_to_bf16(x).to_le_bytes());
+    }
+}
+impl FloatCodec for CF32 {
+    const SIZE: usize = 4;
+    fn to_f32(b: &[u8]) -> f32 {
+        f32::from_le_bytes([b[0], b[1], b[2], b[3]])
+    }
+    fn store_f32(x: f32, out: &mut [u8]) {
+        out[..4].copy_from_slice(&x.to_le_bytes());
+    }
+}
+impl FloatCodec for CF64 {
+    const SIZE: usize = 8;
+    fn to_f32(b: &[u8]) -> f32 {
+        Self::to_f64(b) as f32
+    }
+    fn to_f64(b: &[u8]) -> f64 {
+        f64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]])
+    }
+    fn store_f32(x: f32, out: &mut [u8]) {
+        out[..8].copy_from_slice(&f64::from(x).to_le_bytes());
+    }
+    fn convert_from<S: FloatCodec>(src: &[u8], out: &mut [u8]) {
+        out[..8].copy_from_slice(&S::to_f64(src).to_le_bytes());
+    }
+}
+impl FloatCodec for CE4M3 {
+    const SIZE: usize = 1;
+    fn to_f32(b: &[u8]) -> f32 {
+        e4m3fn_to_f32(b[0])
+    }
+    fn store_f32(x: f32, out: &mut [u8]) {
+        out[0] = f32_to_e4m3fn(x);
+    }
+}
+impl FloatCodec for CE5M2 {
+    const SIZE: usize = 1;
+    fn to_f32(b: &[u8]) -> f32 {
+        e5m2_to_f32(b[0])
+    }
+    fn store_f32(x: f32, out: &mut [u8]) {
+        out[0] = f32_to_e5m2(x);
+    }
+}
+impl FloatCodec for CE8M0 {
+    const SIZE: usize = 1;
+    fn to_f32(b: &[u8]) -> f32 {
+        e8m0_to_f32(b[0])
+    }
+    fn store_f32(x: f32, out: &mut [u8]) {
+        out[0] = f32_to_e8m0(x);
+    }
+}
+
+#[inline(always)]
+fn float_kernel<S: FloatCodec, D: FloatCodec, W: ElemSink>(
+    src: &[u8],
+    src_stride: usize,
+    count: usize,
+    sink: &mut W,
+) {
+    let mut buf = [0u8; 8];
+    for i in 0..count {
+        let at = i * src_stride;
+        D::convert_from::<S>(&src[at..at + S::SIZE], &mut buf);
+        sink.put(i, &buf[..D::SIZE]);
+    }
+}
+
+/// Contiguous cast into a byte slice: the hot path (e.g. bf16 to f32), written so it vectorizes.
+#[inline(always)]
+fn float_kernel_dense<S: FloatCodec, D: FloatCodec>(src: &[u8], dst: &mut [u8]) {
+    for (s, d) in src.chunks_exact(S::SIZE).zip(dst.chunks_exact_mut(D::SIZE)) {
+        D::convert_from::<S>(s, d);
+    }
+}
+
+fn with_dst<S: FloatCodec, W: ElemSink>(dd: Dtype, src: &[u8], ss: usize, n: usize, w: &mut W) {
+    match dd {
+        Dtype::F16 => float_kernel::<S, CF16, W>(src, ss, n, w),
+        Dtype::BF16 => float_kernel::<S, CBF16, W>(src, ss, n, w),
+        Dtype::F32 => float_kernel::<S, CF32, W>(src, ss, n, w),
+        Dtype::F64 => float_kernel::<S, CF64, W>(src, ss, n, w),
+        Dtype::F8_E4M3 => float_kernel::<S, CE4M3, W>(src, ss, n, w),
+        Dtype::F8_E5M2 => float_kernel::<S, CE5M2, W>(src, ss, n, w),
+        Dtype::F8_E8M0 => float_kernel::<S, CE8M0, W>(src, ss, n, w),
+        _ => unreachable!("cast pairs are validated before any copy"),
+    }
+}
+
+fn dense_with_dst<S: FloatCodec>(dd: Dtype, src: &[u8], dst: &mut [u8]) {
+    match dd {
+        Dtype::F16 => float_kernel_dense::<S, CF16>(src, dst),
+        Dtype::BF16 => float_kernel_dense::<S, CBF16>(src, dst),
+        Dtype::F32 => float_kernel_dense::<S, CF32>(src, dst),
+        Dtype::F64 => float_kernel_dense::<S, CF64>(src, dst),
+        Dtype::F8_E4M3 => float_kernel_dense::<S, CE4M3>(src, dst),
+        Dtype::F8_E5M2 => float_kernel_dense::<S, CE5M2>(src, dst),
+        Dtype::F8_E8M0 => float_kernel_dense::<S, CE8M0>(src, dst),
+        _ => unreachable!("cast pairs are validated before any copy"),
+    }
+}
+
+/// Converts `count` elements of `sd` read from `src` (element `i` at byte `i * src_stride`) into `dd`,
+/// handing each converted element to `sink`. Same-dtype pairs are plain copies.
+pub(crate) fn cast_strided<W: ElemSink>(
+    sd: Dtype,
+    dd: Dtype,
+    src: &[u8],
+    src_stride: usize,
+    count: usize,
+    sink: &mut W,
+) {
+    if sd == dd {
+        let size = sd.byte_size().expect("sub-byte runs are contiguous copies");
+        for i in 0..count {
+            let at = i * src_stride;
+            sink.put(i, &src[at..at + size]);
+        }
+        return;
+    }
+    match sd {
+        Dtype::F16 => with_dst::<CF16, W>(dd, src, src_stride, count, sink),
+        Dtype::BF16 => with_dst::<CBF16, W>(dd, src, src_stride, count, sink),
+        Dtype::F32 => with_dst::<CF32, W>(dd, src, src_stride, count, sink),
+        Dtype::F64 => with_dst::<CF64, W>(dd, src, src_stride, count, sink),
+        Dtype::F8_E4M3 => with_dst::<CE4M3, W>(dd, src, src_stride, count, sink),
+        Dtype::F8_E5M2 => with_dst::<CE5M2, W>(dd, src, src_stride, count, sink),
+        Dtype::F8_E8M0 => with_dst::<CE8M0, W>(dd, src, src_stride, count, sink),
+        _ => unreachable!("cast pairs are validated before any copy"),
+    }
+}
+
+/// Converts the dense elements of `src` into the dense destination `dst` (same element count).
+pub(crate) fn cast_dense(sd: Dtype, dd: Dtype, src: &[u8], dst: &mut [u8]) {
+    if sd == dd {
+        dst.copy_from_slice(src);
+        return;
+    }
+    match sd {
+        Dtype::F16 => dense_with_dst::<CF16>(dd, src, dst),
+        Dtype::BF16 => dense_with_dst::<CBF16>(dd, src, dst),
+        Dtype::F32 => dense_with_dst::<CF32>(dd, src, dst),
+        Dtype::F64 => dense_with_dst::<CF64>(dd, src, dst),
+        Dtype::F8_E4M3 => dense_with_dst::<CE4M3>(dd, src, dst),
+        Dtype::F8_E5M2 => dense_with_dst::<CE5M2>(dd, src, dst),
+        Dtype::F8_E8M0 => dense_with_dst::<CE8M0>(dd, src, dst),
+        _ => unreachable!("cast pairs are validated before any copy"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codes_and_names_round_trip() {
+        for (i, d) in ALL_DTYPES.iter().enumerate() {
+            assert_eq!(d.code() as usize, i);
+            assert_eq!(Dtype::from_code(i as i64), Some(*d));
+            assert_eq!(Dtype::from_name(d.name()), Some(*d));
+        }
+        assert_eq!(Dtype::from_code(-1), None);
+        assert_eq!(Dtype::from_code(22), None);
+        assert_eq!(Dtype::from_name("F8_E4M3FN"), None);
+    }
+
+    #[test]
+    fn half_round_trips_every_pattern() {
+        for h in 0..=u16::MAX {
+            let x = f16_to_f32(h);
+            if x.is_nan() {
+                assert!(f16_to_f32(f32_to_f16(x)).is_nan());
+            } else {
+                assert_eq!(f32_to_f16(x), h, "{h:#x}");
+            }
+            let y = bf16_to_f32(h);
+            if !y.is_nan() {
+                assert_eq!(f32_to_bf16(y), h);
+            }
+        }
+    }
+
+    #[test]
+    fn f16_rounding_matches_f64_reference() {
+        // The reference: round the exact value to the nearest representable half (ties to even) by search.
+        let halves: Vec<f64> = (0..0x7c00u16).map(|h| f64::from(f16_to_f32(h))).collect();
+        let mut state = 0x1234_5678_u64;
+        for _ in 0..200_000 {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            let bits = (state as u32) & 0x7fff_ffff;
+            let x = f32::from_bits(bits);
+            if !x.is_finite() {
+                continue;
+            }
+            let got = f32_to_f16(x);
+            let v = f64::from(x);
+            let want = match halves.binary_search_by(|h| h.partial_cmp(&v).unwrap()) {
+                Ok(i) => i as u16,
+                Err(i) if i == halves.len() => {
+                    let max = halves[i - 1];
+                    let next = 65536.0;
+                    if v - max < next - v || (v - max == next - v && (i - 1) % 2 == 0) {
+                        (i - 1) as u16
+                    } else {
+                        0x7c00
+                    }
+                }
+                Err(i) => {
+                    let (lo, hi) = (halves[i - 1], halves[i]);
+                    if v - lo < hi - v || (v - lo == hi - v && (i - 1) % 2 == 0) {
+                        (i - 1) as u16
+                    } else {
+                        i as u16
+                    }
+                }
+            };
+            assert_eq!(got, want, "{x:e} ({bits:#x})");
+        }
+    }
+
+    #[test]
+    fn fp8_known_values() {
+        assert_eq!(f32_to_e4m3fn(448.0), 0x7e);
+        assert_eq!(f32_to_e4m3fn(464.0), 0x7e);
+        assert_eq!(f32_to_e4m3fn(470.0), 0x7e);
+        assert_eq!(f32_to_e4m3fn(480.0), 0x7e);
+        assert_eq!(f32_to_e4m3fn(-1e9), 0xfe);
+        assert_eq!(f32_to_e4m3fn(-1.0), 0xb8);
+        assert_eq!(f32_to_e4m3fn(f32::INFINITY), 0x7e);
+        assert_eq!(f32_to_e4m3fn(f32::NAN), 0x7f);
+        assert_eq!(f32_to_e4m3fn(2f32.powi(-9)), 0x01);
+        assert_eq!(e4m3fn_to_f32(0x7e), 448.0);
+        assert!(e4m3fn_to_f32(0xff).is_nan());
+        assert_eq!(e4m3fn_to_f32(0x01), 2f32.powi(-9));
+        assert_eq!(f32_to_e5m2(57344.0), 0x7b);
+        assert_eq!(f32_to_e5m2(f32::INFINITY), 0x7c);
+        assert_eq!(f32_to_e5m2(f32::NEG_INFINITY), 0xfc);
+        assert_eq!(f32_to_e5m2(f32::NAN), 0x7f);
+        assert_eq!(f32_to_e5m2(1e6), 0x7c);
+        assert_eq!(e5m2_to_f32(0x7b), 57344.0);
+        for v in 0..=255u8 {
+            let x = e4m3fn_to_f32(v);
+            if !x.is_nan() {
+                assert_eq!(f32_to_e4m3fn(x), v, "{v:#x}");
+            }
+            let y = e5m2_to_f32(v);
+            if !y.is_nan() {
+                assert_eq!(f32_to_e5m2(y), v, "{v:#x}");
+            }
+            let z = e8m0_to_f32(v);
+            if !z.is_nan() {
+                assert_eq!(f32_to_e8m0(z), v, "{v:#x}");
+            }
+        }
+        assert_eq!(f32_to_e8m0(1.5), 128);
+        assert_eq!(f32_to_e8m0(2.5), 128);
+        assert_eq!(f32_to_e8m0(0.75), 127);
+        assert_eq!(f32_to_e8m0(-2.0), 128);
+        assert_eq!(f32_to_e8m0(f32::NAN), 255);
+    }
+
+    #[test]
+    fn f64_goes_through_f32_like_torch() {
+        // 1 + 2^-11 + 2^-40 rounds to 1 + 2^-11 in f32, which then ties to 1.0 in f16.
+        let x = 1.0 + 2f64.powi(-11) + 2f64.powi(-40);
+        let mut out = [0u8; 2];
+        cast_dense(Dtype::F64, Dtype::F16, &x.to_le_bytes(), &mut out);
+        assert_eq!(u16::from_le_bytes(out), 0x3c00);
+    }
+
+    #[test]
+    fn cast_table() {
+        assert!(Dtype::F8_E4M3.can_cast_to(Dtype::F64));
+        assert!(Dtype::F4.can_cast_to(Dtype::F4));
+        assert!(!Dtype::F4.can_cast_to(Dtype::U8));
+        assert!(!Dtype::F8_E4M3FNUZ.can_cast_to(Dtype::F32));
+        assert!(!Dtype::C64.can_cast_to(Dtype::F32));
+        assert!(!Dtype::BOOL.can_cast_to(Dtype::U8));
+    }
+}

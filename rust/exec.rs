@@ -1,0 +1,700 @@
+//! The batch executor: validated runs → sorted, coalesced tasks → scoped worker threads.
+//!
+//! [`execute`] validates the whole batch ([`crate::region::plan`]) before any thread starts, opens and
+//! `fstat`s each file it needs (a file shorter than its header says is [`LoadError::Truncated`]; a
+//! replaced or rewritten one is [`LoadError::Changed`]), picks a backend per file, sorts the runs by
+//! (file, offset), splits large runs so every thread gets work, groups them into tasks and runs the tasks
+//! on `threads` scoped threads that take the next task from an atomic counter (no global pool, so nothing
+//! to re-create after `fork`). A worker panic becomes [`LoadError::WorkerPanicked`].
+//!
+//! Backends: `mmap` copies from a read-only map made for this call; `pread` reads each task's byte span
+//! into a per-thread buffer (reading through gaps of up to [`ExecOptions::pread_gap`] bytes) and then
+//! scatters it, or, for a large same-dtype dense run, reads straight into the destination. `auto` uses
+//! `mmap` for a file when at least [`AUTO_MMAP_RESIDENT`] of the pages it needs are in the page cache,
+//! else `pread` (measured in docs/perf-notes.md).
+
+use std::fs::File;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::str::FromStr;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use crate::dest::{with_dense_dst, write_run, DestBuf};
+use crate::error::LoadError;
+use crate::header::{FileIdentity, Header};
+use crate::mmap::{read_exact_at, Mapping};
+use crate::region::{plan, Item, Run};
+
+/// Fraction of needed pages that must be cached for `auto` to pick `mmap`.
+pub const AUTO_MMAP_RESIDENT: f64 = 0.9;
+/// Most threads used by default.
+pub const MAX_DEFAULT_THREADS: usize = 16;
+/// Smallest same-dtype dense run that `pread` reads straight into the destination.
+const DIRECT_MIN: u64 = 64 * 1024;
+
+/// How file bytes are fetched.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Backend {
+    /// Per file: `Mmap` when the needed pages are cached, else `Pread`.
+    #[default]
+    Auto,
+    /// Copy from a read-only memory map.
+    Mmap,
+    /// Positioned reads into a buffer or straight into the destination.
+    Pread,
+}
+
+impl Backend {
+    /// The backend's name (`"auto"`, `"mmap"`, `"pread"`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Auto => "auto",
+            Backend::Mmap => "mmap",
+            Backend::Pread => "pread",
+        }
+    }
+}
+
+impl FromStr for Backend {
+    type Err = LoadError;
+    fn from_str(s: &str) -> Result<Self, LoadError> {
+        match s {
+            "auto" => Ok(Backend::Auto),
+            "mmap" => Ok(Backend::Mmap),
+            "pread" => Ok(Backend::Pread),
+            _ => Err(LoadError::request(format!(
+                "unknown backend '{s}' (expected auto, mmap or pread)"
+            ))),
+        }
+    }
+}
+
+/// Knobs of one [`execute`] call.
+#[derive(Clone, Debug)]
+pub struct ExecOptions {
+    /// Worker threads; `None` = available parallelism capped at [`MAX_DEFAULT_THREADS`].
+    pub threads: Option<usize>,
+    /// Backend choice.
+    pub backend: Backend,
+    /// `pread` reads through gaps up to this many bytes between runs instead of issuing another read.
+    pub pread_gap: u64,
+}
+
+impl Default for ExecOptions {
+    fn default() -> Self {
+        ExecOptions {
+            threads: None,
+            backend: Backend::Auto,
+            pread_gap: 64 * 1024,
+        }
+    }
+}
+
+/// What an [`execute`] call did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ExecStats {
+    /// Bytes written into destinations.
+    pub bytes_copied: u64,
+    /// Bytes taken from files (including gaps read through by `pread`).
+    pub bytes_read_from_files: u64,
+    /// Runs after validation (before splitting for parallelism).
+    pub runs: usize,
+    /// Tasks (coalesced spans) handed to the workers.
+    pub spans: usize,
+    /// `"mmap"`, `"pread"`, `"mixed"` or `"none"` (nothing to read).
+    pub backend: &'static str,
+    /// Threads used.
+    pub threads: usize,
+}
+
+/// The default thread count: available parallelism capped at [`MAX_DEFAULT_THREADS`].
+pub fn default_threads() -> usize {
+    std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(MAX_DEFAULT_THREADS)
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Mode {
+    Mmap,
+    PreadDirect,
+    PreadBuffered,
+}
+
+struct Task {
+    file: usize,
+    mode: Mode,
+    first: usize,
+    last: usize,
+    start: u64,
+    end: u64,
+}
+
+struct Source {
+    file: File,
+    map: Option<Mapping>,
+}
+
+/// Reads every item into its destination. All items are validated first; on error nothing has been
+/// written, except for I/O errors and truncation found while reading, after which the destinations may
+/// be partially written.
+pub fn execute(
+    files: &[Arc<Header>],
+    dests: &[DestBuf<'_>],
+    items: &[Item],
+    opts: &ExecOptions,
+) -> Result<ExecStats, LoadError> {
+    let runs = plan(files, dests, items)?;
+    let threads = opts.threads.unwrap_or_else(default_threads).max(1);
+    let mut stats = ExecStats {
+        runs: runs.len(),
+        backend: "none",
+        threads: 1,
+        ..ExecStats::default()
+    };
+    if runs.is_empty() {
+        return Ok(stats);
+    }
+    // Open, check and (maybe) map each file that is needed.
+    let mut needed: Vec<Option<(u64, u64)>> = vec![None; files.len()];
+    for r in &runs {
+        let span = needed[r.file].get_or_insert((r.src_off, r.src_end()));
+        span.0 = span.0.min(r.src_off);
+        span.1 = span.1.max(r.src_end());
+    }
+    let mut sources: Vec<Option<Source>> = Vec::with_capacity(files.len());
+    for (h, span) in files.iter().zip(&needed) {
+        sources.push(match span {
+            Some((start, end)) => Some(open_source(h, opts.backend, *start, *end)?),
+            None => None,
+        });
+    }
+    let uses_mmap = sources.iter().flatten().any(|s| s.map.is_some());
+    let uses_pread = sources.iter().flatten().any(|s| s.map.is_none());
+    stats.backend = match (uses_mmap, uses_pread) {
+        (true, true) => "mixed",
+        (true, false) => "mmap",
+        _ => "pread",
+    };
+    let total: u64 = runs.iter().map(Run::src_extent).sum();
+    let chunk = (total / (threads as u64 * 8)).clamp(64 * 1024, 8 * 1024 * 1024);
+    let mut pieces = Vec::with_capacity(runs.len());
+    for r in &runs {
+        r.split(chunk, &mut pieces);
+    }
+    pieces.sort_unstable_by_key(|r| (r.file, r.src_off));
+    let tasks = make_tasks(&pieces, &sources, chunk, opts.pread_gap);
+    stats.spans = tasks.len();
+    stats.bytes_copied = pieces
+        .iter()
+        .map(|r| (r.count * r.dst_dtype.bits()).div_ceil(8))
+        .sum();
+    stats.threads = threads.min(tasks.len());
+    stats.bytes_read_from_files = run_tasks(&tasks, &pieces, &sources, files, stats.threads)?;
+    Ok(stats)
+}
+
+fn open_source(h: &Header, backend: Backend, start: u64, end: u64) -> Result<Source, LoadError> {
+    let file = File::open(&h.path).map_err(|e| LoadError::io(&h.path, &e))?;
+    let meta = file.metadata().map_err(|e| LoadError::io(&h.path, &e))?;
+    if meta.len() < h.file_len {
+        return Err(LoadError::Truncated {
+            path: h.path.clone(),
+            expected: h.file_len,
+            actual: meta.len(),
+        });
+    }
+    if h.identity.is_some_and(|id| id != FileIdentity::of(&meta)) {
+        return Err(LoadError::Changed {
+            path: h.path.clone(),
+        });
+    }
+    let map = match backend {
+        Backend::Pread => None,
+        Backend::Mmap => Some(Mapping::new(&file, h.file_len, &h.path)?),
+        Backend::Auto => {
+            let map = Mapping::new(&file, h.file_len, &h.path)?;
+            (map.resident_fraction(start, end) >= AUTO_MMAP_RESIDENT).then_some(map)
+        }
+    };
+    Ok(Source { file, map })
+}
+
+fn make_tasks(pieces: &[Run], sources: &[Option<Source>], chunk: u64, gap: u64) -> Vec<Task> {
+    let mut tasks: Vec<Task> = Vec::new();
+    for (i, p) in pieces.iter().enumerate() {
+        let mapped = sources[p.file].as_ref().is_some_and(|s| s.map.is_some());
+        let (start, end) = (p.src_off, p.src_end());
+        let mode = match () {
+            _ if mapped => Mode::Mmap,
+            _ if p.is_direct() && end - start >= DIRECT_MIN => Mode::PreadDirect,
+            _ => Mode::PreadBuffered,
+        };
+        if let Some(t) = tasks.last_mut() {
+            let joins = t.file == p.file
+                && t.mode == mode
+                && match mode {
+                    // Group mapped copies into tasks of about `chunk` bytes.
+                    Mode::Mmap => t.end - t.start < chunk,
+                    Mode::PreadDirect => false,
+                    Mode::PreadBuffered => {
+                        start <= t.end + gap && end.max(t.end) - t.start <= chunk
+                    }
+                };
+            if joins {
+                t.last = i + 1;
+                t.start = t.start.min(start);
+                t.end = t.end.max(end);
+                continue;
+            }
+        }
+        tasks.push(Task {
+            file: p.file,
+            mode,
+            first: i,
+            last: i + 1,
+            start,
+            end,
+        });
+    }
+    tasks
+}
+
+fn run_tasks(
+    tasks: &[Task],
+    pieces: &[Run],
+    sources: &[Option<Source>],
+    files: &[Arc<Header>],
+    threads: usize,
+) -> Result<u64, LoadError> {
+    let next = AtomicUsize::new(0);
+    let failed = AtomicBool::new(false);
+    let first_error: Mutex<Option<LoadError>> = Mutex::new(None);
+    let bytes_read = AtomicU64::new(0);
+    let worker = || {
+        let mut buf: Vec<u8> = Vec::new();
+        while !failed.load(Ordering::Relaxed) {
+            let i = next.fetch_add(1, Ordering::Relaxed);
+            let Some(task) = tasks.get(i) else { break };
+            match run_task(task, pieces, sources, files, &mut buf) {
+                Ok(n) => {
+                    bytes_read.fetch_add(n, Ordering::Relaxed);
+                }
+                Err(e) => {
+                    failed.store(true, Ordering::Relaxed);
+                    first_error
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .get_or_insert(e);
+                }
+            }
+        }
+    };
+    let guarded =
+        || catch_unwind(AssertUnwindSafe(worker)).map_err(|payload| panic_error(payload.as_ref()));
+    let mut panicked = None;
+    std::thread::scope(|scope| {
+        let helpers: Vec<_> = (1..threads)
+            .filter_map(|_| {
+                std::thread::Builder::new()
+                    .spawn_scoped(scope, guarded)
+                    .ok()
+            })
+            .collect();
+        if let Err(e) = guarded() {
+            panicked.get_or_insert(e);
+        }
+        for h in helpers {
+            match h.join() {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    panicked.get_or_insert(e);
+                }
+                Err(payload) => {
+                    panicked.get_or_insert(panic_error(payload.as_ref()));
+                }
+            }
+        }
+    });
+    if let Some(e) = panicked {
+        return Err(e);
+    }
+    if let Some(e) = first_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        return Err(e);
+    }
+    Ok(bytes_read.into_inner())
+}
+
+fn panic_error(payload: &(dyn std::any::Any + Send)) -> LoadError {
+    let message = payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic payload".into());
+    LoadError::WorkerPanicked { message }
+}
+
+fn run_task(
+    task: &Task,
+    pieces: &[Run],
+    sources: &[Option<Source>],
+    files: &[Arc<Header>],
+    buf: &mut Vec<u8>,
+) -> Result<u64, LoadError> {
+    #[cfg(test)]
+    if files[task.file].path.ends_with("inject-panic.safetensors") {
+        panic!("injected worker panic");
+    }
+    let source = sources[task.file]
+        .as_ref()
+        .expect("every file with runs is open");
+    let path = &files[task.file].path;
+    let runs = &pieces[task.first..task.last];
+    match task.mode {
+        Mode::Mmap => {
+            let map = source.map.as_ref().expect("mapped task has a map");
+            map.will_need(task.start, task.end);
+            let bytes = map.bytes();
+            for r in runs {
+                write_run(r, &bytes[r.src_off as usize..r.src_end() as usize]);
+            }
+            Ok(runs.iter().map(Run::src_extent).sum())
+        }
+        Mode::PreadDirect => {
+            let r = &runs[0];
+            with_dense_dst(r, |out| read_exact_at(&source.file, out, r.src_off, path))?;
+            Ok(r.src_extent())
+        }
+        Mode::PreadBuffered => {
+            let len = (task.end - task.start) as usize;
+            if buf.len() < len {
+                buf.resize(len, 0);
+            }
+            read_exact_at(&source.file, &mut buf[..len], task.start, path)?;
+            for r in runs {
+                let at = (r.src_off - task.start) as usize;
+                write_run(r, &buf[at..at + r.src_extent() as usize]);
+            }
+            Ok(len as u64)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dtype::{cast_dense, Dtype};
+    use proptest::prelude::*;
+    use std::io::Write;
+
+    fn write_file(
+        dir: &std::path::Path,
+        name: &str,
+        tensors: &[(&str, Dtype, Vec<u64>, Vec<u8>)],
+    ) -> Arc<Header> {
+        let mut json = String::from("{");
+        let mut off = 0;
+        for (i, (n, dt, shape, data)) in tensors.iter().enumerate() {
+            if i > 0 {
+                json.push(',');
+            }
+            json.push_str(&format!(
+                r#""{n}":{{"dtype":"{dt}","shape":{shape:?},"data_offsets":[{off},{}]}}"#,
+                off + data.len()
+            ));
+            off += data.len();
+        }
+        json.push('}');
+        let path = dir.join(name);
+        let mut f = File::create(&path).unwrap();
+        f.write_all(&(json.len() as u64).to_le_bytes()).unwrap();
+        f.write_all(json.as_bytes()).unwrap();
+        for t in tensors {
+            f.write_all(&t.3).unwrap();
+        }
+        drop(f);
+        Arc::new(Header::read(&path).unwrap())
+    }
+
+    fn random_bytes(n: usize, seed: u64) -> Vec<u8> {
+        let mut s = seed | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                (s >> 24) as u8
+            })
+            .collect()
+    }
+
+    const PAIRS: &[(Dtype, Dtype)] = &[
+        (Dtype::U8, Dtype::U8),
+        (Dtype::I16, Dtype::I16),
+        (Dtype::I32, Dtype::I32),
+        (Dtype::F64, Dtype::F64),
+        (Dtype::BF16, Dtype::BF16),
+        (Dtype::BF16, Dtype::F32),
+        (Dtype::F32, Dtype::BF16),
+        (Dtype::F16, Dtype::F64),
+        (Dtype::F64, Dtype::F8_E4M3),
+        (Dtype::F8_E5M2, Dtype::F16),
+        (Dtype::F8_E8M0, Dtype::BF16),
+    ];
+
+    #[derive(Debug, Clone)]
+    struct Case {
+        shape: Vec<u64>,
+        offsets: Vec<u64>,
+        lengths: Vec<u64>,
+        perm: Vec<usize>,
+        dst_order: Vec<usize>,
+        pad: Vec<u64>,
+        pair: usize,
+        backend: Backend,
+        threads: usize,
+        gap: u64,
+        seed: u64,
+    }
+
+    fn case() -> impl Strategy<Value = Case> {
+        (0usize..=4)
+            .prop_flat_map(|ndim| {
+                (
+                    proptest::collection::vec(1u64..7, ndim),
+                    proptest::collection::vec((0u64..7, 0u64..8), ndim),
+                    Just((0..ndim).collect::<Vec<_>>()).prop_shuffle(),
+                    Just((0..ndim).collect::<Vec<_>>()).prop_shuffle(),
+                    proptest::collection::vec(0u64..3, ndim),
+                    0..PAIRS.len(),
+                    prop_oneof![
+                        Just(Backend::Mmap),
+                        Just(Backend::Pread),
+                        Just(Backend::Auto)
+                    ],
+                    1usize..4,
+                    prop_oneof![Just(0u64), Just(64 * 1024)],
+                    any::<u64>(),
+                )
+            })
+            .prop_map(
+                |(shape, boxes, perm, dst_order, pad, pair, backend, threads, gap, seed)| {
+                    let offsets: Vec<u64> =
+                        boxes.iter().zip(&shape).map(|(b, s)| b.0 % s).collect();
+                    let lengths = boxes
+                        .iter()
+                        .zip(&shape)
+                        .zip(&offsets)
+                        .map(|((b, s), o)| b.1 % (s - o + 1))
+                        .collect();
+                    Case {
+                        shape,
+                        offsets,
+                        lengths,
+                        perm,
+                        dst_order,
+                        pad,
+                        pair,
+                        backend,
+                        threads,
+                        gap,
+                        seed,
+                    }
+                },
+            )
+    }
+
+    fn check(c: &Case) {
+        let (sd, dd) = PAIRS[c.pair];
+        let ndim = c.shape.len();
+        let numel: u64 = c.shape.iter().product();
+        let ssize = sd.byte_size().unwrap();
+        let dsize = dd.byte_size().unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let pre = random_bytes(24, c.seed ^ 7);
+        let data = random_bytes(numel as usize * ssize, c.seed);
+        let h = write_file(
+            dir.path(),
+            "t.safetensors",
+            &[
+                ("pre", Dtype::U8, vec![24], pre),
+                ("t", sd, c.shape.clone(), data.clone()),
+            ],
+        );
+        // Row-major source strides; the box is read in the permuted dim order `perm`.
+        let mut sstr = vec![1u64; ndim];
+        for d in (0..ndim.saturating_sub(1)).rev() {
+            sstr[d] = sstr[d + 1] * c.shape[d + 1];
+        }
+        let src_base: u64 = c.offsets.iter().zip(&sstr).map(|(o, s)| o * s).sum();
+        let lengths: Vec<u64> = c.perm.iter().map(|&d| c.lengths[d]).collect();
+        let ss: Vec<u64> = c.perm.iter().map(|&d| sstr[d]).collect();
+        // Destination: dims laid out in `dst_order` (innermost last) with padding.
+        let mut ds = vec![0u64; ndim];
+        let mut acc = 1u64;
+        for &d in c.dst_order.iter().rev() {
+            ds[d] = acc;
+            acc *= lengths[d] + c.pad[d];
+        }
+        let dst_base = 3u64;
+        let dst_len = (dst_base + acc + 2) as usize;
+        let mut out = vec![0xeeu8; dst_len * dsize];
+        let mut item = Item {
+            file: 0,
+            tensor: h.index("t").unwrap() as i64,
+            src_base: src_base as i64,
+            dest: 0,
+            dst_base: dst_base as i64,
+            ndim: ndim as i64,
+            ..Item::default()
+        };
+        for d in 0..ndim {
+            item.lengths[d] = lengths[d] as i64;
+            item.src_strides[d] = ss[d] as i64;
+            item.dst_strides[d] = ds[d] as i64;
+        }
+        let opts = ExecOptions {
+            threads: Some(c.threads),
+            backend: c.backend,
+            pread_gap: c.gap,
+        };
+        let dest = [DestBuf::from_mut_slice(&mut out, dd)];
+        execute(&[h], &dest, &[item], &opts).unwrap();
+        // Naive element-by-element reference.
+        let mut want = vec![0xeeu8; dst_len * dsize];
+        let total: u64 = lengths.iter().product();
+        for flat in 0..total {
+            let (mut rem, mut se, mut de) = (flat, src_base, dst_base);
+            for d in (0..ndim).rev() {
+                let i = rem % lengths[d];
+                rem /= lengths[d];
+                se += i * ss[d];
+                de += i * ds[d];
+            }
+            let (se, de) = (se as usize * ssize, de as usize * dsize);
+            cast_dense(sd, dd, &data[se..se + ssize], &mut want[de..de + dsize]);
+        }
+        assert_eq!(out, want);
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 400, ..ProptestConfig::default() })]
+        #[test]
+        fn region_copy_matches_naive(c in case()) {
+            check(&c);
+        }
+    }
+
+    #[test]
+    fn large_runs_split_over_threads_and_backends_agree() {
+        let dir = tempfile::tempdir().unwrap();
+        let data = random_bytes(3 << 20, 5);
+        let h = write_file(
+            dir.path(),
+            "big.safetensors",
+            &[("w", Dtype::BF16, vec![1536, 1024], data)],
+        );
+        let mut results = Vec::new();
+        for backend in [Backend::Mmap, Backend::Pread] {
+            for (lengths, base) in [([768i64, 1024], 768 * 1024), ([1536, 256], 512)] {
+                let mut out = vec![0u8; (lengths[0] * lengths[1] * 4) as usize];
+                let mut item = Item {
+                    ndim: 2,
+                    src_base: base,
+                    ..Item::default()
+                };
+                item.lengths[..2].copy_from_slice(&lengths);
+                item.src_strides[..2].copy_from_slice(&[1024, 1]);
+                item.dst_strides[..2].copy_from_slice(&[lengths[1], 1]);
+                let opts = ExecOptions {
+                    threads: Some(2),
+                    backend,
+                    ..ExecOptions::default()
+                };
+                let dest = [DestBuf::from_mut_slice(&mut out, Dtype::F32)];
+                let stats = execute(std::slice::from_ref(&h), &dest, &[item], &opts).unwrap();
+                assert_eq!(stats.threads, 2, "{stats:?}");
+                assert_eq!(stats.backend, backend.name());
+                results.push(out);
+            }
+        }
+        assert_eq!(results[0], results[2]);
+        assert_eq!(results[1], results[3]);
+    }
+
+    #[test]
+    fn truncated_changed_and_panics_are_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let h = write_file(
+            dir.path(),
+            "t.safetensors",
+            &[("w", Dtype::U8, vec![4096], random_bytes(4096, 1))],
+        );
+        let mut item = Item {
+            ndim: 1,
+            ..Item::default()
+        };
+        (item.lengths[0], item.src_strides[0], item.dst_strides[0]) = (4096, 1, 1);
+        let mut out = vec![0u8; 4096];
+        for backend in [Backend::Mmap, Backend::Pread, Backend::Auto] {
+            let opts = ExecOptions {
+                backend,
+                ..ExecOptions::default()
+            };
+            let dest = [DestBuf::from_mut_slice(&mut out, Dtype::U8)];
+            assert!(execute(std::slice::from_ref(&h), &dest, &[item], &opts).is_ok());
+        }
+        let bad = write_file(
+            dir.path(),
+            "inject-panic.safetensors",
+            &[("w", Dtype::U8, vec![4096], vec![0; 4096])],
+        );
+        let dest = [DestBuf::from_mut_slice(&mut out, Dtype::U8)];
+        let r = execute(
+            &[bad],
+            &dest,
+            &[item],
+            &ExecOptions {
+                threads: Some(2),
+                ..ExecOptions::default()
+            },
+        );
+        match r {
+            Err(LoadError::WorkerPanicked { message }) => assert!(message.contains("injected")),
+            other => panic!("{other:?}"),
+        }
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&h.path)
+            .unwrap();
+        f.set_len(1000).unwrap();
+        for backend in [Backend::Mmap, Backend::Pread, Backend::Auto] {
+            let opts = ExecOptions {
+                backend,
+                ..ExecOptions::default()
+            };
+            let dest = [DestBuf::from_mut_slice(&mut out, Dtype::U8)];
+            match execute(std::slice::from_ref(&h), &dest, &[item], &opts) {
+                Err(LoadError::Truncated {
+                    expected,
+                    actual: 1000,
+                    ..
+                }) => assert_eq!(expected, h.file_len),
+                other => panic!("{other:?}"),
+            }
+        }
+        f.set_len(h.file_len).unwrap();
+        let dest = [DestBuf::from_mut_slice(&mut out, Dtype::U8)];
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        f.set_len(h.file_len + 1).unwrap();
+        assert!(matches!(
+            execute(
+                std::slice::from_ref(&h),
+                &dest,
+                &[item],
+                &ExecOptions::default()
+            ),
+            Err(LoadError::Changed { .. })
+        ));
+    }
+}

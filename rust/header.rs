@@ -1,0 +1,630 @@
+//! Strict safetensors header parsing.
+//!
+//! A safetensors file is an 8-byte little-endian header length `n`, `n` bytes of UTF-8 JSON (an object
+//! mapping tensor names to `{"dtype", "shape", "data_offsets"}` plus an optional `"__metadata__"`
+//! string-to-string object, padded with trailing spaces), then the data section. This parser rejects
+//! everything the format does not allow: a length over [`MAX_HEADER_LEN`] or past the end of the file,
+//! invalid UTF-8, duplicate keys at any level, unknown dtypes, non-integer or negative shapes, byte ranges
+//! that disagree with dtype and shape, and tensors that overlap, leave holes or do not cover the data
+//! section exactly. Sizes are computed with checked arithmetic, and nothing is allocated from a header
+//! field before it has been checked against the file size. It reads files but maps nothing.
+//!
+//! ```
+//! use hp_fastload::Header;
+//! let json = br#"{"w":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}}  "#;
+//! let mut bytes = (json.len() as u64).to_le_bytes().to_vec();
+//! bytes.extend_from_slice(json);
+//! bytes.extend_from_slice(&[7, 9]);
+//! let header = Header::parse("mem.safetensors".as_ref(), &bytes, bytes.len() as u64).unwrap();
+//! assert_eq!(header.tensors[0].name, "w");
+//! assert_eq!(header.data_start, 8 + json.len() as u64);
+//! ```
+
+use std::collections::HashMap;
+use std::fmt;
+use std::fs::File;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+use serde::de::{self, Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
+use serde_json::{Map, Number, Value};
+
+use crate::dtype::Dtype;
+use crate::error::LoadError;
+
+/// The largest header accepted, in bytes (the limit safetensors itself uses).
+pub const MAX_HEADER_LEN: u64 = 100_000_000;
+
+/// One tensor of a safetensors file.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorInfo {
+    /// The tensor's key.
+    pub name: String,
+    /// Element type.
+    pub dtype: Dtype,
+    /// Shape (empty for a 0-d tensor).
+    pub shape: Vec<u64>,
+    /// First byte, relative to the start of the data section.
+    pub begin: u64,
+    /// One past the last byte, relative to the start of the data section.
+    pub end: u64,
+}
+
+impl TensorInfo {
+    /// Number of elements (1 for a 0-d tensor); fits in `u64` because the header was validated.
+    pub fn numel(&self) -> u64 {
+        self.shape.iter().product()
+    }
+}
+
+/// Identity of a file when its header was read; a later read refuses a file that changed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FileIdentity {
+    /// Device number.
+    pub dev: u64,
+    /// Inode number.
+    pub ino: u64,
+    /// Modification time in nanoseconds since the epoch.
+    pub mtime_ns: i128,
+}
+
+impl FileIdentity {
+    /// The identity of an open file.
+    pub fn of(meta: &std::fs::Metadata) -> Self {
+        use std::os::unix::fs::MetadataExt;
+        FileIdentity {
+            dev: meta.dev(),
+            ino: meta.ino(),
+            mtime_ns: i128::from(meta.mtime()) * 1_000_000_000 + i128::from(meta.mtime_nsec()),
+        }
+    }
+}
+
+/// A validated safetensors header.
+#[derive(Clone, Debug)]
+pub struct Header {
+    /// The file it was read from.
+    pub path: PathBuf,
+    /// File size when the header was read; the data section ends here.
+    pub file_len: u64,
+    /// Absolute offset of the data section (8 + header length).
+    pub data_start: u64,
+    /// The `__metadata__` entries in file order, if present.
+    pub metadata: Option<Vec<(String, String)>>,
+    /// Tensors in data-offset order.
+    pub tensors: Vec<TensorInfo>,
+    /// The file's identity when read (`None` for headers parsed from memory).
+    pub identity: Option<FileIdentity>,
+    index: HashMap<String, usize>,
+}
+
+impl Header {
+    /// Opens `path` and parses its header.
+    pub fn read(path: &Path) -> Result<Header, LoadError> {
+        let mut file = File::open(path).map_err(|e| LoadError::io(path, &e))?;
+        let meta = file.metadata().map_err(|e| LoadError::io(path, &e))?;
+        if meta.is_dir() {
+            return Err(LoadError::Io {
+                path: path.to_path_buf(),
+                kind: std::io::ErrorKind::IsADirectory,
+                errno: Some(libc::EISDIR),
+                message: "is a directory".into(),
+            });
+        }
+        let file_len = meta.len();
+        if file_len < 8 {
+            return Err(LoadError::header(
+                path,
+                format!("file has {file_len} bytes, fewer than the 8-byte length prefix"),
+            ));
+        }
+        let mut len_bytes = [0u8; 8];
+        read_exact(&mut file, &mut len_bytes, path, 0, file_len)?;
+        let n = check_len(path, u64::from_le_bytes(len_bytes), file_len)?;
+        let mut buf = vec![0u8; 8 + n as usize];
+        buf[..8].copy_from_slice(&len_bytes);
+        read_exact(&mut file, &mut buf[8..], path, 8, file_len)?;
+        let mut header = Header::parse(path, &buf, file_len)?;
+        header.identity = Some(FileIdentity::of(&meta));
+        Ok(header)
+    }
+
+    /// Parses a header from `bytes` (at least the length prefix and the JSON) of a file of `file_len` bytes.
+    pub fn parse(path: &Path, bytes: &[u8], file_len: u64) -> Result<Header, LoadError> {
+        let err = |reason: String| LoadError::header(path, reason);
+        if bytes.len() < 8 || file_len < 8 {
+            return Err(err(format!(
+                "file has {file_len} bytes, fewer than the 8-byte length prefix"
+            )));
+        }
+        let raw_len = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes"));
+        let n = check_len(path, raw_len, file_len)?;
+        let json_bytes = bytes
+            .get(8..8 + n as usize)
+            .ok_or_else(|| err(format!("header of {n} bytes is cut short")))?;
+        let text = std::str::from_utf8(json_bytes).map_err(|e| {
+            err(format!(
+                "header is not valid UTF-8 (byte {} of the JSON)",
+                e.valid_up_to()
+            ))
+        })?;
+        let mut de = serde_json::Deserializer::from_str(text);
+        let StrictValue(value) = StrictValue::deserialize(&mut de)
+            .map_err(|e| err(format!("header is not valid JSON: {e}")))?;
+        de.end()
+            .map_err(|e| err(format!("unexpected text after the JSON object: {e}")))?;
+        let Value::Object(top) = value else {
+            return Err(err(format!(
+                "header JSON is {}, expected an object",
+                kind(&value)
+            )));
+        };
+        let data_start = 8 + n;
+        let data_len = file_len - data_start;
+        let mut metadata = None;
+        let mut tensors = Vec::with_capacity(top.len());
+        for (name, entry) in top {
+            if name == "__metadata__" {
+                metadata = parse_metadata(&entry).map_err(err)?;
+                continue;
+            }
+            tensors.push(parse_tensor(name, &entry).map_err(err)?);
+        }
+        tensors.sort_by_key(|t| (t.begin, t.end));
+        let mut covered = 0u64;
+        for t in &tensors {
+            if t.begin < covered {
+                return Err(err(format!(
+                    "tensor '{}' at data_offsets [{}, {}] overlaps the previous tensor, which ends at {covered}",
+                    t.name, t.begin, t.end
+                )));
+            }
+            if t.begin > covered {
+                return Err(err(format!(
+                    "hole in the data section: bytes {covered}..{} belong to no tensor (next is '{}')",
+                    t.begin, t.name
+                )));
+            }
+            covered = t.end;
+        }
+        if covered != data_len {
+            return Err(err(format!(
+                "tensors cover {covered} bytes but the data section has {data_len} (file of {file_len} \
+                 bytes, header of {n})"
+            )));
+        }
+        let index = tensors
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.name.clone(), i))
+            .collect();
+        Ok(Header {
+            path: path.to_path_buf(),
+            file_len,
+            data_start,
+            metadata,
+            tensors,
+            identity: None,
+            index,
+        })
+    }
+
+    /// Position in [`Header::tensors`] of the tensor called `name`.
+    pub fn index(&self, name: &str) -> Option<usize> {
+        self.index.get(name).copied()
+    }
+}
+
+fn read_exact(
+    file: &mut File,
+    buf: &mut [u8],
+    path: &Path,
+    at: u64,
+    file_len: u64,
+) -> Result<(), LoadError> {
+    match file.read_exact(buf) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => Err(LoadError::Truncated {
+            path: path.to_path_buf(),
+            expected: at + buf.len() as u64,
+            actual: file_len,
+        }),
+        Err(e) => Err(LoadError::io(path, &e)),
+    }
+}
+
+fn check_len(path: &Path, n: u64, file_len: u64) -> Result<u64, LoadError> {
+    if n > MAX_HEADER_LEN {
+        return Err(LoadError::header(
+            path,
+            format!("header length {n} exceeds the limit of {MAX_HEADER_LEN} bytes"),
+        ));
+    }
+    if n > file_len.saturating_sub(8) {
+        return Err(LoadError::header(
+            path,
+            format!("header length {n} runs past the end of the file ({file_len} bytes)"),
+        ));
+    }
+    Ok(n)
+}
+
+fn kind(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+fn parse_metadata(entry: &Value) -> Result<Option<Vec<(String, String)>>, String> {
+    match entry {
+        Value::Null => Ok(None),
+        Value::Object(map) => map
+            .iter()
+            .map(|(k, v)| match v {
+                Value::String(s) => Ok((k.clone(), s.clone())),
+                other => Err(format!(
+                    "__metadata__ value for '{k}' is {}, expected a string",
+                    kind(other)
+                )),
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map(Some),
+        other => Err(format!(
+            "__metadata__ is {}, expected an object of strings",
+            kind(other)
+        )),
+    }
+}
+
+fn parse_tensor(name: String, entry: &Value) -> Result<TensorInfo, String> {
+    let Value::Object(fields) = entry else {
+        return Err(format!(
+            "tensor '{name}' is {}, expected an object",
+            kind(entry)
+        ));
+    };
+    let field = |key: &str| {
+        fields
+            .get(key)
+            .ok_or_else(|| format!("tensor '{name}' has no '{key}'"))
+    };
+    let dtype = match field("dtype")? {
+        Value::String(s) => {
+            Dtype::from_name(s).ok_or_else(|| format!("tensor '{name}' has unknown dtype '{s}'"))?
+        }
+        other => {
+            return Err(format!(
+                "tensor '{name}': dtype is {}, expected a string",
+                kind(other)
+            ))
+        }
+    };
+    let ints = |key: &str| -> Result<Vec<u64>, String> {
+        let Value::Array(items) = field(key)? else {
+            return Err(format!("tensor '{name}': {key} is not an array"));
+        };
+        items
+            .iter()
+            .map(|v| {
+                v.as_u64().ok_or_else(|| {
+                    format!("tensor '{name}': {key} entry {v} is not a non-negative integer")
+                })
+            })
+            .collect()
+    };
+    let shape = ints("shape")?;
+    let offsets = ints("data_offsets")?;
+    let [begin, end] = offsets[..] else {
+        return Err(format!(
+            "tensor '{name}': data_offsets has {} entries, expected 2",
+            offsets.len()
+        ));
+    };
+    if end < begin {
+        return Err(format!(
+            "tensor '{name}': data_offsets [{begin}, {end}] end before they begin"
+        ));
+    }
+    let numel = shape
+        .iter()
+        .try_fold(1u64, |acc, &d| acc.checked_mul(d))
+        .ok_or_else(|| format!("tensor '{name}': shape {shape:?} overflows the element count"))?;
+    let bits = numel.checked_mul(dtype.bits()).ok_or_else(|| {
+        format!("tensor '{name}': shape {shape:?} of {dtype} overflows the byte size")
+    })?;
+    let nbytes = bits.div_ceil(8);
+    if end - begin != nbytes {
+        return Err(format!(
+            "tensor '{name}': data_offsets [{begin}, {end}] hold {} bytes but dtype {dtype} and shape \
+             {shape:?} need {nbytes}",
+            end - begin
+        ));
+    }
+    Ok(TensorInfo {
+        name,
+        dtype,
+        shape,
+        begin,
+        end,
+    })
+}
+
+/// A JSON value that refuses duplicate object keys at every level (serde_json keeps the last silently).
+struct StrictValue(Value);
+
+impl<'de> Deserialize<'de> for StrictValue {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(StrictVisitor).map(StrictValue)
+    }
+}
+
+struct StrictVisitor;
+
+impl<'de> Visitor<'de> for StrictVisitor {
+    type Value = Value;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a JSON value")
+    }
+    fn visit_bool<E: de::Error>(self, v: bool) -> Result<Value, E> {
+        Ok(Value::Bool(v))
+    }
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<Value, E> {
+        Ok(Value::Number(v.into()))
+    }
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<Value, E> {
+        Ok(Value::Number(v.into()))
+    }
+    fn visit_f64<E: de::Error>(self, v: f64) -> Result<Value, E> {
+        Ok(Number::from_f64(v).map_or(Value::Null, Value::Number))
+    }
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<Value, E> {
+        Ok(Value::String(v.to_owned()))
+    }
+    fn visit_string<E: de::Error>(self, v: String) -> Result<Value, E> {
+        Ok(Value::String(v))
+    }
+    fn visit_unit<E: de::Error>(self) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+    fn visit_none<E: de::Error>(self) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
+        let mut out = Vec::new();
+        while let Some(StrictValue(v)) = seq.next_element()? {
+            out.push(v);
+        }
+        Ok(Value::Array(out))
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
+        let mut out = Map::new();
+        while let Some(key) = map.next_key::<String>()? {
+            if out.contains_key(&key) {
+                return Err(de::Error::custom(format_args!("duplicate key '{key}'")));
+            }
+            let StrictValue(v) = map.next_value()?;
+            out.insert(key, v);
+        }
+        Ok(Value::Object(out))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn file(json: &str, data_len: usize) -> Vec<u8> {
+        let mut b = (json.len() as u64).to_le_bytes().to_vec();
+        b.extend_from_slice(json.as_bytes());
+        b.resize(b.len() + data_len, 0xab);
+        b
+    }
+
+    fn parse(bytes: &[u8]) -> Result<Header, LoadError> {
+        Header::parse(Path::new("t.safetensors"), bytes, bytes.len() as u64)
+    }
+
+    fn reject(bytes: &[u8], needle: &str) {
+        match parse(bytes) {
+            Err(LoadError::Header { reason, .. }) => {
+                assert!(
+                    reason.contains(needle),
+                    "reason {reason:?} lacks {needle:?}"
+                )
+            }
+            other => panic!("expected a header error containing {needle:?}, got {other:?}"),
+        }
+    }
+
+    const OK: &str = r#"{"__metadata__":{"format":"pt"},"b":{"dtype":"BF16","shape":[2,3],"data_offsets":[4,16]},"a":{"dtype":"F32","shape":[],"data_offsets":[0,4]}}"#;
+
+    #[test]
+    fn accepts_valid_and_sorts_by_offset() {
+        let h = parse(&file(OK, 16)).unwrap();
+        assert_eq!(
+            h.tensors
+                .iter()
+                .map(|t| t.name.as_str())
+                .collect::<Vec<_>>(),
+            ["a", "b"]
+        );
+        assert_eq!(h.metadata, Some(vec![("format".into(), "pt".into())]));
+        assert_eq!(h.index("b"), Some(1));
+        assert_eq!(h.index("c"), None);
+        assert_eq!(h.tensors[0].numel(), 1);
+        assert_eq!(h.data_start, 8 + OK.len() as u64);
+    }
+
+    #[test]
+    fn accepts_trailing_spaces_and_empty() {
+        let padded = format!("{OK}      ");
+        assert!(parse(&file(&padded, 16)).is_ok());
+        assert!(parse(&file("{}", 0)).unwrap().tensors.is_empty());
+        let sub = r#"{"f":{"dtype":"F4","shape":[3],"data_offsets":[0,2]}}"#;
+        assert!(parse(&file(sub, 2)).is_ok());
+    }
+
+    #[test]
+    fn rejects_bad_lengths() {
+        reject(&[1, 2, 3], "fewer than the 8-byte");
+        let mut b = file(OK, 16);
+        b[..8].copy_from_slice(&(MAX_HEADER_LEN + 1).to_le_bytes());
+        reject(&b, "exceeds the limit");
+        let len = b.len() as u64;
+        b[..8].copy_from_slice(&len.to_le_bytes());
+        reject(&b, "past the end of the file");
+        b[..8].copy_from_slice(&u64::MAX.to_le_bytes());
+        reject(&b, "exceeds the limit");
+    }
+
+    #[test]
+    fn rejects_bad_json() {
+        let mut b = file(r#"{"a":1}"#, 0);
+        b[10] = 0xff;
+        reject(&b, "not valid UTF-8");
+        reject(&file("[1, 2]", 0), "expected an object");
+        reject(&file(r#"{"a":"#, 0), "not valid JSON");
+        reject(&file(r#"{} x"#, 0), "unexpected text");
+        reject(&file("{}\0\0", 0), "unexpected text");
+    }
+
+    #[test]
+    fn rejects_bad_metadata() {
+        reject(&file(r#"{"__metadata__":{"a":1}}"#, 0), "expected a string");
+        reject(
+            &file(r#"{"__metadata__":[1]}"#, 0),
+            "expected an object of strings",
+        );
+    }
+
+    #[test]
+    fn rejects_bad_tensors() {
+        reject(
+            &file(
+                r#"{"a":{"dtype":"F8","shape":[1],"data_offsets":[0,1]}}"#,
+                1,
+            ),
+            "unknown dtype 'F8'",
+        );
+        reject(
+            &file(
+                r#"{"a":{"dtype":"U8","shape":[-1],"data_offsets":[0,1]}}"#,
+                1,
+            ),
+            "non-negative",
+        );
+        reject(
+            &file(
+                r#"{"a":{"dtype":"U8","shape":[1.0],"data_offsets":[0,1]}}"#,
+                1,
+            ),
+            "non-negative",
+        );
+        reject(
+            &file(r#"{"a":{"dtype":"U8","shape":[1],"data_offsets":[0]}}"#, 1),
+            "expected 2",
+        );
+        reject(
+            &file(r#"{"a":{"dtype":"U8","shape":[1]}}"#, 1),
+            "no 'data_offsets'",
+        );
+        reject(&file(r#"{"a":[1]}"#, 1), "expected an object");
+        reject(
+            &file(
+                r#"{"a":{"dtype":"U8","shape":[2],"data_offsets":[1,0]}}"#,
+                1,
+            ),
+            "end before",
+        );
+        reject(
+            &file(
+                r#"{"a":{"dtype":"I16","shape":[2],"data_offsets":[0,3]}}"#,
+                3,
+            ),
+            "need 4",
+        );
+        reject(
+            &file(
+                r#"{"a":{"dtype":"U8","shape":[4294967296,4294967296],"data_offsets":[0,0]}}"#,
+                0,
+            ),
+            "overflows the element count",
+        );
+        reject(
+            &file(
+                r#"{"a":{"dtype":"F64","shape":[4294967296,1073741824],"data_offsets":[0,0]}}"#,
+                0,
+            ),
+            "overflows the byte size",
+        );
+    }
+
+    #[test]
+    fn rejects_bad_layouts() {
+        let overlap = r#"{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},"b":{"dtype":"U8","shape":[2],"data_offsets":[2,4]}}"#;
+        reject(&file(overlap, 4), "overlaps");
+        let hole = r#"{"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]},"b":{"dtype":"U8","shape":[2],"data_offsets":[3,5]}}"#;
+        reject(&file(hole, 5), "hole");
+        let short = r#"{"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}}"#;
+        reject(&file(short, 3), "cover 2 bytes but the data section has 3");
+        reject(&file(short, 1), "cover 2 bytes but the data section has 1");
+    }
+
+    #[test]
+    fn rejects_duplicate_keys_at_any_level() {
+        let dup = r#"{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}"#;
+        reject(&file(dup, 1), "duplicate key 'a'");
+        let escaped = r#"{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"\u0061":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}"#;
+        reject(&file(escaped, 1), "duplicate key 'a'");
+        let inner = r#"{"a":{"dtype":"U8","dtype":"I8","shape":[1],"data_offsets":[0,1]}}"#;
+        reject(&file(inner, 1), "duplicate key 'dtype'");
+        reject(
+            &file(r#"{"__metadata__":{"k":"1","k":"2"}}"#, 0),
+            "duplicate key 'k'",
+        );
+    }
+
+    #[test]
+    fn read_maps_io_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let missing = dir.path().join("missing.safetensors");
+        assert!(matches!(
+            Header::read(&missing),
+            Err(LoadError::NotFound { .. })
+        ));
+        assert!(matches!(
+            Header::read(dir.path()),
+            Err(LoadError::Io { .. })
+        ));
+        let p = dir.path().join("ok.safetensors");
+        std::fs::write(&p, file(OK, 16)).unwrap();
+        let h = Header::read(&p).unwrap();
+        assert!(h.identity.is_some());
+        assert_eq!(h.file_len, 8 + OK.len() as u64 + 16);
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 3000, ..ProptestConfig::default() })]
+        #[test]
+        fn random_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..200)) {
+            let _ = parse(&bytes);
+        }
+
+        #[test]
+        fn mutated_headers_never_panic(pos in 0usize..200, byte in any::<u8>(), cut in 0usize..200) {
+            let mut b = file(OK, 16);
+            let p = pos % b.len();
+            b[p] = byte;
+            b.truncate(b.len() - cut.min(b.len()));
+            let _ = parse(&b);
+            let _ = Header::parse(Path::new("t"), &b, (b.len() as u64).saturating_add(cut as u64));
+        }
+    }
+}

@@ -1,0 +1,53 @@
+//! hp_fastload's engine: strided, parallel, casting reads of safetensors tensors into caller memory.
+//!
+//! The crate parses safetensors headers strictly ([`Header`]), validates batches of read requests
+//! ([`Item`]s: a strided box of a tensor into a strided box of a [`DestBuf`]), turns them into runs sorted by
+//! file offset, and copies them with scoped worker threads from a read-only memory map or with `pread`,
+//! converting floating types on the way ([`execute`]). It knows nothing of Python: the `python` feature adds
+//! the `hp_fastload._core` extension module in `python.rs`.
+//!
+//! Memory-map contract: a mapped file must not be truncated or rewritten while [`execute`] runs. Files are
+//! checked with `fstat` before each call (a file shorter than its header says gives
+//! [`LoadError::Truncated`], never SIGBUS), and maps are not kept between calls.
+//!
+//! ```
+//! use std::sync::Arc;
+//! use hp_fastload::{execute, DestBuf, Dtype, ExecOptions, Header, Item};
+//! let dir = tempfile::tempdir().unwrap();
+//! let path = dir.path().join("m.safetensors");
+//! let json = br#"{"w":{"dtype":"BF16","shape":[2,2],"data_offsets":[0,8]}}"#;
+//! let mut bytes = (json.len() as u64).to_le_bytes().to_vec();
+//! bytes.extend_from_slice(json);
+//! for v in [1.0f32, 2.0, 3.0, 4.0] {
+//!     bytes.extend_from_slice(&((v.to_bits() >> 16) as u16).to_le_bytes());
+//! }
+//! std::fs::write(&path, &bytes).unwrap();
+//! let header = Arc::new(Header::read(&path).unwrap());
+//! // Column 1 of the [2, 2] tensor, as f32.
+//! let mut out = [0u8; 8];
+//! let mut item = Item { ndim: 1, src_base: 1, ..Item::default() };
+//! (item.lengths[0], item.src_strides[0], item.dst_strides[0]) = (2, 2, 1);
+//! let dest = [DestBuf::from_mut_slice(&mut out, Dtype::F32)];
+//! execute(&[header], &dest, &[item], &ExecOptions::default()).unwrap();
+//! assert_eq!(f32::from_le_bytes(out[4..].try_into().unwrap()), 4.0);
+//! ```
+
+#![deny(unsafe_code)]
+#![warn(missing_docs)]
+
+pub mod dest;
+pub mod dtype;
+pub mod error;
+pub mod exec;
+pub mod header;
+mod mmap;
+#[cfg(feature = "python")]
+mod python;
+pub mod region;
+
+pub use dest::DestBuf;
+pub use dtype::Dtype;
+pub use error::LoadError;
+pub use exec::{execute, Backend, ExecOptions, ExecStats};
+pub use header::{Header, TensorInfo};
+pub use region::{Item, MAX_NDIM};

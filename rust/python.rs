@@ -1,0 +1,284 @@
+//! The `hp_fastload._core` extension module: the only file that uses pyo3.
+//!
+//! It extracts arguments into plain Rust values while attached to the interpreter, then detaches (releases
+//! the GIL) for header parsing, validation and reading, and maps [`LoadError`] onto the exception classes
+//! of `hp_fastload.errors` (imported when an error is raised) and the builtin `OSError` family.
+//!
+//! Contract of `execute`: each destination triple `(address, nbytes, dtype code)` must describe memory that
+//! stays valid and is not touched by anyone else until the call returns (the Python layer passes the
+//! storages of live CPU tensors and keeps references to them).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use pyo3::exceptions::{PyFileNotFoundError, PyOSError, PyPermissionError, PyRuntimeError};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyTuple};
+
+use crate::dtype::{Dtype, ALL_DTYPES};
+use crate::error::LoadError;
+use crate::exec::{execute as execute_batch, Backend, ExecOptions};
+use crate::header::Header;
+use crate::region::{Item, MAX_NDIM};
+
+/// int64 fields per packed item: file, tensor, src_base, dest, dst_base, ndim, then lengths, source
+/// strides and destination strides, `MAX_NDIM` each.
+const ITEM_WIDTH: usize = 6 + 3 * MAX_NDIM;
+
+fn raise(py: Python<'_>, class: &str, message: String) -> PyErr {
+    let made = py
+        .import("hp_fastload.errors")
+        .and_then(|m| m.getattr(class))
+        .and_then(|cls| cls.call1((message.clone(),)));
+    match made {
+        Ok(exc) => PyErr::from_value(exc),
+        Err(_) => PyRuntimeError::new_err(message),
+    }
+}
+
+fn to_py(py: Python<'_>, err: LoadError) -> PyErr {
+    let message = err.to_string();
+    match err {
+        LoadError::NotFound { path } => PyFileNotFoundError::new_err((
+            libc::ENOENT,
+            "no such file or directory",
+            path.to_string_lossy().into_owned(),
+        )),
+        LoadError::PermissionDenied { path } => PyPermissionError::new_err((
+            libc::EACCES,
+            "permission denied",
+            path.to_string_lossy().into_owned(),
+        )),
+        LoadError::Io {
+            path,
+            errno: Some(errno),
+            message,
+            ..
+        } => PyOSError::new_err((errno, message, path.to_string_lossy().into_owned())),
+        LoadError::Io { .. } => PyOSError::new_err(message),
+        LoadError::Header { .. } => raise(py, "HeaderError", message),
+        LoadError::Request { .. } => raise(py, "PlanError", message),
+        LoadError::Truncated { .. } | LoadError::Changed { .. } => raise(py, "ReadError", message),
+        LoadError::WorkerPanicked { .. } => raise(py, "HpFastloadError", message),
+    }
+}
+
+/// A parsed, validated safetensors header.
+#[pyclass(frozen, module = "hp_fastload._core")]
+struct SafetensorsHeader {
+    inner: Arc<Header>,
+}
+
+#[pymethods]
+impl SafetensorsHeader {
+    #[new]
+    fn new(py: Python<'_>, path: PathBuf) -> PyResult<Self> {
+        let header = py
+            .detach(|| Header::read(&path))
+            .map_err(|e| to_py(py, e))?;
+        Ok(SafetensorsHeader {
+            inner: Arc::new(header),
+        })
+    }
+
+    #[getter]
+    fn path(&self) -> String {
+        self.inner.path.to_string_lossy().into_owned()
+    }
+
+    #[getter]
+    fn file_size(&self) -> u64 {
+        self.inner.file_len
+    }
+
+    #[getter]
+    fn data_start(&self) -> u64 {
+        self.inner.data_start
+    }
+
+    fn metadata<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let Some(meta) = &self.inner.metadata else {
+            return Ok(None);
+        };
+        let dict = PyDict::new(py);
+        for (k, v) in meta {
+            dict.set_item(k, v)?;
+        }
+        Ok(Some(dict))
+    }
+
+    fn __len__(&self) -> usize {
+        self.inner.tensors.len()
+    }
+
+    fn names(&self) -> Vec<String> {
+        self.inner.tensors.iter().map(|t| t.name.clone()).collect()
+    }
+
+    fn entries<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyTuple>>> {
+        self.inner
+            .tensors
+            .iter()
+            .map(|t| {
+                let shape = PyTuple::new(py, &t.shape)?;
+                PyTuple::new(
+                    py,
+                    [
+                        t.name.as_str().into_pyobject(py)?.into_any(),
+                        t.dtype.name().into_pyobject(py)?.into_any(),
+                        shape.into_any(),
+                        t.begin.into_pyobject(py)?.into_any(),
+                        t.end.into_pyobject(py)?.into_any(),
+                    ],
+                )
+            })
+            .collect()
+    }
+
+    fn index(&self, name: &str) -> PyResult<usize> {
+        self.inner
+            .index(name)
+            .ok_or_else(|| pyo3::exceptions::PyKeyError::new_err(name.to_string()))
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "SafetensorsHeader({:?}, tensors={})",
+            self.inner.path,
+            self.inner.tensors.len()
+        )
+    }
+}
+
+fn int64s(bytes: &[u8]) -> impl Iterator<Item = i64> + '_ {
+    bytes
+        .chunks_exact(8)
+        .map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes")))
+}
+
+fn plan_error(py: Python<'_>, message: String) -> PyErr {
+    raise(py, "PlanError", message)
+}
+
+/// Reads a batch of strided boxes into caller memory; see `_core.pyi`.
+#[pyfunction]
+#[pyo3(signature = (headers, dests, items, threads=None, backend="auto"))]
+fn execute<'py>(
+    py: Python<'py>,
+    headers: Vec<PyRef<'py, SafetensorsHeader>>,
+    dests: &[u8],
+    items: &[u8],
+    threads: Option<i64>,
+    backend: &str,
+) -> PyResult<Bound<'py, PyDict>> {
+    let files: Vec<Arc<Header>> = headers.iter().map(|h| h.inner.clone()).collect();
+    if dests.len() % 24 != 0 {
+        return Err(plan_error(
+            py,
+            format!("dests has {} bytes, not a multiple of 24", dests.len()),
+        ));
+    }
+    let mut triples = Vec::with_capacity(dests.len() / 24);
+    let values: Vec<i64> = int64s(dests).collect();
+    for (i, t) in values.chunks_exact(3).enumerate() {
+        let dtype = Dtype::from_code(t[2]).ok_or_else(|| {
+            plan_error(py, format!("destination {i}: unknown dtype code {}", t[2]))
+        })?;
+        let (Ok(addr), Ok(nbytes)) = (usize::try_from(t[0]), usize::try_from(t[1])) else {
+            return Err(plan_error(
+                py,
+                format!(
+                    "destination {i}: address {} or size {} is negative",
+                    t[0], t[1]
+                ),
+            ));
+        };
+        if addr == 0 && nbytes > 0 {
+            return Err(plan_error(py, format!("destination {i}: null address")));
+        }
+        if addr.checked_add(nbytes).is_none() {
+            return Err(plan_error(
+                py,
+                format!("destination {i}: address range overflows"),
+            ));
+        }
+        triples.push((addr, nbytes, dtype));
+    }
+    if items.len() % (ITEM_WIDTH * 8) != 0 {
+        return Err(plan_error(
+            py,
+            format!(
+                "items has {} bytes, not a multiple of {} ({ITEM_WIDTH} int64 each)",
+                items.len(),
+                ITEM_WIDTH * 8
+            ),
+        ));
+    }
+    let values: Vec<i64> = int64s(items).collect();
+    let items: Vec<Item> = values
+        .chunks_exact(ITEM_WIDTH)
+        .map(|v| {
+            let mut item = Item {
+                file: v[0],
+                tensor: v[1],
+                src_base: v[2],
+                dest: v[3],
+                dst_base: v[4],
+                ndim: v[5],
+                ..Item::default()
+            };
+            item.lengths.copy_from_slice(&v[6..6 + MAX_NDIM]);
+            item.src_strides
+                .copy_from_slice(&v[6 + MAX_NDIM..6 + 2 * MAX_NDIM]);
+            item.dst_strides
+                .copy_from_slice(&v[6 + 2 * MAX_NDIM..6 + 3 * MAX_NDIM]);
+            item
+        })
+        .collect();
+    let threads = match threads {
+        None => None,
+        Some(n) if n >= 1 => Some(n as usize),
+        Some(n) => {
+            return Err(plan_error(
+                py,
+                format!("threads must be at least 1, got {n}"),
+            ))
+        }
+    };
+    let backend: Backend = backend.parse().map_err(|e| to_py(py, e))?;
+    let opts = ExecOptions {
+        threads,
+        backend,
+        ..ExecOptions::default()
+    };
+    let stats = py
+        .detach(move || {
+            let dests = crate::dest::from_python(&triples);
+            execute_batch(&files, &dests, &items, &opts)
+        })
+        .map_err(|e| to_py(py, e))?;
+    let out = PyDict::new(py);
+    out.set_item("bytes_copied", stats.bytes_copied)?;
+    out.set_item("bytes_read_from_files", stats.bytes_read_from_files)?;
+    out.set_item("runs", stats.runs)?;
+    out.set_item("spans", stats.spans)?;
+    out.set_item("backend", stats.backend)?;
+    out.set_item("threads", stats.threads)?;
+    Ok(out)
+}
+
+/// The `hp_fastload._core` module.
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<SafetensorsHeader>()?;
+    m.add_function(wrap_pyfunction!(execute, m)?)?;
+    m.add("MAX_NDIM", MAX_NDIM)?;
+    m.add("ITEM_WIDTH", ITEM_WIDTH)?;
+    let codes = PyDict::new(m.py());
+    for d in ALL_DTYPES {
+        codes.set_item(d.name(), d.code())?;
+    }
+    m.add("DTYPE_CODES", codes)?;
+    m.add("DEFAULT_THREADS", crate::exec::default_threads())?;
+    Ok(())
+}

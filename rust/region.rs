@@ -1,0 +1,621 @@
+//! Read requests ([`Item`]s) → validated runs.
+//!
+//! An item asks for a strided box of one tensor to be written into a strided box of one destination buffer.
+//! [`plan`] checks every item before anything is read (indices, non-negative lengths and strides, source
+//! elements inside the tensor, destination bytes inside the buffer, the cast, sub-byte alignment, and that
+//! no two destination bytes are written twice), then turns each item into runs: dimensions that are
+//! contiguous on both sides are merged, one dimension becomes the run (the one with unit destination
+//! stride when there is one, so a transposed block gives runs with a strided source, never 1-element
+//! runs), and the others are iterated. It owns no I/O and no pointers.
+//!
+//! ```
+//! use hp_fastload::{Item, MAX_NDIM};
+//! // Rows 2..4 of a [4, 8] tensor into a contiguous [2, 8] destination.
+//! let mut item = Item { ndim: 2, src_base: 16, ..Item::default() };
+//! item.lengths[..2].copy_from_slice(&[2, 8]);
+//! item.src_strides[..2].copy_from_slice(&[8, 1]);
+//! item.dst_strides[..2].copy_from_slice(&[8, 1]);
+//! assert!(item.ndim as usize <= MAX_NDIM);
+//! ```
+
+use std::sync::Arc;
+
+use crate::dest::DestBuf;
+use crate::dtype::Dtype;
+use crate::error::LoadError;
+use crate::header::Header;
+
+/// Most dimensions an item can have.
+pub const MAX_NDIM: usize = 8;
+
+/// One strided box of one tensor to copy into one destination buffer. All numbers are elements (of the
+/// source dtype on the source side, of the destination dtype on the destination side); they are signed so
+/// that values coming from Python can be checked rather than wrapped.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Item {
+    /// Index into the `files` given to [`crate::execute`].
+    pub file: i64,
+    /// Index into that file's [`Header::tensors`].
+    pub tensor: i64,
+    /// Element index in the tensor of the box's first element.
+    pub src_base: i64,
+    /// Index into the destination buffers.
+    pub dest: i64,
+    /// Element index in the destination buffer of the box's first element.
+    pub dst_base: i64,
+    /// Number of dimensions used (0 for a single element).
+    pub ndim: i64,
+    /// Box extent per dimension.
+    pub lengths: [i64; MAX_NDIM],
+    /// Source stride per dimension.
+    pub src_strides: [i64; MAX_NDIM],
+    /// Destination stride per dimension.
+    pub dst_strides: [i64; MAX_NDIM],
+}
+
+/// A 1-d strided copy: `count` elements from the file at `src_off + i * src_stride` to
+/// `dst_addr + i * dst_stride` (bytes). Built only by [`plan`] (and split by the executor), which checked
+/// its bytes; `crate::dest` relies on that.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Run {
+    /// The item it came from.
+    pub item: usize,
+    /// File index.
+    pub file: usize,
+    /// Absolute byte offset in the file of the first element.
+    pub src_off: u64,
+    /// Source byte stride (unused for sub-byte runs, which are dense).
+    pub src_stride: u64,
+    /// Number of elements.
+    pub count: u64,
+    /// Address of the first destination element.
+    pub dst_addr: usize,
+    /// Destination byte stride (unused for sub-byte runs, which are dense).
+    pub dst_stride: usize,
+    /// Source element type.
+    pub src_dtype: Dtype,
+    /// Destination element type.
+    pub dst_dtype: Dtype,
+}
+
+impl Run {
+    fn src_elem_size(&self) -> u64 {
+        self.src_dtype.byte_size().unwrap_or(0) as u64
+    }
+
+    /// Destination element size in bytes (0 for sub-byte types).
+    pub fn dst_elem_size(&self) -> usize {
+        self.dst_dtype.byte_size().unwrap_or(0)
+    }
+
+    /// Whether source elements are adjacent.
+    pub fn src_is_dense(&self) -> bool {
+        self.src_dtype.is_sub_byte() || self.count == 1 || self.src_stride == self.src_elem_size()
+    }
+
+    /// Whether destination elements are adjacent.
+    pub fn dst_is_dense(&self) -> bool {
+        self.dst_dtype.is_sub_byte() || self.count == 1 || self.dst_stride == self.dst_elem_size()
+    }
+
+    /// Bytes from the first source byte to one past the last.
+    pub fn src_extent(&self) -> u64 {
+        if self.src_dtype.is_sub_byte() {
+            self.count * self.src_dtype.bits() / 8
+        } else {
+            (self.count - 1) * self.src_stride + self.src_elem_size()
+        }
+    }
+
+    /// One past the last source byte.
+    pub fn src_end(&self) -> u64 {
+        self.src_off + self.src_extent()
+    }
+
+    /// Bytes written (the destination extent when the destination is dense).
+    pub fn dst_bytes(&self) -> usize {
+        if self.dst_dtype.is_sub_byte() {
+            (self.count * self.dst_dtype.bits() / 8) as usize
+        } else {
+            self.count as usize * self.dst_elem_size()
+        }
+    }
+
+    /// Whether the run is a plain byte copy that can be read straight into the destination.
+    pub fn is_direct(&self) -> bool {
+        self.src_dtype == self.dst_dtype && self.src_is_dense() && self.dst_is_dense()
+    }
+
+    /// Splits the run into consecutive pieces whose source extent is at most `max_extent` bytes (at
+    /// least one element each; sub-byte pieces stay byte aligned).
+    pub fn split(&self, max_extent: u64, out: &mut Vec<Run>) {
+        if self.src_extent() <= max_extent || self.count == 1 {
+            out.push(*self);
+            return;
+        }
+        let (per, src_step, dst_step) = if self.src_dtype.is_sub_byte() {
+            let bits = self.src_dtype.bits();
+            let per = ((max_extent * 8 / bits) / 8 * 8).max(8);
+            (per, per * bits / 8, (per * bits / 8) as usize)
+        } else {
+            let size = self.src_elem_size();
+            let per = max_extent
+                .saturating_sub(size)
+                .checked_div(self.src_stride)
+                .map_or(self.count, |q| q + 1);
+            (per, per * self.src_stride, per as usize * self.dst_stride)
+        };
+        let mut done = 0;
+        while done < self.count {
+            let n = per.min(self.count - done);
+            out.push(Run {
+                src_off: self.src_off + (done / per) * src_step,
+                dst_addr: self.dst_addr + (done / per) as usize * dst_step,
+                count: n,
+                ..*self
+            });
+            done += n;
+        }
+    }
+}
+
+fn request(h: &Header, tensor: Option<usize>, reason: String) -> LoadError {
+    LoadError::Request {
+        path: Some(h.path.clone()),
+        tensor: tensor
+            .and_then(|t| h.tensors.get(t))
+            .map(|t| t.name.clone()),
+        reason,
+    }
+}
+
+fn index(value: i64, len: usize, what: &str, k: usize) -> Result<usize, LoadError> {
+    usize::try_from(value)
+        .ok()
+        .filter(|&v| v < len)
+        .ok_or_else(|| {
+            LoadError::request(format!(
+                "item {k}: {what} index {value} is out of range (0..{len})"
+            ))
+        })
+}
+
+/// Validates every item and turns them into runs. Nothing is read; the destination pointers are only
+/// computed. Errors name the item, the file, the tensor and the numbers.
+pub fn plan(
+    files: &[Arc<Header>],
+    dests: &[DestBuf<'_>],
+    items: &[Item],
+) -> Result<Vec<Run>, LoadError> {
+    let mut runs = Vec::new();
+    for (k, item) in items.iter().enumerate() {
+        plan_item(k, item, files, dests, &mut runs)?;
+    }
+    check_disjoint(&runs, items, dests)?;
+    Ok(runs)
+}
+
+fn plan_item(
+    k: usize,
+    item: &Item,
+    files: &[Arc<Header>],
+    dests: &[DestBuf<'_>],
+    runs: &mut Vec<Run>,
+) -> Result<(), LoadError> {
+    let fi = index(item.file, files.len(), "file", k)?;
+    let h = &files[fi];
+    let ti = index(item.tensor, h.tensors.len(), "tensor", k)?;
+    let tensor = &h.tensors[ti];
+    let di = index(item.dest, dests.len(), "destination", k)?;
+    let dest = &dests[di];
+    let err = |reason: String| request(h, Some(ti), format!("item {k}: {reason}"));
+    let (sd, dd) = (tensor.dtype, dest.dtype());
+    if !sd.can_cast_to(dd) {
+        return Err(err(format!(
+            "cannot convert {sd} to {dd} (only floating types convert to each other)"
+        )));
+    }
+    let ndim = usize::try_from(item.ndim)
+        .ok()
+        .filter(|&n| n <= MAX_NDIM)
+        .ok_or_else(|| err(format!("ndim {} is outside 0..={MAX_NDIM}", item.ndim)))?;
+    let (lengths, ss, ds) = (
+        &item.lengths[..ndim],
+        &item.src_strides[..ndim],
+        &item.dst_strides[..ndim],
+    );
+    for d in 0..ndim {
+        if lengths[d] < 0 || ss[d] < 0 || ds[d] < 0 {
+            return Err(err(format!(
+                "dim {d}: length {}, source stride {} and destination stride {} must be non-negative",
+                lengths[d], ss[d], ds[d]
+            )));
+        }
+    }
+    if item.src_base < 0 || item.dst_base < 0 {
+        return Err(err(format!(
+            "source base {} and destination base {} must be non-negative",
+            item.src_base, item.dst_base
+        )));
+    }
+    if lengths.contains(&0) {
+        return Ok(());
+    }
+    let last = |base: i64, strides: &[i64]| -> u128 {
+        lengths
+            .iter()
+            .zip(strides)
+            .fold(base as u128, |acc, (&l, &s)| {
+                acc + (l as u128 - 1) * s as u128
+            })
+    };
+    let numel = u128::from(tensor.numel());
+    let src_last = last(item.src_base, ss);
+    if src_last >= numel {
+        return Err(err(format!(
+            "box reaches element {src_last} but the tensor has {numel} elements (shape {:?}, box {lengths:?} \
+             from element {})",
+            tensor.shape, item.src_base
+        )));
+    }
+    let dst_last = last(item.dst_base, ds);
+    let dst_end_bytes = ((dst_last + 1) * u128::from(dd.bits())).div_ceil(8);
+    if dst_end_bytes > dest.nbytes() as u128 {
+        return Err(err(format!(
+            "destination {di} has {} bytes but the box writes up to byte {dst_end_bytes} (element {dst_last} \
+             of {dd})",
+            dest.nbytes()
+        )));
+    }
+    // From here on every offset fits: the last source element is inside the tensor, the last destination
+    // byte inside the buffer.
+    let mut dims: Vec<(u64, u64, u64)> = Vec::with_capacity(ndim);
+    for d in 0..ndim {
+        let dim = (lengths[d] as u64, ss[d] as u64, ds[d] as u64);
+        if dim.0 == 1 {
+            continue;
+        }
+        match dims.last_mut() {
+            Some(outer) if outer.1 == dim.0 * dim.1 && outer.2 == dim.0 * dim.2 => {
+                *outer = (outer.0 * dim.0, dim.1, dim.2);
+            }
+            _ => dims.push(dim),
+        }
+    }
+    let run_dim = dims
+        .iter()
+        .rposition(|d| d.2 == 1)
+        .or_else(|| dims.iter().rposition(|d| d.1 == 1))
+        .or(dims.len().checked_sub(1));
+    let (count, run_ss, run_ds) = match run_dim {
+        Some(r) => dims.remove(r),
+        None => (1, 1, 1),
+    };
+    let sub_byte = sd.is_sub_byte();
+    if sub_byte && count > 1 && (run_ss != 1 || run_ds != 1) {
+        return Err(err(format!(
+            "{sd} has elements smaller than a byte and can only be read in dense runs (strides {run_ss} and \
+             {run_ds})"
+        )));
+    }
+    let (sbits, dbits) = (sd.bits(), dd.bits());
+    let data_start = h.data_start + tensor.begin;
+    let mut idx = vec![0u64; dims.len()];
+    loop {
+        let (mut se, mut de) = (item.src_base as u64, item.dst_base as u64);
+        for (i, &(_, s, d)) in idx.iter().zip(&dims) {
+            se += i * s;
+            de += i * d;
+        }
+        if sub_byte && ((se * sbits) % 8 != 0 || (de * dbits) % 8 != 0 || (count * sbits) % 8 != 0)
+        {
+            return Err(err(format!(
+                "{sd} has elements smaller than a byte and can only be read in whole bytes: a run of {count} \
+                 elements from element {se} into element {de} does not start and end on byte boundaries"
+            )));
+        }
+        runs.push(Run {
+            item: k,
+            file: fi,
+            src_off: data_start + se * sbits / 8,
+            src_stride: run_ss * sbits / 8,
+            count,
+            dst_addr: dest.addr() + (de * dbits / 8) as usize,
+            dst_stride: (run_ds * dbits / 8) as usize,
+            src_dtype: sd,
+            dst_dtype: dd,
+        });
+        // Odometer over the remaining dims, innermost fastest.
+        let mut d = dims.len();
+        loop {
+            if d == 0 {
+                return Ok(());
+            }
+            d -= 1;
+            idx[d] += 1;
+            if idx[d] < dims[d].0 {
+                break;
+            }
+            idx[d] = 0;
+        }
+    }
+}
+
+/// The most destination elements expanded one by one to check strided runs for overlap.
+const MAX_EXPANDED: u64 = 1 << 26;
+
+/// Fails if two runs write the same destination byte. Dense runs are intervals; strided runs are
+/// compared by bounding interval first and, only when that is inconclusive, element by element.
+fn check_disjoint(runs: &[Run], items: &[Item], dests: &[DestBuf<'_>]) -> Result<(), LoadError> {
+    let interval = |r: &Run| -> (usize, usize, bool) {
+        if r.dst_is_dense() {
+            (r.dst_addr, r.dst_addr + r.dst_bytes(), false)
+        } else {
+            let end = r.dst_addr + (r.count as usize - 1) * r.dst_stride + r.dst_elem_size();
+            (r.dst_addr, end, true)
+        }
+    };
+    for r in runs {
+        if !r.dst_is_dense() && r.dst_stride == 0 {
+            return Err(overlap_error(r, r, items, dests));
+        }
+    }
+    let mut order: Vec<(usize, usize, bool, usize)> = runs
+        .iter()
+        .enumerate()
+        .map(|(i, r)| {
+            let (a, b, s) = interval(r);
+            (a, b, s, i)
+        })
+        .collect();
+    order.sort_unstable();
+    let mut needs_exact = false;
+    let mut reach: Option<(usize, bool, usize)> = None; // (end, strided, run)
+    for &(start, end, strided, i) in &order {
+        if start == end {
+            continue;
+        }
+        if let Some((max_end, max_strided, j)) = reach {
+            if start < max_end {
+                if !strided && !max_strided {
+                    return Err(overlap_error(&runs[j], &runs[i], items, dests));
+                }
+                needs_exact = true;
+            }
+            if end > max_end {
+                reach = Some((end, strided, i));
+            }
+        } else {
+            reach = Some((end, strided, i));
+        }
+    }
+    if !needs_exact {
+        return Ok(());
+    }
+    let expanded: u64 = runs
+        .iter()
+        .filter(|r| !r.dst_is_dense())
+        .map(|r| r.count)
+        .sum();
+    if expanded > MAX_EXPANDED {
+        return Err(LoadError::request(format!(
+            "cannot check {expanded} strided destination elements for overlap (limit {MAX_EXPANDED}); use \
+             destinations with a unit-stride dimension"
+        )));
+    }
+    let mut pieces: Vec<(usize, usize, usize)> = Vec::new();
+    for (i, r) in runs.iter().enumerate() {
+        if r.dst_is_dense() {
+            pieces.push((r.dst_addr, r.dst_addr + r.dst_bytes(), i));
+        } else {
+            let size = r.dst_elem_size();
+            pieces.extend((0..r.count as usize).map(|e| {
+                let a = r.dst_addr + e * r.dst_stride;
+                (a, a + size, i)
+            }));
+        }
+    }
+    pieces.sort_unstable();
+    let mut reach: Option<(usize, usize)> = None;
+    for &(start, end, i) in &pieces {
+        if start == end {
+            continue;
+        }
+        if let Some((max_end, j)) = reach {
+            if start < max_end {
+                return Err(overlap_error(&runs[j], &runs[i], items, dests));
+            }
+        }
+        if reach.is_none_or(|(max_end, _)| end > max_end) {
+            reach = Some((end, i));
+        }
+    }
+    Ok(())
+}
+
+fn overlap_error(a: &Run, b: &Run, items: &[Item], dests: &[DestBuf<'_>]) -> LoadError {
+    let describe = |r: &Run| {
+        let dest = items[r.item].dest as usize;
+        let start = r.dst_addr - dests[dest].addr();
+        let end = if r.dst_is_dense() {
+            start + r.dst_bytes()
+        } else {
+            start + (r.count as usize - 1) * r.dst_stride + r.dst_elem_size()
+        };
+        format!("item {} (destination {dest}, bytes {start}..{end})", r.item)
+    };
+    if a.item == b.item {
+        return LoadError::request(format!(
+            "{} writes some destination elements several times (a view with a zero or overlapping stride \
+             cannot be a destination)",
+            describe(a)
+        ));
+    }
+    LoadError::request(format!(
+        "destination ranges overlap: {} and {} write the same bytes",
+        describe(a),
+        describe(b)
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn header(tensors: &[(&str, Dtype, &[u64])]) -> Arc<Header> {
+        let mut json = String::from("{");
+        let mut off = 0;
+        for (i, (name, dt, shape)) in tensors.iter().enumerate() {
+            let n: u64 = shape.iter().product::<u64>() * dt.bits() / 8;
+            if i > 0 {
+                json.push(',');
+            }
+            json.push_str(&format!(
+                r#""{name}":{{"dtype":"{dt}","shape":{shape:?},"data_offsets":[{off},{}]}}"#,
+                off + n
+            ));
+            off += n;
+        }
+        json.push('}');
+        let mut b = (json.len() as u64).to_le_bytes().to_vec();
+        b.extend_from_slice(json.as_bytes());
+        b.resize(b.len() + off as usize, 0);
+        Arc::new(Header::parse("t.safetensors".as_ref(), &b, b.len() as u64).unwrap())
+    }
+
+    fn item(tensor: i64, lengths: &[i64], ss: &[i64], ds: &[i64]) -> Item {
+        let mut it = Item {
+            tensor,
+            ndim: lengths.len() as i64,
+            ..Item::default()
+        };
+        it.lengths[..lengths.len()].copy_from_slice(lengths);
+        it.src_strides[..ss.len()].copy_from_slice(ss);
+        it.dst_strides[..ds.len()].copy_from_slice(ds);
+        it
+    }
+
+    fn message(r: Result<Vec<Run>, LoadError>) -> String {
+        r.unwrap_err().to_string()
+    }
+
+    #[test]
+    fn contiguous_box_is_one_run_and_transpose_keeps_runs_long() {
+        let h = header(&[("w", Dtype::F32, &[4, 8])]);
+        let mut out = vec![0u8; 4 * 8 * 4];
+        let dest = [DestBuf::from_mut_slice(&mut out, Dtype::F32)];
+        let runs = plan(
+            std::slice::from_ref(&h),
+            &dest,
+            &[item(0, &[4, 8], &[8, 1], &[8, 1])],
+        )
+        .unwrap();
+        assert_eq!(runs.len(), 1);
+        assert_eq!(runs[0].count, 32);
+        // Transposed destination: runs follow the destination's unit stride, the source is strided.
+        let runs = plan(&[h], &dest, &[item(0, &[4, 8], &[8, 1], &[1, 4])]).unwrap();
+        assert_eq!(runs.len(), 8);
+        assert!(runs
+            .iter()
+            .all(|r| r.count == 4 && r.src_stride == 32 && r.dst_stride == 4));
+    }
+
+    #[test]
+    fn rejects_bad_requests() {
+        let h = header(&[
+            ("w", Dtype::F32, &[4, 8]),
+            ("i", Dtype::I32, &[2]),
+            ("f", Dtype::F4, &[8]),
+        ]);
+        let files = [h];
+        let mut out = vec![0u8; 128];
+        let dest = [DestBuf::from_mut_slice(&mut out, Dtype::F32)];
+        let m = message(plan(&files, &dest, &[item(0, &[5, 8], &[8, 1], &[8, 1])]));
+        assert!(
+            m.contains("tensor 'w'")
+                && m.contains("reaches element 39")
+                && m.contains("32 elements"),
+            "{m}"
+        );
+        let m = message(plan(&files, &dest, &[item(1, &[2], &[1], &[1])]));
+        assert!(m.contains("cannot convert I32 to F32"), "{m}");
+        let m = message(plan(
+            &files,
+            &dest,
+            &[
+                item(0, &[4, 8], &[8, 1], &[8, 1]),
+                item(0, &[1], &[1], &[1]),
+            ],
+        ));
+        assert!(
+            m.contains("overlap") && m.contains("item 0") && m.contains("item 1"),
+            "{m}"
+        );
+        let m = message(plan(&files, &dest, &[item(0, &[2], &[1], &[0])]));
+        assert!(m.contains("several times"), "{m}");
+        let m = message(plan(&files, &dest, &[item(0, &[-1], &[1], &[1])]));
+        assert!(m.contains("non-negative"), "{m}");
+        let m = message(plan(
+            &files,
+            &dest,
+            &[Item {
+                file: 1,
+                ..item(0, &[1], &[1], &[1])
+            }],
+        ));
+        assert!(m.contains("file index 1 is out of range"), "{m}");
+        let m = message(plan(&files, &dest, &[item(3, &[1], &[1], &[1])]));
+        assert!(m.contains("tensor index 3"), "{m}");
+        let m = message(plan(
+            &files,
+            &dest,
+            &[Item {
+                dst_base: 30,
+                ..item(0, &[4], &[1], &[1])
+            }],
+        ));
+        assert!(
+            m.contains("has 128 bytes but the box writes up to byte 136"),
+            "{m}"
+        );
+        let mut packed = vec![0u8; 4];
+        let dest4 = [DestBuf::from_mut_slice(&mut packed, Dtype::F4)];
+        assert!(plan(&files, &dest4, &[item(2, &[8], &[1], &[1])]).is_ok());
+        let m = message(plan(&files, &dest4, &[item(2, &[3], &[1], &[1])]));
+        assert!(m.contains("byte boundaries"), "{m}");
+    }
+
+    #[test]
+    fn interleaved_strided_destinations_are_not_overlaps() {
+        let h = header(&[("w", Dtype::U8, &[8])]);
+        let mut out = vec![0u8; 32];
+        let dest = [DestBuf::from_mut_slice(&mut out, Dtype::U8)];
+        let even = item(0, &[8], &[1], &[2]);
+        let odd = Item {
+            dst_base: 1,
+            ..even
+        };
+        assert!(plan(std::slice::from_ref(&h), &dest, &[even, odd]).is_ok());
+        let clash = Item {
+            dst_base: 2,
+            ..even
+        };
+        assert!(message(plan(&[h], &dest, &[even, clash])).contains("overlap"));
+    }
+
+    #[test]
+    fn split_keeps_elements() {
+        let h = header(&[("w", Dtype::BF16, &[100])]);
+        let mut out = vec![0u8; 400];
+        let dest = [DestBuf::from_mut_slice(&mut out, Dtype::F32)];
+        let runs = plan(&[h], &dest, &[item(0, &[50], &[2], &[1])]).unwrap();
+        let mut pieces = Vec::new();
+        runs[0].split(10, &mut pieces);
+        assert_eq!(pieces.iter().map(|p| p.count).sum::<u64>(), 50);
+        assert!(pieces.iter().all(|p| p.src_extent() <= 10));
+        for w in pieces.windows(2) {
+            assert_eq!(w[1].src_off, w[0].src_off + w[0].count * 4);
+            assert_eq!(w[1].dst_addr, w[0].dst_addr + w[0].count as usize * 4);
+        }
+    }
+}

@@ -1,0 +1,351 @@
+"""The engine API against safetensors' own reader and torch's own casts."""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+import hp_fastload as hf
+from hp_fastload import _core, engine
+
+BACKENDS = ["mmap", "pread", "auto"]
+FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2]
+ALL_DTYPES = [
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
+    torch.complex64,
+    torch.float8_e4m3fnuz,
+    torch.float8_e5m2fnuz,
+    *FLOATS,
+]
+BITS_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=gen).bool()
+    if dtype == torch.complex64:
+        return torch.randn(shape, dtype=torch.complex64, generator=gen)
+    if dtype.is_floating_point:
+        return (torch.randn(shape, generator=gen) * 4).to(dtype)
+    raw = torch.randint(0, 256, (*shape, torch.empty((), dtype=dtype).element_size()), generator=gen)
+    return raw.to(torch.uint8).view(dtype).reshape(shape)
+
+
+def raw_bytes(t: torch.Tensor) -> torch.Tensor:
+    flat = torch.empty(t.numel(), dtype=t.dtype)
+    flat.copy_(t.reshape(-1))
+    return flat.view(torch.uint8)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(raw_bytes(a), raw_bytes(b))
+
+
+def strided_view(
+    lengths: list[int], dtype: torch.dtype, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A view of shape `lengths` into a larger zeroed tensor: dims permuted and padded."""
+    n = len(lengths)
+    perm = torch.randperm(n, generator=gen).tolist() if n else []
+    big_shape = [lengths[p] + 2 for p in perm]
+    big = torch.zeros(big_shape, dtype=dtype)
+    view = big[tuple(slice(1, 1 + lengths[p]) for p in perm)]
+    inverse = [perm.index(d) for d in range(n)]
+    return big, view.permute(inverse) if n else view
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_random_boxes_into_strided_views(tmp_path, dtype, backend):
+    gen = torch.Generator().manual_seed(hash((str(dtype), backend)) % 2**31)
+    shapes = {"a": (7, 5, 3), "b": (11, 9), "c": (13,), "d": ()}
+    tensors = {k: random_tensor(s, dtype, gen) for k, s in shapes.items()}
+    path = tmp_path / "t.safetensors"
+    save_file(tensors, str(path))
+    with safe_open(str(path), "pt") as ref:
+        for _ in range(6):
+            for key, shape in shapes.items():
+                offsets = [int(torch.randint(0, s, (), generator=gen)) for s in shape]
+                lengths = [
+                    int(torch.randint(0, s - o + 1, (), generator=gen))
+                    for o, s in zip(offsets, shape, strict=True)
+                ]
+                big, out = strided_view(lengths, dtype, gen)
+                hf.read_into(path, key, offsets, lengths, out, backend=backend, threads=2)
+                want = ref.get_slice(key)[
+                    tuple(slice(o, o + n) for o, n in zip(offsets, lengths, strict=True))
+                ]
+                assert same_bits(out, want), (key, offsets, lengths)
+                assert int(raw_bytes(big).count_nonzero()) == int(raw_bytes(out).count_nonzero())
+
+
+def special_values() -> torch.Tensor:
+    tiny = [2.0**-e for e in (6, 7, 9, 10, 14, 15, 16, 17, 24, 25, 26, 126, 127, 133, 149)]
+    big = [
+        448.0,
+        464.0,
+        479.9,
+        480.0,
+        57344.0,
+        61439.0,
+        61440.0,
+        65504.0,
+        65519.9,
+        65520.0,
+        3.3895e38,
+        3.4e38,
+    ]
+    ties = [
+        1 + 2.0**-8,
+        1 + 3 * 2.0**-8,
+        1 + 2.0**-11,
+        1 + 3 * 2.0**-11,
+        1 + 2.0**-3,
+        1 + 3 * 2.0**-4,
+        1.5,
+        2.5,
+    ]
+    odd = [1e300, 1e-300, 1 + 2.0**-11 + 2.0**-40, 0.1, 1 / 3]
+    vals = [0.0, float("inf"), float("nan"), *tiny, *big, *ties, *odd]
+    vals += [v * 1.5 for v in tiny] + [v * 0.75 for v in tiny]
+    t = torch.tensor(vals, dtype=torch.float64)
+    return torch.cat([t, -t])
+
+
+def cast_sources(gen: torch.Generator) -> torch.Tensor:
+    wide = torch.randn(4000, generator=gen, dtype=torch.float64) * torch.exp2(
+        torch.randint(-140, 130, (4000,), generator=gen).double()
+    )
+    return torch.cat([special_values(), wide])
+
+
+def assert_same_cast(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Bit-exact except that any NaN matches any NaN (torch's own NaN bits vary between code paths)."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    size = want.element_size()
+    gb, wb = got.view(BITS_VIEW[size]), want.view(BITS_VIEW[size])
+    nan = want.float().isnan() if size == 1 else want.isnan()
+    got_nan = got.float().isnan() if size == 1 else got.isnan()
+    assert torch.equal(got_nan, nan)
+    bad = (gb != wb) & ~nan
+    if bad.any():
+        i = int(bad.nonzero()[0])
+        raise AssertionError(
+            f"{int(bad.sum())} mismatches, e.g. {want[i]!r}: got {gb[i]:#x}, want {wb[i]:#x}"
+        )
+
+
+@pytest.mark.parametrize("src", FLOATS, ids=str)
+def test_every_float_cast_matches_torch(tmp_path, src):
+    gen = torch.Generator().manual_seed(1)
+    values = cast_sources(gen).to(src)
+    path = tmp_path / "c.safetensors"
+    save_file({"v": values}, str(path))
+    for dst in FLOATS:
+        for backend in ("mmap", "pread"):
+            out = torch.empty(values.shape, dtype=dst)
+            hf.read_into(path, "v", [0], list(values.shape), out, backend=backend)
+            assert_same_cast(out, values.to(dst))
+
+
+@pytest.mark.parametrize("src", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_dense_sweeps_match_torch(tmp_path, src):
+    """Every 16-bit pattern (and 2^20 random f32 patterns) through every float destination."""
+    if src == torch.float32:
+        bits = torch.randint(-(2**31), 2**31 - 1, (1 << 20,), generator=torch.Generator().manual_seed(2))
+        values = bits.to(torch.int32).view(torch.float32)
+    else:
+        values = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(src)
+    path = tmp_path / "s.safetensors"
+    save_file({"v": values}, str(path))
+    for dst in FLOATS:
+        out = torch.empty(values.shape, dtype=dst)
+        hf.read_into(path, "v", [0], list(values.shape), out)
+        assert_same_cast(out, values.to(dst))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_read_many_across_files_in_one_call(tmp_path, backend):
+    gen = torch.Generator().manual_seed(3)
+    files = {}
+    for i in range(3):
+        tensors = {f"w{i}.{j}": random_tensor((17, 33), torch.bfloat16, gen) for j in range(3)}
+        path = tmp_path / f"m-{i}.safetensors"
+        save_file(tensors, str(path))
+        files[path] = tensors
+    big = torch.zeros(9 * 17, 40, dtype=torch.float32)
+    requests = []
+    wants = []
+    for n, (path, tensors) in enumerate(files.items()):
+        f = hf.SafetensorsFile(path) if n % 2 else path
+        for j, (key, t) in enumerate(tensors.items()):
+            row = (3 * n + j) * 17
+            out = big[row : row + 17, 3 : 3 + 20]
+            requests.append((f, key, [0, 7], [17, 20], out))
+            wants.append((out, t[:, 7:27].float()))
+    stats = hf.read_many(requests, threads=2, backend=backend)
+    assert stats["bytes_copied"] == 9 * 17 * 20 * 4
+    assert stats["runs"] == 9 * 17
+    for out, want in wants:
+        assert torch.equal(out, want)
+    assert big[:, :3].abs().sum() == 0 and big[:, 23:].abs().sum() == 0
+
+
+def test_zero_dim_and_empty_boxes(tmp_path):
+    path = tmp_path / "z.safetensors"
+    save_file(
+        {"s": torch.tensor(2.5, dtype=torch.bfloat16), "e": torch.zeros(0, 4), "m": torch.ones(3, 4)},
+        str(path),
+    )
+    out = torch.zeros((), dtype=torch.float64)
+    hf.read_into(path, "s", [], [], out)
+    assert out.item() == 2.5
+    empty = torch.zeros(0, 4)
+    assert hf.read_into(path, "e", [0, 0], [0, 4], empty)["bytes_copied"] == 0
+    part = torch.zeros(3, 0)
+    assert hf.read_into(path, "m", [0, 4], [3, 0], part)["runs"] == 0
+    assert hf.read_many([])["runs"] == 0
+
+
+def test_execute_items_with_numpy_array(tmp_path):
+    path = tmp_path / "n.safetensors"
+    w = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    save_file({"w": w}, str(path))
+    f = hf.SafetensorsFile(path)
+    out = torch.zeros(6, 4)
+    items = np.zeros((1, engine.ITEM_WIDTH), dtype=np.int64)
+    items[0, engine.COL_TENSOR] = f.tensor_index("w")
+    items[0, engine.COL_NDIM] = 2
+    items[0, engine.COL_LENGTHS : engine.COL_LENGTHS + 2] = [4, 6]
+    items[0, engine.COL_SRC_STRIDES : engine.COL_SRC_STRIDES + 2] = [6, 1]
+    items[0, engine.COL_DST_STRIDES : engine.COL_DST_STRIDES + 2] = [1, 4]  # transpose into `out`
+    dest = (out.data_ptr(), out.untyped_storage().nbytes(), engine.DTYPE_CODES["F32"])
+    stats = engine.execute_items([f], [dest], items, threads=1, backend="pread")
+    assert torch.equal(out, w.t())
+    assert stats["backend"] == "pread" and stats["threads"] == 1
+
+
+def test_sub_byte_reads_into_uint8(tmp_path):
+    raw = torch.arange(32, dtype=torch.uint8)
+    path = tmp_path / "f4.safetensors"
+    save_file({"q": raw.reshape(4, 8)}, str(path))
+    # Relabel the tensor as F4 [4, 16] (same bytes): safetensors cannot write F4 from torch.
+    data = path.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = data[8 : 8 + n].decode().replace('"U8"', '"F4"').replace("[4,8]", "[4,16]").encode()
+    path.write_bytes(len(header).to_bytes(8, "little") + header + data[8 + n :])
+    f = hf.SafetensorsFile(path)
+    assert f.dtype("q") == "F4" and f.shape("q") == (4, 16) and f.torch_dtype("q") == torch.uint8
+    out = torch.zeros(2, 8, dtype=torch.uint8)
+    hf.read_into(f, "q", [1, 0], [2, 16], out)
+    assert torch.equal(out.reshape(-1), raw[8:24])
+    half = torch.zeros(4, dtype=torch.uint8)
+    hf.read_into(f, "q", [3, 8], [1, 8], half)
+    assert torch.equal(half, raw[28:32])
+    with pytest.raises(hf.PlanError, match="byte boundaries"):
+        hf.read_into(f, "q", [0, 1], [1, 2], torch.zeros(1, dtype=torch.uint8))
+    with pytest.raises(hf.PlanError, match="smaller than a byte"):
+        hf.read_into(f, "q", [0, 0], [1, 16], torch.zeros(1, 16))
+
+
+def test_safetensors_file_api_matches_safe_open(tmp_path):
+    path = tmp_path / "api.safetensors"
+    tensors = {
+        "b": torch.zeros(2, 3, dtype=torch.bfloat16),
+        "a": torch.zeros(5, dtype=torch.int64),
+        "c": torch.zeros((), dtype=torch.float8_e4m3fn),
+    }
+    save_file(tensors, str(path), metadata={"format": "pt", "x": "y"})
+    f = hf.SafetensorsFile(path)
+    with safe_open(str(path), "pt") as ref:
+        assert sorted(f.keys()) == sorted(ref.keys())
+        assert f.metadata() == ref.metadata()
+        for key in ref.keys():  # noqa: SIM118 - safe_open is not a mapping
+            sl = ref.get_slice(key)
+            assert f.shape(key) == tuple(sl.get_shape())
+            assert f.dtype(key) == sl.get_dtype()
+            assert f.torch_dtype(key) == tensors[key].dtype
+            begin, end = f.offsets(key)
+            assert end - begin == tensors[key].numel() * tensors[key].element_size()
+    assert len(f) == 3 and "a" in f and "z" not in f
+    assert f.header.index("a") == f.tensor_index("a")
+    with pytest.raises(KeyError):
+        f.header.index("z")
+    with pytest.raises(KeyError, match="no tensor named 'z'"):
+        f.shape("z")
+    data = path.read_bytes()
+    begin, end = f.offsets("a")
+    assert data[begin:end] == bytes(40)
+    assert f.file_size == len(data) == f.header.file_size
+    assert f.header.data_start == 8 + int.from_bytes(data[:8], "little")
+
+
+def test_open_file_cache_reuses_and_invalidates(tmp_path):
+    path = tmp_path / "cache.safetensors"
+    save_file({"w": torch.ones(4)}, str(path))
+    first = engine.open_file(path)
+    assert engine.open_file(str(path)) is first
+    time.sleep(0.01)
+    save_file({"w": torch.ones(8)}, str(path))
+    os.utime(path, ns=(time.time_ns(), time.time_ns() + 10**9))
+    second = engine.open_file(path)
+    assert second is not first and second.shape("w") == (8,)
+
+
+def test_core_constants():
+    assert _core.MAX_NDIM == 8
+    assert _core.ITEM_WIDTH == 6 + 3 * 8
+    assert set(engine.SAFETENSORS_TO_TORCH) <= set(_core.DTYPE_CODES)
+    assert len(set(_core.DTYPE_CODES.values())) == len(_core.DTYPE_CODES)
+
+
+@pytest.mark.slow
+def test_gil_is_released_during_reads(tmp_path):
+    rows, cols = 6400, 8192  # 100 MiB of bf16, read as f32
+    path = tmp_path / "gil.safetensors"
+    save_file({"w": torch.ones(rows, cols, dtype=torch.bfloat16)}, str(path))
+    out = torch.empty(rows, cols, dtype=torch.float32)
+    f = hf.SafetensorsFile(path)
+    samples: list[float] = []
+    stop = threading.Event()
+
+    def tick() -> None:
+        while not stop.is_set():
+            samples.append(time.perf_counter())
+            for _ in range(200):
+                pass
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    try:
+        time.sleep(0.02)
+        windows = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            hf.read_into(f, "w", [0, 0], [rows, cols], out, threads=1, backend="pread")
+            windows.append((t0, time.perf_counter()))
+    finally:
+        stop.set()
+        ticker.join()
+    assert out[-1, -1].item() == 1.0
+    inside = 0
+    for t0, t1 in windows:
+        margin = (t1 - t0) * 0.25
+        inside += sum(1 for s in samples if t0 + margin < s < t1 - margin)
+    assert inside > 10, f"{inside} ticks ran during {len(windows)} reads of {math.prod(out.shape) * 4} bytes"

@@ -1,0 +1,279 @@
+"""The seed's contract on one process: both loaders, reports, strict, tied aliases, deferred groups, errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+import hp_fastload as hf
+from hp_fastload import rules
+from hp_fastload.errors import HpFastloadError, TargetError
+
+
+class AddOne(rules.ConversionOp):
+    """norm + 1 reparameterization: a scalar post-op the region loader must apply exactly as torch."""
+
+    def convert(self, inputs, source_patterns, target_patterns, **kw):
+        (values,) = inputs.values()
+        return {target_patterns[0]: values[0] + 1.0}
+
+
+class Product(rules.ConversionOp):
+    """Combines two tensors elementwise: cannot be a region read, so it is deferred."""
+
+    def convert(self, inputs, source_patterns, target_patterns, **kw):
+        a, b = (inputs[p][0] for p in source_patterns)
+        return {target_patterns[0]: a * b}
+
+
+class Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(8, 4)
+        self.lm_head = nn.Linear(4, 8, bias=False)
+        self.lm_head.weight = self.embed.weight
+        layer = nn.Module()
+        layer.qkv = nn.Linear(4, 16)
+        layer.norm = nn.Module()
+        layer.norm.weight = nn.Parameter(torch.empty(4))
+        layer.experts = nn.Module()
+        layer.experts.gate_up_proj = nn.Parameter(torch.empty(2, 6, 4))
+        layer.rope_q = nn.Linear(4, 8, bias=False)
+        layer.scaled = nn.Module()
+        layer.scaled.weight = nn.Parameter(torch.empty(4))
+        self.layers = nn.ModuleList([layer])
+        self.register_buffer("inv_freq", torch.ones(2), persistent=False)
+        for p in self.parameters():
+            nn.init.zeros_(p)
+
+
+class Cfg:
+    num_attention_heads = 2
+
+
+def mapping() -> list[object]:
+    return [
+        rules.WeightConverter(
+            ["attn.q.weight", "attn.k.weight", "attn.v.weight"], "qkv.weight", [rules.Concatenate(0)]
+        ),
+        rules.WeightConverter(
+            ["attn.q.bias", "attn.k.bias", "attn.v.bias"], "qkv.bias", [rules.Concatenate(0)]
+        ),
+        rules.WeightConverter(
+            ["experts.*.gate.weight", "experts.*.up.weight"],
+            "experts.gate_up_proj",
+            [rules.MergeModulelist(0), rules.Concatenate(1)],
+        ),
+        rules.WeightConverter("norm_raw.weight", "norm.weight", [AddOne()]),
+        rules.WeightConverter("rope_q_raw.weight", "rope_q.weight", [rules.PermuteForRope()]),
+        rules.WeightConverter(["scaled.a", "scaled.b"], "scaled.weight", [Product()]),
+    ]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+
+    def r(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    tensors = {
+        "embed.weight": r(8, 4, dtype=torch.bfloat16),
+        "layers.0.attn.q.weight": r(8, 4),
+        "layers.0.attn.k.weight": r(4, 4),
+        "layers.0.attn.v.weight": r(4, 4),
+        "layers.0.attn.q.bias": r(8),
+        "layers.0.attn.k.bias": r(4),
+        "layers.0.attn.v.bias": r(4),
+        "layers.0.experts.0.gate.weight": r(3, 4),
+        "layers.0.experts.1.gate.weight": r(3, 4),
+        "layers.0.experts.0.up.weight": r(3, 4),
+        "layers.0.experts.1.up.weight": r(3, 4),
+        "layers.0.norm_raw.weight": r(4, dtype=torch.bfloat16),
+        "layers.0.rope_q_raw.weight": r(8, 4),
+        "layers.0.scaled.a": r(4),
+        "layers.0.scaled.b": r(4),
+        "unused.bias": r(3),
+    }
+    root = tmp_path_factory.mktemp("tiny")
+    save_file(tensors, str(root / "model.safetensors"))
+    save_file(tensors, str(root / "weights.safetensors"))
+    return root, tensors
+
+
+def expected_values(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What a torch-only conversion gives (the reference is torch's ops on whole tensors)."""
+    rope = t["layers.0.rope_q_raw.weight"].view(2, 2, 2, 4).transpose(1, 2).reshape(8, 4)
+    gate = torch.stack([t["layers.0.experts.0.gate.weight"], t["layers.0.experts.1.gate.weight"]])
+    up = torch.stack([t["layers.0.experts.0.up.weight"], t["layers.0.experts.1.up.weight"]])
+    return {
+        "embed.weight": t["embed.weight"].float(),
+        "lm_head.weight": t["embed.weight"].float(),
+        "layers.0.qkv.weight": torch.cat([t[f"layers.0.attn.{n}.weight"] for n in "qkv"]),
+        "layers.0.qkv.bias": torch.cat([t[f"layers.0.attn.{n}.bias"] for n in "qkv"]),
+        "layers.0.norm.weight": (t["layers.0.norm_raw.weight"] + 1.0).float(),
+        "layers.0.experts.gate_up_proj": torch.cat([gate, up], dim=1),
+        "layers.0.rope_q.weight": rope,
+        "layers.0.scaled.weight": t["layers.0.scaled.a"] * t["layers.0.scaled.b"],
+    }
+
+
+def load_tiny(path: Path, loader: str, **kw: object) -> tuple[Tiny, hf.LoadReport]:
+    model = Tiny()
+    model.config = Cfg()  # type: ignore[assignment]
+    report = hf.load(model, path, weights_mapping=mapping(), loader=loader, **kw)
+    return model, report
+
+
+@pytest.mark.parametrize("loader", ["dcp", "legacy"])
+def test_values_match_torch_conversion(checkpoint, loader):
+    root, tensors = checkpoint
+    model, report = load_tiny(root, loader)
+    state = model.state_dict()
+    for name, value in expected_values(tensors).items():
+        assert torch.equal(state[name], value), name
+    assert "lm_head.weight" in report.loaded_keys
+    assert report.unexpected_keys == ("unused.bias",)
+    assert report.missing_keys == ()
+    assert len(model._weight_conversions) == 6
+
+
+def test_dcp_and_legacy_agree(checkpoint):
+    root, _ = checkpoint
+    a, ra = load_tiny(root, "dcp")
+    b, rb = load_tiny(root, "legacy")
+    assert ra == rb
+    for (na, va), (nb, vb) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        assert na == nb and torch.equal(va, vb), na
+
+
+def test_untraceable_conversion_is_deferred_and_the_rest_are_regions(checkpoint):
+    root, _ = checkpoint
+    model = Tiny()
+    model.config = Cfg()  # type: ignore[assignment]
+    p = hf.plan(model, root, weights_mapping=mapping())
+    assert [n for d in p.deferred for n in d.claims] == ["layers.0.scaled.weight"]
+    assert "layers.0.rope_q.weight" in p.region_reads
+    rope_items = p.region_reads["layers.0.rope_q.weight"][1]
+    assert len(rope_items) == 4  # two blocks per head, 2 heads
+    norm_items = p.region_reads["layers.0.norm.weight"][1]
+    assert norm_items and all(i.post for i in norm_items)
+
+
+def test_strict_fails_before_reading(checkpoint):
+    root, _ = checkpoint
+    model = Tiny()
+    model.config = Cfg()  # type: ignore[assignment]
+    model.extra = nn.Parameter(torch.zeros(2))
+    with pytest.raises(RuntimeError, match="extra"):
+        hf.load(model, root, weights_mapping=mapping(), loader="dcp")
+    assert torch.count_nonzero(model.embed.weight) == 0
+    report = hf.load(model, root, weights_mapping=mapping(), strict=False)
+    assert report.missing_keys == ("extra",)
+    assert torch.count_nonzero(model.embed.weight) > 0
+
+
+@pytest.mark.parametrize("loader", ["dcp", "legacy"])
+def test_single_file_of_any_name(checkpoint, loader):
+    root, tensors = checkpoint
+    model, _ = load_tiny(root / "weights.safetensors", loader)
+    assert torch.equal(model.layers[0].qkv.weight, expected_values(tensors)["layers.0.qkv.weight"])
+
+
+def test_loader_resolution(monkeypatch):
+    monkeypatch.delenv(hf.HF_LOADER_ENV, raising=False)
+    assert hf.resolve_hf_loader(None) == "dcp"
+    monkeypatch.setenv(hf.HF_LOADER_ENV, "LEGACY")
+    assert hf.resolve_hf_loader(None) == "legacy"
+    assert hf.resolve_hf_loader("dcp") == "dcp"
+    with pytest.raises(ValueError, match="fastest.*legacy, dcp.*HYPER_PARALLEL_HF_LOADER"):
+        hf.resolve_hf_loader("fastest")
+    with pytest.raises(ValueError, match="fastest"):
+        hf.HuggingFaceCheckpointer(loader="fastest")
+
+
+def test_checkpointer_contract(checkpoint):
+    root, tensors = checkpoint
+    model = Tiny()
+    model.config = Cfg()  # type: ignore[assignment]
+    ckpt = hf.HuggingFaceCheckpointer(loader="dcp", weights_mapping=mapping())
+    weight = model.embed.weight
+    state = {"model": model}
+    out = ckpt.load(root, state)
+    assert out is state and isinstance(state["load_report"], hf.LoadReport)
+    assert model.embed.weight is weight  # written in place
+    assert torch.equal(weight, tensors["embed.weight"].float())
+    with pytest.raises(ValueError, match="training state"):
+        ckpt.load(root, {"model": model}, extra_state_skeleton={})
+    with pytest.raises(ValueError, match="pretrained_path must be provided"):
+        ckpt.load("", {"model": model})
+    with pytest.raises(TypeError, match="nn.Module"):
+        ckpt.load(root, {"model": model.state_dict()})
+    with pytest.raises(NotImplementedError, match="save_pretrained"):
+        ckpt.save(root, state)
+
+
+def test_external_targets_and_claimed_sources(checkpoint):
+    root, _ = checkpoint
+    model = Tiny()
+    model.config = Cfg()  # type: ignore[assignment]
+    report = hf.load(
+        model,
+        root,
+        weights_mapping=mapping(),
+        external_target_fqns={"layers.0.scaled.weight"},
+        claimed_source_keys={"unused.bias", "layers.0.scaled.a", "layers.0.scaled.b"},
+    )
+    assert "layers.0.scaled.weight" not in report.loaded_keys + report.missing_keys
+    assert report.unexpected_keys == ()
+    assert torch.count_nonzero(model.layers[0].scaled.weight) == 0
+    with pytest.raises(ValueError, match="nope"):
+        hf.load(model, root, weights_mapping=mapping(), external_target_fqns={"nope"})
+
+
+def test_shape_mismatch_names_the_target(checkpoint):
+    root, _ = checkpoint
+    model = Tiny()
+    model.config = Cfg()  # type: ignore[assignment]
+    model.layers[0].qkv = nn.Linear(4, 12)
+    with pytest.raises(TargetError, match=r"layers\.0\.qkv\.weight.*\(16, 4\).*\(12, 4\)"):
+        hf.load(model, root, weights_mapping=mapping())
+    assert issubclass(TargetError, HpFastloadError) and issubclass(TargetError, ValueError)
+
+
+def test_conversion_error_names_the_group(tmp_path):
+    save_file(
+        {"a.q.weight": torch.zeros(2, 3), "a.k.weight": torch.zeros(2, 4)},
+        str(tmp_path / "model.safetensors"),
+    )
+    model = nn.Module()
+    model.a = nn.Module()
+    model.a.qk = nn.Parameter(torch.zeros(4, 3))
+    conv = rules.WeightConverter(["q.weight", "k.weight"], "qk", [rules.Concatenate(0)])
+    with pytest.raises(RuntimeError, match=r"Failed to convert checkpoint tensors for a\.qk"):
+        hf.load(model, tmp_path, weights_mapping=[conv])
+
+
+def test_meta_target_is_refused_before_reading(checkpoint):
+    root, _ = checkpoint
+    with torch.device("meta"):
+        model = Tiny()
+    model.config = Cfg()  # type: ignore[assignment]
+    with pytest.raises(TargetError, match="materialized"):
+        hf.load(model, root, weights_mapping=mapping())
+
+
+def test_tied_alias_present_in_checkpoint_first_wins(tmp_path):
+    emb = torch.randn(8, 4)
+    save_file({"embed.weight": emb, "lm_head.weight": emb + 1}, str(tmp_path / "model.safetensors"))
+    model = nn.Module()
+    model.embed = nn.Embedding(8, 4)
+    model.lm_head = nn.Linear(4, 8, bias=False)
+    model.lm_head.weight = model.embed.weight
+    report = hf.load(model, tmp_path, weights_mapping=[])
+    assert torch.equal(model.embed.weight, emb)
+    assert report.loaded_keys == ("embed.weight", "lm_head.weight") and report.unexpected_keys == ()

@@ -1,0 +1,149 @@
+"""Rule matching and grouping against transformers' own implementation, on real key lists."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import WeightConverter as HFConverter
+from transformers.core_model_loading import dot_natural_key as hf_dot_natural_key
+from transformers.core_model_loading import rename_source_key as hf_rename_source_key
+
+from hp_fastload import rules
+from hp_fastload.groups import build_groups, rename_key
+
+from .tiny_models import FAMILIES, tiny_model
+
+
+def _checkpoint_keys(model: torch.nn.Module, tmp_path) -> list[str]:
+    from safetensors import safe_open
+
+    model.save_pretrained(tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        return sorted(f.keys(), key=hf_dot_natural_key)
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family_case(request, tmp_path_factory):
+    model = tiny_model(request.param)
+    keys = _checkpoint_keys(model, tmp_path_factory.mktemp(request.param))
+    return request.param, model, keys
+
+
+@pytest.mark.parametrize("own", [False, True], ids=["transformers-objects", "hp_fastload-objects"])
+def test_renames_match_transformers(family_case, own):
+    family, model, keys = family_case
+    hf_rules = get_model_conversion_mapping(model)
+    hf_renamings = [r for r in hf_rules if not isinstance(r, HFConverter)]
+    hf_converters = [r for r in hf_rules if isinstance(r, HFConverter)]
+    ours = [rules.from_transformers(r) for r in hf_rules] if own else hf_rules
+    targets = dict(model.state_dict())
+    renamings = [r for r in ours if rules.is_renaming(r)]
+    converters = [r for r in ours if rules.is_converter(r)]
+    changed = 0
+    for key in keys:
+        expected, expected_pattern = hf_rename_source_key(
+            key, hf_renamings, hf_converters, model.base_model_prefix, targets
+        )
+        if expected not in targets and key in targets:
+            expected, expected_pattern = hf_rename_source_key(key, [], [], model.base_model_prefix, targets)
+        got, _, pattern = rename_key(key, renamings, converters, model.base_model_prefix, targets)
+        assert (got, pattern) == (expected, expected_pattern), f"{family}: {key}"
+        changed += got != key
+    if family in {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"}:
+        assert changed > 0, f"{family}: the expert rules should rename keys"
+
+
+def test_groups_stack_experts_in_natural_order(tmp_path):
+    model = tiny_model("mixtral")
+    keys = _checkpoint_keys(model, tmp_path)
+    mapping = rules.resolve_mapping(model, None)
+    groups, unexpected = build_groups(keys, dict(model.state_dict()), mapping, base_model_prefix="model")
+    assert unexpected == []
+    by_target = {g.target: g for g in groups}
+    gate_up = by_target["model.layers.0.mlp.experts.gate_up_proj"]
+    for w in ("w1", "w3"):
+        assert [k for p, k in gate_up.sources if p.endswith(f"{w}.weight")] == [
+            f"model.layers.0.block_sparse_moe.experts.{e}.{w}.weight" for e in range(4)
+        ]
+    # natural order: expert 10 after expert 2
+    wide = [f"layers.0.experts.{e}.w1.weight" for e in (10, 2, 1)]
+    conv = rules.WeightConverter(["experts.*.w1.weight"], "experts.w", [rules.MergeModulelist(0)])
+    groups, _ = build_groups(sorted(wide, key=rules.dot_natural_key), {"layers.0.experts.w"}, [conv])
+    assert groups[0].keys == [f"layers.0.experts.{e}.w1.weight" for e in (1, 2, 10)]
+
+
+def test_dot_natural_key_matches_transformers():
+    names = ["a.10.b", "a.2.b", "a.b", "shard_11.x", "shard_2.x", "a.1", "a.1a", "layers.0.weight"]
+    assert sorted(names, key=rules.dot_natural_key) == sorted(names, key=hf_dot_natural_key)
+
+
+def test_name_boundary_guard_and_star_dot():
+    conv = rules.WeightConverter(
+        ["mlp.experts.*.gate_proj.weight"], "mlp.experts.gate_up_proj", [rules.Chunk(0)]
+    )
+    assert conv.rename_source_key("model.layers.12.mlp.experts.3.gate_proj.weight") == (
+        "model.layers.12.mlp.experts.gate_up_proj",
+        "mlp.experts.*.gate_proj.weight",
+    )
+    assert conv.rename_source_key("model.layers.12.mlp.experts.3.gate_proj.weight_scale_inv")[1] is None
+
+
+def test_scope_prefix_and_capture_group():
+    scoped = rules.WeightRenaming("norm.weight", "norm.scale")
+    scoped.scope_prefix = "layers.0"
+    assert scoped.rename_source_key("layers.0.norm.weight") == ("layers.0.norm.scale", "norm.weight")
+    assert scoped.rename_source_key("layers.1.norm.weight") == ("layers.1.norm.weight", None)
+    capture = rules.WeightRenaming(r"^(encoder|decoder)\.old", r"\1.new")
+    assert capture.rename_source_key("decoder.old.weight")[0] == "decoder.new.weight"
+
+
+def test_renamings_chain_then_one_converter():
+    first = rules.WeightRenaming(r"\.block_sparse_moe\.", ".mlp.")
+    second = rules.WeightRenaming(r"\.mlp\.gate\.", ".mlp.router.")
+    conv_a = rules.WeightConverter(["mlp.router.weight"], "mlp.router.w", [rules.Transpose(0, 1)])
+    conv_b = rules.WeightConverter(["router.weight"], "router.other", [rules.Transpose(0, 1)])
+    key = "layers.0.block_sparse_moe.gate.weight"
+    renamed, conv, pattern = rename_key(
+        key, [first, second], [conv_a, conv_b], None, {"layers.0.mlp.router.w"}
+    )
+    assert (renamed, conv, pattern) == ("layers.0.mlp.router.w", conv_a, "mlp.router.weight")
+
+
+def test_resolve_mapping_orders_key_mapping_first_and_rejects_unknown():
+    conv = rules.WeightConverter(["a"], "b", [rules.Chunk(0)])
+    out = rules.resolve_mapping(torch.nn.Linear(1, 1), [conv, conv], key_mapping={"^legacy\\.": ""})
+    assert isinstance(out[0], rules.WeightRenaming) and out[1] is conv and len(out) == 2
+    with pytest.raises(ValueError, match="Unsupported weight transforms: int"):
+        rules.resolve_mapping(torch.nn.Linear(1, 1), [3])
+
+
+def test_own_ops_match_transformers_ops():
+    from transformers import core_model_loading as hf
+
+    torch.manual_seed(0)
+    experts = [torch.randn(3, 4) for _ in range(3)]
+    cases = [
+        (rules.MergeModulelist(0), hf.MergeModulelist(0), {"s": list(experts)}, ["s"], ["t"]),
+        (rules.Chunk(0), hf.Chunk(0), {"s": [torch.randn(6, 4)]}, ["s"], ["a", "b", "c"]),
+        (rules.Transpose(0, 1), hf.Transpose(0, 1), {"s": [torch.randn(6, 4)]}, ["s"], ["t"]),
+        (rules.Interleave(0), hf.Interleave(0), {"s": [torch.randn(6, 4)]}, ["s"], ["t"]),
+        (rules.SplitModulelist(0), hf.SplitModulelist(0), {"s": [torch.randn(3, 2, 4)]}, ["s"], ["t.*.w"]),
+    ]
+    for ours, theirs, inputs, src, tgt in cases:
+        a = ours.convert({k: list(v) for k, v in inputs.items()}, src, tgt)
+        b = theirs.convert({k: list(v) for k, v in inputs.items()}, src, tgt)
+        assert a.keys() == b.keys()
+        for k in a:
+            assert torch.equal(a[k], b[k]), (ours, k)
+
+    class Cfg:
+        num_attention_heads = 2
+
+    rope = torch.randn(8, 4)
+    a = rules.PermuteForRope().convert({"q": [rope]}, ["q"], ["q"], config=Cfg())
+    b = hf.PermuteForRope().convert({"q": [rope]}, ["q"], ["q"], config=Cfg())
+    assert torch.equal(a["q"], b["q"])
+    assert re.search("PermuteForRope", repr(rules.PermuteForRope()))
