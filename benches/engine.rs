@@ -84,6 +84,19 @@ fn bench(c: &mut Criterion) {
                 });
             }
         }
+        // Experiment "pread gap": reading through the other ranks' columns instead of one pread per row.
+        let mut out = vec![0u8; (numel * 2) as usize];
+        let opts = ExecOptions {
+            backend: Backend::Pread,
+            pread_gap: 64 * 1024,
+            ..ExecOptions::default()
+        };
+        group.bench_function(format!("{layout}/bf16->bf16/pread-gap64k"), |b| {
+            b.iter(|| {
+                let dest = [DestBuf::from_mut_slice(&mut out, Dtype::BF16)];
+                black_box(execute(&files, &dest, &[item], &opts).unwrap())
+            })
+        });
     }
     let (_, numel) = shard_item(false);
     let src = vec![1u8; (numel * 2) as usize];

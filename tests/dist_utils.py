@@ -140,22 +140,35 @@ def _stop(procs: Sequence[Any]) -> None:
             proc.join(5.0)
 
 
-def run_distributed(
+@dataclasses.dataclass
+class _Attempt:
+    """What one spawn of the ranks produced."""
+
+    outcomes: dict[int, tuple[str, Any]]
+    missing: list[int]
+    stacks: dict[int, str]
+    timed_out: bool
+    elapsed: float
+
+    @property
+    def errors(self) -> dict[int, str]:
+        return {rank: payload for rank, (kind, payload) in self.outcomes.items() if kind == "error"}
+
+    @property
+    def port_clash(self) -> bool:
+        """True when the rendezvous port was taken by someone else between probing and binding."""
+        text = "\n".join(self.errors.values()).lower()
+        return "address already in use" in text or "eaddrinuse" in text
+
+
+def _spawn_once(
     fn: Callable[..., Any],
     world_size: int,
-    *args: Any,
-    timeout: float = 120.0,
-    backend: str = "gloo",
-    **kwargs: Any,
-) -> list[Any]:
-    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` spawned ranks; return results by rank.
-
-    ``fn``, ``args`` and ``kwargs`` must be picklable (``fn`` a module-level function); so must the results.
-    Raises ``AssertionError`` naming every failing rank (with tracebacks) or the ranks that exceeded
-    ``timeout``.
-    """
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    timeout: float,
+    backend: str,
+) -> _Attempt:
     ctx = mp.get_context("spawn")
     results: Any = ctx.Queue()
     port = find_free_port()
@@ -168,22 +181,9 @@ def run_distributed(
         env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
         with _child_environment(env):
             for rank in range(world_size):
+                worker_args = (rank, world_size, port, backend, timeout, wall_deadline, stack_files[rank])
                 proc = ctx.Process(
-                    target=_worker,
-                    args=(
-                        rank,
-                        world_size,
-                        port,
-                        backend,
-                        timeout,
-                        wall_deadline,
-                        stack_files[rank],
-                        fn,
-                        args,
-                        kwargs,
-                        results,
-                    ),
-                    daemon=True,
+                    target=_worker, args=(*worker_args, fn, args, kwargs, results), daemon=True
                 )
                 proc.start()
                 procs.append(proc)
@@ -191,6 +191,13 @@ def run_distributed(
         outcomes: dict[int, tuple[str, Any]] = {}
         first_error_at: float | None = None
         timed_out = False
+
+        def record(rank: int, kind: str, payload: Any) -> None:
+            nonlocal first_error_at
+            outcomes[rank] = (kind, payload)
+            if kind == "error" and first_error_at is None:
+                first_error_at = time.monotonic()
+
         try:
             while len(outcomes) < world_size:
                 now = time.monotonic()
@@ -200,25 +207,16 @@ def run_distributed(
                 if first_error_at is not None and now >= first_error_at + ERROR_GRACE_S:
                     break
                 try:
-                    rank, kind, payload = results.get(timeout=0.1)
+                    record(*results.get(timeout=0.1))
                 except queue_mod.Empty:
                     # A child that died without reporting (segfault, os._exit, kill) fails the run.
                     for rank, proc in enumerate(procs):
                         if rank not in outcomes and not proc.is_alive() and proc.exitcode is not None:
-                            # Give an in-flight message a moment to arrive before declaring the death.
+                            # Give a message still in the pipe a moment to arrive before declaring the death.
                             with contextlib.suppress(queue_mod.Empty):
-                                r, k, p = results.get(timeout=0.5)
-                                outcomes[r] = (k, p)
-                                if k == "error" and first_error_at is None:
-                                    first_error_at = time.monotonic()
+                                record(*results.get(timeout=0.5))
                             if rank not in outcomes:
-                                outcomes[rank] = ("error", f"process died with exit code {proc.exitcode}")
-                                if first_error_at is None:
-                                    first_error_at = time.monotonic()
-                    continue
-                outcomes[rank] = (kind, payload)
-                if kind == "error" and first_error_at is None:
-                    first_error_at = time.monotonic()
+                                record(rank, "error", f"process died with exit code {proc.exitcode}")
         finally:
             if not timed_out and first_error_at is None:
                 # Healthy ranks exit on their own right after reporting; let them tear down cleanly.
@@ -229,27 +227,50 @@ def run_distributed(
             results.join_thread()
 
         missing = [rank for rank in range(world_size) if rank not in outcomes]
-        errors = {rank: payload for rank, (kind, payload) in outcomes.items() if kind == "error"}
-        if timed_out or errors or missing:
-            lines = []
-            elapsed = time.monotonic() - start
-            if timed_out:
-                lines.append(
-                    f"run_distributed({fn.__name__}) timed out after {elapsed:.1f}s (timeout={timeout}s)"
-                )
-            else:
-                lines.append(
-                    f"run_distributed({fn.__name__}) failed on {len(errors)} of {world_size} rank(s)"
-                )
-            for rank in sorted(errors):
-                lines.append(f"--- rank {rank} raised:\n{errors[rank]}")
-            for rank in missing:
-                with contextlib.suppress(OSError), open(stack_files[rank]) as fh:
-                    stacks = fh.read().strip()
-                reason = "did not finish" + (" (killed at the timeout)" if timed_out else " (killed)")
-                lines.append(f"--- rank {rank} {reason}; stacks:\n{stacks or '<none dumped>'}")
-            raise AssertionError("\n".join(lines))
-    return [pickle.loads(outcomes[rank][1]) for rank in range(world_size)]
+        stacks: dict[int, str] = {}
+        for rank in missing:
+            stacks[rank] = ""
+            with contextlib.suppress(OSError), open(stack_files[rank]) as fh:
+                stacks[rank] = fh.read().strip()
+    return _Attempt(outcomes, missing, stacks, timed_out, time.monotonic() - start)
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 120.0,
+    backend: str = "gloo",
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` spawned ranks; return results by rank.
+
+    ``fn``, ``args`` and ``kwargs`` must be picklable (``fn`` a module-level function); so must the results.
+    Raises ``AssertionError`` naming every failing rank (with tracebacks) or the ranks that exceeded
+    ``timeout``. A run whose rendezvous port was stolen in the meantime is retried (twice at most).
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    for _ in range(3):
+        attempt = _spawn_once(fn, world_size, args, kwargs, timeout, backend)
+        if not attempt.port_clash:
+            break
+    errors = attempt.errors
+    if attempt.timed_out or errors or attempt.missing:
+        if attempt.timed_out:
+            lines = [
+                f"run_distributed({fn.__name__}) timed out after {attempt.elapsed:.1f}s (timeout={timeout}s)"
+            ]
+        else:
+            lines = [f"run_distributed({fn.__name__}) failed on {len(errors)} of {world_size} rank(s)"]
+        for rank in sorted(errors):
+            lines.append(f"--- rank {rank} raised:\n{errors[rank]}")
+        reason = "killed at the timeout" if attempt.timed_out else "killed after another rank failed"
+        for rank in attempt.missing:
+            stacks = attempt.stacks[rank] or "<none dumped>"
+            lines.append(f"--- rank {rank} did not finish ({reason}); stacks:\n{stacks}")
+        raise AssertionError("\n".join(lines))
+    return [pickle.loads(attempt.outcomes[rank][1]) for rank in range(world_size)]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,6 +7,7 @@ the torch-converted full tensor, for both loaders.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -141,17 +142,21 @@ def _build_model(world: int) -> tuple[nn.Module, dict[str, Any]]:
             if not hasattr(module, part):
                 module.add_module(part, nn.Module())
             module = getattr(module, part)
-        dt = distribute_tensor(torch.zeros(shapes[name], dtype=dtype), mesh, placements)
+        dt = distribute_tensor(torch.zeros(shapes[name], dtype=dtype), mesh, placements, src_data_rank=None)
         module.register_parameter(leaf, nn.Parameter(dt, requires_grad=False))
     return model, layouts
 
 
-def check_placements_dcp(rank: int, world: int, root: str) -> list[str]:
-    return _check_placements(rank, world, root, "dcp")
+def _root() -> str:
+    return os.environ["HPF_TEST_CKPT"]
 
 
-def check_placements_legacy(rank: int, world: int, root: str) -> list[str]:
-    return _check_placements(rank, world, root, "legacy")
+def check_placements_dcp(rank: int, world: int) -> list[str]:
+    return _check_placements(rank, world, _root(), "dcp")
+
+
+def check_placements_legacy(rank: int, world: int) -> list[str]:
+    return _check_placements(rank, world, _root(), "legacy")
 
 
 def _check_placements(rank: int, world: int, root: str, loader: str) -> list[str]:
@@ -174,7 +179,8 @@ def _check_placements(rank: int, world: int, root: str, loader: str) -> list[str
     return bad
 
 
-def check_report_equal(rank: int, world: int, root: str) -> bool:
+def check_report_equal(rank: int, world: int) -> bool:
+    root = _root()
     import hp_fastload as hf
 
     a, _ = _build_model(world)
@@ -184,7 +190,8 @@ def check_report_equal(rank: int, world: int, root: str) -> bool:
     )
 
 
-def check_reads_only_local_bytes(rank: int, world: int, root: str) -> tuple[int, int]:
+def check_reads_only_local_bytes(rank: int, world: int) -> tuple[int, int]:
+    root = _root()
     import hp_fastload as hf
 
     model, _ = _build_model(world)
@@ -192,7 +199,8 @@ def check_reads_only_local_bytes(rank: int, world: int, root: str) -> tuple[int,
     return report.bytes_read, report.checkpoint_bytes
 
 
-def check_one_rank_fails_all_raise(rank: int, world: int, root: str) -> str:
+def check_one_rank_fails_all_raise(rank: int, world: int) -> str:
+    root = _root()
     import hp_fastload as hf
 
     model, _ = _build_model(world)
@@ -215,7 +223,8 @@ def _run(world: int, root: Path) -> list[dict[str, Any]]:
         check_reads_only_local_bytes,
         check_one_rank_fails_all_raise,
     ]
-    return run_distributed(run_subchecks, world, checks, str(root), timeout=400)
+    os.environ["HPF_TEST_CKPT"] = str(root)  # spawned ranks inherit the environment
+    return run_distributed(run_subchecks, world, checks, timeout=400)
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["world2", "world4"])

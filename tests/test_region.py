@@ -55,6 +55,10 @@ class Case:
         self.leaves = {name: RegionTensor.leaf(name, shape, dtype) for name, (shape, dtype) in specs.items()}
 
 
+def _strides(t: torch.Tensor) -> list[int]:
+    return [s for s, n in zip(t.stride(), t.shape, strict=True) if n > 1]
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     flat = torch.empty(t.numel(), dtype=t.dtype)
     flat.copy_(t.reshape(-1))
@@ -68,7 +72,8 @@ def assert_same(traced: Any, real: Any, sources: Mapping[str, torch.Tensor]) -> 
         traced.validate()
         assert traced.shape == real.shape
         assert traced.dtype == real.dtype
-        assert traced.stride() == real.stride()
+        # Strides follow torch (they decide whether a later .view() succeeds); size-1 dims' strides are free.
+        assert _strides(traced) == _strides(real)
         got = materialize(traced, sources)
         assert got.shape == real.shape and got.dtype == real.dtype
         assert torch.equal(got, real), (got, real)
@@ -148,6 +153,7 @@ SHAPE_OPS: dict[str, Callable[[torch.Tensor], Any]] = {
     "clone_detach_cpu": lambda x: x.t().clone().detach().cpu() if x.ndim == 2 else x.clone().detach().cpu(),
     "to_device": lambda x: x.to("cpu"),
     "expand": lambda x: x[:, :1].expand(2, 5, 4),
+    "expand_as": lambda x: x[:1].expand_as(x),
     "iterate": lambda x: list(x),
     "reshape_as_view_as": lambda x: x.reshape(4, 6).view_as(x.reshape(6, 4)).reshape_as(x.reshape(8, 3)),
     "size1_dims": lambda x: x.reshape(1, 2, 1, 12, 1).transpose(0, 4).reshape(2, 3, 1, 4),
@@ -459,6 +465,42 @@ def test_transformers_transpose_interleave_split() -> None:
     )
 
 
+def test_transformers_ernie_and_conv3d_ops() -> None:
+    from transformers.core_model_loading import (
+        Conv3dToLinear,
+        ErnieFuseAndSplitTextVisionExperts,
+        ErnieSplitAndDecoupleTextVisionExperts,
+        LinearToConv3d,
+    )
+
+    specs = {"gate": _experts("gate", 4, (3, 5)), "up": _experts("up", 4, (3, 5))}
+    got = _check_ops(
+        lambda: [ErnieFuseAndSplitTextVisionExperts(stack_dim=0, concat_dim=1)],
+        specs,
+        ["gate", "up"],
+        ["text", "vision"],
+        config=_Config(),
+    )
+    assert {k: len(v.blocks) for k, v in got.items()} == {"text": 4, "vision": 4}
+    fused = {
+        "gu_text": [("gu_text", (2, 6, 5), torch.bfloat16)],
+        "gu_vision": [("gu_vis", (2, 6, 5), torch.bfloat16)],
+    }
+    _check_ops(
+        lambda: [ErnieSplitAndDecoupleTextVisionExperts(stack_dim=0, concat_dim=1)],
+        fused,
+        ["gu_text", "gu_vision"],
+        ["e.*.gate", "e.*.up"],
+        config=_Config(),
+    )
+    conv = {"patch": [("patch", (4, 3, 2, 2, 2), torch.float32)]}
+    got = _check_ops(lambda: [Conv3dToLinear(3, (2, 2, 2))], conv, ["patch"], ["proj"])
+    assert got["proj"].shape == (4, 24)
+    _check_ops(
+        lambda: [LinearToConv3d(3, (2, 2, 2))], {"proj": [("proj", (4, 24), torch.float32)]}, ["proj"], ["c"]
+    )
+
+
 def test_conversion_trace_is_fast_and_coarse() -> None:
     n, rows, cols = 256, 16, 8
     inputs = {
@@ -471,16 +513,21 @@ def test_conversion_trace_is_fast_and_coarse() -> None:
     ]
     elapsed = time.perf_counter() - t0
     assert out.shape == (n, 2 * rows, cols) and len(out.blocks) == 2 * n
-    assert elapsed < 0.5, elapsed  # a few ms in practice; generous for loaded CI machines
+    assert elapsed < 1.0, elapsed  # ~2 ms in practice; generous for loaded CI machines
     # Splitting it back is cheap too (each chunk only looks at the blocks it can touch).
     t0 = time.perf_counter()
     parts = _run_ops([Chunk(dim=1), SplitModulelist(dim=0)], {"gu": [out]}, ["gu"], ["e.*.g", "e.*.u"])
-    assert len(parts) == 2 * n and time.perf_counter() - t0 < 1.0
+    assert len(parts) == 2 * n and time.perf_counter() - t0 < 2.0
     assert parts["e.7.u"].blocks[0].source == "e.7.up"
 
 
 # ------------------------------------------------------------------------------------------------------------
 # refusals (case 8, 9)
+
+
+def _augmented_multiply(r: RegionTensor, s: RegionTensor) -> Any:
+    r *= 2  # must not silently become r = r * 2
+    return r
 
 
 def _refusals() -> dict[str, Callable[[RegionTensor, RegionTensor], Any]]:
@@ -494,6 +541,8 @@ def _refusals() -> dict[str, Callable[[RegionTensor, RegionTensor], Any]]:
         "list_index": lambda r, s: r[[0, 1]],
         "negative_step": lambda r, s: r[::-1],
         "add_": lambda r, s: r.add_(1),
+        "iadd": lambda r, s: r.__iadd__(1),
+        "imul_statement": _augmented_multiply,
         "setitem": lambda r, s: r.__setitem__(0, 1.0),
         "eq": lambda r, s: r == 1,
         "lt": lambda r, s: r < s,
@@ -662,7 +711,11 @@ def _random_op(rng: random.Random, t: torch.Tensor, other: torch.Tensor) -> Call
     e = rng.randrange(nd)
     if kind == "view_split" and shape[d] > 1:
         parts = _factorization(rng, shape[d])
-        return lambda t, o: t.contiguous().view(*shape[:d], *parts, *shape[d + 1 :])
+        new_shape = (*shape[:d], *parts, *shape[d + 1 :])
+        if rng.random() < 0.5:  # view on a possibly non-viewable layout: must fail exactly when torch fails
+            dims = _factorization(rng, t.numel())
+            return lambda t, o: t.view(dims)
+        return lambda t, o: t.contiguous().view(new_shape)
     if kind == "transpose":
         return lambda t, o: t.transpose(d, e)
     if kind == "permute":

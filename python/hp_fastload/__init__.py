@@ -7,16 +7,26 @@ rules, and writes them into the local shards of the model's DTensors.
 
 from __future__ import annotations
 
+from .checkpointer import HF_LOADER_ENV, HuggingFaceCheckpointer, load, plan, resolve_hf_loader
 from .engine import SafetensorsFile, read_into, read_many
 from .errors import HeaderError, HpFastloadError, PlanError, ReadError, TargetError
+from .plan import ConversionError, LoadPlan, LoadReport
 
 __all__ = [
+    "HF_LOADER_ENV",
+    "ConversionError",
     "HeaderError",
     "HpFastloadError",
+    "HuggingFaceCheckpointer",
+    "LoadPlan",
+    "LoadReport",
     "PlanError",
     "ReadError",
     "SafetensorsFile",
     "TargetError",
+    "load",
+    "plan",
     "read_into",
     "read_many",
+    "resolve_hf_loader",
 ]

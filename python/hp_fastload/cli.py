@@ -65,7 +65,40 @@ def _register_inspect(subparsers: Any) -> None:
     p.set_defaults(func=_inspect)
 
 
-_COMMANDS: list[Callable[[Any], None]] = [_register_inspect]
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(checkpoint=args.checkpoint, world=args.world, loader=args.loader)
+
+
+def _register_demo(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "demo", help="load a checkpoint into a parallelized model on gloo CPU ranks and check every shard"
+    )
+    p.add_argument("--checkpoint", help="a transformers causal-LM checkpoint (default: a generated Mixtral)")
+    p.add_argument("--world", type=int, default=2, help="number of ranks (4 gives a 2-D FSDP x TP mesh)")
+    p.add_argument("--loader", default="dcp", choices=["dcp", "legacy"])
+    p.set_defaults(func=_demo)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from .demo import plan_for_rank
+
+    print(plan_for_rank(args.checkpoint, world=args.world, rank=args.rank))
+    return 0
+
+
+def _register_plan(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "plan", help="what one rank of a (virtual) TP + FSDP layout reads from a transformers checkpoint"
+    )
+    p.add_argument("checkpoint", help="a transformers causal-LM checkpoint directory")
+    p.add_argument("--world", type=int, default=8)
+    p.add_argument("--rank", type=int, default=0)
+    p.set_defaults(func=_plan)
+
+
+_COMMANDS: list[Callable[[Any], None]] = [_register_inspect, _register_demo, _register_plan]
 
 
 def build_parser() -> argparse.ArgumentParser:

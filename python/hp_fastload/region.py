@@ -9,12 +9,18 @@ post-ops (casts and arithmetic with Python scalars)::
     source_index = block.base + block.coeff @ (x - block.offsets)     for x in the box
     value        = apply_post(source[source_index], block.post)
 
+``source_index`` is a multi-index in the checkpoint tensor's own shape and every index a block touches is in
+bounds, dim by dim.  A map that is affine only in the source's *flat* offset (flattening several source dims
+into one) is therefore cut into one block per contiguous run, e.g. ``leaf(8, 6).reshape(48)`` has 8 blocks.
+
 This module owns:
 
 * the representation (:class:`RegionTensor`, :class:`Block`, :class:`PostOp`);
 * tracing of layout ops through ``__torch_function__`` (reshape/view, transpose/permute, squeeze/unsqueeze,
-  split/chunk/unbind/narrow/select, basic indexing, cat/stack, casts, scalar arithmetic), each one first run
-  on meta tensors so that torch validates the arguments and fixes the result's shape, dtype and strides;
+  split/chunk/unbind/narrow/select, basic indexing, expand, cat/stack, casts, scalar arithmetic). torch itself
+  validates the arguments and fixes the result's shape, dtype and strides: views and reshapes run on meta
+  tensors, elementwise ops on a 0-d CPU tensor (their meta kernels cost milliseconds), and cat/stack apply
+  torch's shape and promotion rules directly (their meta kernels cost ~8 us per input);
 * the reference evaluation of a region (:func:`materialize`, :func:`apply_post`).
 
 It does not own: reading bytes, intersecting blocks with a rank's local shard, deciding when a conversion is
@@ -22,8 +28,9 @@ deferred (the planner does that when an op raises :class:`UnsupportedRegionOp`),
 contiguous byte runs.
 
 ``RegionTensor`` subclasses ``torch.Tensor`` (a data-less meta tensor underneath) so that
-``isinstance(x, torch.Tensor)`` checks in conversion code take the same branch as with real tensors.
-Anything that is not known to be describable raises :class:`UnsupportedRegionOp` (a ``TypeError``).
+``isinstance(x, torch.Tensor)`` checks in conversion code take the same branch as with real tensors (e.g.
+``PermuteForRope`` after ``Chunk``).  Anything not known to be describable raises :class:`UnsupportedRegionOp`
+(a ``TypeError``): ops between two tensors, value-dependent ops, in-place ops, reductions, advanced indexing.
 """
 
 from __future__ import annotations
@@ -474,7 +481,7 @@ def _operator(name: str) -> Callable[[RegionTensor, Any], Any]:
 
 
 # torch turns a TypeError raised inside a binary operator into NotImplemented, so Python would answer with
-# its own "unsupported operand" TypeError, or, for ==, silently fall back to identity.  Route the operators
+# its own "unsupported operand" TypeError, or, for == and +=, silently fall back to identity / out-of-place.  Route the operators
 # straight to the dispatcher so that a refusal surfaces as UnsupportedRegionOp.
 _OPERATORS = [
     *("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__"),
@@ -490,6 +497,18 @@ _OPERATORS = [
     ),
     *("__rmatmul__", "__and__", "__rand__", "__or__", "__ror__", "__xor__", "__rxor__", "__lshift__"),
     *("__rlshift__", "__rshift__", "__rrshift__", "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__"),
+    # In-place forms: without these, Python would fall back to ``x = x + 1`` and silently drop the aliasing.
+    *(
+        "__iadd__",
+        "__isub__",
+        "__imul__",
+        "__itruediv__",
+        "__idiv__",
+        "__ifloordiv__",
+        "__imod__",
+        "__ipow__",
+    ),
+    *("__imatmul__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__"),
 ]
 for _op_name in _OPERATORS:
     if hasattr(torch.Tensor, _op_name):
@@ -901,7 +920,11 @@ def _view_result(
 
 def _h_view_op(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     r, rest = _self_region(func, args, kwargs)
-    _no_real_tensors(func, [*rest, *kwargs.values()])
+    if func is torch.Tensor.expand_as:  # the other tensor only lends its shape
+        rest = tuple(_meta(a) if isinstance(a, RegionTensor) else a for a in rest)
+        kwargs = {k: _meta(v) if isinstance(v, RegionTensor) else v for k, v in kwargs.items()}
+    else:
+        _no_real_tensors(func, [*rest, *kwargs.values()])
     if any(isinstance(a, torch.dtype) for a in (*rest, *kwargs.values())):
         raise UnsupportedRegionOp(f"{_fname(func)} with a dtype is not supported on RegionTensor")
     meta_out = _run_meta(func, (_meta(r), *rest), kwargs)

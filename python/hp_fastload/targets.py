@@ -241,7 +241,7 @@ class LocalRegion:
 # Region computation (no process group)
 
 #: One sharding step on one tensor dim: (placement, number of chunks = mesh dim size, chunk index).
-_Step: TypeAlias = tuple[Placement, int, int]
+_Step: TypeAlias = tuple["Shard | _StridedShard", int, int]
 
 
 def _compress(index: torch.Tensor) -> tuple[Interval, ...]:
@@ -257,22 +257,16 @@ def _compress(index: torch.Tensor) -> tuple[Interval, ...]:
     return tuple((int(a), int(b) + 1) for a, b in zip(first, last, strict=True))
 
 
-def _split_view(placement: Placement, n: int, device: str | None = None) -> torch.Tensor:
-    """A tensor of length ``n`` along ``placement.dim`` (and 1 elsewhere), as torch's own helpers build it."""
-    shape = [1] * placement.dim + [n]  # type: ignore[attr-defined]
-    if device == "meta":
-        return torch.empty(shape, device="meta")
-    return torch.arange(n).view(shape)
-
-
 def _dim_intervals_arange(size: int, steps: tuple[_Step, ...]) -> tuple[Interval, ...]:
-    """Apply each step's ``_split_tensor`` to ``arange(size)`` and keep the chosen chunk."""
+    """Apply each step's ``_split_tensor`` to the index list ``arange(size)`` and keep the chosen chunk.
+
+    The index list is laid along the placement's dim (size 1 elsewhere), as torch's own
+    ``_StridedShard.local_shard_size_and_offset`` does.
+    """
     index = torch.arange(size)
     for placement, num_chunks, chunk in steps:
-        view = index.view([1] * placement.dim + [index.numel()])  # type: ignore[attr-defined]
-        shards, _ = placement._split_tensor(  # type: ignore[attr-defined]
-            view, num_chunks, with_padding=False, contiguous=False
-        )
+        view = index.view([1] * placement.dim + [index.numel()])
+        shards, _ = placement._split_tensor(view, num_chunks, with_padding=False, contiguous=False)
         index = shards[chunk].reshape(-1)
     return _compress(index)
 
@@ -283,14 +277,17 @@ def _narrow_position(piece: torch.Tensor, dim: int) -> Interval:
     return (start, start + int(piece.shape[dim]))
 
 
-def _step_positions(placement: Placement, num_chunks: int, chunk: int, n: int) -> list[Interval] | None:
+def _step_positions(
+    placement: Shard | _StridedShard, num_chunks: int, chunk: int, n: int
+) -> list[Interval] | None:
     """Positions (in the current index list of length ``n``) that ``placement`` keeps for ``chunk``.
 
-    Uses the same torch chunk calls as the placement's ``_split_tensor`` on a meta tensor, reading the
-    chunk boundaries from the views' storage offsets. Returns None for placements it does not know.
+    Uses the same torch chunk calls as the placement's ``_split_tensor``, on a meta tensor, and reads the
+    chunk boundaries from the views' storage offsets. Returns None for placement types it does not know
+    (subclasses included), which then take the exact ``arange`` path.
     """
-    dim: int = placement.dim  # type: ignore[attr-defined]
-    base = _split_view(placement, n, device="meta")
+    dim: int = placement.dim
+    base = torch.empty([1] * dim + [n], device="meta")
     if type(placement) is Shard:
         shards, _ = placement._split_tensor(base, num_chunks, with_padding=False, contiguous=False)
         return [_narrow_position(shards[chunk], dim)]
@@ -392,8 +389,10 @@ def local_region(
 
     ``placements`` has one entry per mesh dim (as ``DTensor.placements``). Shard-like placements are applied
     in mesh-dim order with torch's own splitting (``_StridedShard`` included); ``Replicate`` keeps
-    everything; ``Partial`` raises :class:`TargetError`. ``coordinate=None`` is a rank outside the mesh: the
-    region is empty (``in_mesh=False``). No process group is needed. Results are cached per layout.
+    everything; ``Partial`` (and any other placement type) raises :class:`TargetError`, as do mismatched
+    lengths and a coordinate outside the mesh. Negative shard dims are normalized. ``coordinate=None`` is a
+    rank outside the mesh: the region is empty (``in_mesh=False``). No process group is needed. Results are
+    cached per layout (the same object is returned for the same arguments).
     """
     return _local_region_cached(
         tuple(int(s) for s in global_shape),
@@ -446,10 +445,12 @@ class Target:
     """One physical model tensor to fill, under every name that reaches it.
 
     ``region`` is what this (possibly virtual) rank holds of ``global_shape``. ``error`` is a message when
-    the tensor cannot be loaded (meta, Partial, unsupported layout, local shard that disagrees with the
-    region); :meth:`check`, :meth:`local` and :attr:`region` then raise :class:`TargetError` with it.
-    ``virtual`` is True when the layout came from a ``mesh_override``: such a target has no writable local
-    tensor.
+    the tensor cannot be loaded (meta or uninitialized, Partial, unsupported layout or placement, a local
+    shard whose shape disagrees with the region, a plain tensor carrying a ``_sharding_spec``); :meth:`check`
+    and :meth:`local` then raise :class:`TargetError` with it, and so does :attr:`region` when no region
+    could be computed (Partial, bad layout, uninitialized). ``virtual`` is True when the layout came from a
+    ``mesh_override``: such a target has no writable local tensor, and meta storage is not an error for it.
+    ``placements``, ``mesh_shape`` and ``coordinate`` are None for plain tensors (whose region is full).
     """
 
     names: tuple[str, ...]
