@@ -22,7 +22,7 @@ use std::sync::{Arc, Mutex};
 use crate::dest::{with_dense_dst, write_run, DestBuf};
 use crate::error::LoadError;
 use crate::header::{FileIdentity, Header};
-use crate::mmap::{read_exact_at, Mapping};
+use crate::mmap::{prefetch, read_exact_at, Mapping};
 use crate::region::{plan, Item, Run};
 
 /// Fraction of needed pages that must be cached for `auto` to pick `mmap`.
@@ -159,17 +159,15 @@ pub fn execute(
         return Ok(stats);
     }
     // Open, check and (maybe) map each file that is needed.
-    let mut needed: Vec<Option<(u64, u64)>> = vec![None; files.len()];
+    let mut needed: Vec<Vec<(u64, u64)>> = vec![Vec::new(); files.len()];
     for r in &runs {
-        let span = needed[r.file].get_or_insert((r.src_off, r.src_end()));
-        span.0 = span.0.min(r.src_off);
-        span.1 = span.1.max(r.src_end());
+        needed[r.file].push((r.src_off, r.src_end()));
     }
     let mut sources: Vec<Option<Source>> = Vec::with_capacity(files.len());
-    for (h, span) in files.iter().zip(&needed) {
-        sources.push(match span {
-            Some((start, end)) => Some(open_source(h, opts.backend, *start, *end)?),
-            None => None,
+    for (h, ranges) in files.iter().zip(&needed) {
+        sources.push(match ranges.is_empty() {
+            false => Some(open_source(h, opts.backend, ranges)?),
+            true => None,
         });
     }
     let uses_mmap = sources.iter().flatten().any(|s| s.map.is_some());
@@ -197,7 +195,7 @@ pub fn execute(
     Ok(stats)
 }
 
-fn open_source(h: &Header, backend: Backend, start: u64, end: u64) -> Result<Source, LoadError> {
+fn open_source(h: &Header, backend: Backend, ranges: &[(u64, u64)]) -> Result<Source, LoadError> {
     let file = File::open(&h.path).map_err(|e| LoadError::io(&h.path, &e))?;
     let meta = file.metadata().map_err(|e| LoadError::io(&h.path, &e))?;
     if meta.len() < h.file_len {
@@ -217,7 +215,9 @@ fn open_source(h: &Header, backend: Backend, start: u64, end: u64) -> Result<Sou
         Backend::Mmap => Some(Mapping::new(&file, h.file_len, &h.path)?),
         Backend::Auto => {
             let map = Mapping::new(&file, h.file_len, &h.path)?;
-            (map.resident_fraction(start, end) >= AUTO_MMAP_RESIDENT).then_some(map)
+            let start = ranges.iter().map(|r| r.0).min().unwrap_or(0);
+            let end = ranges.iter().map(|r| r.1).max().unwrap_or(0);
+            (map.resident_fraction(start, end, ranges) >= AUTO_MMAP_RESIDENT).then_some(map)
         }
     };
     Ok(Source { file, map })
@@ -274,11 +274,22 @@ fn run_tasks(
     let failed = AtomicBool::new(false);
     let first_error: Mutex<Option<LoadError>> = Mutex::new(None);
     let bytes_read = AtomicU64::new(0);
+    // pread tasks ask the kernel to read ahead: the first `lookahead` now, then one more per task taken.
+    let lookahead = 2 * threads;
+    let prefetch_task = |i: usize| {
+        if let Some(t) = tasks.get(i).filter(|t| t.mode != Mode::Mmap) {
+            if let Some(source) = &sources[t.file] {
+                prefetch(&source.file, t.start, t.end);
+            }
+        }
+    };
+    (0..lookahead).for_each(prefetch_task);
     let worker = || {
         let mut buf: Vec<u8> = Vec::new();
         while !failed.load(Ordering::Relaxed) {
             let i = next.fetch_add(1, Ordering::Relaxed);
             let Some(task) = tasks.get(i) else { break };
+            prefetch_task(i + lookahead);
             match run_task(task, pieces, sources, files, &mut buf) {
                 Ok(n) => {
                     bytes_read.fetch_add(n, Ordering::Relaxed);

@@ -44,8 +44,9 @@ impl Mapping {
             .advise_range(Advice::WillNeed, start as usize, (end - start) as usize);
     }
 
-    /// Fraction (0..=1) of the pages of `start..end` that are in the page cache; 0 when unknown.
-    pub(crate) fn resident_fraction(&self, start: u64, end: u64) -> f64 {
+    /// Fraction (0..=1) of the pages touched by `ranges` (byte ranges inside `start..end`) that are in the
+    /// page cache; 0 when unknown. One `mincore` call covers `start..end`.
+    pub(crate) fn resident_fraction(&self, start: u64, end: u64, ranges: &[(u64, u64)]) -> f64 {
         if end <= start || end as usize > self.map.len() {
             return 0.0;
         }
@@ -62,8 +63,33 @@ impl Mapping {
         if rc != 0 {
             return 0.0;
         }
-        vec.iter().filter(|&&v| v & 1 == 1).count() as f64 / vec.len() as f64
+        let (mut touched, mut resident) = (0usize, 0usize);
+        for &(a, b) in ranges
+            .iter()
+            .filter(|r| r.0 >= start && r.1 <= end && r.0 < r.1)
+        {
+            let pages = &vec[(a as usize - first) / page..=(b as usize - 1 - first) / page];
+            touched += pages.len();
+            resident += pages.iter().filter(|&&v| v & 1 == 1).count();
+        }
+        if touched == 0 {
+            return 0.0;
+        }
+        resident as f64 / touched as f64
     }
+}
+
+/// Asks the kernel to start reading `start..end` of `file` into the page cache (best effort).
+pub(crate) fn prefetch(file: &File, start: u64, end: u64) {
+    use std::os::fd::AsRawFd;
+    let (Ok(off), Ok(len)) = (
+        libc::off_t::try_from(start),
+        libc::off_t::try_from(end - start),
+    ) else {
+        return;
+    };
+    // SAFETY: posix_fadvise only reads its integer arguments; the descriptor is owned by `file`.
+    let _ = unsafe { libc::posix_fadvise(file.as_raw_fd(), off, len, libc::POSIX_FADV_WILLNEED) };
 }
 
 /// Fills `buf` from `file` at `offset`; a read that hits the end of the file is [`LoadError::Truncated`].

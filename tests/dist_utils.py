@@ -23,12 +23,15 @@ Semantics of :func:`run_distributed`:
 - If the whole run exceeds ``timeout`` seconds, every child is killed and ``AssertionError`` is raised. The
   message includes the Python stacks of the hung ranks (dumped by ``faulthandler`` shortly before the
   deadline). The harness never hangs.
+- ``timeout`` and ``backend`` are the harness's own keywords; every other keyword goes to ``fn``. A run whose
+  rendezvous port was taken in the meantime (``EADDRINUSE``) is retried with a new port.
 
 Spawning costs one ``import torch`` per rank (seconds on a small machine), so run many checks in one spawn:
-pass :func:`run_subchecks` as ``fn`` with a list of module-level check functions; each check runs on every
-rank, its failures are caught per check, and :func:`subcheck_values` turns the per-rank outcomes of one check
-into values (or one assertion naming the failing ranks). A check that raises on some ranks but not others
-can desynchronise later collectives; the timeout still bounds that case.
+pass :func:`run_subchecks` as ``fn`` with a list of module-level check functions
+(``run_distributed(run_subchecks, 4, checks=[check_a, check_b])``, typically in a module-scoped fixture);
+each check runs on every rank, its failures are caught per check, and :func:`subcheck_values` turns the
+per-rank outcomes of one check into values (or one assertion naming the failing ranks). A check that
+raises on some ranks but not others can desynchronise later collectives; the timeout still bounds that case.
 """
 
 from __future__ import annotations
@@ -182,9 +185,7 @@ def _spawn_once(
         with _child_environment(env):
             for rank in range(world_size):
                 worker_args = (rank, world_size, port, backend, timeout, wall_deadline, stack_files[rank])
-                proc = ctx.Process(
-                    target=_worker, args=(*worker_args, fn, args, kwargs, results), daemon=True
-                )
+                proc = ctx.Process(target=_worker, args=(*worker_args, fn, args, kwargs, results), daemon=True)
                 proc.start()
                 procs.append(proc)
 
@@ -258,9 +259,7 @@ def run_distributed(
     errors = attempt.errors
     if attempt.timed_out or errors or attempt.missing:
         if attempt.timed_out:
-            lines = [
-                f"run_distributed({fn.__name__}) timed out after {attempt.elapsed:.1f}s (timeout={timeout}s)"
-            ]
+            lines = [f"run_distributed({fn.__name__}) timed out after {attempt.elapsed:.1f}s (timeout={timeout}s)"]
         else:
             lines = [f"run_distributed({fn.__name__}) failed on {len(errors)} of {world_size} rank(s)"]
         for rank in sorted(errors):

@@ -57,9 +57,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.equal(raw_bytes(a), raw_bytes(b))
 
 
-def strided_view(
-    lengths: list[int], dtype: torch.dtype, gen: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor]:
+def strided_view(lengths: list[int], dtype: torch.dtype, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """A view of shape `lengths` into a larger zeroed tensor: dims permuted and padded."""
     n = len(lengths)
     perm = torch.randperm(n, generator=gen).tolist() if n else []
@@ -83,14 +81,11 @@ def test_random_boxes_into_strided_views(tmp_path, dtype, backend):
             for key, shape in shapes.items():
                 offsets = [int(torch.randint(0, s, (), generator=gen)) for s in shape]
                 lengths = [
-                    int(torch.randint(0, s - o + 1, (), generator=gen))
-                    for o, s in zip(offsets, shape, strict=True)
+                    int(torch.randint(0, s - o + 1, (), generator=gen)) for o, s in zip(offsets, shape, strict=True)
                 ]
                 big, out = strided_view(lengths, dtype, gen)
                 hf.read_into(path, key, offsets, lengths, out, backend=backend, threads=2)
-                want = ref.get_slice(key)[
-                    tuple(slice(o, o + n) for o, n in zip(offsets, lengths, strict=True))
-                ]
+                want = ref.get_slice(key)[tuple(slice(o, o + n) for o, n in zip(offsets, lengths, strict=True))]
                 assert same_bits(out, want), (key, offsets, lengths)
                 assert int(raw_bytes(big).count_nonzero()) == int(raw_bytes(out).count_nonzero())
 
@@ -146,9 +141,7 @@ def assert_same_cast(got: torch.Tensor, want: torch.Tensor) -> None:
     bad = (gb != wb) & ~nan
     if bad.any():
         i = int(bad.nonzero()[0])
-        raise AssertionError(
-            f"{int(bad.sum())} mismatches, e.g. {want[i]!r}: got {gb[i]:#x}, want {wb[i]:#x}"
-        )
+        raise AssertionError(f"{int(bad.sum())} mismatches, e.g. {want[i]!r}: got {gb[i]:#x}, want {wb[i]:#x}")
 
 
 @pytest.mark.parametrize("src", FLOATS, ids=str)

@@ -67,9 +67,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(
-    ("header", "data", "length", "needle"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
-)
+@pytest.mark.parametrize(("header", "data", "length", "needle"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_malformed_headers(tmp_path, header, data, length, needle):
     path = adversarial(tmp_path, header, data, length)
     with pytest.raises(HeaderError, match="invalid safetensors header") as info:

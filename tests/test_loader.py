@@ -60,9 +60,7 @@ def mapping() -> list[object]:
         rules.WeightConverter(
             ["attn.q.weight", "attn.k.weight", "attn.v.weight"], "qkv.weight", [rules.Concatenate(0)]
         ),
-        rules.WeightConverter(
-            ["attn.q.bias", "attn.k.bias", "attn.v.bias"], "qkv.bias", [rules.Concatenate(0)]
-        ),
+        rules.WeightConverter(["attn.q.bias", "attn.k.bias", "attn.v.bias"], "qkv.bias", [rules.Concatenate(0)]),
         rules.WeightConverter(
             ["experts.*.gate.weight", "experts.*.up.weight"],
             "experts.gate_up_proj",
@@ -190,7 +188,7 @@ def test_loader_resolution(monkeypatch):
     monkeypatch.setenv(hf.HF_LOADER_ENV, "LEGACY")
     assert hf.resolve_hf_loader(None) == "legacy"
     assert hf.resolve_hf_loader("dcp") == "dcp"
-    with pytest.raises(ValueError, match="fastest.*legacy, dcp.*HYPER_PARALLEL_HF_LOADER"):
+    with pytest.raises(ValueError, match=r"fastest.*legacy, dcp.*HYPER_PARALLEL_HF_LOADER"):
         hf.resolve_hf_loader("fastest")
     with pytest.raises(ValueError, match="fastest"):
         hf.HuggingFaceCheckpointer(loader="fastest")
@@ -211,7 +209,7 @@ def test_checkpointer_contract(checkpoint):
         ckpt.load(root, {"model": model}, extra_state_skeleton={})
     with pytest.raises(ValueError, match="pretrained_path must be provided"):
         ckpt.load("", {"model": model})
-    with pytest.raises(TypeError, match="nn.Module"):
+    with pytest.raises(TypeError, match=r"nn\.Module"):
         ckpt.load(root, {"model": model.state_dict()})
     with pytest.raises(NotImplementedError, match="save_pretrained"):
         ckpt.save(root, state)

@@ -50,17 +50,13 @@ class _Cfg:
 
 
 class _AddOne:
-    def convert(
-        self, inputs: dict[str, Any], source_patterns: list[str], target_patterns: list[str], **kw: Any
-    ):
+    def convert(self, inputs: dict[str, Any], source_patterns: list[str], target_patterns: list[str], **kw: Any):
         (values,) = inputs.values()
         return {target_patterns[0]: values[0] + 1.0}
 
 
 class _Product:
-    def convert(
-        self, inputs: dict[str, Any], source_patterns: list[str], target_patterns: list[str], **kw: Any
-    ):
+    def convert(self, inputs: dict[str, Any], source_patterns: list[str], target_patterns: list[str], **kw: Any):
         a, b = (inputs[p][0] for p in source_patterns)
         return {target_patterns[0]: a * b}
 
@@ -164,15 +160,13 @@ def _check_placements(rank: int, world: int, root: str, loader: str) -> list[str
 
     import hp_fastload as hf
 
-    model, layouts = _build_model(world)
+    model, _ = _build_model(world)
     report = hf.load(model, root, weights_mapping=_mapping(), loader=loader)
     assert report.missing_keys == (), report.missing_keys
     bad = []
     for name, full in _converted(_tensors()).items():
         param = model.get_parameter(name)
-        expected = distribute_tensor(
-            full.to(param.dtype), param.device_mesh, param.placements, src_data_rank=None
-        )
+        expected = distribute_tensor(full.to(param.dtype), param.device_mesh, param.placements, src_data_rank=None)
         local = param.to_local()
         if expected.to_local().shape != local.shape or not torch.equal(expected.to_local(), local):
             bad.append(name)
@@ -250,7 +244,7 @@ def test_both_loaders_report_the_same(outcomes):
 
 
 def test_each_rank_reads_less_than_the_checkpoint(outcomes):
-    world, per_rank = outcomes
+    _world, per_rank = outcomes
     values = subcheck_values(per_rank, "check_reads_only_local_bytes")
     total = values[0][1]
     # deferred sources (scaled.a/b) and replicated tensors are read whole; everything else only locally

@@ -49,9 +49,7 @@ class Case:
     """Named real tensors plus matching leaves."""
 
     def __init__(self, **specs: tuple[tuple[int, ...], torch.dtype]) -> None:
-        self.real = {
-            name: _values(shape, dtype, seed=i) for i, (name, (shape, dtype)) in enumerate(specs.items())
-        }
+        self.real = {name: _values(shape, dtype, seed=i) for i, (name, (shape, dtype)) in enumerate(specs.items())}
         self.leaves = {name: RegionTensor.leaf(name, shape, dtype) for name, (shape, dtype) in specs.items()}
 
 
@@ -123,9 +121,7 @@ SHAPE_OPS: dict[str, Callable[[torch.Tensor], Any]] = {
     "flatten_12": lambda x: x.flatten(1),
     "unflatten": lambda x: x.unflatten(2, (2, 2)),
     "torch_unflatten": lambda x: torch.unflatten(x, 1, (3, 1)),
-    "split_then_merge": lambda x: (
-        x.reshape(6, 4).transpose(0, 1).reshape(2, 2, 6).permute(1, 0, 2).reshape(4, 6)
-    ),
+    "split_then_merge": lambda x: x.reshape(6, 4).transpose(0, 1).reshape(2, 2, 6).permute(1, 0, 2).reshape(4, 6),
     "split_merge_chain": lambda x: x.view(2, 3, 2, 2).transpose(1, 3).reshape(4, 6).t().reshape(-1),
     "partial_rows": lambda x: x.reshape(2, 12)[:, 5:].reshape(-1),
     "index": lambda x: x[1],
@@ -327,9 +323,7 @@ class _FakeModel:
         return torch.empty(self.shapes[name], device="meta")
 
 
-def _run_ops(
-    ops: list[Any], inputs: dict[str, Any], sources: list[str], targets: list[str], **kw: Any
-) -> Any:
+def _run_ops(ops: list[Any], inputs: dict[str, Any], sources: list[str], targets: list[str], **kw: Any) -> Any:
     data: Any = dict(inputs)
     for op in ops:
         data = op.convert(data, source_patterns=sources, target_patterns=targets, **kw)
@@ -380,9 +374,7 @@ def test_transformers_merge_and_concatenate() -> None:
         ["gate_up_proj"],
     )
     assert len(got["gate_up_proj"].blocks) == 6
-    got = _check_ops(
-        lambda: [MergeModulelist(dim=0)], {"down_proj": _experts("down", 3, (5, 2))}, ["down_proj"], ["d"]
-    )
+    got = _check_ops(lambda: [MergeModulelist(dim=0)], {"down_proj": _experts("down", 3, (5, 2))}, ["down_proj"], ["d"])
     assert len(got["d"].blocks) == 3
 
 
@@ -422,9 +414,7 @@ def test_transformers_permute_for_rope() -> None:
 
 def test_transformers_transpose_interleave_split() -> None:
     specs = {"w": [("w", (6, 4), torch.float16)]}
-    model = _FakeModel(
-        {"layer.w": (4, 6), "layer.same": (6, 4), "layer.q_part": (2, 4), "layer.kv_part": (4, 4)}
-    )
+    model = _FakeModel({"layer.w": (4, 6), "layer.same": (6, 4), "layer.q_part": (2, 4), "layer.kv_part": (4, 4)})
     got = _check_ops(
         lambda: [Transpose(0, 1, check_dims=True)],
         specs,
@@ -496,9 +486,7 @@ def test_transformers_ernie_and_conv3d_ops() -> None:
     conv = {"patch": [("patch", (4, 3, 2, 2, 2), torch.float32)]}
     got = _check_ops(lambda: [Conv3dToLinear(3, (2, 2, 2))], conv, ["patch"], ["proj"])
     assert got["proj"].shape == (4, 24)
-    _check_ops(
-        lambda: [LinearToConv3d(3, (2, 2, 2))], {"proj": [("proj", (4, 24), torch.float32)]}, ["proj"], ["c"]
-    )
+    _check_ops(lambda: [LinearToConv3d(3, (2, 2, 2))], {"proj": [("proj", (4, 24), torch.float32)]}, ["proj"], ["c"])
 
 
 def test_conversion_trace_is_fast_and_coarse() -> None:
@@ -508,9 +496,7 @@ def test_conversion_trace_is_fast_and_coarse() -> None:
         "up_proj": [RegionTensor.leaf(f"e.{i}.up", (rows, cols), torch.bfloat16) for i in range(n)],
     }
     t0 = time.perf_counter()
-    out = _run_ops([MergeModulelist(dim=0), Concatenate(dim=1)], inputs, ["gate_proj", "up_proj"], ["gu"])[
-        "gu"
-    ]
+    out = _run_ops([MergeModulelist(dim=0), Concatenate(dim=1)], inputs, ["gate_proj", "up_proj"], ["gu"])["gu"]
     elapsed = time.perf_counter() - t0
     assert out.shape == (n, 2 * rows, cols) and len(out.blocks) == 2 * n
     assert elapsed < 1.0, elapsed  # ~2 ms in practice; generous for loaded CI machines
@@ -732,9 +718,7 @@ def _random_op(rng: random.Random, t: torch.Tensor, other: torch.Tensor) -> Call
     if kind == "index":
         items: list[Any] = []
         for size in shape:
-            items.append(
-                rng.choice([slice(None), rng.randrange(-size, size), None, slice(rng.randrange(size), None)])
-            )
+            items.append(rng.choice([slice(None), rng.randrange(-size, size), None, slice(rng.randrange(size), None)]))
         if rng.random() < 0.5:
             items[rng.randrange(len(items))] = Ellipsis
         index = tuple(items)

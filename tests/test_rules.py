@@ -81,9 +81,7 @@ def test_dot_natural_key_matches_transformers():
 
 
 def test_name_boundary_guard_and_star_dot():
-    conv = rules.WeightConverter(
-        ["mlp.experts.*.gate_proj.weight"], "mlp.experts.gate_up_proj", [rules.Chunk(0)]
-    )
+    conv = rules.WeightConverter(["mlp.experts.*.gate_proj.weight"], "mlp.experts.gate_up_proj", [rules.Chunk(0)])
     assert conv.rename_source_key("model.layers.12.mlp.experts.3.gate_proj.weight") == (
         "model.layers.12.mlp.experts.gate_up_proj",
         "mlp.experts.*.gate_proj.weight",
@@ -106,9 +104,7 @@ def test_renamings_chain_then_one_converter():
     conv_a = rules.WeightConverter(["mlp.router.weight"], "mlp.router.w", [rules.Transpose(0, 1)])
     conv_b = rules.WeightConverter(["router.weight"], "router.other", [rules.Transpose(0, 1)])
     key = "layers.0.block_sparse_moe.gate.weight"
-    renamed, conv, pattern = rename_key(
-        key, [first, second], [conv_a, conv_b], None, {"layers.0.mlp.router.w"}
-    )
+    renamed, conv, pattern = rename_key(key, [first, second], [conv_a, conv_b], None, {"layers.0.mlp.router.w"})
     assert (renamed, conv, pattern) == ("layers.0.mlp.router.w", conv_a, "mlp.router.weight")
 
 

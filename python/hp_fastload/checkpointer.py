@@ -8,6 +8,7 @@ the one summary log line. Planning lives in ``plan``, reading in ``execute``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -124,9 +125,7 @@ def _resolve_location_once(path: str | os.PathLike[str], revision: str | None) -
 # load / plan
 
 
-def _progress_bar(
-    total: int, enabled: bool | None
-) -> tuple[Callable[[int], None] | None, Callable[[], None]]:
+def _progress_bar(total: int, enabled: bool | None) -> tuple[Callable[[int], None] | None, Callable[[], None]]:
     rank0 = not _dist_active() or torch.distributed.get_rank() == 0
     if enabled is False or not rank0 or total <= 0:
         return None, lambda: None
@@ -160,9 +159,7 @@ def plan(
     name = resolve_hf_loader(loader)
     location = resolve_checkpoint_location(path, revision=revision)
     index = CheckpointIndex.open(location)
-    targets = build_targets(
-        model, external_target_fqns=frozenset(external_target_fqns), mesh_override=mesh_override
-    )
+    targets = build_targets(model, external_target_fqns=frozenset(external_target_fqns), mesh_override=mesh_override)
     rules = resolve_mapping(model, weights_mapping, key_mapping)
     return plan_load(
         model,
@@ -225,17 +222,15 @@ def load(
     try:
         stats = _agree(
             "Reading the pretrained checkpoint",
-            lambda: execute_plan(
-                load_plan, legacy=name == "legacy", threads=threads, backend=backend, progress=update
-            ),
+            lambda: execute_plan(load_plan, legacy=name == "legacy", threads=threads, backend=backend, progress=update),
         )
     finally:
         close()
     for target, _ in load_plan.region_reads.values():
-        target.tensor._is_hf_initialized = True
+        target.tensor._is_hf_initialized = True  # type: ignore[attr-defined]
     for deferred in load_plan.deferred:
         for target in deferred.claims.values():
-            target.tensor._is_hf_initialized = True
+            target.tensor._is_hf_initialized = True  # type: ignore[attr-defined]
     _record_used_rules(model, load_plan.used_rules)
     seconds = time.perf_counter() - start
     report = LoadReport(
@@ -261,10 +256,8 @@ def load(
 
 
 def _record_used_rules(model: nn.Module, used: list[Any]) -> None:
-    try:
-        model._weight_conversions = used
-    except (AttributeError, TypeError):  # pragma: no cover - exotic modules
-        pass
+    with contextlib.suppress(AttributeError, TypeError):  # modules that refuse new attributes
+        model._weight_conversions = used  # type: ignore[assignment]
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -35,9 +35,7 @@ def _inspect(args: argparse.Namespace) -> int:
         tensors = []
         for key in f:
             begin, end = f.offsets(key)
-            tensors.append(
-                {"name": key, "dtype": f.dtype(key), "shape": list(f.shape(key)), "bytes": end - begin}
-            )
+            tensors.append({"name": key, "dtype": f.dtype(key), "shape": list(f.shape(key)), "bytes": end - begin})
         report.append({"path": path, "file_size": f.file_size, "metadata": f.metadata(), "tensors": tensors})
     if args.json:
         json.dump(report, sys.stdout, indent=2)
@@ -103,9 +101,7 @@ _COMMANDS: list[Callable[[Any], None]] = [_register_inspect, _register_demo, _re
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every registered subcommand."""
-    parser = argparse.ArgumentParser(
-        prog="hp-fastload", description=__doc__.splitlines()[0] if __doc__ else None
-    )
+    parser = argparse.ArgumentParser(prog="hp-fastload", description=__doc__.splitlines()[0] if __doc__ else None)
     subparsers = parser.add_subparsers(dest="command", required=True)
     for register in _COMMANDS:
         register(subparsers)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +25,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.futures import Future
 
 from .engine import SafetensorsFile
 from .errors import HeaderError
@@ -34,6 +34,13 @@ from .execute import ExecStats, _Batch, _engine_casts
 __all__ = ["HuggingFaceStorageReader"]
 
 _SHARDING_KEY = "DCP_SHARDING_INFO"
+
+
+def _copier(target: torch.Tensor, temp: torch.Tensor) -> Any:
+    def run() -> None:
+        target.copy_(temp)
+
+    return run
 
 
 class HuggingFaceStorageReader(FileSystemReader):
@@ -45,9 +52,7 @@ class HuggingFaceStorageReader(FileSystemReader):
         backend: ``"auto"``, ``"mmap"`` or ``"pread"``.
     """
 
-    def __init__(
-        self, path: str | os.PathLike[str], thread_count: int | None = None, backend: str = "auto"
-    ) -> None:
+    def __init__(self, path: str | os.PathLike[str], thread_count: int | None = None, backend: str = "auto") -> None:
         super().__init__(path=str(path))
         self.thread_count = thread_count
         self.backend = backend
@@ -76,12 +81,10 @@ class HuggingFaceStorageReader(FileSystemReader):
                     sharding = json.loads(meta[_SHARDING_KEY])
                 except ValueError as exc:
                     raise HeaderError(f"{path}: {_SHARDING_KEY} is not JSON: {exc}") from exc
-            for key in file.keys():
+            for key in file:
                 shape = tuple(file.shape(key))
                 dtype = file.torch_dtype(key)
-                offsets = (
-                    tuple(int(o) for o in sharding[key]["saved_offsets"]) if sharding else (0,) * len(shape)
-                )
+                offsets = tuple(int(o) for o in sharding[key]["saved_offsets"]) if sharding else (0,) * len(shape)
                 chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(shape))
                 md = state.get(key)
                 if md is None:
@@ -92,18 +95,12 @@ class HuggingFaceStorageReader(FileSystemReader):
                     )
                 else:
                     if md.properties.dtype != dtype:
-                        raise HeaderError(
-                            f"tensor {key!r} has chunks of dtypes {md.properties.dtype} and {dtype}"
-                        )
+                        raise HeaderError(f"tensor {key!r} has chunks of dtypes {md.properties.dtype} and {dtype}")
                     md.chunks.append(chunk)
-                    md.size = torch.Size(
-                        [max(a, o + s) for a, o, s in zip(md.size, offsets, shape, strict=True)]
-                    )
+                    md.size = torch.Size([max(a, o + s) for a, o, s in zip(md.size, offsets, shape, strict=True)])
                 index = MetadataIndex(fqn=key, offset=torch.Size(offsets))
                 if index in storage:
-                    raise HeaderError(
-                        f"tensor {key!r} at offsets {offsets} is stored in two files (one is {path})"
-                    )
+                    raise HeaderError(f"tensor {key!r} at offsets {offsets} is stored in two files (one is {path})")
                 storage[index] = path
         metadata = Metadata(state_dict_metadata=state, storage_data=storage)  # type: ignore[arg-type]
         if getattr(metadata, "storage_meta", None) is None:
@@ -111,9 +108,7 @@ class HuggingFaceStorageReader(FileSystemReader):
         metadata.storage_meta.load_id = self.load_id  # type: ignore[union-attr]
         return metadata
 
-    def set_up_storage_reader(
-        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
-    ) -> None:
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.storage_data = metadata.storage_data
         if self.storage_data is None:
             raise HeaderError("checkpoint metadata has no storage data")
@@ -133,9 +128,7 @@ class HuggingFaceStorageReader(FileSystemReader):
             target = planner.resolve_tensor(req).detach()
             lengths = tuple(req.lengths)
             if tuple(target.shape) != lengths:
-                raise AssertionError(
-                    f"req {req.storage_index} mismatch sizes {tuple(target.shape)} vs {lengths}"
-                )
+                raise AssertionError(f"req {req.storage_index} mismatch sizes {tuple(target.shape)} vs {lengths}")
             src_dtype = file.torch_dtype(key)
             if target.device.type == "cpu" and _engine_casts(src_dtype, target.dtype):
                 batch.add_from(file, key, base, strides, lengths, target, (0,) * len(lengths))
@@ -143,7 +136,7 @@ class HuggingFaceStorageReader(FileSystemReader):
                 temp = torch.empty(lengths, dtype=src_dtype)
                 batch.add_from(file, key, base, strides, lengths, temp, (0,) * len(lengths))
                 batch.keep.append(temp)
-                batch.after.append(lambda target=target, temp=temp: target.copy_(temp))
+                batch.after.append(_copier(target, temp))
             commits.append((req, target))
         stats = ExecStats()
         batch.run(self.thread_count, self.backend, stats)

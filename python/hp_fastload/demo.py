@@ -46,7 +46,8 @@ def make_demo_checkpoint(directory: str | os.PathLike[str], seed: int = 0) -> Pa
         return path
     torch.manual_seed(seed)
     config = MixtralConfig(**DEMO_CONFIG)
-    model = MixtralForCausalLM(config).to(torch.bfloat16)
+    model: Any = MixtralForCausalLM(config)
+    model = model.to(torch.bfloat16)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.05)
@@ -60,8 +61,8 @@ def parallelize(model: torch.nn.Module, world: int) -> dict[str, Any]:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    inner = getattr(model, "model", model)
-    layers = inner.layers
+    inner: Any = getattr(model, "model", model)
+    layers: Any = inner.layers
     attn_plan = {
         "self_attn.q_proj": ColwiseParallel(),
         "self_attn.k_proj": ColwiseParallel(),
@@ -80,12 +81,13 @@ def parallelize(model: torch.nn.Module, world: int) -> dict[str, Any]:
     tp = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     for layer in layers:
         parallelize_module(layer, tp, attn_plan)
-        moe = getattr(layer, "mlp", None) or getattr(layer, "block_sparse_moe", None)
+        moe: Any = getattr(layer, "mlp", None) or getattr(layer, "block_sparse_moe", None)
         if moe is not None:
             fully_shard(moe, mesh=dp)
     fully_shard(inner.embed_tokens, mesh=dp)
-    if hasattr(model, "lm_head") and model.lm_head is not inner.embed_tokens:
-        fully_shard(model.lm_head, mesh=dp)
+    lm_head: Any = getattr(model, "lm_head", None)
+    if lm_head is not None and lm_head is not inner.embed_tokens:
+        fully_shard(lm_head, mesh=dp)
     return {"mesh": "tp (attention) + fsdp (experts, embeddings)", "shape": (world,)}
 
 
@@ -131,9 +133,7 @@ def _rank_main(rank: int, world: int, port: int, checkpoint: str, out: str, load
                 continue
             full = reference[name]
             if isinstance(param, DTensor):
-                expected = distribute_tensor(
-                    full, param.device_mesh, param.placements, src_data_rank=None
-                ).to_local()
+                expected = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
                 local = param.to_local()
             else:
                 expected, local = full, param
@@ -152,9 +152,7 @@ def _rank_main(rank: int, world: int, port: int, checkpoint: str, out: str, load
         dist.destroy_process_group()
 
 
-def run_demo(
-    checkpoint: str | None = None, world: int = 2, loader: str = "dcp", timeout: float = 600.0
-) -> int:
+def run_demo(checkpoint: str | None = None, world: int = 2, loader: str = "dcp", timeout: float = 600.0) -> int:
     """Run the demo; returns a process exit code (0 when every shard matched on every rank)."""
     import torch.multiprocessing as mp
 
@@ -163,15 +161,11 @@ def run_demo(
         cache = Path(os.environ.get("HP_FASTLOAD_DEMO_DIR", Path.cwd() / "demo-out" / "mixtral-tiny"))
         started = time.perf_counter()
         checkpoint = str(make_demo_checkpoint(cache))
-        print(
-            f"checkpoint: {checkpoint} (written by transformers save_pretrained in {time.perf_counter() - started:.1f} s)"
-        )
+        took = time.perf_counter() - started
+        print(f"checkpoint: {checkpoint} (written by transformers save_pretrained in {took:.1f} s)")
     port = _free_port()
     ctx = mp.get_context("spawn")
-    procs = [
-        ctx.Process(target=_rank_main, args=(r, world, port, checkpoint, str(work), loader))
-        for r in range(world)
-    ]
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, checkpoint, str(work), loader)) for r in range(world)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout
@@ -180,7 +174,7 @@ def run_demo(
     hung = [p for p in procs if p.is_alive()]
     for p in hung:
         p.kill()
-    results = []
+    results: list[dict[str, Any]] = []
     for r in range(world):
         f = work / f"rank{r}.json"
         results.append(
@@ -206,3 +200,38 @@ def run_demo(
         print(f"layout: {results[0]['layout']}")
     print("DEMO OK: every local shard is bit-identical to the reference" if ok else "DEMO FAILED")
     return 0 if ok else 1
+
+
+def plan_for_rank(checkpoint: str, world: int = 8, rank: int = 0) -> str:
+    """What rank ``rank`` of ``world`` reads under the demo layout, planned in this one process.
+
+    The model is built on meta under torch's fake process group (no peers, no bytes read), parallelized
+    as ``parallelize`` does, and planned with ``targets.virtual_rank(rank)``.
+    """
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import hp_fastload
+
+    from .targets import virtual_rank
+
+    started = time.perf_counter()
+    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+    try:
+        config = AutoConfig.from_pretrained(checkpoint)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        layout = parallelize(model, world)
+        built = time.perf_counter()
+        plan = hp_fastload.plan(model, checkpoint, mesh_override=virtual_rank(rank))
+        planned = time.perf_counter()
+    finally:
+        dist.destroy_process_group()
+    needed = plan.bytes_needed
+    total = plan.index.total_bytes
+    return (
+        f"rank {rank} of {world} ({layout['mesh']}): reads {needed:,} of {total:,} checkpoint bytes "
+        f"({needed / total:.1%}); model built in {built - started:.2f} s, planned in {planned - built:.3f} s\n"
+        + plan.summary()
+    )

@@ -281,9 +281,7 @@ def _fill_item(
                 f"tensor of {box_bits / 8:g} bytes (got {out.dtype}, shape {list(out.shape)})"
             )
         row[COL_DST_BASE] = out.storage_offset() * 8 // bits
-        row[COL_DST_STRIDES : COL_DST_STRIDES + len(shape)] = [
-            math.prod(lens[d + 1 :]) for d in range(len(shape))
-        ]
+        row[COL_DST_STRIDES : COL_DST_STRIDES + len(shape)] = [math.prod(lens[d + 1 :]) for d in range(len(shape))]
         return storage.data_ptr(), storage.nbytes(), DTYPE_CODES[name]
     if tuple(out.shape) != tuple(lens):
         raise PlanError(f"{where}: out has shape {list(out.shape)} but the box has lengths {lens}")

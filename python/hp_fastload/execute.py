@@ -116,7 +116,7 @@ class _Batch:
             raise PlanError(f"{key}: a read of {ndim} dims exceeds the engine's {MAX_NDIM}")
         file_pos, tensor_pos = self._file(file, key)
         dest_strides = dest.stride()
-        dst_base = dest.storage_offset() + sum(o * s for o, s in zip(dest_offsets, dest_strides, strict=True))
+        dst_base = int(dest.storage_offset()) + sum(o * s for o, s in zip(dest_offsets, dest_strides, strict=True))
         pad = MAX_NDIM - ndim
         self.items.extend((file_pos, tensor_pos, storage_base, self._dest(dest), dst_base, ndim))
         self.items.extend(lengths)
@@ -203,20 +203,14 @@ def _add_target_items(batch: _Batch, target: Target, items: list[ReadItem], stag
     for item in items:
         src_dtype = batch.index.entry(item.source).dtype
         if not item.post and _engine_casts(src_dtype, dest.dtype):
-            batch.add(
-                item.source, item.storage_base, item.storage_strides, item.lengths, dest, item.dest_offsets
-            )
+            batch.add(item.source, item.storage_base, item.storage_strides, item.lengths, dest, item.dest_offsets)
             continue
         temp = torch.empty(item.lengths, dtype=src_dtype)
-        batch.add(
-            item.source, item.storage_base, item.storage_strides, item.lengths, temp, (0,) * len(item.lengths)
-        )
+        batch.add(item.source, item.storage_base, item.storage_strides, item.lengths, temp, (0,) * len(item.lengths))
         batch.keep.append(temp)
         view = _box_view(dest, item.dest_offsets, item.lengths)
 
-        def finish(
-            view: torch.Tensor = view, temp: torch.Tensor = temp, post: tuple[Any, ...] = item.post
-        ) -> None:
+        def finish(view: torch.Tensor = view, temp: torch.Tensor = temp, post: tuple[Any, ...] = item.post) -> None:
             view.copy_(apply_post(temp, post) if post else temp)
 
         # post-ops must run before a CUDA copy of the same staging buffer: insert ahead of it
@@ -246,7 +240,7 @@ def _copy_local_from_full(target: Target, full: torch.Tensor, legacy: bool) -> N
     if legacy and target.is_dtensor:
         from torch.distributed.tensor import distribute_tensor
 
-        dt = target.tensor
+        dt: Any = target.tensor
         shard = distribute_tensor(full, dt.device_mesh, dt.placements, src_data_rank=None).to_local()
         if tuple(shard.shape) != tuple(local.shape):
             raise PlanError(

@@ -117,9 +117,7 @@ def build_groups(
         group.sources.append((pattern if pattern is not None else key, key))
     for group in groups.values():
         if group.rule is None and len(group.sources) > 1:
-            raise ValueError(
-                f"checkpoint keys {', '.join(repr(k) for k in group.keys)} all map to {group.target!r}"
-            )
+            raise ValueError(f"checkpoint keys {', '.join(repr(k) for k in group.keys)} all map to {group.target!r}")
     return list(groups.values()), unexpected
 
 

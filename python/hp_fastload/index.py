@@ -113,11 +113,9 @@ class CheckpointIndex:
         key_files: dict[str, SafetensorsFile] = {}
         for file in files:
             _refuse_torch_sharded(file)
-            for key in file.keys():
+            for key in file:
                 if key in key_files:
-                    raise HeaderError(
-                        f"tensor {key!r} is stored in two files: {key_files[key].path} and {file.path}"
-                    )
+                    raise HeaderError(f"tensor {key!r} is stored in two files: {key_files[key].path} and {file.path}")
                 key_files[key] = file
         return cls(files, key_files)
 
@@ -137,9 +135,7 @@ class CheckpointIndex:
                 raise HeaderError(f"weight_map of {index_path} maps a key to {name!r}, not a file name")
             file_path = root / name
             if not file_path.is_file():
-                raise FileNotFoundError(
-                    f"safetensors shard named by {index_path} does not exist: {file_path}"
-                )
+                raise FileNotFoundError(f"safetensors shard named by {index_path} does not exist: {file_path}")
             opened[name] = SafetensorsFile(str(file_path))
             _refuse_torch_sharded(opened[name])
         for key, name in weight_map.items():

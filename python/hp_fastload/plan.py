@@ -211,9 +211,7 @@ class _Tracer:
                 traced = _convert(
                     group,
                     self.model,
-                    lambda k: RegionTensor.leaf(
-                        placeholders[k], self.index.entry(k).shape, self.index.entry(k).dtype
-                    ),
+                    lambda k: RegionTensor.leaf(placeholders[k], self.index.entry(k).shape, self.index.entry(k).dtype),
                 )
             except (UnsupportedRegionOp, TypeError, RuntimeError, ValueError, NotImplementedError) as exc:
                 traced, reason = None, f"{type(exc).__name__}: {exc}"
@@ -223,10 +221,7 @@ class _Tracer:
                     reason = "traced outputs differ from the meta run"
                 elif not all(isinstance(v, RegionTensor) for v in traced.values()):
                     reason = "an op produced a real tensor"
-                elif any(
-                    tuple(v.shape) != tuple(meta[n].shape) or v.dtype != meta[n].dtype
-                    for n, v in traced.items()
-                ):
+                elif any(tuple(v.shape) != tuple(meta[n].shape) or v.dtype != meta[n].dtype for n, v in traced.items()):
                     reason = "traced shapes or dtypes differ from the meta run"
                 else:
                     regions = list(traced.values())
@@ -314,7 +309,7 @@ def plan_load(
     loader: str = "dcp",
 ) -> LoadPlan:
     """Plan one rank's load. Raises (before any byte is read) on strict misses and bad targets."""
-    keys = [k for k in index.keys() if k not in claimed_source_keys]
+    keys = [k for k in index if k not in claimed_source_keys]
     groups, unexpected = build_groups(
         keys,
         targets,

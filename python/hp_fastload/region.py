@@ -227,8 +227,7 @@ class Block:
         if len(rel) != self.ndim or any(r < 0 or r >= n for r, n in zip(rel, self.lengths, strict=True)):
             raise IndexError(f"{tuple(index)} is outside the block {self.offsets}+{self.lengths}")
         return tuple(
-            b + sum(c * r for c, r in zip(row, rel, strict=True))
-            for b, row in zip(self.base, self.coeff, strict=True)
+            b + sum(c * r for c, r in zip(row, rel, strict=True)) for b, row in zip(self.base, self.coeff, strict=True)
         )
 
     def source_strides(self) -> Vec:
@@ -257,9 +256,7 @@ def _check_block(b: Block) -> None:
                 raise ValueError(f"malformed block (negative coeff): {b}")
             last += c * (n - 1)
         if first < 0 or last >= shape[s]:
-            raise ValueError(
-                f"block reads {b.source!r} dim {s} at [{first}, {last}] outside its size {shape[s]}"
-            )
+            raise ValueError(f"block reads {b.source!r} dim {s} at [{first}, {last}] outside its size {shape[s]}")
 
 
 _new_block = object.__new__
@@ -422,9 +419,7 @@ class RegionTensor(torch.Tensor):
         shape = self._rshape
         total = 0
         for b in self._blocks:
-            if b.ndim != len(shape) or any(
-                o + n > s for o, n, s in zip(b.offsets, b.lengths, shape, strict=True)
-            ):
+            if b.ndim != len(shape) or any(o + n > s for o, n, s in zip(b.offsets, b.lengths, shape, strict=True)):
                 raise ValueError(f"block {b} does not fit in shape {shape}")
             if b.dtype != self._rdtype:
                 raise ValueError(f"block {b} produces {b.dtype}, tensor is {self._rdtype}")
@@ -446,8 +441,7 @@ class RegionTensor(torch.Tensor):
         srcs = self.sources
         shown = ", ".join(repr(s) for s in srcs[:3]) + (", ..." if len(srcs) > 3 else "")
         return (
-            f"RegionTensor(shape={self._rshape}, dtype={self._rdtype}, blocks={len(self._blocks)}, "
-            f"sources=[{shown}])"
+            f"RegionTensor(shape={self._rshape}, dtype={self._rdtype}, blocks={len(self._blocks)}, sources=[{shown}])"
         )
 
     def __format__(self, format_spec: str) -> str:
@@ -481,8 +475,8 @@ def _operator(name: str) -> Callable[[RegionTensor, Any], Any]:
 
 
 # torch turns a TypeError raised inside a binary operator into NotImplemented, so Python would answer with
-# its own "unsupported operand" TypeError, or, for == and +=, silently fall back to identity / out-of-place.  Route the operators
-# straight to the dispatcher so that a refusal surfaces as UnsupportedRegionOp.
+# its own "unsupported operand" TypeError, or silently fall back (identity for ==, ``x = x + 1`` for +=).
+# Route the operators straight to the dispatcher so that a refusal surfaces as UnsupportedRegionOp.
 _OPERATORS = [
     *("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__"),
     *(
@@ -576,9 +570,7 @@ def _register(funcs: Iterable[Any], handler: Handler) -> None:
         _HANDLERS[f] = handler
 
 
-def _self_region(
-    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[RegionTensor, tuple[Any, ...]]:
+def _self_region(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[RegionTensor, tuple[Any, ...]]:
     """Split ``args`` into the region operated on and the other positional args."""
     if args and isinstance(args[0], RegionTensor):
         return args[0], args[1:]
@@ -679,9 +671,7 @@ def _append_post(r: RegionTensor, meta: torch.Tensor, op: PostOp) -> RegionTenso
     return _wrap(meta, [_with(b, post=(*b.post, op)) for b in r._blocks])
 
 
-def _scalar_result_dtype(
-    func: Any, r: RegionTensor, rest: tuple[Any, ...], kwargs: dict[str, Any]
-) -> torch.dtype:
+def _scalar_result_dtype(func: Any, r: RegionTensor, rest: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.dtype:
     """Result dtype of an elementwise op, from the same op on a 0-d CPU tensor (torch validates the arguments;
     a meta run of an elementwise op goes through Python decompositions and costs milliseconds)."""
     with DisableTorchFunctionSubclass():
@@ -907,9 +897,7 @@ def _view_blocks(
     return out
 
 
-def _view_result(
-    r: RegionTensor, meta_out: Any, probe_out: Any, indexes: dict[int, _DimIndex]
-) -> RegionTensor:
+def _view_result(r: RegionTensor, meta_out: Any, probe_out: Any, indexes: dict[int, _DimIndex]) -> RegionTensor:
     if meta_out.dtype != r._rdtype:
         raise UnsupportedRegionOp("a view that changes the dtype is not supported on RegionTensor")
     if meta_out.numel() == 0:
@@ -934,9 +922,7 @@ def _h_view_op(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if isinstance(meta_out, torch.Tensor):
         return _view_result(r, meta_out, probe_out, indexes)
     if isinstance(meta_out, (tuple, list)):
-        return type(meta_out)(
-            _view_result(r, m, p, indexes) for m, p in zip(meta_out, probe_out, strict=True)
-        )
+        return type(meta_out)(_view_result(r, m, p, indexes) for m, p in zip(meta_out, probe_out, strict=True))
     raise UnsupportedRegionOp(f"{_fname(func)}: unexpected result type {type(meta_out).__name__}")
 
 
@@ -964,13 +950,6 @@ def _h_getitem(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         raise UnsupportedRegionOp("unexpected __getitem__ call")
     _check_index(args[1])
     return _h_view_op(func, args, kwargs)
-
-
-def _h_iter(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    r, _ = _self_region(func, args, kwargs)
-    if not r._rshape:
-        raise TypeError("iteration over a 0-d tensor")
-    return iter(_h_view_op(torch.Tensor.unbind, (r, 0), {}))
 
 
 _register(
@@ -1017,7 +996,6 @@ _register(
     _h_view_op,
 )
 _HANDLERS[torch.Tensor.__getitem__] = _h_getitem
-_HANDLERS[torch.Tensor.__iter__] = _h_iter
 
 
 # ---- reshape -----------------------------------------------------------------------------------------------
@@ -1117,9 +1095,7 @@ def _group_pieces(
                 dl = _axpy(dl or (0,) * len(gamma), st - a, gamma)
             pieces.append((offs, lens, dl, new_cols))
         if len(pieces) > budget:
-            raise UnsupportedRegionOp(
-                f"reshape would cut a block into more than MAX_BLOCKS={MAX_BLOCKS} pieces"
-            )
+            raise UnsupportedRegionOp(f"reshape would cut a block into more than MAX_BLOCKS={MAX_BLOCKS} pieces")
     return pieces
 
 
@@ -1264,9 +1240,7 @@ def _promoted(tensors: Sequence[RegionTensor]) -> torch.dtype:
 
 def _norm_dim(dim: int, nd: int) -> int:
     if not -nd <= dim < nd:
-        raise IndexError(
-            f"Dimension out of range (expected to be in range of [{-nd}, {nd - 1}], but got {dim})"
-        )
+        raise IndexError(f"Dimension out of range (expected to be in range of [{-nd}, {nd - 1}], but got {dim})")
     return dim % nd
 
 
@@ -1400,9 +1374,7 @@ def _coalesce(blocks: list[Block], ndim: int) -> list[Block]:
                     b.offsets[:d] + b.offsets[d + 1 :],
                     b.lengths[:d] + b.lengths[d + 1 :],
                     tuple(
-                        col if n > 1 else None
-                        for i, (col, n) in enumerate(zip(cols, b.lengths, strict=True))
-                        if i != d
+                        col if n > 1 else None for i, (col, n) in enumerate(zip(cols, b.lengths, strict=True)) if i != d
                     ),
                 )
                 groups.setdefault(key, []).append(b)
@@ -1509,8 +1481,7 @@ def materialize(region: RegionTensor, sources: Mapping[str, torch.Tensor]) -> to
             src = sources[b.source]
             if tuple(src.shape) != b.src_shape or src.dtype != b.src_dtype:
                 raise ValueError(
-                    f"source {b.source!r} is {tuple(src.shape)} {src.dtype}, block expects {b.src_shape} "
-                    f"{b.src_dtype}"
+                    f"source {b.source!r} is {tuple(src.shape)} {src.dtype}, block expects {b.src_shape} {b.src_dtype}"
                 )
             sstr = src.stride()
             strides = [sum(c * s for c, s in zip(col, sstr, strict=True)) for col in _cols(b)]
@@ -1522,9 +1493,7 @@ def materialize(region: RegionTensor, sources: Mapping[str, torch.Tensor]) -> to
     return out
 
 
-def trace(
-    fn: Callable[[dict[str, RegionTensor]], Any], inputs: Mapping[str, tuple[Sequence[int], torch.dtype]]
-) -> Any:
+def trace(fn: Callable[[dict[str, RegionTensor]], Any], inputs: Mapping[str, tuple[Sequence[int], torch.dtype]]) -> Any:
     """Call ``fn`` on a dict of leaf RegionTensors and return what it returns.
 
     ``inputs`` maps checkpoint keys to ``(shape, dtype)``; ``fn`` gets ``{key: RegionTensor.leaf(key, ...)}``.

@@ -153,9 +153,7 @@ class _Transform:
         collected = {}
         for pattern in list(self.collected_tensors):
             values = self.collected_tensors.pop(pattern)
-            collected[pattern] = [
-                v() if callable(v) and not isinstance(v, torch.Tensor) else v for v in values
-            ]
+            collected[pattern] = [v() if callable(v) and not isinstance(v, torch.Tensor) else v for v in values]
         return collected
 
     def was_used(self) -> bool:
@@ -165,9 +163,7 @@ class _Transform:
 class WeightRenaming(_Transform):
     """Rename keys only: ``WeightRenaming(r"\\.block_sparse_moe\\.", ".mlp.")``."""
 
-    def convert(
-        self, layer_name: str, model: Any = None, config: Any = None, **_: Any
-    ) -> dict[str, list[Any]]:
+    def convert(self, layer_name: str, model: Any = None, config: Any = None, **_: Any) -> dict[str, list[Any]]:
         collected = self._take_collected()
         return {self.target_patterns[0]: collected[self.source_patterns[0]]}
 
@@ -203,9 +199,9 @@ class WeightConverter(_Transform):
                 config=config,
             )
         full_name = layer_name.replace("*.", "0.")
-        for pattern in collected:
-            if pattern in full_name:
-                head, _, tail = full_name.partition(pattern)
+        for out_pattern in collected:
+            if out_pattern in full_name:
+                head, _sep, tail = full_name.partition(out_pattern)
                 return {head + k + tail: v for k, v in collected.items()}
         return collected
 
@@ -327,9 +323,7 @@ class Split(ConversionOp):
             raise ValueError("Split takes exactly one source")
         tensor = _single(next(iter(inputs.values())))
         model, layer = kw["model"], kw["full_layer_name"]
-        sizes = [
-            model.get_parameter(layer.replace(target_patterns[0], t)).shape[self.dim] for t in target_patterns
-        ]
+        sizes = [model.get_parameter(layer.replace(target_patterns[0], t)).shape[self.dim] for t in target_patterns]
         pieces = torch.split(tensor, sizes, dim=self.dim)
         return {t: p.contiguous() for t, p in zip(target_patterns, pieces, strict=True)}
 

@@ -277,9 +277,7 @@ def _narrow_position(piece: torch.Tensor, dim: int) -> Interval:
     return (start, start + int(piece.shape[dim]))
 
 
-def _step_positions(
-    placement: Shard | _StridedShard, num_chunks: int, chunk: int, n: int
-) -> list[Interval] | None:
+def _step_positions(placement: Shard | _StridedShard, num_chunks: int, chunk: int, n: int) -> list[Interval] | None:
     """Positions (in the current index list of length ``n``) that ``placement`` keeps for ``chunk``.
 
     Uses the same torch chunk calls as the placement's ``_split_tensor``, on a meta tensor, and reads the
@@ -371,9 +369,7 @@ def _local_region_cached(
             raise TargetError(f"unsupported placement {placement!r}")
     if coordinate is None:
         return LocalRegion.empty(global_shape)
-    if len(coordinate) != len(mesh_shape) or not all(
-        0 <= c < s for c, s in zip(coordinate, mesh_shape, strict=True)
-    ):
+    if len(coordinate) != len(mesh_shape) or not all(0 <= c < s for c, s in zip(coordinate, mesh_shape, strict=True)):
         raise TargetError(f"coordinate {coordinate} is not in a mesh of shape {mesh_shape}")
     intervals = tuple(_dim_intervals(size, tuple(st)) for size, st in zip(global_shape, steps, strict=True))
     return LocalRegion(global_shape, intervals)
