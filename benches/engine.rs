@@ -84,7 +84,7 @@ fn bench(c: &mut Criterion) {
                 });
             }
         }
-        // Experiment "pread gap": reading through the other ranks' columns instead of one pread per row.
+        // Experiment "pread gap": read through gaps of up to 64 KiB instead of one pread per run.
         let mut out = vec![0u8; (numel * 2) as usize];
         let opts = ExecOptions {
             backend: Backend::Pread,

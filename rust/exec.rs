@@ -29,8 +29,9 @@ use crate::region::{plan, Item, Run};
 pub const AUTO_MMAP_RESIDENT: f64 = 0.9;
 /// Most threads used by default.
 pub const MAX_DEFAULT_THREADS: usize = 16;
-/// Default [`ExecOptions::pread_gap`]: one page; larger gaps cost more copying than a `pread` call saves
-/// (docs/perf-notes.md, "pread gap").
+/// Default [`ExecOptions::pread_gap`]: one page. With read-ahead hints, one `pread` per run beat reading
+/// through 24 KiB gaps by 2-3x on Shard(1) column reads (docs/perf-notes.md, "pread gap"); gaps inside a
+/// page are read through because the page is fetched anyway.
 pub const DEFAULT_PREAD_GAP: u64 = 4096;
 /// Smallest same-dtype dense run that `pread` reads straight into the destination.
 const DIRECT_MIN: u64 = 64 * 1024;

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 
 import pytest
@@ -12,7 +13,7 @@ from transformers.core_model_loading import dot_natural_key as hf_dot_natural_ke
 from transformers.core_model_loading import rename_source_key as hf_rename_source_key
 
 from hp_fastload import rules
-from hp_fastload.groups import build_groups, rename_key
+from hp_fastload.groups import _Prefiltered, build_groups, rename_key, required_literals
 
 from .tiny_models import FAMILIES, tiny_model
 
@@ -32,8 +33,9 @@ def family_case(request, tmp_path_factory):
     return request.param, model, keys
 
 
+@pytest.mark.parametrize("prefiltered", [False, True], ids=["plain", "prefiltered"])
 @pytest.mark.parametrize("own", [False, True], ids=["transformers-objects", "hp_fastload-objects"])
-def test_renames_match_transformers(family_case, own):
+def test_renames_match_transformers(family_case, own, prefiltered):
     family, model, keys = family_case
     hf_rules = get_model_conversion_mapping(model)
     hf_renamings = [r for r in hf_rules if not isinstance(r, HFConverter)]
@@ -42,6 +44,9 @@ def test_renames_match_transformers(family_case, own):
     targets = dict(model.state_dict())
     renamings = [r for r in ours if rules.is_renaming(r)]
     converters = [r for r in ours if rules.is_converter(r)]
+    if prefiltered:
+        renamings = [_Prefiltered(r) for r in renamings]
+        converters = [_Prefiltered(r) for r in converters]
     changed = 0
     for key in keys:
         expected, expected_pattern = hf_rename_source_key(
@@ -78,6 +83,18 @@ def test_groups_stack_experts_in_natural_order(tmp_path):
 def test_dot_natural_key_matches_transformers():
     names = ["a.10.b", "a.2.b", "a.b", "shard_11.x", "shard_2.x", "a.1", "a.1a", "layers.0.weight"]
     assert sorted(names, key=rules.dot_natural_key) == sorted(names, key=hf_dot_natural_key)
+
+
+def test_natural_sort_key_sorts_like_transformers():
+    import random
+
+    rng = random.Random(0)
+    parts = ["a", "ab", "abc", "b", "x1", "x2", "x10", "x01", "0", "1", "2", "10", "007", "w_3", "w_", "layers"]
+    names = [".".join(rng.choice(parts) for _ in range(rng.randint(1, 4))) for _ in range(3000)]
+    assert sorted(names, key=rules.natural_sort_key) == sorted(names, key=hf_dot_natural_key)
+    for a, b in itertools.pairwise(names):
+        same = hf_dot_natural_key(a) == hf_dot_natural_key(b)
+        assert (rules.natural_sort_key(a) == rules.natural_sort_key(b)) == same
 
 
 def test_name_boundary_guard_and_star_dot():
@@ -143,3 +160,31 @@ def test_own_ops_match_transformers_ops():
     b = hf.PermuteForRope().convert({"q": [rope]}, ["q"], ["q"], config=Cfg())
     assert torch.equal(a["q"], b["q"])
     assert re.search("PermuteForRope", repr(rules.PermuteForRope()))
+
+
+def test_literal_prefilter_is_derived_from_the_regex():
+    conv = rules.WeightConverter(
+        ["mlp.experts.*.gate_proj.weight", "mlp.experts.*.up_proj.weight"], "x", [rules.Chunk(0)]
+    )
+    assert required_literals(conv) == (".gate_proj", ".up_proj")
+    assert required_literals(rules.WeightRenaming(r"^(encoder|decoder)\.old", r"\1.new")) == (".old",)
+    assert required_literals(rules.WeightRenaming(r"(?i:norm)", "n")) is None
+    assert required_literals(rules.WeightRenaming(r"a|b.c", "n")) is None  # an alternative with no 2-char literal
+
+
+def test_batched_grouping_matches_transformers_per_key(family_case):
+    family, model, keys = family_case
+    hf_rules = get_model_conversion_mapping(model)
+    hf_renamings = [r for r in hf_rules if not isinstance(r, HFConverter)]
+    hf_converters = [r for r in hf_rules if isinstance(r, HFConverter)]
+    targets = dict(model.state_dict())
+    expected: dict[str, str] = {}
+    for key in keys:
+        renamed, _ = hf_rename_source_key(key, hf_renamings, hf_converters, model.base_model_prefix, targets)
+        if renamed not in targets and key in targets:
+            renamed, _ = hf_rename_source_key(key, [], [], model.base_model_prefix, targets)
+        expected[key] = renamed
+    groups, unexpected = build_groups(keys, targets, rules.resolve_mapping(model, None), base_model_prefix="model")
+    got = {key: group.target for group in groups for key in group.keys}
+    assert got == {k: v for k, v in expected.items() if k not in unexpected}, family
+    assert all(expected[k] not in targets for k in unexpected), family

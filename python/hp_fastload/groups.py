@@ -10,11 +10,19 @@ from __future__ import annotations
 
 import copy
 import re
+import sys
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .rules import is_converter, is_renaming
+from .rules import _Transform, is_converter, is_renaming
+
+if sys.version_info >= (3, 11):  # the regex parser, to derive a rule's literal prefilter
+    import re._constants as _sre
+    import re._parser as _sre_parse
+else:  # pragma: no cover - Python 3.10
+    import sre_constants as _sre
+    import sre_parse as _sre_parse
 
 __all__ = ["LoadGroup", "build_groups", "rename_key"]
 
@@ -55,6 +63,119 @@ def _prefix_normalize(key: str, prefix: str | None, targets: Collection[str]) ->
     return key
 
 
+def _plain_matcher(rule: Any) -> bool:
+    """True when ``rule`` matches with the standard regex search (no custom ``rename_source_key``)."""
+    method = getattr(type(rule), "rename_source_key", None)
+    if method is _Transform.rename_source_key:
+        return True
+    try:
+        from transformers.core_model_loading import WeightTransform
+    except ImportError:  # pragma: no cover - transformers is optional
+        return False
+    return method is WeightTransform.rename_source_key
+
+
+def _longest_literal(items: Any) -> str:
+    best = run = ""
+    for op, arg in items:
+        if op is _sre.LITERAL:
+            run += chr(arg)
+            best = max(best, run, key=len)
+        else:
+            run = ""
+    return best
+
+
+def required_literals(rule: Any) -> tuple[str, ...] | None:
+    """Substrings one of which every key matched by ``rule`` contains, or None when none can be derived.
+
+    Derived from the rule's compiled regex (each alternative's longest run of top-level literal characters),
+    so a key containing none of them cannot match: ``rename_key`` skips the regex search for it. Planning a
+    90k-key checkpoint through ~10 rules is otherwise dominated by failed searches.
+    """
+    compiled = getattr(rule, "compiled_sources", None)
+    if compiled is None or not _plain_matcher(rule) or compiled.flags & re.IGNORECASE:
+        return None
+    try:
+        parsed = _sre_parse.parse(compiled.pattern, compiled.flags)
+    except Exception:  # pragma: no cover - whatever re accepted, sre_parse accepts
+        return None
+    items = list(parsed)
+    alternatives = items[0][1][1] if len(items) == 1 and items[0][0] is _sre.BRANCH else [parsed]
+    literals = []
+    for alternative in alternatives:
+        body = list(alternative)
+        if len(body) == 1 and body[0][0] is _sre.SUBPATTERN:
+            body = list(body[0][1][-1])
+        literal = _longest_literal(body)
+        if len(literal) < 2:
+            return None
+        literals.append(literal)
+    return tuple(literals)
+
+
+class _Prefiltered:
+    """A rule with its literal prefilter: ``rename(key)`` skips rules that cannot match."""
+
+    __slots__ = ("direct", "literals", "rule")
+
+    def __init__(self, rule: Any) -> None:
+        self.rule = rule
+        self.literals = required_literals(rule)
+        # Plain, unscoped rules without a capture group can be applied with the compiled regex directly
+        # (the same replacement transformers makes), skipping the per-key method call.
+        self.direct = (
+            self.literals is not None
+            and getattr(rule, "scope_prefix", None) is None
+            and "\\1" not in rule.target_patterns[0]
+        )
+
+    def rename_all(self, keys: list[str], indices: Sequence[int]) -> list[tuple[int, str, str]]:
+        """``(index, renamed key, matched source pattern)`` for every key of ``indices`` the rule matches."""
+        out: list[tuple[int, str, str]] = []
+        if not self.direct:
+            for i in indices:
+                renamed, pattern = self.rule.rename_source_key(keys[i])
+                if pattern is not None:
+                    out.append((i, renamed, pattern))
+            return out
+        search = self.rule.compiled_sources.search
+        replacement = self.rule.target_patterns[0]
+        sources = self.rule.source_patterns
+        for i in indices:
+            key = keys[i]
+            match = search(key)
+            if match is not None:
+                group = match.lastgroup
+                if group is None:  # pragma: no cover - every branch is a named outer group
+                    group = next(n for n, v in match.groupdict().items() if v is not None)
+                out.append((i, key.replace(match.group(0), replacement, 1), sources[int(group[1:])]))
+        if out:
+            object.__setattr__(self.rule, "_was_used", True)
+        return out
+
+    def rename(self, key: str) -> tuple[str, str | None]:
+        literals = self.literals
+        if literals is not None and not any(lit in key for lit in literals):
+            return key, None
+        renamed, pattern = self.rule.rename_source_key(key)
+        return renamed, pattern
+
+
+def _candidates(rule: _Prefiltered, keys: list[str]) -> list[int]:
+    """Indices of ``keys`` that contain one of the rule's required literals (all, without a prefilter)."""
+    literals = rule.literals
+    if literals is None:
+        return list(range(len(keys)))
+    if len(literals) == 1:
+        (literal,) = literals
+        return [i for i, key in enumerate(keys) if literal in key]
+    hits: set[int] = set()
+    for literal in literals:
+        hits.update([i for i, key in enumerate(keys) if literal in key])
+    return sorted(hits)
+
+
 def rename_key(
     key: str,
     renamings: Sequence[Any],
@@ -62,16 +183,28 @@ def rename_key(
     base_model_prefix: str | None,
     targets: Collection[str],
 ) -> tuple[str, Any | None, str | None]:
-    """``(renamed key, matched converter or None, matched source pattern or None)`` for one key."""
+    """``(renamed key, matched converter or None, matched source pattern or None)`` for one key.
+
+    ``renamings`` / ``converters`` are rule objects, or ``_Prefiltered`` wrappers of them (``build_groups``
+    wraps them once for a whole key list).
+    """
     renamed = key
     for renaming in renamings:
-        renamed, _ = renaming.rename_source_key(renamed)
+        if isinstance(renaming, _Prefiltered):
+            renamed, _ = renaming.rename(renamed)
+        else:
+            renamed, _ = renaming.rename_source_key(renamed)
     matched = None
     pattern = None
     for converter in converters:
-        candidate, pattern = converter.rename_source_key(renamed)
+        if isinstance(converter, _Prefiltered):
+            candidate, pattern = converter.rename(renamed)
+            rule = converter.rule
+        else:
+            candidate, pattern = converter.rename_source_key(renamed)
+            rule = converter
         if pattern is not None:
-            renamed, matched = candidate, converter
+            renamed, matched = candidate, rule
             break
     renamed = _prefix_normalize(renamed, base_model_prefix, targets)
     if renamed not in targets and key in targets:
@@ -94,24 +227,39 @@ def build_groups(
     target is unexpected, unless its converter has several targets, in which case the group is kept and
     the converted outputs decide (one of them may exist).
     """
-    renamings = [r for r in rules if is_renaming(r)]
-    converters = [r for r in rules if is_converter(r)]
+    pairs = [(key, map_key(key) if map_key is not None else key) for key in keys]
+    originals = [key for key, name in pairs if name is not None]
+    names = [name for _, name in pairs if name is not None]
+    # One pass per rule over all keys: renamings chain in order, then the first converter that matches.
+    current = list(names)
+    for rule in (_Prefiltered(r) for r in rules if is_renaming(r)):
+        for i, new_key, _ in rule.rename_all(current, _candidates(rule, current)):
+            current[i] = new_key
+    matched: list[tuple[Any, str] | None] = [None] * len(current)
+    renamed = list(current)
+    for rule in (_Prefiltered(r) for r in rules if is_converter(r)):
+        open_indices = [i for i in _candidates(rule, current) if matched[i] is None]
+        for i, new_key, matched_pattern in rule.rename_all(current, open_indices):
+            renamed[i], matched[i] = new_key, (rule.rule, matched_pattern)
     groups: dict[str, LoadGroup] = {}
     unexpected: list[str] = []
-    for key in keys:
-        name = map_key(key) if map_key is not None else key
-        if name is None:
-            continue
-        renamed, converter, pattern = rename_key(name, renamings, converters, base_model_prefix, targets)
-        if renamed not in targets and (converter is None or len(converter.target_patterns) == 1):
+    for i, key in enumerate(originals):
+        target = _prefix_normalize(renamed[i], base_model_prefix, targets) if base_model_prefix else renamed[i]
+        hit = matched[i]
+        converter: Any = hit[0] if hit is not None else None
+        pattern = hit[1] if hit is not None else None
+        if target not in targets and names[i] in targets:
+            # The checkpoint already uses the model's names: a rule that would misfire must not win.
+            target, converter, pattern = _prefix_normalize(names[i], base_model_prefix, targets), None, None
+        if target not in targets and (converter is None or len(converter.target_patterns) == 1):
             unexpected.append(key)
             continue
-        group = groups.get(renamed)
+        group = groups.get(target)
         if group is None:
-            group = groups[renamed] = LoadGroup(renamed, converter)
+            group = groups[target] = LoadGroup(target, converter)
         elif group.rule is not converter:
             raise ValueError(
-                f"checkpoint keys {group.keys[0]!r} and {key!r} both map to {renamed!r} "
+                f"checkpoint keys {group.keys[0]!r} and {key!r} both map to {target!r} "
                 f"through different rules ({group.rule!r} and {converter!r})"
             )
         group.sources.append((pattern if pattern is not None else key, key))

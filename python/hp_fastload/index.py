@@ -11,14 +11,14 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from .engine import SafetensorsFile
 from .errors import HeaderError
-from .rules import dot_natural_key
+from .rules import dot_natural_key, natural_sort_key
 
 __all__ = ["CheckpointIndex", "TensorEntry", "resolve_checkpoint_location"]
 
@@ -26,14 +26,14 @@ INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 
 
-@dataclass(frozen=True)
-class TensorEntry:
+class TensorEntry(NamedTuple):
     """One checkpoint tensor: its file and header facts."""
 
     key: str
     file: SafetensorsFile
     dtype: torch.dtype
     shape: tuple[int, ...]
+    nbytes: int
 
 
 def _is_hub_id(text: str) -> bool:
@@ -85,10 +85,10 @@ class CheckpointIndex:
 
     def __init__(self, files: list[SafetensorsFile], key_files: dict[str, SafetensorsFile]) -> None:
         self.files = files
-        self._entries: dict[str, TensorEntry] = {}
-        for key, file in key_files.items():
-            self._entries[key] = TensorEntry(key, file, file.torch_dtype(key), tuple(file.shape(key)))
-        self._keys = sorted(self._entries, key=dot_natural_key)
+        self._files = key_files
+        self._entries: dict[str, TensorEntry] = {}  # built on first use: most keys of a big MoE never need one
+        self._dtypes: dict[str, torch.dtype] = {}
+        self._keys = sorted(key_files, key=natural_sort_key)
 
     @classmethod
     def open(cls, location: str | os.PathLike[str]) -> CheckpointIndex:
@@ -150,23 +150,31 @@ class CheckpointIndex:
         return list(self._keys)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._entries
+        return key in self._files
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._files)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._keys)
 
     def entry(self, key: str) -> TensorEntry:
-        try:
-            return self._entries[key]
-        except KeyError:
-            raise KeyError(f"checkpoint key is not indexed: {key}") from None
+        entry = self._entries.get(key)
+        if entry is not None:
+            return entry
+        file = self._files.get(key)
+        if file is None:
+            raise KeyError(f"checkpoint key is not indexed: {key}")
+        _, name, shape, begin, end = file._entries[key]
+        dtype = self._dtypes.get(name)
+        if dtype is None:
+            dtype = self._dtypes[name] = file.torch_dtype(key)
+        entry = self._entries[key] = TensorEntry(key, file, dtype, shape, end - begin)
+        return entry
 
     @property
     def total_bytes(self) -> int:
-        return sum(f.offsets(k)[1] - f.offsets(k)[0] for k, e in self._entries.items() for f in [e.file])
+        return sum(end - begin for f in self.files for _, _, _, begin, end in f._entries.values())
 
 
 def _refuse_torch_sharded(file: SafetensorsFile) -> None:

@@ -14,9 +14,9 @@ A plan is plain data: ``LoadPlan.summary()`` prints it, and ``hp_fastload.plan(.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -24,7 +24,7 @@ from .errors import PlanError, TargetError
 from .groups import LoadGroup, build_groups, masked_name
 from .index import CheckpointIndex
 from .region import Block, RegionTensor, UnsupportedRegionOp
-from .rules import dot_natural_key
+from .rules import natural_sort_key
 from .targets import Target
 
 __all__ = ["ConversionError", "DeferredGroup", "LoadPlan", "LoadReport", "ReadItem", "plan_load"]
@@ -66,8 +66,7 @@ class LoadReport:
         )
 
 
-@dataclass(frozen=True)
-class ReadItem:
+class ReadItem(NamedTuple):
     """One strided box of one checkpoint tensor into one box of a target's local tensor.
 
     Source element ``i`` (a multi-index over ``lengths``) is ``storage_base + sum(i * storage_strides)`` in
@@ -121,8 +120,7 @@ class LoadPlan:
         for deferred in self.deferred:
             for key in deferred.group.keys:
                 entry = self.index.entry(key)
-                begin, end = entry.file.offsets(key)
-                out[entry.file.path] = out.get(entry.file.path, 0) + end - begin
+                out[entry.file.path] = out.get(entry.file.path, 0) + entry.nbytes
         return out
 
     def read_bytes_by_target(self) -> dict[str, int]:
@@ -161,30 +159,115 @@ def _convert(group: LoadGroup, model: Any, make_leaf: Callable[[str], Any]) -> d
 
 @dataclass
 class _Traced:
-    outputs: dict[str, Any]  # name -> RegionTensor, or None where deferred
-    shapes: dict[str, tuple[int, ...]]  # name -> global shape of the converted tensor
+    """A group's outputs: name -> traced blocks (or None where deferred), shapes, and the source map.
+
+    Blocks name their sources by placeholder (``#i`` = the group's i-th source); ``sources`` maps them to
+    this group's checkpoint keys, so one trace serves every layer with the same structure.
+    """
+
+    outputs: dict[str, tuple[Block, ...] | None]
+    shapes: dict[str, tuple[int, ...]]
+    sources: dict[str, str]
     reason: str = ""
 
 
-class _Tracer:
-    """Runs groups symbolically, caching traces of groups that differ only in layer numbers."""
+@dataclass
+class _CacheEntry:
+    target: str
+    names: list[str]
+    shapes: list[tuple[int, ...]]
+    blocks: list[tuple[Block, ...]] | None
+    reason: str
 
-    def __init__(self, index: CheckpointIndex, model: Any, trace: bool) -> None:
+
+def _derive_names(cached_target: str, cached_names: list[str], target: str) -> list[str] | None:
+    """Output names of a group whose target differs from ``cached_target`` only in numeric parts.
+
+    Converters name outputs ``prefix + pattern + suffix`` around the layer name, so the layer's numeric parts
+    sit in the outputs' leading parts; where that does not hold, None (the group is traced afresh).
+    """
+    old, new = cached_target.split("."), target.split(".")
+    if len(old) != len(new):
+        return None
+    diffs = [i for i, (a, b) in enumerate(zip(old, new, strict=True)) if a != b]
+    out = []
+    for name in cached_names:
+        parts = name.split(".")
+        for i in diffs:
+            if i >= len(parts) or parts[: i + 1] != old[: i + 1]:
+                return None
+            parts[i] = new[i]
+        out.append(".".join(parts))
+    return out
+
+
+class _Tracer:
+    """Runs groups symbolically, caching traces of groups that differ only in layer or expert numbers."""
+
+    def __init__(self, index: CheckpointIndex, model: Any, targets: dict[str, Target], trace: bool) -> None:
         self.index = index
         self.model = model
+        self.targets = targets
         self.trace = trace
-        self.cache: dict[Any, tuple[list[str], list[RegionTensor] | None, str]] = {}
+        self.cache: dict[Any, _CacheEntry] = {}
 
     def _meta(self, key: str) -> torch.Tensor:
         entry = self.index.entry(key)
         return torch.empty(entry.shape, dtype=entry.dtype, device="meta")
 
+    def _placeholder_leaf(self, placeholders: dict[str, str]) -> Callable[[str], RegionTensor]:
+        def leaf(key: str) -> RegionTensor:
+            entry = self.index.entry(key)
+            return RegionTensor.leaf(placeholders[key], entry.shape, entry.dtype)
+
+        return leaf
+
     def run(self, group: LoadGroup) -> _Traced:
         if group.rule is None:
             key = group.sources[0][1]
             entry = self.index.entry(key)
-            leaf = RegionTensor.leaf(key, entry.shape, entry.dtype) if self.trace else None
-            return _Traced({group.target: leaf}, {group.target: tuple(entry.shape)})
+            blocks = RegionTensor.leaf("#0", entry.shape, entry.dtype).blocks if self.trace else None
+            return _Traced({group.target: blocks}, {group.target: tuple(entry.shape)}, {"#0": key})
+        sources = {f"#{i}": k for i, (_, k) in enumerate(group.sources)}
+        entries = [self.index.entry(k) for _, k in group.sources]
+        target = self.targets.get(group.target)
+        signature = (
+            id(group.rule),
+            self.trace,
+            tuple((p, e.shape, e.dtype) for (p, _), e in zip(group.sources, entries, strict=True)),
+            masked_name(group.target),
+            target.global_shape if target is not None else None,
+        )
+        cached = self.cache.get(signature)
+        names = _derive_names(cached.target, cached.names, group.target) if cached is not None else None
+        if cached is None or names is None:
+            cached = self._trace(group)
+            self.cache[signature] = cached
+            names = cached.names
+        shapes = dict(zip(names, cached.shapes, strict=True))
+        if cached.blocks is None:
+            log.debug("deferring %s: %s", group.target, cached.reason)
+            return _Traced(dict.fromkeys(names), shapes, sources, cached.reason)
+        return _Traced(dict(zip(names, cached.blocks, strict=True)), shapes, sources)
+
+    def _trace(self, group: LoadGroup) -> _CacheEntry:
+        reason = "legacy loader"
+        if self.trace:
+            placeholders = {k: f"#{i}" for i, (_, k) in enumerate(group.sources)}
+            try:
+                traced = _convert(group, self.model, self._placeholder_leaf(placeholders))
+            except (UnsupportedRegionOp, TypeError, RuntimeError, ValueError, NotImplementedError) as exc:
+                reason = f"{type(exc).__name__}: {exc}"
+            else:
+                if all(isinstance(v, RegionTensor) for v in traced.values()):
+                    return _CacheEntry(
+                        group.target,
+                        list(traced),
+                        [tuple(v.shape) for v in traced.values()],
+                        [v.blocks for v in traced.values()],
+                        "",
+                    )
+                reason = "an op produced a real tensor"
         try:
             meta = _convert(group, self.model, self._meta)
         except Exception as exc:
@@ -193,46 +276,7 @@ class _Tracer:
                 f"(keys {', '.join(group.keys[:4])}{', ...' if len(group.keys) > 4 else ''}): "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
-        names = list(meta)
-        shapes = {n: tuple(v.shape) for n, v in meta.items()}
-        if not self.trace:
-            return _Traced(dict.fromkeys(names), shapes, "legacy loader")
-        signature = (
-            id(group.rule),
-            tuple((p, self.index.entry(k).shape, self.index.entry(k).dtype) for p, k in group.sources),
-            tuple((masked_name(n), tuple(v.shape), v.dtype) for n, v in meta.items()),
-        )
-        cached = self.cache.get(signature)
-        if cached is None:
-            placeholders = {k: f"#{i}" for i, (_, k) in enumerate(group.sources)}
-            traced: dict[str, Any] | None
-            reason = ""
-            try:
-                traced = _convert(
-                    group,
-                    self.model,
-                    lambda k: RegionTensor.leaf(placeholders[k], self.index.entry(k).shape, self.index.entry(k).dtype),
-                )
-            except (UnsupportedRegionOp, TypeError, RuntimeError, ValueError, NotImplementedError) as exc:
-                traced, reason = None, f"{type(exc).__name__}: {exc}"
-            regions: list[RegionTensor] | None = None
-            if traced is not None:
-                if list(traced) != names:
-                    reason = "traced outputs differ from the meta run"
-                elif not all(isinstance(v, RegionTensor) for v in traced.values()):
-                    reason = "an op produced a real tensor"
-                elif any(tuple(v.shape) != tuple(meta[n].shape) or v.dtype != meta[n].dtype for n, v in traced.items()):
-                    reason = "traced shapes or dtypes differ from the meta run"
-                else:
-                    regions = list(traced.values())
-            cached = (names, regions, reason)
-            self.cache[signature] = cached
-        _, regions, reason = cached
-        if regions is None:
-            log.debug("deferring %s: %s", group.target, reason)
-            return _Traced(dict.fromkeys(names), shapes, reason)
-        mapping = {f"#{i}": k for i, (_, k) in enumerate(group.sources)}
-        return _Traced({n: r.rename_sources(mapping) for n, r in zip(names, regions, strict=True)}, shapes)
+        return _CacheEntry(group.target, list(meta), [tuple(v.shape) for v in meta.values()], None, reason)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -246,39 +290,57 @@ def _row_major(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(strides)
 
 
-def region_items(target: Target, region: RegionTensor, index: CheckpointIndex) -> list[ReadItem]:
-    """Exact read items for the part of ``region`` (the converted global tensor) this rank holds."""
+def region_items(
+    target: Target, blocks: Sequence[Block], index: CheckpointIndex, sources: dict[str, str] | None = None
+) -> list[ReadItem]:
+    """Exact read items for the part of the converted global tensor (``blocks``) this rank holds.
+
+    ``sources`` maps the blocks' source names to checkpoint keys (placeholders of a shared trace).
+    """
     items: list[ReadItem] = []
-    boxes = list(target.region.boxes())
+    region = target.region
+    boxes = list(region.boxes())
     if not boxes:
         return items
-    blocks: Iterable[Block] = region.blocks
-    src_strides_cache: dict[str, tuple[int, ...]] = {}
+    full = region.is_full
+    strides_by_shape: dict[tuple[int, ...], tuple[int, ...]] = {}
     for block in blocks:
-        src_st = src_strides_cache.get(block.source)
+        source = sources[block.source] if sources is not None else block.source
+        src_shape = block.src_shape
+        src_st = strides_by_shape.get(src_shape)
         if src_st is None:
-            src_st = src_strides_cache[block.source] = _row_major(index.entry(block.source).shape)
-        ndim = len(block.offsets)
-        strides = tuple(sum(block.coeff[s][d] * src_st[s] for s in range(len(src_st))) for d in range(ndim))
-        base0 = sum(b * st for b, st in zip(block.base, src_st, strict=True))
+            src_st = strides_by_shape[src_shape] = _row_major(src_shape)
+        coeff = block.coeff
+        offsets = block.offsets
+        lengths = block.lengths
+        ndim = len(offsets)
+        nsrc = len(src_st)
+        strides = tuple(sum(coeff[s][d] * src_st[s] for s in range(nsrc)) for d in range(ndim))
+        base0 = 0
+        for b, st in zip(block.base, src_st, strict=True):
+            base0 += b * st
+        post = tuple(block.post)
+        if full:  # the whole tensor is local: one item per block, no intersection
+            items.append(ReadItem(source, base0, strides, tuple(lengths), tuple(offsets), post))
+            continue
         for goff, glen, loff in boxes:
             lo = []
-            lengths = []
-            empty = False
+            sub = []
             for d in range(ndim):
-                a = max(block.offsets[d], goff[d])
-                b = min(block.offsets[d] + block.lengths[d], goff[d] + glen[d])
+                a = offsets[d] if offsets[d] > goff[d] else goff[d]
+                end_block = offsets[d] + lengths[d]
+                end_box = goff[d] + glen[d]
+                b = end_block if end_block < end_box else end_box
                 if b <= a:
-                    empty = True
                     break
                 lo.append(a)
-                lengths.append(b - a)
-            if empty:
-                continue
-            rel = [lo[d] - block.offsets[d] for d in range(ndim)]
-            base = base0 + sum(rel[d] * strides[d] for d in range(ndim))
-            dest = tuple(loff[d] + lo[d] - goff[d] for d in range(ndim))
-            items.append(ReadItem(block.source, base, strides, tuple(lengths), dest, tuple(block.post)))
+                sub.append(b - a)
+            else:
+                base = base0
+                for d in range(ndim):
+                    base += (lo[d] - offsets[d]) * strides[d]
+                dest = tuple(loff[d] + lo[d] - goff[d] for d in range(ndim))
+                items.append(ReadItem(source, base, strides, tuple(sub), dest, post))
     return items
 
 
@@ -317,7 +379,7 @@ def plan_load(
         base_model_prefix=getattr(model, "base_model_prefix", None) or None,
         map_key=map_key,
     )
-    tracer = _Tracer(index, model, trace)
+    tracer = _Tracer(index, model, targets, trace)
     claimed: set[int] = set()
     loaded: set[str] = set()
     region_reads: dict[str, tuple[Target, list[ReadItem]]] = {}
@@ -337,7 +399,7 @@ def plan_load(
             claimed.add(id(target))
             loaded.update(target.names)
             if region is not None:
-                region_reads[target.names[0]] = (target, region_items(target, region, index))
+                region_reads[target.names[0]] = (target, region_items(target, region, index, traced.sources))
             else:
                 if pending is None:
                     pending = DeferredGroup(group, reason=traced.reason or "legacy loader")
@@ -345,14 +407,14 @@ def plan_load(
         if pending is not None:
             deferred.append(pending)
     all_names = set(targets)
-    missing = sorted(all_names - loaded, key=dot_natural_key)
+    missing = sorted(all_names - loaded, key=natural_sort_key)
     if strict and missing:
         shown = ", ".join(missing[:10])
         raise RuntimeError(f"Checkpoint did not load {len(missing)} owned model tensors; first keys: {shown}")
     report = LoadReport(
-        loaded_keys=tuple(sorted(loaded, key=dot_natural_key)),
+        loaded_keys=tuple(sorted(loaded, key=natural_sort_key)),
         missing_keys=tuple(missing),
-        unexpected_keys=tuple(sorted(set(unexpected), key=dot_natural_key)),
+        unexpected_keys=tuple(sorted(set(unexpected), key=natural_sort_key)),
         checkpoint_bytes=index.total_bytes,
         region_targets=len(region_reads),
         deferred_targets=tuple(n for d in deferred for n in d.claims),

@@ -40,25 +40,61 @@ __all__ = [
     "from_transformers",
     "is_converter",
     "is_renaming",
+    "natural_sort_key",
     "resolve_mapping",
 ]
+
+
+_NATURAL_PARTS: dict[str, tuple[Any, ...]] = {}
+
+
+def _natural_part(part: str) -> tuple[Any, ...]:
+    if part.isdigit():
+        value: tuple[Any, ...] = (0, int(part))
+    else:
+        stem = part.rstrip("0123456789")
+        digits = part[len(stem) :]
+        value = (1, stem, int(digits)) if digits else (1, stem)
+    if len(_NATURAL_PARTS) < 1 << 20:
+        _NATURAL_PARTS[part] = value
+    return value
 
 
 def dot_natural_key(name: str) -> list[tuple[Any, ...]]:
     """Sort key for dotted names: digit parts compare as numbers (``layers.2`` before ``layers.10``).
 
     Compatible with transformers' ``dot_natural_key``: a part that is all digits sorts before text parts,
-    and a trailing number inside a text part compares numerically (``shard_2`` before ``shard_11``).
+    and a trailing number inside a text part compares numerically (``shard_2`` before ``shard_11``). Parts
+    repeat across a checkpoint's keys, so their keys are memoized (sorting 100k keys is a hot path).
     """
-    key: list[tuple[Any, ...]] = []
-    for part in name.split("."):
-        if part.isdigit():
-            key.append((0, int(part)))
-            continue
+    cache = _NATURAL_PARTS
+    return [cache.get(part) or _natural_part(part) for part in name.split(".")]
+
+
+_SORT_PARTS: dict[str, str] = {}
+
+
+def _sort_part(part: str) -> str:
+    if part.isdigit():
+        value = "\x02" + part.lstrip("0").rjust(24, "0")
+    else:
         stem = part.rstrip("0123456789")
         digits = part[len(stem) :]
-        key.append((1, stem, int(digits)) if digits else (1, stem))
-    return key
+        value = stem + ("\x03" + digits.lstrip("0").rjust(24, "0") if digits else "")
+    if len(_SORT_PARTS) < 1 << 20:
+        _SORT_PARTS[part] = value
+    return value
+
+
+def natural_sort_key(name: str) -> str:
+    """A string that sorts exactly like ``dot_natural_key(name)`` but compares much faster.
+
+    Digit parts become ``\x00`` + zero-padded digits (before any text part), a text part's trailing number
+    is padded after ``\x01``, and parts are joined with ``\x02`` (a name that is a prefix of another sorts
+    first). Used to sort 100k-key checkpoints, where comparing lists of tuples dominated planning.
+    """
+    cache = _SORT_PARTS
+    return "\x01".join([cache.get(part) or _sort_part(part) for part in name.split(".")])
 
 
 def _strip_target_pattern(pattern: str) -> tuple[str, str | None]:

@@ -38,13 +38,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-try:
-    from hp_fastload.errors import TargetError
-except ImportError:  # pragma: no cover - fallback until hp_fastload.errors exists
-
-    class TargetError(ValueError):  # type: ignore[no-redef]
-        """A model tensor cannot be a load target (meta, Partial, unsupported layout, ...)."""
-
+from .errors import TargetError
+from .rules import dot_natural_key
 
 __all__ = [
     "Box",
@@ -75,28 +70,6 @@ _ARANGE_LIMIT = 1 << 22
 
 # ---------------------------------------------------------------------------------------------------------
 # Natural key
-
-
-def dot_natural_key(name: str) -> list[tuple[Any, ...]]:
-    """Sort key for dotted names, compatible with ``transformers.core_model_loading.dot_natural_key``.
-
-    Each dot-separated part becomes ``(0, int)`` when it is all digits (digits sort first, numerically),
-    else ``(1, text)`` or, with trailing digits, ``(1, text_without_them, int(trailing_digits))`` so that
-    ``layers.2`` < ``layers.10`` and ``shard_2`` < ``shard_11``.
-    """
-    parts: list[tuple[Any, ...]] = []
-    for part in name.split("."):
-        if part.isdigit():
-            parts.append((0, int(part)))
-            continue
-        text = part.rstrip("0123456789")
-        digits = part[len(text) :]
-        parts.append((1, text, int(digits)) if digits else (1, text))
-    return parts
-
-
-# ---------------------------------------------------------------------------------------------------------
-# LocalRegion
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,515 @@
+"""One-command GPU check: H2D ceilings, then a synthetic checkpoint loaded cold and warm into CUDA parameters.
+
+    python benches/gpu_check.py                  # ~16 GB checkpoint, CUDA when present (budget: 8 minutes)
+    python benches/gpu_check.py --quick          # tiny; falls back to the CPU when CUDA is absent (tested in CI)
+
+Needs only torch, numpy and hp_fastload from the repo build (no package registry on the GPU machine);
+safetensors, fastsafetensors and runai-model-streamer are measured when they import. The checkpoint is
+written by hand in the safetensors format (no safetensors package needed).
+
+Steps: preflight (kernel, PCIe link, read_ahead_kb, RAM, disk); H2D ceilings (pinned and pageable, CUDA
+events); a Llama-3-8B-shaped bf16 checkpoint (``--size-gb``, default 16, 4 shards; per-tensor checksums
+computed at generation); the storage anchors (sequential and parallel cold buffered reads, 0 resident pages
+checked with mincore first); then every loader in a fresh process, cold (``posix_fadvise(DONTNEED)`` per file,
+0 resident pages verified) and warm, filling plain CUDA tensors (hp_fastload stages CUDA targets through
+pinned buffers), each checked against the generation checksums. Prints GB/s and fractions of the ceilings:
+warm results against the pinned H2D ceiling, cold results against the parallel cold-read anchor.
+Writes ``<out>/gpu_check.json`` and ``<out>/gpu_check.md`` (``<out>``: ``$OUT`` when set, else bench-out/gpu).
+
+On a machine without CUDA everything runs with ``device cpu``: the "H2D" ceilings become host memcpy
+(pageable; pinned memory needs CUDA) and the targets are CPU tensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+import _peers  # noqa: E402  (stdlib-only helpers: mincore, evict, warm, /proc/self/io, cold reads)
+
+LOADERS = ("hp_fastload", "hp_fastload_r8", "st_cuda", "st_mmap_copy", "fastsafetensors", "runai")
+
+# ---------------------------------------------------------------------------------------------------------
+# Checkpoint: Llama-3-8B shapes, written by hand in the safetensors format
+
+
+def llama8b_keys(size_gb: float, quick: bool) -> list[tuple[str, tuple[int, ...]]]:
+    if quick:
+        h, inter, q, kv, vocab = 512, 1024, 512, 128, 2048
+    else:
+        h, inter, q, kv, vocab = 4096, 14336, 4096, 1024, 128256
+    per_layer = 2 * (2 * h * q + 2 * h * kv + 3 * h * inter + 2 * h)
+    layers = max(1, round((size_gb * 1e9 - 4 * vocab * h) / per_layer))
+    keys: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (vocab, h))]
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        keys += [
+            (f"{p}.input_layernorm.weight", (h,)),
+            (f"{p}.self_attn.q_proj.weight", (q, h)),
+            (f"{p}.self_attn.k_proj.weight", (kv, h)),
+            (f"{p}.self_attn.v_proj.weight", (kv, h)),
+            (f"{p}.self_attn.o_proj.weight", (h, q)),
+            (f"{p}.post_attention_layernorm.weight", (h,)),
+            (f"{p}.mlp.gate_proj.weight", (inter, h)),
+            (f"{p}.mlp.up_proj.weight", (inter, h)),
+            (f"{p}.mlp.down_proj.weight", (h, inter)),
+        ]
+    keys += [("model.norm.weight", (h,)), ("lm_head.weight", (vocab, h))]
+    return keys
+
+
+def checksum(t: Any) -> list[int]:
+    """Two int64 sums of a bf16 tensor's bits (plain, and position-weighted on a stride): catches misplacement."""
+    import torch
+
+    bits = t.reshape(-1).view(torch.int16)
+    plain = int(bits.to(torch.int64).sum())
+    sub = bits[::97].to(torch.int64)
+    weighted = int((sub * torch.arange(1, sub.numel() + 1, device=sub.device, dtype=torch.int64) % 1000003).sum())
+    return [plain, weighted]
+
+
+def write_checkpoint(path: Path, keys: list[tuple[str, tuple[int, ...]]], shards: int, device: str) -> dict[str, Any]:
+    """Random bf16 (finite) tensors; generated on ``device`` (fast on a GPU), written with one header per file."""
+    stamp = json.dumps({"keys": len(keys), "shape0": keys[0][1], "shards": shards, "v": 1})
+    meta_path = path / "checksums.json"
+    if meta_path.is_file():
+        meta = json.loads(meta_path.read_text())
+        if meta.get("stamp") == stamp:
+            return dict(meta["files"], _cached=True)
+    import torch
+
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    sizes = [math.prod(s) * 2 for _, s in keys]
+    budget = sum(sizes) / shards
+    groups: list[list[int]] = [[]]
+    acc = 0.0
+    for i, n in enumerate(sizes):
+        if acc >= budget and len(groups) < shards:
+            groups.append([])
+            acc = 0.0
+        groups[-1].append(i)
+        acc += n
+    gen = torch.Generator(device=device).manual_seed(0)
+    sums: dict[str, list[int]] = {}
+    files: dict[str, list[str]] = {}
+    weight_map: dict[str, str] = {}
+    for g, idx in enumerate(groups):
+        name = f"model-{g + 1:05d}-of-{len(groups):05d}.safetensors"
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        off = 0
+        for i in idx:
+            key, shape = keys[i]
+            header[key] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [off, off + sizes[i]]}
+            off += sizes[i]
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        with open(path / name, "wb") as f:
+            f.write(len(raw).to_bytes(8, "little"))
+            f.write(raw)
+            for i in idx:
+                key, shape = keys[i]
+                bits = torch.randint(-(2**15), 2**15, shape, dtype=torch.int16, device=device, generator=gen) & ~0x4000
+                t = bits.view(torch.bfloat16)
+                sums[key] = checksum(t)
+                f.write(memoryview(bits.cpu().numpy()).cast("B"))
+                weight_map[key] = name
+            f.flush()
+            os.fsync(f.fileno())
+        files[name] = [keys[i][0] for i in idx]
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    out = {"sums": sums, "shapes": {k: list(s) for k, s in keys}, "files": files}
+    meta_path.write_text(json.dumps({"stamp": stamp, "files": out}))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Ceilings
+
+
+def h2d_ceilings(device: str, nbytes: int, repeats: int = 3) -> dict[str, Any]:
+    import torch
+
+    out: dict[str, Any] = {"bytes": nbytes}
+    if device == "cpu":
+        out["pageable_gbps"] = _peers.memcpy_gbps(nbytes, 1, repeats)
+        out["pageable_2t_gbps"] = _peers.memcpy_gbps(nbytes, _peers.CORES, repeats)
+        out["pinned_gbps"] = None
+        out["note"] = "no CUDA: host memcpy stands in for H2D; pinned memory needs CUDA"
+        return out
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    for kind in ("pinned", "pageable"):
+        src = torch.ones(nbytes, dtype=torch.uint8, pin_memory=kind == "pinned")
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(repeats):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            dst.copy_(src, non_blocking=kind == "pinned")
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        out[f"{kind}_gbps"] = nbytes / statistics.median(times) / 1e9
+        del src
+    return out
+
+
+def preflight() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "cores": _peers.CORES,
+        "read_ahead_kb": _peers.read_ahead_kb(),
+    }
+    try:
+        with open("/proc/meminfo") as f:
+            info["meminfo_gib"] = {
+                line.split(":")[0]: int(line.split()[1]) / 2**20
+                for line in f
+                if line.startswith(("MemTotal", "MemAvailable"))
+            }
+    except OSError:
+        pass
+    if shutil.which("nvidia-smi"):
+        try:
+            q = "name,pcie.link.gen.current,pcie.link.width.current,memory.total"
+            info["nvidia_smi"] = subprocess.run(
+                ["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader"], capture_output=True, text=True, timeout=20
+            ).stdout.strip()
+        except (OSError, subprocess.SubprocessError) as exc:
+            info["nvidia_smi"] = f"failed: {exc}"
+    with open("/proc/sys/kernel/io_uring_disabled") if os.path.exists("/proc/sys/kernel/io_uring_disabled") else open(os.devnull) as f:
+        info["io_uring_disabled"] = f.read().strip()
+    return info
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Loaders (each in a fresh process: ``--child``)
+
+
+class _Tree:
+    """An nn.Module tree whose parameter names are the checkpoint keys."""
+
+    @staticmethod
+    def build(shapes: dict[str, list[int]], device: str, make: Any) -> Any:
+        import torch
+
+        root = torch.nn.Module()
+        for key, shape in shapes.items():
+            *path, leaf = key.split(".")
+            mod = root
+            for part in path:
+                if not hasattr(mod, part):
+                    mod.add_module(part, torch.nn.Module())
+                mod = getattr(mod, part)
+            mod.register_parameter(leaf, torch.nn.Parameter(make(key, shape), requires_grad=False))
+        return root
+
+
+def _child(cfg: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    ckpt, loader, regime, device = Path(cfg["ckpt"]), cfg["loader"], cfg["regime"], cfg["device"]
+    meta = json.loads((ckpt / "checksums.json").read_text())["files"]
+    shapes: dict[str, list[int]] = meta["shapes"]
+    files = sorted(str(ckpt / n) for n in meta["files"])
+    if device.startswith("cuda"):
+        torch.cuda.init()
+        torch.empty(1, device=device)
+    world, rank = (8, 3) if loader == "hp_fastload_r8" else (1, 0)
+    params: dict[str, Any] = {}
+    boxes: dict[str, tuple[int | None, int]] = {}  # key -> (sharded dim, local length)
+    mesh = None
+    if world > 1:
+        mesh = _peers.fake_world(world, rank)
+    for key, shape in shapes.items():
+        dim = _peers.placement_dim(key, len(shape), "tp") if world > 1 else None
+        local = list(shape)
+        if dim is not None:
+            local[dim] //= world
+        params[key] = torch.zeros(local, dtype=torch.bfloat16, device=device)
+        boxes[key] = (dim, local[dim] if dim is not None else 0)
+    needed = sum(t.numel() * 2 for t in params.values())
+    if regime == "cold":
+        left = _peers.evict(files)
+        state: dict[str, Any] = {"resident_pages_before": left, "cold_verified": left == 0}
+    else:
+        state = {"resident_fraction_before": _peers.residency(files)}
+    model = None
+    if loader.startswith("hp_fastload"):
+        import hp_fastload.checkpointer as ck
+
+        ck._dist_active = lambda: False  # type: ignore[assignment]  # one process; no peers to agree with
+
+        def make(key: str, shape: list[int]) -> Any:
+            t = params[key]
+            dim = boxes[key][0]
+            return _peers.as_dtensor(t, mesh, dim, tuple(shape)) if mesh is not None else t
+
+        model = _Tree.build(shapes, device, make)
+    io0, cpu0 = _peers.io_read_bytes(), _peers.cpu_seconds()
+    extra: dict[str, Any] = {}
+    t0 = time.perf_counter()
+    if loader.startswith("hp_fastload"):
+        import hp_fastload
+
+        report = hp_fastload.load(model, str(ckpt), loader="dcp", strict=True, progress=False)
+        extra["hp_bytes_read"] = report.bytes_read
+    elif loader == "st_cuda":
+        from safetensors import safe_open
+
+        for p in files:
+            with safe_open(p, "pt", device=device) as f:
+                for k in f.keys():
+                    params[k].copy_(f.get_tensor(k))
+    elif loader == "st_mmap_copy":
+        from safetensors import safe_open
+
+        for p in files:
+            with safe_open(p, "pt") as f:
+                for k in f.keys():
+                    params[k].copy_(f.get_tensor(k))  # pageable H2D from the mmap (vLLM default pattern)
+    elif loader == "fastsafetensors":
+        from fastsafetensors import SafeTensorsFileLoader, SingleGroup
+
+        fl = SafeTensorsFileLoader(SingleGroup(), device=device, nogds=True, max_threads=min(16, _peers.CORES))
+        fl.add_filenames({0: files})
+        fb = fl.copy_files_to_device()
+        for k in shapes:
+            params[k].copy_(fb.get_tensor(k))
+        fb.close()
+        fl.close()
+    elif loader == "runai":
+        from runai_model_streamer import SafetensorsStreamer
+
+        with SafetensorsStreamer() as s:
+            s.stream_files(files, device=device) if device != "cpu" else s.stream_files(files)
+            for k, t in s.get_tensors():
+                params[k].copy_(t)
+    else:
+        raise ValueError(loader)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    result = dict(
+        state,
+        loader=loader,
+        regime=regime,
+        device=device,
+        seconds=wall,
+        needed_bytes=needed,
+        gbps=needed / wall / 1e9,
+        storage_read_bytes=_peers.io_read_bytes() - io0,
+        cpu_seconds=_peers.cpu_seconds() - cpu0,
+        peak_host_rss_bytes=_peers.peak_rss(),
+        **extra,
+    )
+    if device.startswith("cuda"):
+        result["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated()
+    # correctness: whole tensors against the generation checksums; slices bitwise against a file read
+    bad: list[str] = []
+    for key, t in params.items():
+        dim, n = boxes[key]
+        if dim is None:
+            if checksum(t) != meta["sums"][key]:
+                bad.append(key)
+        else:
+            ref = _read_slice(ckpt, meta, key, dim, rank * n, n)
+            if not torch.equal(t.cpu().view(torch.int16), ref.view(torch.int16)):
+                bad.append(key)
+    result["verify"] = {"checked": len(params), "mismatched": len(bad), "bad": bad[:5]}
+    return result
+
+
+def _read_slice(ckpt: Path, meta: dict[str, Any], key: str, dim: int, start: int, n: int) -> Any:
+    """A reference slice read with plain file I/O (no loader involved)."""
+    import torch
+
+    name = next(f for f, ks in meta["files"].items() if key in ks)
+    with open(ckpt / name, "rb") as f:
+        hlen = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(hlen))
+        a, b = header[key]["data_offsets"]
+        f.seek(8 + hlen + a)
+        buf = bytearray(f.read(b - a))
+    full = torch.frombuffer(buf, dtype=torch.int16).view(torch.bfloat16).reshape(header[key]["shape"])
+    return full.narrow(dim, start, n).contiguous()
+
+
+def _available(loader: str, device: str) -> str | None:
+    """None when the loader can run here, else why not."""
+    import importlib.util
+
+    need = {"st_cuda": "safetensors", "st_mmap_copy": "safetensors", "fastsafetensors": "fastsafetensors", "runai": "runai_model_streamer"}
+    mod = need.get(loader)
+    if mod and importlib.util.find_spec(mod) is None:
+        return f"{mod} not importable"
+    if loader == "st_cuda" and device == "cpu":
+        return "same as st_mmap_copy on the CPU"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="tiny checkpoint (~40 MB), 1 GiB -> 32 MiB ceilings")
+    ap.add_argument("--size-gb", type=float, default=16.0)
+    ap.add_argument("--device", default="auto", help="auto (cuda when available), cuda, cuda:N or cpu")
+    ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "bench-out" / "gpu"))
+    ap.add_argument("--data", default=None, help="checkpoint folder (default /tmp/hp_gpu_check[_quick])")
+    ap.add_argument("--loaders", default=",".join(LOADERS))
+    ap.add_argument("--regimes", default="cold,warm")
+    ap.add_argument("--budget-s", type=float, default=450.0, help="skip remaining loads past this (default 450)")
+    ap.add_argument("--keep-data", action="store_true", help="keep the checkpoint afterwards")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        cfg = json.loads(args.child)
+        try:
+            res = _child(cfg)
+        except Exception as exc:
+            import traceback
+
+            res = {"loader": cfg["loader"], "regime": cfg["regime"], "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-2000:]}
+        print("RESULT " + json.dumps(res))
+        return 0
+
+    started = time.perf_counter()
+    import torch
+
+    device = args.device
+    if device == "auto":
+        device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        device = "cuda:0"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    data = Path(args.data or f"/tmp/hp_gpu_check{'_quick' if args.quick else ''}")
+    size = 0.04 if args.quick else args.size_gb
+    log: dict[str, Any] = {"device": device, "torch": torch.__version__, "preflight": preflight()}
+    if device.startswith("cuda"):
+        log["gpu"] = torch.cuda.get_device_name(device)
+    print(f"device {device}; preflight {json.dumps(log['preflight'])}", flush=True)
+    log["ceilings"] = h2d_ceilings(device, (32 << 20) if args.quick else (4 << 30))
+    print(f"ceilings {json.dumps(log['ceilings'])}", flush=True)
+    t = time.perf_counter()
+    meta = write_checkpoint(data, llama8b_keys(size, args.quick), 2 if args.quick else 4, device)
+    files = sorted(str(data / n) for n in meta["files"])
+    total = sum(os.path.getsize(p) for p in files)
+    log["checkpoint"] = {"path": str(data), "bytes": total, "files": len(files), "write_seconds": time.perf_counter() - t, "cached": bool(meta.get("_cached"))}
+    print(f"checkpoint {json.dumps(log['checkpoint'])}", flush=True)
+    log["storage"] = {
+        "cold_seq": _peers.cold_read_gbps(files, 1),
+        "cold_par": _peers.cold_read_gbps(files, min(16, max(2, _peers.CORES))),
+    }
+    seq_gbps, par_gbps = log["storage"]["cold_seq"]["gbps"], log["storage"]["cold_par"]["gbps"]
+    print(f"storage: cold sequential {seq_gbps:.2f} GB/s, parallel {par_gbps:.2f} GB/s", flush=True)
+    _peers.warm(files)
+    results: list[dict[str, Any]] = []
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "python"), os.environ.get("PYTHONPATH", "")]))
+    for regime in [r for r in args.regimes.split(",") if r]:
+        for loader in [x for x in args.loaders.split(",") if x]:
+            why = _available(loader, device)
+            if why:
+                results.append({"loader": loader, "regime": regime, "skipped": why})
+                continue
+            if time.perf_counter() - started > args.budget_s:
+                results.append({"loader": loader, "regime": regime, "skipped": "time budget spent"})
+                continue
+            if regime == "warm":
+                _peers.warm(files)
+            cenv = dict(env)
+            if loader == "fastsafetensors" and regime == "warm":
+                cenv["FASTSAFETENSORS_ODIRECT"] = "0"
+            if loader == "runai":
+                cenv["RUNAI_STREAMER_CONCURRENCY"] = str(min(16, _peers.CORES))
+                if regime == "warm":
+                    cenv["RUNAI_STREAMER_FS_STRATEGY"] = "sync_buffered"
+            cfg = {"ckpt": str(data), "loader": loader, "regime": regime, "device": device}
+            try:
+                proc = subprocess.run(
+                    [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(cfg)],
+                    env=cenv, capture_output=True, text=True, timeout=max(30.0, args.budget_s + 60 - (time.perf_counter() - started)),
+                )
+                line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+                res = json.loads(line[7:]) if line else {"loader": loader, "regime": regime, "error": proc.stderr[-1500:]}
+            except subprocess.TimeoutExpired:
+                res = {"loader": loader, "regime": regime, "error": "timeout"}
+            ceiling = log["ceilings"].get("pinned_gbps") or log["ceilings"].get("pageable_gbps")
+            if "gbps" in res:
+                res["fraction_of_pinned_h2d"] = res["gbps"] / ceiling if ceiling else None
+                res["fraction_of_cold_read"] = res["gbps"] / par_gbps if regime == "cold" and par_gbps else None
+            results.append(res)
+            print(_line(res), flush=True)
+    log["results"] = results
+    log["total_seconds"] = time.perf_counter() - started
+    md = _table(log)
+    (out / "gpu_check.json").write_text(json.dumps(log, indent=1, default=str))
+    (out / "gpu_check.md").write_text(md)
+    print(md)
+    if not args.keep_data and not args.quick:
+        shutil.rmtree(data, ignore_errors=True)
+    bad = [r for r in results if r.get("error") or r.get("verify", {}).get("mismatched")]
+    return 1 if bad else 0
+
+
+def _line(r: dict[str, Any]) -> str:
+    if r.get("error"):
+        return f"{r['regime']:4s} {r['loader']:16s} ERROR {r['error'][:300]}"
+    frac = r.get("fraction_of_cold_read") if r["regime"] == "cold" else r.get("fraction_of_pinned_h2d")
+    what = "cold-read anchor" if r["regime"] == "cold" else "H2D ceiling"
+    v = r["verify"]
+    return (
+        f"{r['regime']:4s} {r['loader']:16s} {r['seconds']:7.2f} s {r['gbps']:6.2f} GB/s "
+        f"({(frac or 0):.0%} of {what}) read {r['storage_read_bytes'] / 1e9:.2f} GB, "
+        f"verified {v['checked'] - v['mismatched']}/{v['checked']}"
+    )
+
+
+def _table(log: dict[str, Any]) -> str:
+    c = log["ceilings"]
+    s = log["storage"]
+    lines = [
+        f"device {log['device']} ({log.get('gpu', 'no GPU')}), torch {log['torch']}, checkpoint "
+        f"{log['checkpoint']['bytes'] / 1e9:.1f} GB in {log['checkpoint']['files']} files",
+        f"ceilings: pinned H2D {c.get('pinned_gbps') or float('nan'):.2f} GB/s, pageable {c.get('pageable_gbps') or float('nan'):.2f} GB/s; "
+        f"cold read sequential {s['cold_seq']['gbps']:.2f} GB/s, parallel {s['cold_par']['gbps']:.2f} GB/s "
+        f"(0 resident pages before: {s['cold_seq']['resident_pages_before'] == 0 and s['cold_par']['resident_pages_before'] == 0})",
+        "",
+        "| regime | loader | s | GB/s | of pinned H2D | of cold read | storage read GB | verified |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in log["results"]:
+        if "gbps" not in r:
+            lines.append(f"| {r['regime']} | {r['loader']} | | | | | | {r.get('skipped') or 'error: ' + str(r.get('error'))[:100]} |")
+            continue
+        v = r["verify"]
+        fh, fc = r.get("fraction_of_pinned_h2d"), r.get("fraction_of_cold_read")
+        lines.append(
+            f"| {r['regime']} | {r['loader']} | {r['seconds']:.2f} | {r['gbps']:.2f} | "
+            f"{'' if fh is None else f'{fh:.0%}'} | {'' if fc is None else f'{fc:.0%}'} | "
+            f"{r['storage_read_bytes'] / 1e9:.2f} | {v['checked'] - v['mismatched']}/{v['checked']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
