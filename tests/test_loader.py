@@ -275,3 +275,122 @@ def test_tied_alias_present_in_checkpoint_first_wins(tmp_path):
     report = hf.load(model, tmp_path, weights_mapping=[])
     assert torch.equal(model.embed.weight, emb)
     assert report.loaded_keys == ("embed.weight", "lm_head.weight") and report.unexpected_keys == ()
+
+
+class Replaced(nn.Module):
+    """A model whose attention was replaced by a fused-qkv module before loading (hyper's replacement path)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(8, 4)
+        self.lm_head = nn.Linear(4, 8, bias=False)
+        self.lm_head.weight = self.embed.weight
+        layer = nn.Module()
+        layer.self_attn = nn.Module()
+        layer.self_attn.linear_qkv = nn.Linear(4, 16, bias=False)
+        layer.norm = nn.Module()
+        layer.norm.weight = nn.Parameter(torch.zeros(4))
+        self.layers = nn.ModuleList([layer])
+        for p in self.parameters():
+            nn.init.zeros_(p)
+
+
+def replacement_rules() -> list[object]:
+    qkv = rules.WeightConverter(
+        ["q_proj.weight", "k_proj.weight", "v_proj.weight"], "linear_qkv.weight", [rules.Concatenate(0)]
+    )
+    qkv.scope_prefix = "layers.0.self_attn"
+    norm = rules.WeightConverter("weight", "weight", [AddOne()])
+    norm.scope_prefix = "layers.0.norm"
+    return [qkv, norm]
+
+
+@pytest.fixture(scope="module")
+def replacement_checkpoint(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    tensors = {
+        "embed.weight": torch.randn(8, 4, generator=g),
+        "layers.0.self_attn.q_proj.weight": torch.randn(8, 4, generator=g),
+        "layers.0.self_attn.k_proj.weight": torch.randn(4, 4, generator=g),
+        "layers.0.self_attn.v_proj.weight": torch.randn(4, 4, generator=g),
+        "layers.0.norm.weight": torch.randn(4, generator=g).to(torch.bfloat16),
+        "unused.bias": torch.randn(2, generator=g),
+    }
+    root = tmp_path_factory.mktemp("replaced")
+    save_file(tensors, str(root / "model.safetensors"))
+    return root, tensors
+
+
+def load_replaced(root: Path, loader: str) -> tuple[Replaced, hf.LoadReport]:
+    model = Replaced()
+    mapping = replacement_rules()
+    model._hp_replacement_weight_conversions = mapping  # type: ignore[assignment]
+    model._hp_checkpoint_source_shapes = {  # type: ignore[assignment]
+        "embed.weight": (8, 4),
+        "lm_head.weight": (8, 4),
+        "layers.0.self_attn.q_proj.weight": (8, 4),
+        "layers.0.self_attn.k_proj.weight": (4, 4),
+        "layers.0.self_attn.v_proj.weight": (4, 4),
+        "layers.0.norm.weight": (4,),
+    }
+    report = hf.load(model, root, weights_mapping=mapping, loader=loader)
+    return model, report
+
+
+def test_replacement_conversions_load_in_two_stages(replacement_checkpoint):
+    root, t = replacement_checkpoint
+    a, ra = load_replaced(root, "dcp")
+    b, rb = load_replaced(root, "legacy")
+    assert ra == rb
+    assert ra.missing_keys == () and ra.unexpected_keys == ("unused.bias",)
+    assert ra.region_targets == 3 and ra.deferred_targets == ()  # both stages composed into region reads
+    qkv = torch.cat([t[f"layers.0.self_attn.{n}_proj.weight"] for n in "qkv"])
+    for model in (a, b):
+        assert torch.equal(model.layers[0].self_attn.linear_qkv.weight, qkv)
+        assert torch.equal(model.layers[0].norm.weight, (t["layers.0.norm.weight"] + 1.0).float())
+        assert torch.equal(model.lm_head.weight, t["embed.weight"])
+        assert len(model._hp_used_replacement_weight_conversions) == 2
+        assert model._hp_used_base_weight_conversions == []
+        assert len(model._weight_conversions) == 2
+
+
+class Square(rules.ConversionOp):
+    """Reads values (x * x): a replacement stage the region loader must defer."""
+
+    def convert(self, inputs, source_patterns, target_patterns, **kw):
+        (values,) = inputs.values()
+        return {target_patterns[0]: values[0] * values[0]}
+
+
+@pytest.mark.parametrize("loader", ["dcp", "legacy"])
+def test_untraceable_replacement_stage_is_deferred_and_exact(replacement_checkpoint, loader):
+    root, t = replacement_checkpoint
+    model = Replaced()
+    mapping = replacement_rules()
+    mapping[1] = rules.WeightConverter("weight", "weight", [Square()])
+    mapping[1].scope_prefix = "layers.0.norm"
+    model._hp_replacement_weight_conversions = mapping  # type: ignore[assignment]
+    model._hp_checkpoint_source_shapes = {  # type: ignore[assignment]
+        "embed.weight": (8, 4),
+        "layers.0.self_attn.q_proj.weight": (8, 4),
+        "layers.0.self_attn.k_proj.weight": (4, 4),
+        "layers.0.self_attn.v_proj.weight": (4, 4),
+        "layers.0.norm.weight": (4,),
+    }
+    report = hf.load(model, root, weights_mapping=mapping, loader=loader)
+    assert "layers.0.norm.weight" in report.deferred_targets
+    assert ("layers.0.self_attn.linear_qkv.weight" in report.deferred_targets) == (loader == "legacy")
+    norm = t["layers.0.norm.weight"]
+    assert torch.equal(model.layers[0].norm.weight, (norm * norm).float())
+
+
+def test_failing_replacement_conversion_names_its_target(replacement_checkpoint):
+    root, _ = replacement_checkpoint
+    model = Replaced()
+    mapping = replacement_rules()
+    mapping[1] = rules.WeightConverter("weight", "weight", [Product()])  # needs two inputs: fails on meta
+    mapping[1].scope_prefix = "layers.0.norm"
+    model._hp_replacement_weight_conversions = mapping  # type: ignore[assignment]
+    model._hp_checkpoint_source_shapes = {"layers.0.norm.weight": (4,)}  # type: ignore[assignment]
+    with pytest.raises(RuntimeError, match=r"Failed to convert checkpoint tensors for layers\.0\.norm\.weight"):
+        hf.load(model, root, weights_mapping=mapping)

@@ -231,7 +231,7 @@ def load(
     for deferred in load_plan.deferred:
         for target in deferred.claims.values():
             target.tensor._is_hf_initialized = True  # type: ignore[attr-defined]
-    _record_used_rules(model, load_plan.used_rules)
+    _record_used_rules(model, load_plan)
     seconds = time.perf_counter() - start
     report = LoadReport(
         loaded_keys=load_plan.report.loaded_keys,
@@ -255,9 +255,13 @@ def load(
     return report
 
 
-def _record_used_rules(model: nn.Module, used: list[Any]) -> None:
+def _record_used_rules(model: nn.Module, load_plan: LoadPlan) -> None:
+    """``model._weight_conversions`` (and, with replacements, the per-stage lists) for reverse conversion."""
     with contextlib.suppress(AttributeError, TypeError):  # modules that refuse new attributes
-        model._weight_conversions = used  # type: ignore[assignment]
+        model._weight_conversions = load_plan.used_rules  # type: ignore[assignment]
+        if load_plan.used_replacement_rules:
+            model._hp_used_base_weight_conversions = load_plan.used_base_rules  # type: ignore[assignment]
+            model._hp_used_replacement_weight_conversions = load_plan.used_replacement_rules  # type: ignore[assignment]
 
 
 # ---------------------------------------------------------------------------------------------------------

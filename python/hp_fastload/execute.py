@@ -20,7 +20,7 @@ from . import _core
 from .engine import safetensors_dtype_name
 from .errors import PlanError
 from .index import CheckpointIndex
-from .plan import DeferredGroup, LoadPlan, ReadItem, _convert
+from .plan import DeferredGroup, LoadPlan, ReadItem
 from .region import apply_post
 from .targets import Target
 
@@ -255,23 +255,17 @@ def _copy_local_from_full(target: Target, full: torch.Tensor, legacy: bool) -> N
 
 def _run_deferred(
     deferred: DeferredGroup,
-    model: Any,
     index: CheckpointIndex,
     legacy: bool,
     threads: int | None,
     backend: str | None,
     stats: ExecStats,
 ) -> None:
-    group = deferred.group
-    sources = read_whole(index, group.keys, threads, backend, stats)
-    if group.rule is None:
-        outputs = {group.target: sources[group.keys[0]]}
-    else:
-        outputs = _convert(group, model, lambda k: sources[k])
+    sources = read_whole(index, deferred.keys, threads, backend, stats)
+    outputs = deferred.compute(sources)
     for name, target in deferred.claims.items():
-        full = outputs[name]
         with torch.no_grad():
-            _copy_local_from_full(target, full, legacy)
+            _copy_local_from_full(target, outputs[name], legacy)
 
 
 def execute_plan(
@@ -307,7 +301,7 @@ def execute_plan(
             progress(done)
         for deferred in plan.deferred:
             before = stats.bytes_read
-            _run_deferred(deferred, plan.model, index, legacy, threads, backend, stats)
+            _run_deferred(deferred, index, legacy, threads, backend, stats)
             if progress:
                 progress(stats.bytes_read - before)
     if stager is not None:

@@ -13,18 +13,19 @@ A plan is plain data: ``LoadPlan.summary()`` prints it, and ``hp_fastload.plan(.
 
 from __future__ import annotations
 
+import copy
 import logging
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
 
 from .errors import PlanError, TargetError
-from .groups import LoadGroup, build_groups, masked_name
+from .groups import LoadGroup, build_groups, masked_name, rename_key
 from .index import CheckpointIndex
 from .region import Block, RegionTensor, UnsupportedRegionOp
-from .rules import natural_sort_key
+from .rules import is_converter, is_renaming, natural_sort_key
 from .targets import Target
 
 __all__ = ["ConversionError", "DeferredGroup", "LoadPlan", "LoadReport", "ReadItem", "plan_load"]
@@ -91,9 +92,12 @@ class ReadItem(NamedTuple):
 
 @dataclass
 class DeferredGroup:
-    """A group read whole and converted with torch on this rank; ``claims`` maps output name -> target."""
+    """Work done on whole tensors on this rank: read ``keys`` whole, ``compute`` the converted outputs with
+    torch, and copy each claimed output's local part into its target (``claims``: output name -> target)."""
 
-    group: LoadGroup
+    label: str
+    keys: list[str]
+    compute: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
     claims: dict[str, Target] = field(default_factory=dict)
     reason: str = ""
 
@@ -109,6 +113,8 @@ class LoadPlan:
     report: LoadReport
     used_rules: list[Any]
     model: Any = None
+    used_base_rules: list[Any] = field(default_factory=list)
+    used_replacement_rules: list[Any] = field(default_factory=list)
 
     def read_bytes_by_file(self) -> dict[str, int]:
         """Bytes of source data this rank's region reads need, per checkpoint file."""
@@ -118,7 +124,7 @@ class LoadPlan:
                 entry = self.index.entry(item.source)
                 out[entry.file.path] = out.get(entry.file.path, 0) + item.numel * entry.dtype.itemsize
         for deferred in self.deferred:
-            for key in deferred.group.keys:
+            for key in deferred.keys:
                 entry = self.index.entry(key)
                 out[entry.file.path] = out.get(entry.file.path, 0) + entry.nbytes
         return out
@@ -141,7 +147,7 @@ class LoadPlan:
         for path, nbytes in sorted(self.read_bytes_by_file().items()):
             lines.append(f"  {path}: {nbytes} bytes")
         for d in self.deferred:
-            lines.append(f"  deferred {d.group.target}: {d.reason}")
+            lines.append(f"  deferred {d.label}: {d.reason}")
         return "\n".join(lines)
 
 
@@ -159,7 +165,7 @@ def _convert(group: LoadGroup, model: Any, make_leaf: Callable[[str], Any]) -> d
 
 @dataclass
 class _Traced:
-    """A group's outputs: name -> traced blocks (or None where deferred), shapes, and the source map.
+    """A group's outputs: name -> traced blocks (or None where deferred), shapes, dtypes, and the source map.
 
     Blocks name their sources by placeholder (``#i`` = the group's i-th source); ``sources`` maps them to
     this group's checkpoint keys, so one trace serves every layer with the same structure.
@@ -167,8 +173,20 @@ class _Traced:
 
     outputs: dict[str, tuple[Block, ...] | None]
     shapes: dict[str, tuple[int, ...]]
+    dtypes: dict[str, torch.dtype]
     sources: dict[str, str]
     reason: str = ""
+
+    def region(self, name: str) -> RegionTensor | None:
+        """The output as a region over real checkpoint keys (to feed a second conversion stage)."""
+        blocks = self.outputs[name]
+        if blocks is None:
+            return None
+        renamed = [
+            Block(b.offsets, b.lengths, self.sources[b.source], b.base, b.coeff, b.post, b.src_dtype, b.src_shape)
+            for b in blocks
+        ]
+        return RegionTensor.from_blocks(self.shapes[name], self.dtypes[name], renamed)
 
 
 @dataclass
@@ -176,6 +194,7 @@ class _CacheEntry:
     target: str
     names: list[str]
     shapes: list[tuple[int, ...]]
+    dtypes: list[torch.dtype]
     blocks: list[tuple[Block, ...]] | None
     reason: str
 
@@ -204,10 +223,10 @@ def _derive_names(cached_target: str, cached_names: list[str], target: str) -> l
 class _Tracer:
     """Runs groups symbolically, caching traces of groups that differ only in layer or expert numbers."""
 
-    def __init__(self, index: CheckpointIndex, model: Any, targets: dict[str, Target], trace: bool) -> None:
+    def __init__(self, index: CheckpointIndex, model: Any, shape_of: Callable[[str], Any], trace: bool) -> None:
         self.index = index
         self.model = model
-        self.targets = targets
+        self.shape_of = shape_of
         self.trace = trace
         self.cache: dict[Any, _CacheEntry] = {}
 
@@ -227,16 +246,17 @@ class _Tracer:
             key = group.sources[0][1]
             entry = self.index.entry(key)
             blocks = RegionTensor.leaf("#0", entry.shape, entry.dtype).blocks if self.trace else None
-            return _Traced({group.target: blocks}, {group.target: tuple(entry.shape)}, {"#0": key})
+            return _Traced(
+                {group.target: blocks}, {group.target: tuple(entry.shape)}, {group.target: entry.dtype}, {"#0": key}
+            )
         sources = {f"#{i}": k for i, (_, k) in enumerate(group.sources)}
         entries = [self.index.entry(k) for _, k in group.sources]
-        target = self.targets.get(group.target)
         signature = (
             id(group.rule),
             self.trace,
             tuple((p, e.shape, e.dtype) for (p, _), e in zip(group.sources, entries, strict=True)),
             masked_name(group.target),
-            target.global_shape if target is not None else None,
+            self.shape_of(group.target),
         )
         cached = self.cache.get(signature)
         names = _derive_names(cached.target, cached.names, group.target) if cached is not None else None
@@ -245,10 +265,11 @@ class _Tracer:
             self.cache[signature] = cached
             names = cached.names
         shapes = dict(zip(names, cached.shapes, strict=True))
+        dtypes = dict(zip(names, cached.dtypes, strict=True))
         if cached.blocks is None:
             log.debug("deferring %s: %s", group.target, cached.reason)
-            return _Traced(dict.fromkeys(names), shapes, sources, cached.reason)
-        return _Traced(dict(zip(names, cached.blocks, strict=True)), shapes, sources)
+            return _Traced(dict.fromkeys(names), shapes, dtypes, sources, cached.reason)
+        return _Traced(dict(zip(names, cached.blocks, strict=True)), shapes, dtypes, sources)
 
     def _trace(self, group: LoadGroup) -> _CacheEntry:
         reason = "legacy loader"
@@ -264,6 +285,7 @@ class _Tracer:
                         group.target,
                         list(traced),
                         [tuple(v.shape) for v in traced.values()],
+                        [v.dtype for v in traced.values()],
                         [v.blocks for v in traced.values()],
                         "",
                     )
@@ -276,7 +298,14 @@ class _Tracer:
                 f"(keys {', '.join(group.keys[:4])}{', ...' if len(group.keys) > 4 else ''}): "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
-        return _CacheEntry(group.target, list(meta), [tuple(v.shape) for v in meta.values()], None, reason)
+        return _CacheEntry(
+            group.target,
+            list(meta),
+            [tuple(v.shape) for v in meta.values()],
+            [v.dtype for v in meta.values()],
+            None,
+            reason,
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -358,6 +387,190 @@ def _check_claim(name: str, target: Target, shape: Sequence[int]) -> None:
         )
 
 
+class SourceModelView:
+    """The pre-replacement model as shape-aware ops see it: ``config``, ``base_model_prefix`` and
+    ``get_parameter(name)`` (a meta tensor of the recorded checkpoint-layout shape)."""
+
+    def __init__(self, model: Any, shapes: dict[str, Sequence[int]]) -> None:
+        self.config = getattr(model, "config", None)
+        self.base_model_prefix = getattr(model, "base_model_prefix", "")
+        self.shapes = {k: tuple(int(d) for d in v) for k, v in shapes.items()}
+
+    def get_parameter(self, name: str) -> torch.Tensor:
+        shape = self.shapes.get(name)
+        if shape is None:
+            raise AttributeError(f"source model has no parameter '{name}'")
+        return torch.empty(shape, device="meta")
+
+
+def _group_compute(group: LoadGroup, model: Any) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+    def compute(sources: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if group.rule is None:
+            return {group.target: sources[group.keys[0]]}
+        return _convert(group, model, sources.__getitem__)
+
+    return compute
+
+
+class _Claims:
+    """Claiming converted outputs for model targets: first claim of a physical tensor wins, aliases load."""
+
+    def __init__(self, index: CheckpointIndex, targets: dict[str, Target]) -> None:
+        self.index = index
+        self.targets = targets
+        self.claimed: set[int] = set()
+        self.loaded: set[str] = set()
+        self.unexpected: list[str] = []
+        self.region_reads: dict[str, tuple[Target, list[ReadItem]]] = {}
+        self.deferred: list[DeferredGroup] = []
+
+    def claim(self, name: str, shape: Sequence[int]) -> Target | None:
+        target = self.targets.get(name)
+        if target is None:
+            self.unexpected.append(name)
+            return None
+        if id(target) in self.claimed:
+            self.loaded.update(target.names)
+            return None
+        _check_claim(name, target, shape)
+        self.claimed.add(id(target))
+        self.loaded.update(target.names)
+        return target
+
+    def region(self, name: str, shape: Sequence[int], blocks: Sequence[Block], sources: dict[str, str] | None) -> None:
+        target = self.claim(name, shape)
+        if target is not None:
+            self.region_reads[target.names[0]] = (target, region_items(target, blocks, self.index, sources))
+
+    def defer(self, name: str, shape: Sequence[int], pending: DeferredGroup) -> None:
+        target = self.claim(name, shape)
+        if target is not None:
+            pending.claims[name] = target
+
+    def add_deferred(self, pending: DeferredGroup | None) -> None:
+        if pending is not None and pending.claims:
+            self.deferred.append(pending)
+
+    def direct(self, group: LoadGroup, traced: _Traced, model: Any, names: Sequence[str] | None = None) -> None:
+        """Claim a stage's outputs as they are (region reads, or one deferred group for the rest)."""
+        pending: DeferredGroup | None = None
+        for name in names if names is not None else traced.outputs:
+            blocks = traced.outputs[name]
+            if blocks is not None:
+                self.region(name, traced.shapes[name], blocks, traced.sources)
+                continue
+            if pending is None:
+                pending = DeferredGroup(group.target, group.keys, _group_compute(group, model), reason=traced.reason)
+            self.defer(name, traced.shapes[name], pending)
+        self.add_deferred(pending)
+
+
+@dataclass
+class _ReplacementState:
+    """A scoped replacement converter waiting for its stage-1 inputs."""
+
+    target: str
+    rule: Any | None  # None: a plain rename of one stage-1 output
+    expected: dict[str, int] = field(default_factory=dict)
+    received: dict[str, int] = field(default_factory=dict)
+    inputs: list[tuple[str, str, LoadGroup, _Traced]] = field(default_factory=list)  # pattern, name, stage 1
+    completed: bool = False
+
+
+def _replacement_routes(
+    shapes: Mapping[str, Sequence[int]], targets: dict[str, Target], replacement: Sequence[Any]
+) -> dict[str, tuple[_ReplacementState, str]]:
+    renamings = [copy.deepcopy(r) for r in replacement if is_renaming(r)]
+    converters = [r for r in replacement if is_converter(r)]
+    probes = [copy.deepcopy(r) for r in converters]
+    routes: dict[str, tuple[_ReplacementState, str]] = {}
+    states: dict[str, _ReplacementState] = {}
+    for name in sorted(shapes, key=natural_sort_key):
+        renamed, probe, pattern = rename_key(name, renamings, probes, None, targets)
+        if (probe is None and renamed == name) or renamed not in targets:
+            continue
+        rule = converters[probes.index(probe)] if probe is not None else None
+        if rule is not None and getattr(rule, "scope_prefix", None) is None:
+            raise ValueError(f"No unique replacement WeightConverter found for source '{name}' and target '{renamed}'")
+        state = states.get(renamed)
+        if state is None:
+            state = states[renamed] = _ReplacementState(renamed, rule)
+        key = pattern if pattern is not None else name
+        state.expected[key] = state.expected.get(key, 0) + 1
+        routes[name] = (state, key)
+    return routes
+
+
+def _plan_replacement_stage(
+    state: _ReplacementState, model: Any, view: SourceModelView, claims: _Claims, trace: bool
+) -> None:
+    """Convert a complete replacement group: composed regions when every input traced, else deferred."""
+    if state.rule is None:
+        (_, name, group, traced) = state.inputs[0]
+        blocks = traced.outputs[name]
+        if blocks is not None:
+            claims.region(state.target, traced.shapes[name], blocks, traced.sources)
+            return
+        pending = DeferredGroup(
+            state.target,
+            group.keys,
+            lambda srcs: {state.target: _group_compute(group, view)(srcs)[name]},
+            reason=traced.reason,
+        )
+        claims.defer(state.target, traced.shapes[name], pending)
+        claims.add_deferred(pending)
+        return
+    config = getattr(model, "config", None)
+    traced_reason = next((t.reason for _, n, _, t in state.inputs if t.outputs.get(n) is None), "")
+    reason = traced_reason
+    regions = [t.region(n) for _, n, _, t in state.inputs] if trace else [None]
+    if trace and all(r is not None for r in regions):
+        transform = copy.deepcopy(state.rule)
+        for (pattern, name, _, _), region in zip(state.inputs, regions, strict=True):
+            transform.add_tensor(state.target, name, pattern, region)
+        try:
+            outputs = transform.convert(state.target, model=model, config=config)
+            outputs = {n: (v[0] if isinstance(v, list) else v) for n, v in outputs.items()}
+        except (UnsupportedRegionOp, TypeError, RuntimeError, ValueError, NotImplementedError) as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+        else:
+            if all(isinstance(v, RegionTensor) for v in outputs.values()):
+                for name, region in outputs.items():
+                    claims.region(name, tuple(region.shape), region.blocks, None)
+                return
+            reason = "an op produced a real tensor"
+    stage1 = {id(g): g for _, _, g, _ in state.inputs}
+    keys = sorted({k for g in stage1.values() for k in g.keys}, key=natural_sort_key)
+
+    rule: Any = state.rule
+
+    def compute(sources: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        normalized: dict[str, torch.Tensor] = {}
+        for group in stage1.values():
+            normalized.update(_group_compute(group, view)(sources))
+        transform = copy.deepcopy(rule)
+        for pattern, name, _, _ in state.inputs:
+            transform.add_tensor(state.target, name, pattern, normalized[name])
+        out = transform.convert(state.target, model=model, config=config)
+        return {n: (v[0] if isinstance(v, list) else v) for n, v in out.items()}
+
+    try:
+        meta = compute(
+            {
+                k: torch.empty(claims.index.entry(k).shape, dtype=claims.index.entry(k).dtype, device="meta")
+                for k in keys
+            }
+        )
+    except Exception as exc:
+        raise ConversionError(
+            f"Failed to convert checkpoint tensors for {state.target}: {type(exc).__name__}: {exc}"
+        ) from exc
+    pending = DeferredGroup(state.target, keys, compute, reason=reason or traced_reason or "legacy loader")
+    for name, value in meta.items():
+        claims.defer(name, tuple(value.shape), pending)
+    claims.add_deferred(pending)
+
+
 def plan_load(
     model: Any,
     index: CheckpointIndex,
@@ -370,62 +583,71 @@ def plan_load(
     map_key: Callable[[str], str | None] | None = None,
     loader: str = "dcp",
 ) -> LoadPlan:
-    """Plan one rank's load. Raises (before any byte is read) on strict misses and bad targets."""
+    """Plan one rank's load. Raises (before any byte is read) on strict misses and bad targets.
+
+    A model carrying ``_hp_replacement_weight_conversions`` and ``_hp_checkpoint_source_shapes`` is planned in
+    two stages: the base rules normalize the checkpoint to the pre-replacement names and shapes, then the
+    scoped replacement converters consume those (each once all its inputs arrived). In the region loader the
+    two stages compose into one set of region reads.
+    """
     keys = [k for k in index if k not in claimed_source_keys]
-    groups, unexpected = build_groups(
-        keys,
-        targets,
-        rules,
-        base_model_prefix=getattr(model, "base_model_prefix", None) or None,
-        map_key=map_key,
-    )
-    tracer = _Tracer(index, model, targets, trace)
-    claimed: set[int] = set()
-    loaded: set[str] = set()
-    region_reads: dict[str, tuple[Target, list[ReadItem]]] = {}
-    deferred: list[DeferredGroup] = []
-    for group in groups:
-        traced = tracer.run(group)
-        pending: DeferredGroup | None = None
-        for name, region in traced.outputs.items():
-            target = targets.get(name)
-            if target is None:
-                unexpected.append(name)
-                continue
-            if id(target) in claimed:
-                loaded.update(target.names)
-                continue
-            _check_claim(name, target, traced.shapes[name])
-            claimed.add(id(target))
-            loaded.update(target.names)
-            if region is not None:
-                region_reads[target.names[0]] = (target, region_items(target, region, index, traced.sources))
-            else:
-                if pending is None:
-                    pending = DeferredGroup(group, reason=traced.reason or "legacy loader")
-                pending.claims[name] = target
-        if pending is not None:
-            deferred.append(pending)
-    all_names = set(targets)
-    missing = sorted(all_names - loaded, key=natural_sort_key)
+    prefix = getattr(model, "base_model_prefix", None) or None
+    claims = _Claims(index, targets)
+    replacement = list(getattr(model, "_hp_replacement_weight_conversions", None) or [])
+    source_shapes = getattr(model, "_hp_checkpoint_source_shapes", None)
+    used_replacements: list[Any] = []
+    if replacement and source_shapes:
+        base_rules = [r for r in rules if not any(r is x for x in replacement)]
+        view = SourceModelView(model, dict(source_shapes))
+        groups, unexpected = build_groups(keys, view.shapes, base_rules, base_model_prefix=prefix, map_key=map_key)
+        claims.unexpected.extend(unexpected)
+        routes = _replacement_routes(view.shapes, targets, replacement)
+        tracer = _Tracer(index, view, view.shapes.get, trace)
+        for group in groups:
+            traced = tracer.run(group)
+            direct = []
+            for name in traced.outputs:
+                route = routes.get(name)
+                if route is None:
+                    direct.append(name)
+                    continue
+                state, pattern = route
+                state.inputs.append((pattern, name, group, traced))
+                state.received[pattern] = state.received.get(pattern, 0) + 1
+                if not state.completed and state.received == state.expected:
+                    state.completed = True
+                    _plan_replacement_stage(state, model, view, claims, trace)
+                    if state.rule is not None and not any(state.rule is u for u in used_replacements):
+                        used_replacements.append(state.rule)
+            claims.direct(group, traced, view, direct)
+        rules = base_rules
+    else:
+        groups, unexpected = build_groups(keys, targets, rules, base_model_prefix=prefix, map_key=map_key)
+        claims.unexpected.extend(unexpected)
+        tracer = _Tracer(index, model, lambda n: targets[n].global_shape if n in targets else None, trace)
+        for group in groups:
+            claims.direct(group, tracer.run(group), model)
+    missing = sorted(set(targets) - claims.loaded, key=natural_sort_key)
     if strict and missing:
         shown = ", ".join(missing[:10])
         raise RuntimeError(f"Checkpoint did not load {len(missing)} owned model tensors; first keys: {shown}")
     report = LoadReport(
-        loaded_keys=tuple(sorted(loaded, key=natural_sort_key)),
+        loaded_keys=tuple(sorted(claims.loaded, key=natural_sort_key)),
         missing_keys=tuple(missing),
-        unexpected_keys=tuple(sorted(set(unexpected), key=natural_sort_key)),
+        unexpected_keys=tuple(sorted(set(claims.unexpected), key=natural_sort_key)),
         checkpoint_bytes=index.total_bytes,
-        region_targets=len(region_reads),
-        deferred_targets=tuple(n for d in deferred for n in d.claims),
+        region_targets=len(claims.region_reads),
+        deferred_targets=tuple(n for d in claims.deferred for n in d.claims),
         loader=loader,
     )
     used = [r for r in rules if getattr(r, "was_used", lambda: False)()]
-    plan = LoadPlan(index, targets, region_reads, deferred, report, used, model)
+    plan = LoadPlan(index, targets, claims.region_reads, claims.deferred, report, used + used_replacements, model)
+    plan.used_base_rules = used
+    plan.used_replacement_rules = used_replacements
     log.debug(
         "planned %d model tensors as region reads and %d through %d deferred conversions",
-        len(region_reads),
-        sum(len(d.claims) for d in deferred),
-        len(deferred),
+        len(claims.region_reads),
+        sum(len(d.claims) for d in claims.deferred),
+        len(claims.deferred),
     )
     return plan
