@@ -19,7 +19,7 @@ help:
 $(DEPS): constraints.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -c constraints.txt torch safetensors transformers huggingface_hub numpy tqdm \
+	$(PIP) install -q -c constraints.txt torch safetensors transformers accelerate huggingface_hub numpy tqdm \
 		pytest pytest-timeout pytest-benchmark ruff mypy maturin
 	touch $(DEPS)
 

@@ -86,7 +86,7 @@ def parallelize(model: torch.nn.Module, world: int) -> dict[str, Any]:
             fully_shard(moe, mesh=dp)
     fully_shard(inner.embed_tokens, mesh=dp)
     lm_head: Any = getattr(model, "lm_head", None)
-    if lm_head is not None and lm_head is not inner.embed_tokens:
+    if lm_head is not None and lm_head.weight is not inner.embed_tokens.weight:  # tied: sharded with the embedding
         fully_shard(lm_head, mesh=dp)
     return {"mesh": "tp (attention) + fsdp (experts, embeddings)", "shape": (world,)}
 

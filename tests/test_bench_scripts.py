@@ -1,0 +1,126 @@
+"""Smoke tests of the benchmark scripts: ``benches/compare.py --quick`` and ``benches/gpu_check.py``'s CPU path.
+
+They run the real scripts in subprocesses on tiny checkpoints and check the JSON they write: the schema, that
+every loader's bytes were compared with the file (and matched), that cold runs verified 0 resident pages, and
+that the targets were evaluated. Numbers are not checked (a shared 2-core box is too noisy for that).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCHES = ROOT / "benches"
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "python"), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, (
+        f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    )
+    return proc
+
+
+RESULT_FIELDS = ("seconds", "gbps", "storage_read_bytes", "cpu_seconds", "peak_rss_bytes", "needed_bytes", "verify")
+
+
+def test_compare_quick(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = _run(
+        [
+            str(BENCHES / "compare.py"),
+            "--quick",
+            "--out",
+            str(out),
+            "--data",
+            str(tmp_path / "data"),
+            "--loaders",
+            "hp_dcp,hp_read_many,st_slice",
+            "--workloads",
+            "dense,moe,e2e,plan",
+        ],
+        timeout=480,
+    )
+    assert "PASS" in proc.stdout or "FAIL" in proc.stdout
+    doc = json.loads((out / "compare.json").read_text())
+    assert doc["schema"] == 1
+    assert doc["meta"]["quick"] is True
+    a = doc["anchors"]
+    assert "error" not in a, a
+    for key in ("memcpy_1t_gbps", "memcpy_2t_gbps", "cold_seq_gbps", "cold_par_gbps"):
+        assert a[key] > 0, key
+    assert a["cold_verified"] is True  # posix_fadvise(DONTNEED) left 0 resident pages (mincore)
+    results = doc["results"]
+    kinds = {r["kind"] for r in results}
+    assert {"raw", "e2e", "plan"} <= kinds, kinds
+    seen = set()
+    for r in results:
+        assert "error" not in r, (r.get("loader"), r.get("error"), r.get("traceback"))
+        v = r["verify"]
+        assert v["checked"] > 0 and v["mismatched"] == 0, (r["workload"], r["loader"], v)
+        if r["kind"] in ("raw", "e2e"):
+            for f in RESULT_FIELDS:
+                assert f in r, (f, r["loader"])
+            assert r["gbps"] > 0 and r["needed_bytes"] > 0
+            assert r["repeats"]
+        if r["regime"] == "cold":
+            assert all(rep["cold_verified"] for rep in r["repeats"]), r["repeats"]
+            assert r["storage_read_bytes"] > 0 or r["needed_bytes"] < 1 << 20
+        seen.add((r["workload"], r["scenario"], r["regime"], r["loader"]))
+    for want in [
+        ("dense", "full", "warm", "hp_dcp"),
+        ("dense", "full", "cold", "hp_dcp"),
+        ("dense", "s1", "warm", "hp_dcp"),
+        ("dense", "s1", "warm", "st_slice"),
+        ("moe", "full", "warm", "hp_dcp"),
+        ("e2e-dense", "tp", "warm", "hp_dcp"),
+    ]:
+        assert want in seen, want
+    statuses = {t["status"] for t in doc["targets"]}
+    assert statuses <= {"PASS", "FAIL", "N/A"}
+    assert len(doc["targets"]) >= 9
+    plan = next(r for r in results if r["kind"] == "plan")
+    assert plan["tensors"] > 100 and plan["seconds"] > 0
+    assert (out / "compare.md").read_text().count("|") > 20
+    assert Path(doc["plot"]).is_file()
+
+
+def test_gpu_check_cpu_path(tmp_path: Path) -> None:
+    out = tmp_path / "gpu"
+    _run(
+        [
+            str(BENCHES / "gpu_check.py"),
+            "--quick",
+            "--device",
+            "cpu",
+            "--out",
+            str(out),
+            "--data",
+            str(tmp_path / "ckpt"),
+            "--loaders",
+            "hp_fastload,hp_fastload_r8,st_mmap_copy",
+        ],
+        timeout=480,
+    )
+    doc = json.loads((out / "gpu_check.json").read_text())
+    assert doc["device"] == "cpu"
+    assert doc["ceilings"]["pageable_gbps"] > 0
+    assert doc["storage"]["cold_seq"]["resident_pages_before"] == 0
+    got = {(r["loader"], r["regime"]): r for r in doc["results"]}
+    for loader in ("hp_fastload", "hp_fastload_r8", "st_mmap_copy"):
+        for regime in ("cold", "warm"):
+            r = got[(loader, regime)]
+            assert "error" not in r, r
+            assert r["verify"]["checked"] > 0 and r["verify"]["mismatched"] == 0, r["verify"]
+            assert r["gbps"] > 0
+    assert got[("hp_fastload", "cold")]["cold_verified"] is True
+    assert (out / "gpu_check.md").is_file()
