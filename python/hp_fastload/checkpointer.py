@@ -156,8 +156,32 @@ def plan(
 
     Reads headers only. ``LoadPlan.read_bytes_by_file()`` / ``read_bytes_by_target()`` / ``summary()``.
     """
-    name = resolve_hf_loader(loader)
-    location = resolve_checkpoint_location(path, revision=revision)
+    return _plan_at(
+        model,
+        resolve_checkpoint_location(path, revision=revision),
+        resolve_hf_loader(loader),
+        weights_mapping=weights_mapping,
+        key_mapping=key_mapping,
+        strict=strict,
+        external_target_fqns=external_target_fqns,
+        claimed_source_keys=claimed_source_keys,
+        mesh_override=mesh_override,
+    )
+
+
+def _plan_at(
+    model: nn.Module,
+    location: Path,
+    loader: str,
+    *,
+    weights_mapping: Iterable[Any] | None,
+    key_mapping: Mapping[str, str] | None,
+    strict: bool,
+    external_target_fqns: Collection[str],
+    claimed_source_keys: Collection[str],
+    mesh_override: Any = None,
+) -> LoadPlan:
+    """Headers, targets and rules of one (possibly virtual) rank, planned; nothing is read."""
     index = CheckpointIndex.open(location)
     targets = build_targets(model, external_target_fqns=frozenset(external_target_fqns), mesh_override=mesh_override)
     rules = resolve_mapping(model, weights_mapping, key_mapping)
@@ -167,9 +191,9 @@ def plan(
         targets,
         rules,
         strict=strict,
-        trace=name == "dcp",
+        trace=loader == "dcp",
         claimed_source_keys=frozenset(claimed_source_keys),
-        loader=name,
+        loader=loader,
     )
 
 
@@ -200,23 +224,19 @@ def load(
     start = time.perf_counter()
 
     location = _resolve_location_once(path, revision)
-
-    def _plan() -> LoadPlan:
-        index = CheckpointIndex.open(location)
-        targets = build_targets(model, external_target_fqns=frozenset(external_target_fqns))
-        rules = resolve_mapping(model, weights_mapping, key_mapping)
-        return plan_load(
+    load_plan: LoadPlan = _agree(
+        "Planning the pretrained load",
+        lambda: _plan_at(
             model,
-            index,
-            targets,
-            rules,
+            location,
+            name,
+            weights_mapping=weights_mapping,
+            key_mapping=key_mapping,
             strict=strict,
-            trace=name == "dcp",
-            claimed_source_keys=frozenset(claimed_source_keys),
-            loader=name,
-        )
-
-    load_plan: LoadPlan = _agree("Planning the pretrained load", _plan)
+            external_target_fqns=external_target_fqns,
+            claimed_source_keys=claimed_source_keys,
+        ),
+    )
     total = load_plan.bytes_needed
     update, close = _progress_bar(total, progress)
     try:
