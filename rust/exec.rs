@@ -216,9 +216,7 @@ fn open_source(h: &Header, backend: Backend, ranges: &[(u64, u64)]) -> Result<So
         Backend::Mmap => Some(Mapping::new(&file, h.file_len, &h.path)?),
         Backend::Auto => {
             let map = Mapping::new(&file, h.file_len, &h.path)?;
-            let start = ranges.iter().map(|r| r.0).min().unwrap_or(0);
-            let end = ranges.iter().map(|r| r.1).max().unwrap_or(0);
-            (map.resident_fraction(start, end, ranges) >= AUTO_MMAP_RESIDENT).then_some(map)
+            (map.resident_fraction(ranges) >= AUTO_MMAP_RESIDENT).then_some(map)
         }
     };
     Ok(Source { file, map })
