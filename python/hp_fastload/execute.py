@@ -36,6 +36,7 @@ _ENGINE_FLOATS = {
     torch.float8_e5m2,
 }
 DEFAULT_BATCH_BYTES = 1 << 30
+_PAD = [(0,) * n for n in range(MAX_NDIM + 1)]
 DEFAULT_STAGING_BYTES = 512 << 20
 
 
@@ -116,18 +117,28 @@ class _Batch:
             raise PlanError(f"{key}: a read of {ndim} dims exceeds the engine's {MAX_NDIM}")
         file_pos, tensor_pos = self._file(file, key)
         dest_strides = dest.stride()
-        dst_base = int(dest.storage_offset()) + sum(o * s for o, s in zip(dest_offsets, dest_strides, strict=True))
-        pad = MAX_NDIM - ndim
-        self.items.extend((file_pos, tensor_pos, storage_base, self._dest(dest), dst_base, ndim))
-        self.items.extend(lengths)
-        self.items.extend([0] * pad)
-        self.items.extend(storage_strides)
-        self.items.extend([0] * pad)
-        self.items.extend(dest_strides)
-        self.items.extend([0] * pad)
+        dst_base = int(dest.storage_offset())
         numel = 1
-        for length in lengths:
-            numel *= length
+        for o, s, n in zip(dest_offsets, dest_strides, lengths, strict=True):
+            dst_base += o * s
+            numel *= n
+        pad = _PAD[MAX_NDIM - ndim]
+        self.items.extend(
+            (
+                file_pos,
+                tensor_pos,
+                storage_base,
+                self._dest(dest),
+                dst_base,
+                ndim,
+                *lengths,
+                *pad,
+                *storage_strides,
+                *pad,
+                *dest_strides,
+                *pad,
+            )
+        )
         self.nbytes += numel * file.torch_dtype(key).itemsize
         self.count += 1
 

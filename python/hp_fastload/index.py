@@ -88,7 +88,8 @@ class CheckpointIndex:
         self._files = key_files
         self._entries: dict[str, TensorEntry] = {}  # built on first use: most keys of a big MoE never need one
         self._dtypes: dict[str, torch.dtype] = {}
-        self._keys = sorted(key_files, key=natural_sort_key)
+        self._sort_keys = {key: natural_sort_key(key) for key in key_files}
+        self._keys = sorted(key_files, key=self._sort_keys.__getitem__)
 
     @classmethod
     def open(cls, location: str | os.PathLike[str]) -> CheckpointIndex:
@@ -144,6 +145,11 @@ class CheckpointIndex:
                 raise HeaderError(f"index {index_path} puts {key!r} in {name}, whose header does not have it")
             key_files[key] = file
         return cls(list(opened.values()), key_files)
+
+    def sort_key(self, name: str) -> str:
+        """``natural_sort_key(name)``, precomputed for checkpoint keys (reports sort tens of thousands)."""
+        key = self._sort_keys.get(name)
+        return key if key is not None else natural_sort_key(name)
 
     def keys(self) -> list[str]:
         """Every key, in natural order."""
