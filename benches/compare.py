@@ -25,7 +25,6 @@ import math
 import os
 import platform
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -319,7 +318,7 @@ def matrix(args: argparse.Namespace, paths: dict[str, Path]) -> list[dict[str, A
                 )
             )
 
-    raw_all = ["st_slice", "st_loadfile", "torch_dcp_t1", "torch_dcp_t2", "fastsafetensors", "runai"] + list(HP)
+    raw_all = ["st_slice", "st_loadfile", "torch_dcp_t1", "torch_dcp_t2", "fastsafetensors", "runai", *list(HP)]
     sliced = ["st_slice", "st_loadfile", "torch_dcp_t1", "torch_dcp_t2", "runai", "hp_read_many", "hp_dcp", "hp_legacy"]
     if q and "dense" in args.workloads:  # every peer once, then the targets' rows with the two main loaders
         add("raw", "dense", "full", raw_all, "warm", **one)
@@ -341,11 +340,13 @@ def matrix(args: argparse.Namespace, paths: dict[str, Path]) -> list[dict[str, A
             "cold",
             **rank8,
         )
+        # the cold Shard(1) target's own setting (perf_anchors protocol A): rank 0 of 2, half of every row
+        add("raw", "dense", "s1", ["st_slice", "torch_dcp_t2", "hp_read_many", "hp_dcp"], "cold", world=2, rank=0)
     if q and "moe" in args.workloads:
         add("raw", "moe", "full", ["st_slice", "hp_dcp"], "warm", **one)
     elif "moe" in args.workloads:
         moe_full = ["st_slice", "st_loadfile", "torch_dcp_t1", "torch_dcp_t2", "fastsafetensors", "runai"]
-        add("raw", "moe", "full", moe_full + ["hp_read_many", "hp_dcp", "hp_legacy"], "warm", **one)
+        add("raw", "moe", "full", [*moe_full, "hp_read_many", "hp_dcp", "hp_legacy"], "warm", **one)
         add("raw", "moe", "ep", ["st_slice", "torch_dcp_t2", "runai", "hp_read_many", "hp_dcp"], "warm", **rank8)
     if "e2e" in args.workloads:
         dense_e2e = ["hp_dcp", "hp_legacy", "torch_dcp_t1", "torch_dcp_t2", "st_slice", "transformers"]
@@ -428,7 +429,10 @@ def run_workers(groups: list[list[dict[str, Any]]], timeout: float, log: Any) ->
 
 
 def _row_key(r: dict[str, Any]) -> str:
-    where = "world 1" if r.get("world") == 1 else ("rank 3 of 8" if r.get("world") == 8 else f"{r.get('world')} ranks")
+    world = r.get("world")
+    where = (
+        "world 1" if world == 1 else f"rank {r.get('rank')} of {world}" if r.get("kind") == "raw" else f"{world} ranks"
+    )
     return f"{r['workload']} · {r['scenario']} · {where} · {r['regime']}"
 
 
@@ -476,7 +480,8 @@ def tables(results: list[dict[str, Any]], anchors: dict[str, Any]) -> str:
     out += lines
     out += ["", "Physical anchors (same run): " + anchor_line(anchors), ""]
     det = [
-        "| workload · placement · ranks · regime | loader | s (median) | GB/s | storage read / needed | CPU s | peak RSS | +anon MiB | verified |",
+        "| workload · placement · ranks · regime | loader | s (median) | GB/s | storage read / needed | CPU s "
+        "| peak RSS | +anon MiB | verified |",
         "|---|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in results:
@@ -489,10 +494,11 @@ def tables(results: list[dict[str, Any]], anchors: dict[str, Any]) -> str:
         v = r.get("verify", {})
         det.append(
             f"| {_row_key(r)} | {r['loader']} | {r['seconds']:.3f} | {r['gbps']:.2f} | "
-            f"{r['storage_read_bytes'] / needed:.2f} | {r['cpu_seconds']:.2f} | {r.get('peak_rss_bytes', 0) / 2**30:.2f} GiB | "
-            f"{r.get('anon_added_bytes', 0) / 2**20:.0f} | {v.get('checked', 0) - v.get('mismatched', 0)}/{v.get('checked', 0)} |"
+            f"{r['storage_read_bytes'] / needed:.2f} | {r['cpu_seconds']:.2f} | "
+            f"{r.get('peak_rss_bytes', 0) / 2**30:.2f} GiB | {r.get('anon_added_bytes', 0) / 2**20:.0f} | "
+            f"{v.get('checked', 0) - v.get('mismatched', 0)}/{v.get('checked', 0)} |"
         )
-    out += ["Per result:", ""] + det
+    out += ["Per result:", "", *det]
     return "\n".join(out)
 
 
@@ -519,7 +525,7 @@ def evaluate_targets(results: list[dict[str, Any]], a: dict[str, Any]) -> list[d
                 status = "N/A" if status != "FAIL" else status
                 continue
             good = value >= thr if op == ">=" else value <= thr
-            unit = "" if label in ("seconds", "added MiB") else "×"
+            unit = "" if label in ("seconds", "added MiB") else "x"
             parts.append(f"{label} {value:.2f}{unit} ({op} {thr:g}{unit})")
             if not good:
                 status = "FAIL"
@@ -544,35 +550,38 @@ def evaluate_targets(results: list[dict[str, Any]], a: dict[str, Any]) -> list[d
         st = best(SAFETENSORS, workload="dense", scenario=sc, regime="warm")
         label = "rows" if sc == "s0" else "columns"
         add(
-            f"warm, rank 3 of 8, Shard({sc[1]}) {label}: ≥ {mem_thr}× memcpy(1t), ≥ 1.2× safetensors",
+            f"warm, rank 3 of 8, Shard({sc[1]}) {label}: ≥ {mem_thr}x memcpy(1t), ≥ 1.2x safetensors",
             [("vs memcpy 1t", ratio(hp, m1), mem_thr, ">="), ("vs safetensors", ratio(hp, st), 1.2, ">=")],
         )
     hp = gbps(workload="moe", scenario="full", regime="warm", loader="hp_dcp")
     st = best(SAFETENSORS, workload="moe", scenario="full", regime="warm")
     add(
-        "warm, many small tensors (MoE, every expert tensor): ≥ 0.5× memcpy(1t), ≥ 5× safetensors",
+        "warm, many small tensors (MoE, every expert tensor): ≥ 0.5x memcpy(1t), ≥ 5x safetensors",
         [("vs memcpy 1t", ratio(hp, m1), 0.5, ">="), ("vs safetensors", ratio(hp, st), 5.0, ">=")],
     )
     hp = gbps(workload="dense", scenario="full", regime="cold", loader="hp_dcp")
     peer = best(peers, workload="dense", scenario="full", regime="cold")
-    add("cold, full load: ≥ 1.0× the fastest peer", [("vs fastest peer", ratio(hp, peer), 1.0, ">=")])
-    r = find(results, workload="dense", scenario="s1", regime="cold", loader="hp_dcp")
-    amp = r["storage_read_bytes"] / r["needed_bytes"] if _ok(r) else None  # type: ignore[index]
-    hp = gbps(workload="dense", scenario="s1", regime="cold", loader="hp_dcp")
-    st = gbps(workload="dense", scenario="s1", regime="cold", loader="st_slice")
-    add(
-        "cold, rank 3 of 8 Shard(1): storage reads ≤ 1.3× needed, ≥ 1.5× safetensors",
-        [("storage/needed", amp, 1.3, "<="), ("vs safetensors get_slice", ratio(hp, st), 1.5, ">=")],
-    )
+    add("cold, full load: ≥ 1.0x the fastest peer", [("vs fastest peer", ratio(hp, peer), 1.0, ">=")])
+    for world, rank in ((2, 0), (8, 3)):
+        r = find(results, workload="dense", scenario="s1", regime="cold", loader="hp_dcp", world=world)
+        if r is None:
+            continue
+        amp = r["storage_read_bytes"] / r["needed_bytes"] if _ok(r) else None
+        hp = gbps(workload="dense", scenario="s1", regime="cold", loader="hp_dcp", world=world)
+        st = gbps(workload="dense", scenario="s1", regime="cold", loader="st_slice", world=world)
+        add(
+            f"cold, rank {rank} of {world} Shard(1): storage reads ≤ 1.3x needed, ≥ 1.5x safetensors",
+            [("storage/needed", amp, 1.3, "<="), ("vs safetensors get_slice", ratio(hp, st), 1.5, ">=")],
+        )
     hp = gbps(workload="e2e-dense", loader="hp_dcp")
     peer = best([x for x in ALL_LOADERS if x not in HP], workload="e2e-dense")
     add(
-        "end to end, 2 gloo ranks, TP DTensors, warm: ≥ 1.1× best peer, ≥ 0.5× memcpy(2t)",
+        "end to end, 2 gloo ranks, TP DTensors, warm: ≥ 1.1x best peer, ≥ 0.5x memcpy(2t)",
         [("vs best peer", ratio(hp, peer), 1.1, ">="), ("vs memcpy 2t", ratio(hp, m2), 0.5, ">=")],
     )
     hp = gbps(workload="e2e-moe", loader="hp_dcp")
     tr = gbps(workload="e2e-moe", loader="transformers")
-    add("end to end MoE, experts stacked: ≥ 1.5× transformers", [("vs transformers", ratio(hp, tr), 1.5, ">=")])
+    add("end to end MoE, experts stacked: ≥ 1.5x transformers", [("vs transformers", ratio(hp, tr), 1.5, ">=")])
     p = find(results, kind="plan")
     if p and not p.get("error"):
         add(
@@ -664,14 +673,14 @@ def _plot_svg(rows: dict[str, dict[str, float]], loaders: list[str], path: Path)
             y += bar
         y += 8
     legend = "".join(
-        f'<rect x="{left + 140 * (j % 4)}" y="{y + 14 * (j // 4)}" width="10" height="10" fill="{colors[j % len(colors)]}"/>'
-        f'<text x="{left + 14 + 140 * (j % 4)}" y="{y + 9 + 14 * (j // 4)}" font-size="10">{LOADER_LABELS[x]}</text>'
+        f'<rect x="{left + 140 * (j % 4)}" y="{y + 14 * (j // 4)}" width="10" height="10" '
+        f'fill="{colors[j % len(colors)]}"/><text x="{left + 14 + 140 * (j % 4)}" y="{y + 9 + 14 * (j // 4)}" '
+        f'font-size="10">{LOADER_LABELS[x]}</text>'
         for j, x in enumerate(loaders)
     )
     h = y + 20 + 14 * (len(loaders) // 4 + 1)
-    path.write_text(
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + width + 60}" height="{h}">{"".join(parts)}{legend}</svg>'
-    )
+    head = f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + width + 60}" height="{h}">'
+    path.write_text(head + "".join(parts) + legend + "</svg>")
     return str(path)
 
 
@@ -695,6 +704,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "--docs", default=None, help="also copy the plot here (default: docs/ for full runs, none for quick)"
     )
     ap.add_argument("--timeout", type=float, default=None, help="seconds per configuration (default 600; quick 120)")
+    ap.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="JSON",
+        help="no measuring: rebuild the report from earlier compare.json files (later ones add configurations)",
+    )
     ap.add_argument("--worker", nargs=2, metavar=("CONFIG", "RESULT"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.repeats = args.repeats or (1 if args.quick else 3)
@@ -715,6 +730,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         _peers.worker_main(*args.worker)
         return 0
+    if args.merge:
+        return merge(args)
     started = time.perf_counter()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -765,7 +782,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         e2e = [c for c in cfgs if c["kind"] == "e2e"]
         rest = [c for c in cfgs if c["kind"] != "e2e"]
-        groups = [[anchors_cfg] + rest] + ([e2e] if e2e else [])
+        groups = [[anchors_cfg, *rest]] + ([e2e] if e2e else [])
     else:
         groups = [[anchors_cfg]] + [[c] for c in cfgs]
     results = run_workers(groups, args.timeout, log)
@@ -789,6 +806,7 @@ def main(argv: list[str] | None = None) -> int:
             loadavg=os.getloadavg(),
         ),
         versions=_versions(),
+        git=_git(),
         checkpoints={
             k: dict(
                 path=str(v),
@@ -814,6 +832,46 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{t['status']:4s}  {t['target']}  [{t['detail']}]")
     print(f"\nwrote {out / 'compare.json'}, {out / 'compare.md'}, {png} in {meta['total_seconds']:.0f} s", file=log)
     return 0
+
+
+def merge(args: argparse.Namespace) -> int:
+    """Rebuilds table, targets and plot from earlier runs; the first file's anchors are kept."""
+    docs = [json.loads(Path(p).read_text()) for p in args.merge]
+    key = ("kind", "workload", "scenario", "loader", "regime", "world", "rank")
+    results: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for d in docs:
+        for r in d["results"]:
+            results[tuple(r.get(k) for k in key)] = r
+    merged = list(results.values())
+    anchors = docs[0]["anchors"]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    targets = evaluate_targets(merged, anchors)
+    table = tables(merged, anchors)
+    png = plot(merged, out / "compare.png")
+    meta = dict(docs[0]["meta"], merged_from=[str(p) for p in args.merge], merged_meta=[d["meta"] for d in docs[1:]])
+    doc = dict(schema=1, meta=meta, anchors=anchors, results=merged, targets=targets, plot=png)
+    (out / "compare.json").write_text(json.dumps(doc, indent=1, default=str))
+    target_lines = "\n".join(f"- **{t['status']}** {t['target']} — {t['detail']}" for t in targets)
+    md = f"{table}\n\nTargets (issue 5):\n\n{target_lines}\n"
+    (out / "compare.md").write_text(md)
+    if args.docs and Path(png).is_file():
+        Path(args.docs).mkdir(parents=True, exist_ok=True)
+        shutil.copy(png, Path(args.docs) / ("benchmarks" + Path(png).suffix))
+    print(md)
+    return 0
+
+
+def _git() -> str:
+    """HEAD and whether the library files differ from it (engineers edit concurrently; record what ran)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "python", "rust"], cwd=ROOT, capture_output=True, text=True
+        )
+        return head.stdout.strip() + (" + uncommitted library changes" if dirty.stdout.strip() else "")
+    except OSError:
+        return "unknown"
 
 
 def _versions() -> dict[str, str]:

@@ -136,7 +136,7 @@ struct Task {
 
 struct Source {
     file: File,
-    map: Option<Mapping>,
+    map: Option<Arc<Mapping>>,
 }
 
 /// Reads every item into its destination. All items are validated first; on error nothing has been
@@ -211,11 +211,20 @@ fn open_source(h: &Header, backend: Backend, ranges: &[(u64, u64)]) -> Result<So
             path: h.path.clone(),
         });
     }
+    // Headers parsed from memory have no identity to check a kept map against: map afresh.
+    let mapping = || -> Result<Arc<Mapping>, LoadError> {
+        let make = || Mapping::new(&file, h.file_len, &h.path);
+        if h.identity.is_some() {
+            h.map.get_or_map(make)
+        } else {
+            make().map(Arc::new)
+        }
+    };
     let map = match backend {
         Backend::Pread => None,
-        Backend::Mmap => Some(Mapping::new(&file, h.file_len, &h.path)?),
+        Backend::Mmap => Some(mapping()?),
         Backend::Auto => {
-            let map = Mapping::new(&file, h.file_len, &h.path)?;
+            let map = mapping()?;
             (map.resident_fraction(ranges) >= AUTO_MMAP_RESIDENT).then_some(map)
         }
     };

@@ -31,6 +31,7 @@ use serde_json::{Map, Number, Value};
 
 use crate::dtype::Dtype;
 use crate::error::LoadError;
+use crate::mmap::MapSlot;
 
 /// The largest header accepted, in bytes (the limit safetensors itself uses).
 pub const MAX_HEADER_LEN: u64 = 100_000_000;
@@ -96,6 +97,8 @@ pub struct Header {
     /// The file's identity when read (`None` for headers parsed from memory).
     pub identity: Option<FileIdentity>,
     index: HashMap<String, usize>,
+    /// The file's map, kept between reads (see [`MapSlot`]).
+    pub(crate) map: MapSlot,
 }
 
 impl Header {
@@ -206,6 +209,7 @@ impl Header {
             tensors,
             identity: None,
             index,
+            map: MapSlot::default(),
         })
     }
 

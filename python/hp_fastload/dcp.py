@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.futures import Future
 
-from .engine import SafetensorsFile
+from .engine import SafetensorsFile, open_file
 from .errors import HeaderError
 from .execute import ExecStats, _Batch, _engine_casts
 
@@ -62,7 +62,7 @@ class HuggingFaceStorageReader(FileSystemReader):
     def _file(self, path: str) -> SafetensorsFile:
         file = self._files.get(path)
         if file is None:
-            file = self._files[path] = SafetensorsFile(path)
+            file = self._files[path] = open_file(path)
         return file
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:

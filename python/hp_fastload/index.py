@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-from .engine import SafetensorsFile
+from .engine import SafetensorsFile, open_file
 from .errors import HeaderError
 from .rules import dot_natural_key, natural_sort_key
 
@@ -96,7 +96,7 @@ class CheckpointIndex:
         """Index a resolved location (see ``resolve_checkpoint_location``)."""
         path = Path(location)
         if path.is_file():
-            file = SafetensorsFile(str(path))
+            file = open_file(path)
             _refuse_torch_sharded(file)
             return cls([file], dict.fromkeys(file.keys(), file))
         index_path = path / INDEX_NAME
@@ -104,13 +104,13 @@ class CheckpointIndex:
             return cls._from_index_json(path, index_path)
         single = path / SINGLE_NAME
         if single.is_file():
-            file = SafetensorsFile(str(single))
+            file = open_file(single)
             _refuse_torch_sharded(file)
             return cls([file], dict.fromkeys(file.keys(), file))
         shards = sorted(path.glob("*.safetensors"), key=lambda p: dot_natural_key(p.name))
         if not shards:
             raise FileNotFoundError(f"no {INDEX_NAME}, {SINGLE_NAME} or *.safetensors under {path}")
-        files = [SafetensorsFile(str(p)) for p in shards]
+        files = [open_file(p) for p in shards]
         key_files: dict[str, SafetensorsFile] = {}
         for file in files:
             _refuse_torch_sharded(file)
@@ -137,7 +137,7 @@ class CheckpointIndex:
             file_path = root / name
             if not file_path.is_file():
                 raise FileNotFoundError(f"safetensors shard named by {index_path} does not exist: {file_path}")
-            opened[name] = SafetensorsFile(str(file_path))
+            opened[name] = open_file(file_path)
             _refuse_torch_sharded(opened[name])
         for key, name in weight_map.items():
             file = opened[name]

@@ -18,6 +18,7 @@ It does not read tensors or decide regions: see ``groups`` and ``plan``.
 from __future__ import annotations
 
 import re
+import sys
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -505,6 +506,8 @@ def from_transformers(rule: Any) -> Any:
 
 
 def _transformers_mapping(model: Any, key_mapping: Mapping[str, str] | None) -> list[Any] | None:
+    if "transformers" not in sys.modules:  # a PreTrainedModel implies transformers is imported; don't pay 4-10 s
+        return None
     try:
         from transformers import PreTrainedModel
         from transformers.conversion_mapping import get_model_conversion_mapping
