@@ -37,6 +37,7 @@ test-rust:
 	cargo test --release -q
 
 test-python: build
+	$(PY) -m mypy.stubtest hp_fastload._core
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 lint: lint-rust lint-python
