@@ -155,13 +155,25 @@ def check_placements_legacy(rank: int, world: int) -> list[str]:
     return _check_placements(rank, world, _root(), "legacy")
 
 
-def _check_placements(rank: int, world: int, root: str, loader: str) -> list[str]:
+def check_placements_shared(rank: int, world: int) -> tuple[list[str], int, int]:
+    """share_replicated: same values; the non-reading replica reads fewer bytes."""
+    import hp_fastload as hf
+
+    bad = _check_placements(rank, world, _root(), "dcp", share_replicated=True)
+    model, _ = _build_model(world)
+    plain = hf.load(model, _root(), weights_mapping=_mapping())
+    model, _ = _build_model(world)
+    shared = hf.load(model, _root(), weights_mapping=_mapping(), share_replicated=True)
+    return bad, plain.bytes_read, shared.bytes_read
+
+
+def _check_placements(rank: int, world: int, root: str, loader: str, **load_kwargs: Any) -> list[str]:
     from torch.distributed.tensor import distribute_tensor
 
     import hp_fastload as hf
 
     model, _ = _build_model(world)
-    report = hf.load(model, root, weights_mapping=_mapping(), loader=loader)
+    report = hf.load(model, root, weights_mapping=_mapping(), loader=loader, **load_kwargs)
     assert report.missing_keys == (), report.missing_keys
     bad = []
     for name, full in _converted(_tensors()).items():
@@ -213,6 +225,7 @@ def _run(world: int, root: Path) -> list[dict[str, Any]]:
     checks = [
         check_placements_dcp,
         check_placements_legacy,
+        check_placements_shared,
         check_report_equal,
         check_reads_only_local_bytes,
         check_one_rank_fails_all_raise,
@@ -236,6 +249,15 @@ def test_every_placement_matches_distribute_tensor_dcp(outcomes):
 def test_every_placement_matches_distribute_tensor_legacy(outcomes):
     world, per_rank = outcomes
     assert subcheck_values(per_rank, "check_placements_legacy") == [[]] * world
+
+
+def test_shared_replicas_give_the_same_values_and_read_less(outcomes):
+    world, per_rank = outcomes
+    values = subcheck_values(per_rank, "check_placements_shared")
+    assert [bad for bad, _, _ in values] == [[]] * world
+    if world == 2:  # plain.weight is Replicate on a mesh of 2: rank 0 reads it, rank 1 receives it
+        assert values[0][2] == values[0][1]
+        assert values[1][2] < values[1][1]
 
 
 def test_both_loaders_report_the_same(outcomes):

@@ -211,12 +211,14 @@ def load(
     claimed_source_keys: Collection[str] = frozenset(),
     backend: str | None = None,
     revision: str | None = None,
+    share_replicated: bool = False,
 ) -> LoadReport:
     """Fill ``model``'s parameters and persistent buffers (DTensor shards or plain) from a HF checkpoint.
 
     Every rank of the default process group must call it together. Writes in place (parameter identity is
     preserved). ``strict`` raises ``RuntimeError`` before any byte is read when model tensors would stay
-    missing; unexpected checkpoint keys are only logged.
+    missing; unexpected checkpoint keys are only logged. ``share_replicated=True`` (region loader, several
+    ranks) has one replica of each replicated DTensor read it and broadcast it to the others (``share``).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"load() needs a live nn.Module to write into, got {type(model).__name__}")
@@ -237,15 +239,31 @@ def load(
             claimed_source_keys=claimed_source_keys,
         ),
     )
+    replicas = None
+    if share_replicated and name == "dcp" and _dist_active() and torch.distributed.get_world_size() > 1:
+        from .share import plan_replicas
+
+        replicas = plan_replicas(t for t, _ in load_plan.region_reads.values())
     total = load_plan.bytes_needed
     update, close = _progress_bar(total, progress)
     try:
         stats = _agree(
             "Reading the pretrained checkpoint",
-            lambda: execute_plan(load_plan, legacy=name == "legacy", threads=threads, backend=backend, progress=update),
+            lambda: execute_plan(
+                load_plan,
+                legacy=name == "legacy",
+                threads=threads,
+                backend=backend,
+                progress=update,
+                skip=replicas.skip if replicas is not None else frozenset(),
+            ),
         )
     finally:
         close()
+    if replicas is not None:  # every rank's reads succeeded (agreed above): safe to enter the broadcasts
+        from .share import broadcast_replicas
+
+        stats.extra["bytes_received"] = broadcast_replicas(replicas)
     for target, _ in load_plan.region_reads.values():
         target.tensor._is_hf_initialized = True  # type: ignore[attr-defined]
     for deferred in load_plan.deferred:

@@ -10,7 +10,7 @@ the legacy loader, cut with ``distribute_tensor``).
 from __future__ import annotations
 
 import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -288,16 +288,20 @@ def execute_plan(
     batch_bytes: int = DEFAULT_BATCH_BYTES,
     staging_bytes: int = DEFAULT_STAGING_BYTES,
     progress: Callable[[int], None] | None = None,
+    skip: Collection[str] = frozenset(),
 ) -> ExecStats:
-    """Fill the plan's targets. ``progress(nbytes)`` is called after each batch."""
+    """Fill the plan's targets. ``progress(nbytes)`` is called after each batch.
+
+    ``skip`` names region targets another replica reads (``share.plan_replicas``); they are left untouched.
+    """
     stats = ExecStats()
     index = plan.index
     needs_cuda = any(t.local().device.type == "cuda" for t, _ in plan.region_reads.values())
     stager = _Stager(staging_bytes) if needs_cuda else None
     batch = _Batch(index)
     with torch.no_grad():
-        for target, items in plan.region_reads.values():
-            if not items:
+        for name, (target, items) in plan.region_reads.items():
+            if not items or name in skip:
                 continue
             _add_target_items(batch, target, items, stager)
             if batch.nbytes >= batch_bytes:
