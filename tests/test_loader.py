@@ -394,3 +394,19 @@ def test_failing_replacement_conversion_names_its_target(replacement_checkpoint)
     model._hp_checkpoint_source_shapes = {"layers.0.norm.weight": (4,)}  # type: ignore[assignment]
     with pytest.raises(RuntimeError, match=r"Failed to convert checkpoint tensors for layers\.0\.norm\.weight"):
         hf.load(model, root, weights_mapping=mapping)
+
+
+@pytest.mark.parametrize("staging_bytes", [64, 256, 1 << 20])
+def test_staging_path_double_buffers_exactly(checkpoint, staging_bytes):
+    """The CUDA staging path (slabs, flips, oversize targets, post-ops before the copy), run on CPU targets."""
+    from hp_fastload.execute import execute_plan
+
+    root, tensors = checkpoint
+    model = Tiny()
+    model.config = Cfg()  # type: ignore[assignment]
+    p = hf.plan(model, root, weights_mapping=mapping())
+    stats = execute_plan(p, stage_all=True, staging_bytes=staging_bytes)
+    assert stats.engine_calls >= (3 if staging_bytes < 256 else 1)
+    state = model.state_dict()
+    for name, value in expected_values(tensors).items():
+        assert torch.equal(state[name], value), name

@@ -166,43 +166,75 @@ def _box_view(tensor: torch.Tensor, offsets: Sequence[int], lengths: Sequence[in
 
 
 class _Stager:
-    """Pinned host staging for CUDA targets: reads land in pinned memory, then copy non-blocking."""
+    """Host staging for device targets: two reusable slabs of ``budget // 2`` bytes (pinned when CUDA is there).
+
+    Each engine batch reads into one slab; its host-to-device copies are then queued on a side stream and the
+    next batch reads into the other slab while they run (double buffering). A slab is reused only after the
+    copies out of it have finished, so staging memory stays at ``budget`` however large the checkpoint. A target
+    larger than a slab gets a slab of its own size for its batch.
+    """
+
+    ALIGN = 64
 
     def __init__(self, budget: int) -> None:
-        self.budget = budget
-        self.stream = torch.cuda.Stream() if torch.cuda.is_available() else None
-        self.pending: list[tuple[torch.cuda.Event, torch.Tensor]] = []
-        self.in_flight = 0
+        self.slab_bytes = max(budget // 2, self.ALIGN)
+        self.pin = torch.cuda.is_available()
+        self.stream = torch.cuda.Stream() if self.pin else None
+        self.slabs: list[torch.Tensor | None] = [None, None]
+        self.events: list[Any] = [None, None]
+        self.current = 0
+        self.used = 0
+
+    def _slab(self, nbytes: int) -> torch.Tensor:
+        slab = self.slabs[self.current]
+        if slab is None or slab.numel() < nbytes:
+            slab = torch.empty(max(nbytes, self.slab_bytes), dtype=torch.uint8, pin_memory=self.pin)
+            self.slabs[self.current] = slab
+        return slab
+
+    def fits(self, local: torch.Tensor) -> bool:
+        """Whether ``local`` still fits the current slab (an empty slab takes anything)."""
+        nbytes = local.numel() * local.element_size()
+        return self.used == 0 or self.used + nbytes <= self.slab_bytes
 
     def staging_for(self, local: torch.Tensor) -> torch.Tensor:
-        """A pinned host tensor shaped like ``local``; waits for older copies when over budget."""
+        """A host tensor shaped like ``local``, carved from the current slab."""
         nbytes = local.numel() * local.element_size()
-        while self.pending and self.in_flight + nbytes > self.budget:
-            event, buf = self.pending.pop(0)
-            event.synchronize()
-            self.in_flight -= buf.numel() * buf.element_size()
-        self.in_flight += nbytes
-        return torch.empty(local.shape, dtype=local.dtype, pin_memory=True)
+        if self.used == 0 and self.events[self.current] is not None:
+            self.events[self.current].synchronize()  # the copies out of this slab's last batch are done
+            self.events[self.current] = None
+        slab = self._slab(self.used + nbytes)
+        view = slab[self.used : self.used + nbytes].view(local.dtype).view(local.shape)
+        self.used += -(-nbytes // self.ALIGN) * self.ALIGN
+        return view
 
     def copy(self, local: torch.Tensor, staging: torch.Tensor) -> None:
-        assert self.stream is not None
+        if self.stream is None:
+            local.copy_(staging)
+            return
         with torch.cuda.stream(self.stream):
             local.copy_(staging, non_blocking=True)
+
+    def flip(self) -> None:
+        """The current slab's batch was read and its copies queued: mark it and switch slabs."""
+        if self.stream is not None:
             event = torch.cuda.Event()
             event.record(self.stream)
-        self.pending.append((event, staging))
+            self.events[self.current] = event
+        self.current = 1 - self.current
+        self.used = 0
 
     def finish(self) -> None:
         if self.stream is not None:
             self.stream.synchronize()
-        self.pending.clear()
-        self.in_flight = 0
 
 
-def _add_target_items(batch: _Batch, target: Target, items: list[ReadItem], stager: _Stager | None) -> None:
+def _add_target_items(
+    batch: _Batch, target: Target, items: list[ReadItem], stager: _Stager | None, stage: bool = False
+) -> None:
     local = target.local()
     dest = local
-    if local.device.type == "cuda":
+    if local.device.type == "cuda" or stage:
         assert stager is not None
         staging = stager.staging_for(local)
         dest = staging
@@ -224,7 +256,7 @@ def _add_target_items(batch: _Batch, target: Target, items: list[ReadItem], stag
         def finish(view: torch.Tensor = view, temp: torch.Tensor = temp, post: tuple[Any, ...] = item.post) -> None:
             view.copy_(apply_post(temp, post) if post else temp)
 
-        # post-ops must run before a CUDA copy of the same staging buffer: insert ahead of it
+        # post-ops must run before a device copy of the same staging buffer: insert ahead of it
         batch.after.insert(len(batch.after) - (1 if dest is not local else 0), finish)
 
 
@@ -289,31 +321,41 @@ def execute_plan(
     staging_bytes: int = DEFAULT_STAGING_BYTES,
     progress: Callable[[int], None] | None = None,
     skip: Collection[str] = frozenset(),
+    stage_all: bool = False,
 ) -> ExecStats:
     """Fill the plan's targets. ``progress(nbytes)`` is called after each batch.
 
     ``skip`` names region targets another replica reads (``share.plan_replicas``); they are left untouched.
+    CUDA targets go through the double-buffered ``_Stager`` (``staging_bytes`` in all); ``stage_all`` sends
+    CPU targets through it too (tests exercise the staging path on machines without a GPU).
     """
     stats = ExecStats()
     index = plan.index
-    needs_cuda = any(t.local().device.type == "cuda" for t, _ in plan.region_reads.values())
-    stager = _Stager(staging_bytes) if needs_cuda else None
+    staged = stage_all or any(t.local().device.type == "cuda" for t, _ in plan.region_reads.values())
+    stager = _Stager(staging_bytes) if staged else None
     batch = _Batch(index)
+
+    def flush() -> None:
+        nonlocal batch
+        done = batch.nbytes
+        batch.run(threads, backend, stats)
+        if stager is not None:
+            stager.flip()
+        if progress and done:
+            progress(done)
+        batch = _Batch(index)
+
     with torch.no_grad():
         for name, (target, items) in plan.region_reads.items():
             if not items or name in skip:
                 continue
-            _add_target_items(batch, target, items, stager)
+            stage = stager is not None and (stage_all or target.local().device.type == "cuda")
+            if stage and stager is not None and not stager.fits(target.local()):
+                flush()
+            _add_target_items(batch, target, items, stager, stage)
             if batch.nbytes >= batch_bytes:
-                done = batch.nbytes
-                batch.run(threads, backend, stats)
-                if progress:
-                    progress(done)
-                batch = _Batch(index)
-        done = batch.nbytes
-        batch.run(threads, backend, stats)
-        if progress and done:
-            progress(done)
+                flush()
+        flush()
         for deferred in plan.deferred:
             before = stats.bytes_read
             _run_deferred(deferred, index, legacy, threads, backend, stats)
