@@ -213,6 +213,12 @@ impl Header {
         })
     }
 
+    /// Drops the file map kept between reads: its page-table entries are freed and its pages become
+    /// evictable with `posix_fadvise(DONTNEED)`. The next mapped read maps the file again.
+    pub fn release_map(&self) {
+        self.map.clear();
+    }
+
     /// Position in [`Header::tensors`] of the tensor called `name`.
     pub fn index(&self, name: &str) -> Option<usize> {
         self.index.get(name).copied()

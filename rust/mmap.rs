@@ -42,6 +42,13 @@ impl MapSlot {
     }
 }
 
+impl MapSlot {
+    /// Forgets the kept map (it is unmapped once no running read uses it).
+    pub(crate) fn clear(&self) {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).take();
+    }
+}
+
 impl Clone for MapSlot {
     fn clone(&self) -> Self {
         MapSlot::default()

@@ -141,6 +141,11 @@ impl SafetensorsHeader {
             .ok_or_else(|| pyo3::exceptions::PyKeyError::new_err(name.to_string()))
     }
 
+    /// Drops the map of the file kept between reads (see `release_map` in `_core.pyi`).
+    fn release_map(&self) {
+        self.inner.release_map();
+    }
+
     fn __repr__(&self) -> String {
         format!(
             "SafetensorsHeader({:?}, tensors={})",

@@ -24,6 +24,8 @@ class SafetensorsHeader:
     def entries(self) -> list[tuple[str, str, tuple[int, ...], int, int]]:
         """(name, safetensors dtype, shape, begin, end) in file order; begin/end relative to data_start."""
     def index(self, name: str) -> int: ...
+    def release_map(self) -> None:
+        """Drop the file map kept between reads (frees its page tables; its pages become evictable)."""
 
 def execute(
     headers: list[SafetensorsHeader],

@@ -260,6 +260,8 @@ def load(
         )
     finally:
         close()
+        for file in load_plan.index.files:  # a finished load keeps no page tables of the checkpoint mapped
+            file.header.release_map()
     if replicas is not None:  # every rank's reads succeeded (agreed above): safe to enter the broadcasts
         from .share import broadcast_replicas
 

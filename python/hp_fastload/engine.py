@@ -202,6 +202,15 @@ _cache: OrderedDict[str, tuple[tuple[int, int, int, int], SafetensorsFile]] = Or
 _cache_lock = threading.Lock()
 
 
+def clear_cache() -> None:
+    """Forget every cached header and release its file map (page tables freed, pages evictable again)."""
+    with _cache_lock:
+        cached = [opened for _, opened in _cache.values()]
+        _cache.clear()
+    for opened in cached:
+        opened.header.release_map()
+
+
 def open_file(path_or_file: PathOrFile) -> SafetensorsFile:
     """A :class:`SafetensorsFile` for a path, reusing a cached one while the file is unchanged.
 
