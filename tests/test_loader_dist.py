@@ -279,3 +279,32 @@ def test_one_rank_failing_makes_every_rank_raise(outcomes):
     assert all(m != "no error" for m in messages), messages
     assert "materialized" in messages[-1]
     assert all(f"failed on rank {world - 1}" in m for m in messages[:-1]), messages
+
+
+def _mixtral_rank(rank: int, world: int) -> int:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import hp_fastload as hf
+    from hp_fastload.demo import parallelize
+
+    ckpt = os.environ["HPF_TEST_MIXTRAL"]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(ckpt), dtype=torch.bfloat16)
+    parallelize(model, world)
+    model.to_empty(device="cpu")
+    return hf.load(model, ckpt).bytes_read
+
+
+def test_virtual_rank_plan_predicts_the_real_reads(tmp_path):
+    """hp_fastload.plan for a virtual rank (fake process group, one process) == what that real rank reads."""
+    from hp_fastload.demo import virtual_plan
+
+    from .tiny_models import tiny_model
+
+    tiny_model("mixtral").to(torch.bfloat16).save_pretrained(tmp_path)
+    os.environ["HPF_TEST_MIXTRAL"] = str(tmp_path)
+    real = run_distributed(_mixtral_rank, 2, timeout=300)
+    virtual = [virtual_plan(str(tmp_path), world=2, rank=r)[0].bytes_needed for r in range(2)]
+    assert virtual == real
+    assert all(0 < v < virtual_plan(str(tmp_path), world=2, rank=0)[0].index.total_bytes for v in virtual)

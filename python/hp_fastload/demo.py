@@ -202,11 +202,12 @@ def run_demo(checkpoint: str | None = None, world: int = 2, loader: str = "dcp",
     return 0 if ok else 1
 
 
-def plan_for_rank(checkpoint: str, world: int = 8, rank: int = 0) -> str:
-    """What rank ``rank`` of ``world`` reads under the demo layout, planned in this one process.
+def virtual_plan(checkpoint: str, world: int = 8, rank: int = 0) -> tuple[Any, dict[str, Any], float, float]:
+    """Plan rank ``rank`` of ``world`` under the demo layout in this one process.
 
-    The model is built on meta under torch's fake process group (no peers, no bytes read), parallelized
-    as ``parallelize`` does, and planned with ``targets.virtual_rank(rank)``.
+    The model is built on meta under torch's fake process group (no peers, no bytes read), parallelized as
+    ``parallelize`` does, and planned with ``targets.virtual_rank(rank)``. Returns ``(plan, layout, build
+    seconds, plan seconds)``.
     """
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -228,10 +229,15 @@ def plan_for_rank(checkpoint: str, world: int = 8, rank: int = 0) -> str:
         planned = time.perf_counter()
     finally:
         dist.destroy_process_group()
+    return plan, layout, built - started, planned - built
+
+
+def plan_for_rank(checkpoint: str, world: int = 8, rank: int = 0) -> str:
+    """``hp-fastload plan``: what rank ``rank`` of ``world`` reads under the demo layout, as text."""
+    plan, layout, build_s, plan_s = virtual_plan(checkpoint, world, rank)
     needed = plan.bytes_needed
     total = plan.index.total_bytes
     return (
         f"rank {rank} of {world} ({layout['mesh']}): reads {needed:,} of {total:,} checkpoint bytes "
-        f"({needed / total:.1%}); model built in {built - started:.2f} s, planned in {planned - built:.3f} s\n"
-        + plan.summary()
+        f"({needed / total:.1%}); model built in {build_s:.2f} s, planned in {plan_s:.3f} s\n" + plan.summary()
     )
