@@ -64,10 +64,6 @@ NOT_BUILDABLE: dict[tuple[str, str], str] = {
     for family in ("bert", "qwen3_vl_moe")
     for layout in ("torch_demo", "torch_2d")
 }
-NOT_BUILDABLE[("gemma2", "torch_demo")] = (
-    "demo.parallelize calls fully_shard on embed_tokens and on lm_head separately, which unties gemma2's tied "
-    "lm_head.weight (hp_fastload then rightly reports lm_head.weight missing: the checkpoint does not store it)"
-)
 
 
 def _combos(world: int) -> list[tuple[str, str]]:
