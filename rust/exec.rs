@@ -376,12 +376,9 @@ fn run_task(
         Mode::Mmap => {
             let map = source.map.as_ref().expect("mapped task has a map");
             let extent: u64 = runs.iter().map(Run::src_extent).sum();
-            // Populating a span maps every page of it; worth it only when the runs cover most of the span.
-            // Sparse tasks (a Shard(1) column slice touches 1 page in 4 of a bf16 row of 8192) take the
-            // faults of the pages they touch instead (docs/perf-notes.md, "dense populate only").
-            if extent.saturating_mul(2) >= task.end - task.start {
-                map.will_need(task.start, task.end);
-            }
+            // One populate call beats a fault per touched page on a fresh map, even when the runs touch only
+            // a quarter of the span's pages (docs/perf-notes.md, "dense populate only").
+            map.will_need(task.start, task.end);
             let bytes = map.bytes();
             for r in runs {
                 write_run(r, &bytes[r.src_off as usize..r.src_end() as usize]);

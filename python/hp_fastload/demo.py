@@ -84,10 +84,13 @@ def parallelize(model: torch.nn.Module, world: int) -> dict[str, Any]:
         moe: Any = getattr(layer, "mlp", None) or getattr(layer, "block_sparse_moe", None)
         if moe is not None:
             fully_shard(moe, mesh=dp)
-    fully_shard(inner.embed_tokens, mesh=dp)
     lm_head: Any = getattr(model, "lm_head", None)
-    if lm_head is not None and lm_head.weight is not inner.embed_tokens.weight:  # tied: sharded with the embedding
-        fully_shard(lm_head, mesh=dp)
+    if lm_head is not None and lm_head.weight is inner.embed_tokens.weight:
+        fully_shard([inner.embed_tokens, lm_head], mesh=dp)  # tied: one FSDP group keeps one parameter
+    else:
+        fully_shard(inner.embed_tokens, mesh=dp)
+        if lm_head is not None:
+            fully_shard(lm_head, mesh=dp)
     return {"mesh": "tp (attention) + fsdp (experts, embeddings)", "shape": (world,)}
 
 
