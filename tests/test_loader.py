@@ -321,18 +321,22 @@ def replacement_checkpoint(tmp_path_factory) -> tuple[Path, dict[str, torch.Tens
     return root, tensors
 
 
-def load_replaced(root: Path, loader: str) -> tuple[Replaced, hf.LoadReport]:
+#: The pre-replacement model's names and shapes (what the checkpoint is normalized to in stage 1).
+SOURCE_SHAPES = {
+    "embed.weight": (8, 4),
+    "lm_head.weight": (8, 4),
+    "layers.0.self_attn.q_proj.weight": (8, 4),
+    "layers.0.self_attn.k_proj.weight": (4, 4),
+    "layers.0.self_attn.v_proj.weight": (4, 4),
+    "layers.0.norm.weight": (4,),
+}
+
+
+def load_replaced(root: Path, loader: str, mapping: list[object] | None = None) -> tuple[Replaced, hf.LoadReport]:
     model = Replaced()
-    mapping = replacement_rules()
+    mapping = mapping if mapping is not None else replacement_rules()
     model._hp_replacement_weight_conversions = mapping  # type: ignore[assignment]
-    model._hp_checkpoint_source_shapes = {  # type: ignore[assignment]
-        "embed.weight": (8, 4),
-        "lm_head.weight": (8, 4),
-        "layers.0.self_attn.q_proj.weight": (8, 4),
-        "layers.0.self_attn.k_proj.weight": (4, 4),
-        "layers.0.self_attn.v_proj.weight": (4, 4),
-        "layers.0.norm.weight": (4,),
-    }
+    model._hp_checkpoint_source_shapes = dict(SOURCE_SHAPES)  # type: ignore[assignment]
     report = hf.load(model, root, weights_mapping=mapping, loader=loader)
     return model, report
 
@@ -365,19 +369,10 @@ class Square(rules.ConversionOp):
 @pytest.mark.parametrize("loader", ["dcp", "legacy"])
 def test_untraceable_replacement_stage_is_deferred_and_exact(replacement_checkpoint, loader):
     root, t = replacement_checkpoint
-    model = Replaced()
     mapping = replacement_rules()
     mapping[1] = rules.WeightConverter("weight", "weight", [Square()])
-    mapping[1].scope_prefix = "layers.0.norm"
-    model._hp_replacement_weight_conversions = mapping  # type: ignore[assignment]
-    model._hp_checkpoint_source_shapes = {  # type: ignore[assignment]
-        "embed.weight": (8, 4),
-        "layers.0.self_attn.q_proj.weight": (8, 4),
-        "layers.0.self_attn.k_proj.weight": (4, 4),
-        "layers.0.self_attn.v_proj.weight": (4, 4),
-        "layers.0.norm.weight": (4,),
-    }
-    report = hf.load(model, root, weights_mapping=mapping, loader=loader)
+    mapping[1].scope_prefix = "layers.0.norm"  # type: ignore[attr-defined]
+    model, report = load_replaced(root, loader, mapping)
     assert "layers.0.norm.weight" in report.deferred_targets
     assert ("layers.0.self_attn.linear_qkv.weight" in report.deferred_targets) == (loader == "legacy")
     norm = t["layers.0.norm.weight"]
