@@ -26,6 +26,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+
+def llama_keys(h: int, q: int, kv: int, inter: int, vocab: int, layers: int) -> list[tuple[str, tuple[int, ...]]]:
+    """HF Llama tensor names and shapes (hidden ``h``, q/kv projection widths, MLP width), in file order."""
+    keys: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (vocab, h))]
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        keys += [
+            (f"{p}.input_layernorm.weight", (h,)),
+            (f"{p}.self_attn.q_proj.weight", (q, h)),
+            (f"{p}.self_attn.k_proj.weight", (kv, h)),
+            (f"{p}.self_attn.v_proj.weight", (kv, h)),
+            (f"{p}.self_attn.o_proj.weight", (h, q)),
+            (f"{p}.post_attention_layernorm.weight", (h,)),
+            (f"{p}.mlp.gate_proj.weight", (inter, h)),
+            (f"{p}.mlp.up_proj.weight", (inter, h)),
+            (f"{p}.mlp.down_proj.weight", (h, inter)),
+        ]
+    keys += [("model.norm.weight", (h,)), ("lm_head.weight", (vocab, h))]
+    return keys
+
+
 PAGE = os.sysconf("SC_PAGE_SIZE")
 CORES = os.cpu_count() or 1
 

@@ -97,24 +97,15 @@ def dense_config(size_gb: float, quick: bool) -> dict[str, Any]:
 
 
 def dense_keys(c: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
-    h, hd = c["hidden_size"], c["head_dim"]
-    q, kv, inter = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd, c["intermediate_size"]
-    keys: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (c["vocab_size"], h))]
-    for i in range(c["num_hidden_layers"]):
-        p = f"model.layers.{i}"
-        keys += [
-            (f"{p}.input_layernorm.weight", (h,)),
-            (f"{p}.self_attn.q_proj.weight", (q, h)),
-            (f"{p}.self_attn.k_proj.weight", (kv, h)),
-            (f"{p}.self_attn.v_proj.weight", (kv, h)),
-            (f"{p}.self_attn.o_proj.weight", (h, q)),
-            (f"{p}.post_attention_layernorm.weight", (h,)),
-            (f"{p}.mlp.gate_proj.weight", (inter, h)),
-            (f"{p}.mlp.up_proj.weight", (inter, h)),
-            (f"{p}.mlp.down_proj.weight", (h, inter)),
-        ]
-    keys += [("model.norm.weight", (h,)), ("lm_head.weight", (c["vocab_size"], h))]
-    return keys
+    hd = c["head_dim"]
+    return _peers.llama_keys(
+        c["hidden_size"],
+        c["num_attention_heads"] * hd,
+        c["num_key_value_heads"] * hd,
+        c["intermediate_size"],
+        c["vocab_size"],
+        c["num_hidden_layers"],
+    )
 
 
 def moe_config(quick: bool, experts: int | None, layers: int | None) -> dict[str, Any]:

@@ -55,22 +55,7 @@ def llama8b_keys(size_gb: float, quick: bool) -> list[tuple[str, tuple[int, ...]
         h, inter, q, kv, vocab = 4096, 14336, 4096, 1024, 128256
     per_layer = 2 * (2 * h * q + 2 * h * kv + 3 * h * inter + 2 * h)
     layers = max(1, round((size_gb * 1e9 - 4 * vocab * h) / per_layer))
-    keys: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (vocab, h))]
-    for i in range(layers):
-        p = f"model.layers.{i}"
-        keys += [
-            (f"{p}.input_layernorm.weight", (h,)),
-            (f"{p}.self_attn.q_proj.weight", (q, h)),
-            (f"{p}.self_attn.k_proj.weight", (kv, h)),
-            (f"{p}.self_attn.v_proj.weight", (kv, h)),
-            (f"{p}.self_attn.o_proj.weight", (h, q)),
-            (f"{p}.post_attention_layernorm.weight", (h,)),
-            (f"{p}.mlp.gate_proj.weight", (inter, h)),
-            (f"{p}.mlp.up_proj.weight", (inter, h)),
-            (f"{p}.mlp.down_proj.weight", (h, inter)),
-        ]
-    keys += [("model.norm.weight", (h,)), ("lm_head.weight", (vocab, h))]
-    return keys
+    return _peers.llama_keys(h, q, kv, inter, vocab, layers)
 
 
 def checksum(t: Any) -> list[int]:
