@@ -231,6 +231,7 @@ class _Tracer:
         self.shape_of = shape_of
         self.trace = trace
         self.cache: dict[Any, _CacheEntry] = {}
+        self.leaves: dict[tuple[tuple[int, ...], torch.dtype], tuple[Block, ...]] = {}
 
     def _meta(self, key: str) -> torch.Tensor:
         entry = self.index.entry(key)
@@ -247,7 +248,12 @@ class _Tracer:
         if group.rule is None:
             key = group.sources[0][1]
             entry = self.index.entry(key)
-            blocks = RegionTensor.leaf("#0", entry.shape, entry.dtype).blocks if self.trace else None
+            blocks = None
+            if self.trace:  # a plain rename's trace depends only on shape and dtype (its source is "#0")
+                blocks = self.leaves.get((entry.shape, entry.dtype))
+                if blocks is None:
+                    blocks = RegionTensor.leaf("#0", entry.shape, entry.dtype).blocks
+                    self.leaves[(entry.shape, entry.dtype)] = blocks
             return _Traced(
                 {group.target: blocks}, {group.target: tuple(entry.shape)}, {group.target: entry.dtype}, {"#0": key}
             )
@@ -675,9 +681,17 @@ def _plan_load(
         loader=loader,
     )
     used = [r for r in rules if getattr(r, "was_used", lambda: False)()]
-    plan = LoadPlan(index, targets, claims.region_reads, claims.deferred, report, used + used_replacements, model)
-    plan.used_base_rules = used
-    plan.used_replacement_rules = used_replacements
+    plan = LoadPlan(
+        index,
+        targets,
+        claims.region_reads,
+        claims.deferred,
+        report,
+        used + used_replacements,
+        model,
+        used_base_rules=used,
+        used_replacement_rules=used_replacements,
+    )
     log.debug(
         "planned %d model tensors as region reads and %d through %d deferred conversions",
         len(claims.region_reads),
