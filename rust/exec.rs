@@ -33,6 +33,8 @@ pub const MAX_DEFAULT_THREADS: usize = 16;
 /// through 24 KiB gaps by 2-3x on Shard(1) column reads (docs/perf-notes.md, "pread gap"); gaps inside a
 /// page are read through because the page is fetched anyway.
 pub const DEFAULT_PREAD_GAP: u64 = 4096;
+/// Mapped runs join a task across gaps up to this many bytes (see `make_tasks`).
+const MMAP_JOIN_GAP: u64 = 64 * 1024;
 /// Smallest same-dtype dense run that `pread` reads straight into the destination.
 const DIRECT_MIN: u64 = 64 * 1024;
 
@@ -171,6 +173,7 @@ pub fn execute(
             true => None,
         });
     }
+    drop(needed);
     let uses_mmap = sources.iter().flatten().any(|s| s.map.is_some());
     let uses_pread = sources.iter().flatten().any(|s| s.map.is_none());
     stats.backend = match (uses_mmap, uses_pread) {
@@ -180,11 +183,20 @@ pub fn execute(
     };
     let total: u64 = runs.iter().map(Run::src_extent).sum();
     let chunk = (total / (threads as u64 * 8)).clamp(64 * 1024, 8 * 1024 * 1024);
-    let mut pieces = Vec::with_capacity(runs.len());
-    for r in &runs {
-        r.split(chunk, &mut pieces);
+    // Split only when some run is longer than a task; keep the planned order when it is already sorted
+    // (items that read forward, planned in file order): a Shard(1) slice has ~10^5 runs per 100 MiB.
+    let mut pieces = if runs.iter().any(|r| r.count > 1 && r.src_extent() > chunk) {
+        let mut pieces = Vec::with_capacity(runs.len() + runs.len() / 4);
+        for r in &runs {
+            r.split(chunk, &mut pieces);
+        }
+        pieces
+    } else {
+        runs
+    };
+    if !pieces.is_sorted_by_key(|r| (r.file, r.src_off)) {
+        pieces.sort_unstable_by_key(|r| (r.file, r.src_off));
     }
-    pieces.sort_unstable_by_key(|r| (r.file, r.src_off));
     let tasks = make_tasks(&pieces, &sources, chunk, opts.pread_gap);
     stats.spans = tasks.len();
     stats.bytes_copied = pieces
@@ -245,8 +257,11 @@ fn make_tasks(pieces: &[Run], sources: &[Option<Source>], chunk: u64, gap: u64) 
             let joins = t.file == p.file
                 && t.mode == mode
                 && match mode {
-                    // Group mapped copies into tasks of about `chunk` bytes.
-                    Mode::Mmap => t.end - t.start < chunk,
+                    // Group mapped copies into tasks of about `chunk` bytes of nearby runs: a task's
+                    // whole span is populated, so it must not stretch over other ranks' data.
+                    Mode::Mmap => {
+                        start <= t.end + MMAP_JOIN_GAP && end.max(t.end) - t.start <= chunk
+                    }
                     Mode::PreadDirect => false,
                     Mode::PreadBuffered => {
                         start <= t.end + gap && end.max(t.end) - t.start <= chunk
@@ -645,6 +660,44 @@ mod tests {
         }
         assert_eq!(results[0], results[2]);
         assert_eq!(results[1], results[3]);
+    }
+
+    #[test]
+    fn mapped_tasks_do_not_stretch_over_unread_data() {
+        // Runs 128 KiB apart, within one 8 MiB task chunk: joining them would make a task whose populated
+        // span covers the unread bytes between them. Adjacent runs still join.
+        let dir = tempfile::tempdir().unwrap();
+        let h = write_file(
+            dir.path(),
+            "gap.safetensors",
+            &[("w", Dtype::U8, vec![1 << 20], random_bytes(1 << 20, 1))],
+        );
+        let file = File::open(&h.path).unwrap();
+        let map = Arc::new(Mapping::new(&file, h.file_len, &h.path).unwrap());
+        let sources = vec![Some(Source {
+            file,
+            map: Some(map),
+        })];
+        let run = |src_off: u64| Run {
+            item: 0,
+            file: 0,
+            src_off,
+            src_stride: 1,
+            count: 4096,
+            dst_addr: 0,
+            dst_stride: 1,
+            src_dtype: Dtype::U8,
+            dst_dtype: Dtype::U8,
+        };
+        let pieces = [
+            run(0),
+            run(4096),
+            run(4096 + (128 << 10)),
+            run(8192 + (128 << 10)),
+        ];
+        let tasks = make_tasks(&pieces, &sources, 8 << 20, DEFAULT_PREAD_GAP);
+        let spans: Vec<_> = tasks.iter().map(|t| (t.first, t.last)).collect();
+        assert_eq!(spans, [(0, 2), (2, 4)]);
     }
 
     #[test]
