@@ -82,14 +82,26 @@ pub(crate) fn from_python(triples: &[(usize, usize, Dtype)]) -> Vec<DestBuf<'sta
         .collect()
 }
 
-/// Calls `f` with the destination bytes of a run whose elements are adjacent (`dst_bytes()` from
-/// `dst_addr`); the slice does not outlive the call.
-pub(crate) fn with_dense_dst<R>(run: &Run, f: impl FnOnce(&mut [u8]) -> R) -> R {
-    assert!(run.dst_is_dense(), "dense destination expected");
-    // SAFETY: region::plan checked that these bytes lie inside one DestBuf (valid for writes by its
-    // constructor's contract) and that no other run of the batch covers any of them.
-    let out = unsafe { std::slice::from_raw_parts_mut(run.dst_addr as *mut u8, run.dst_bytes()) };
+/// Calls `f` with the destination bytes of repetition `rep` of a run whose elements are adjacent
+/// (`dst_bytes()` from `dst_addr + rep * rep_dst_stride`); the slice does not outlive the call.
+#[inline(always)]
+fn with_dense_rep<R>(run: &Run, rep: u64, f: impl FnOnce(&mut [u8]) -> R) -> R {
+    assert!(
+        run.dst_is_dense() && rep < run.reps,
+        "dense destination expected"
+    );
+    let addr = run.dst_addr + rep as usize * run.rep_dst_stride;
+    // SAFETY: region::plan checked that the bytes of every repetition `rep < reps` lie inside one DestBuf
+    // (valid for writes by its constructor's contract) and that no other run, nor another repetition of
+    // this one, covers any of them.
+    let out = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, run.dst_bytes()) };
     f(out)
+}
+
+/// Calls `f` with the destination bytes of the first repetition of a run whose elements are adjacent
+/// (`dst_bytes()` from `dst_addr`); the slice does not outlive the call.
+pub(crate) fn with_dense_dst<R>(run: &Run, f: impl FnOnce(&mut [u8]) -> R) -> R {
+    with_dense_rep(run, 0, f)
 }
 
 struct SliceSink<'s> {
@@ -113,39 +125,46 @@ impl ElemSink for StridedSink {
     #[inline(always)]
     fn put(&mut self, i: usize, bytes: &[u8]) {
         let at = (self.addr + i * self.stride) as *mut u8;
-        // SAFETY: region::plan checked that every element `i < count` of this run lies inside its DestBuf
-        // and is written by no other run; `bytes.len()` is the destination element size.
+        // SAFETY: region::plan checked that every element `i < count` of every repetition of this run lies
+        // inside its DestBuf and is written by no other run or repetition; `addr` is the start of one
+        // repetition (`write_run` builds it from `rep < reps`); `bytes.len()` is the destination element
+        // size.
         unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), at, bytes.len()) };
     }
 }
 
-/// Writes one run from `src`, which starts at the run's first source element.
+/// Writes every repetition of a run from `src`, which starts at the run's first source byte and spans
+/// at least [`Run::src_extent`] bytes.
 pub(crate) fn write_run(run: &Run, src: &[u8]) {
+    let (sd, dd) = (run.src_dtype, run.dst_dtype);
     let count = run.count as usize;
-    if run.dst_is_dense() {
-        with_dense_dst(run, |out| {
-            if run.src_is_dense() {
-                let src = &src[..run.src_extent() as usize];
-                cast_dense(run.src_dtype, run.dst_dtype, src, out);
-            } else {
-                let size = run.dst_elem_size();
-                let mut sink = SliceSink { out, size };
-                let stride = run.src_stride as usize;
-                cast_strided(run.src_dtype, run.dst_dtype, src, stride, count, &mut sink);
+    let extent = run.run_extent() as usize;
+    let src_step = run.rep_src_stride as usize;
+    let src_stride = run.src_stride as usize;
+    let rep_src = |r: u64| &src[r as usize * src_step..][..extent];
+    match (run.dst_is_dense(), run.src_is_dense()) {
+        (true, true) => {
+            for r in 0..run.reps {
+                with_dense_rep(run, r, |out| cast_dense(sd, dd, rep_src(r), out));
             }
-        });
-    } else {
-        let mut sink = StridedSink {
-            addr: run.dst_addr,
-            stride: run.dst_stride,
-        };
-        cast_strided(
-            run.src_dtype,
-            run.dst_dtype,
-            src,
-            run.src_stride as usize,
-            count,
-            &mut sink,
-        );
+        }
+        (true, false) => {
+            let size = run.dst_elem_size();
+            for r in 0..run.reps {
+                with_dense_rep(run, r, |out| {
+                    let mut sink = SliceSink { out, size };
+                    cast_strided(sd, dd, rep_src(r), src_stride, count, &mut sink);
+                });
+            }
+        }
+        (false, _) => {
+            for r in 0..run.reps {
+                let mut sink = StridedSink {
+                    addr: run.dst_addr + r as usize * run.rep_dst_stride,
+                    stride: run.dst_stride,
+                };
+                cast_strided(sd, dd, rep_src(r), src_stride, count, &mut sink);
+            }
+        }
     }
 }

@@ -2,10 +2,11 @@
 //!
 //! [`execute`] validates the whole batch ([`crate::region::plan`]) before any thread starts, opens and
 //! `fstat`s each file it needs (a file shorter than its header says is [`LoadError::Truncated`]; a
-//! replaced or rewritten one is [`LoadError::Changed`]), picks a backend per file, sorts the runs by
-//! (file, offset), splits large runs so every thread gets work, groups them into tasks and runs the tasks
-//! on `threads` scoped threads that take the next task from an atomic counter (no global pool, so nothing
-//! to re-create after `fork`). A worker panic becomes [`LoadError::WorkerPanicked`].
+//! replaced or rewritten one is [`LoadError::Changed`]), picks a backend per file, splits large runs so
+//! every thread gets work (a repeated run into groups of repetitions; `make_pieces` says when repetitions
+//! become runs of their own), sorts them by (file, offset), groups them into tasks and runs the tasks on
+//! `threads` scoped threads that take the next task from an atomic counter (no global pool, so nothing to
+//! re-create after `fork`). A worker panic becomes [`LoadError::WorkerPanicked`].
 //!
 //! Backends: `mmap` copies from a read-only map made for this call; `pread` reads each task's byte span
 //! into a per-thread buffer (reading through gaps of up to [`ExecOptions::pread_gap`] bytes) and then
@@ -29,10 +30,10 @@ use crate::region::{plan, Item, Run};
 pub const AUTO_MMAP_RESIDENT: f64 = 0.9;
 /// Most threads used by default.
 pub const MAX_DEFAULT_THREADS: usize = 16;
-/// Default [`ExecOptions::pread_gap`]: one page. With read-ahead hints, one `pread` per run beat reading
-/// through 24 KiB gaps by 2-3x on Shard(1) column reads (docs/perf-notes.md, "pread gap"); gaps inside a
-/// page are read through because the page is fetched anyway.
-pub const DEFAULT_PREAD_GAP: u64 = 4096;
+/// Default [`ExecOptions::pread_gap`]: 64 KiB. A cold Shard(1) slice is read through its gaps anyway by the
+/// kernel's read-ahead (the storage reads are the same either way, docs/perf-notes.md "pread gap"), and one
+/// `pread` per span costs far fewer syscalls than one per ~1 KiB run. Every benchmark in docs/ ran with it.
+pub const DEFAULT_PREAD_GAP: u64 = 64 * 1024;
 /// Mapped runs join a task across gaps up to this many bytes (see `make_tasks`).
 const MMAP_JOIN_GAP: u64 = 64 * 1024;
 /// Smallest same-dtype dense run that `pread` reads straight into the destination.
@@ -91,7 +92,7 @@ impl Default for ExecOptions {
         ExecOptions {
             threads: None,
             backend: Backend::Auto,
-            pread_gap: 64 * 1024,
+            pread_gap: DEFAULT_PREAD_GAP,
         }
     }
 }
@@ -103,7 +104,8 @@ pub struct ExecStats {
     pub bytes_copied: u64,
     /// Bytes taken from files (including gaps read through by `pread`).
     pub bytes_read_from_files: u64,
-    /// Runs after validation (before splitting for parallelism).
+    /// 1-d runs after validation (each repetition of a repeated run counted; before splitting for
+    /// parallelism).
     pub runs: usize,
     /// Tasks (coalesced spans) handed to the workers.
     pub spans: usize,
@@ -153,7 +155,7 @@ pub fn execute(
     let runs = plan(files, dests, items)?;
     let threads = opts.threads.unwrap_or_else(default_threads).max(1);
     let mut stats = ExecStats {
-        runs: runs.len(),
+        runs: runs.iter().map(|r| r.reps as usize).sum(),
         backend: "none",
         threads: 1,
         ..ExecStats::default()
@@ -162,18 +164,22 @@ pub fn execute(
         return Ok(stats);
     }
     // Open, check and (maybe) map each file that is needed.
-    let mut needed: Vec<Vec<(u64, u64)>> = vec![Vec::new(); files.len()];
+    let mut used = vec![false; files.len()];
     for r in &runs {
-        needed[r.file].push((r.src_off, r.src_end()));
+        used[r.file] = true;
     }
+    let probes = match opts.backend {
+        Backend::Auto => probe_ranges(&runs, files.len()),
+        _ => vec![Vec::new(); files.len()],
+    };
     let mut sources: Vec<Option<Source>> = Vec::with_capacity(files.len());
-    for (h, ranges) in files.iter().zip(&needed) {
-        sources.push(match ranges.is_empty() {
-            false => Some(open_source(h, opts.backend, ranges)?),
-            true => None,
+    for ((h, &used), ranges) in files.iter().zip(&used).zip(&probes) {
+        sources.push(match used {
+            true => Some(open_source(h, opts.backend, ranges)?),
+            false => None,
         });
     }
-    drop(needed);
+    drop(probes);
     let uses_mmap = sources.iter().flatten().any(|s| s.map.is_some());
     let uses_pread = sources.iter().flatten().any(|s| s.map.is_none());
     stats.backend = match (uses_mmap, uses_pread) {
@@ -181,31 +187,130 @@ pub fn execute(
         (true, false) => "mmap",
         _ => "pread",
     };
-    let total: u64 = runs.iter().map(Run::src_extent).sum();
+    let mapped: Vec<bool> = sources
+        .iter()
+        .map(|s| s.as_ref().is_some_and(|s| s.map.is_some()))
+        .collect();
+    let total: u64 = runs.iter().map(Run::needed_bytes).sum();
     let chunk = (total / (threads as u64 * 8)).clamp(64 * 1024, 8 * 1024 * 1024);
-    // Split only when some run is longer than a task; keep the planned order when it is already sorted
-    // (items that read forward, planned in file order): a Shard(1) slice has ~10^5 runs per 100 MiB.
-    let mut pieces = if runs.iter().any(|r| r.count > 1 && r.src_extent() > chunk) {
+    let pieces = make_pieces(runs, &mapped, chunk, opts.pread_gap);
+    let tasks = make_tasks(&pieces, &sources, chunk, opts.pread_gap);
+    stats.spans = tasks.len();
+    stats.bytes_copied = pieces
+        .iter()
+        .map(|r| r.reps * (r.count * r.dst_dtype.bits()).div_ceil(8))
+        .sum();
+    stats.threads = threads.min(tasks.len());
+    stats.bytes_read_from_files = run_tasks(&tasks, &pieces, &sources, files, stats.threads)?;
+    Ok(stats)
+}
+
+/// Most byte ranges per file handed to the `auto` residency probe ([`Mapping::resident_fraction`], which
+/// asks about at most `RESIDENCY_SAMPLES` = 256 pages spread evenly over them).
+const PROBE_RANGES: u64 = 4096;
+
+/// Per file, at most [`PROBE_RANGES`] one-byte ranges at positions spread evenly over the source
+/// bytes the runs need (repetitions expanded, the bytes between them left out), so that the probe samples
+/// what is read, not the span, in O(runs + PROBE_RANGES) rather than O(repetitions).
+fn probe_ranges(runs: &[Run], nfiles: usize) -> Vec<Vec<(u64, u64)>> {
+    let mut total = vec![0u64; nfiles];
+    for r in runs {
+        total[r.file] += r.needed_bytes();
+    }
+    let step: Vec<u64> = total
+        .iter()
+        .map(|&t| t.div_ceil(PROBE_RANGES).max(1))
+        .collect();
+    let mut seen = vec![0u64; nfiles]; // needed bytes of the file's runs so far
+    let mut next = vec![0u64; nfiles]; // needed-byte position of the file's next probe
+    let mut out: Vec<Vec<(u64, u64)>> = vec![Vec::new(); nfiles];
+    for r in runs {
+        let f = r.file;
+        let (extent, needed) = (r.run_extent(), r.needed_bytes());
+        while next[f] < seen[f] + needed {
+            let at = next[f] - seen[f];
+            let pos = r.src_off + at / extent * r.rep_src_stride + at % extent;
+            out[f].push((pos, pos + 1));
+            next[f] += step[f];
+        }
+        seen[f] += needed;
+    }
+    out
+}
+
+/// Splits the runs into pieces of at most `chunk` source bytes (only when some run is longer) and sorts
+/// them by (file, offset), keeping the planned order when it is already sorted (items that read forward,
+/// planned in file order). Repeated runs stay repeated unless the bytes between repetitions are more than
+/// their file's task would read through or populate (`pread_gap` for `pread`, [`MMAP_JOIN_GAP`] for a
+/// map), a repetition is large enough for a direct `pread`, or (`pread`) spans of repeated runs overlap
+/// other runs: those are expanded, which gives the tasks of one run per repetition.
+fn make_pieces(runs: Vec<Run>, mapped: &[bool], chunk: u64, gap: u64) -> Vec<Run> {
+    let expand = |r: &Run| {
+        r.reps > 1 && {
+            let extent = r.run_extent();
+            let between = r.rep_src_stride.saturating_sub(extent);
+            match mapped[r.file] {
+                true => between > MMAP_JOIN_GAP,
+                false => between > gap || (r.is_direct() && extent >= DIRECT_MIN),
+            }
+        }
+    };
+    let long = |r: &Run| (r.count > 1 || r.reps > 1) && r.src_extent() > chunk;
+    let mut pieces = if runs.iter().any(|r| expand(r) || long(r)) {
         let mut pieces = Vec::with_capacity(runs.len() + runs.len() / 4);
         for r in &runs {
-            r.split(chunk, &mut pieces);
+            if expand(r) {
+                for k in 0..r.reps {
+                    r.rep(k).split(chunk, &mut pieces);
+                }
+            } else {
+                r.split(chunk, &mut pieces);
+            }
         }
         pieces
     } else {
         runs
     };
-    if !pieces.is_sorted_by_key(|r| (r.file, r.src_off)) {
-        pieces.sort_unstable_by_key(|r| (r.file, r.src_off));
+    let by_offset = |r: &Run| (r.file, r.src_off);
+    if !pieces.is_sorted_by_key(by_offset) {
+        pieces.sort_unstable_by_key(by_offset);
     }
-    let tasks = make_tasks(&pieces, &sources, chunk, opts.pread_gap);
-    stats.spans = tasks.len();
-    stats.bytes_copied = pieces
-        .iter()
-        .map(|r| (r.count * r.dst_dtype.bits()).div_ceil(8))
-        .sum();
-    stats.threads = threads.min(tasks.len());
-    stats.bytes_read_from_files = run_tasks(&tasks, &pieces, &sources, files, stats.threads)?;
-    Ok(stats)
+    // A buffered pread task reads its whole span: a repeated run whose span overlaps another run's (two
+    // items reading interleaved columns of one tensor, or overlapping repetitions split in two) would
+    // read those bytes twice. Expand them, which reads them once as before.
+    if pread_spans_overlap(&pieces, mapped) {
+        let mut flat = Vec::with_capacity(pieces.len());
+        for p in &pieces {
+            match p.reps > 1 && !mapped[p.file] {
+                true => p.expand(&mut flat),
+                false => flat.push(*p),
+            }
+        }
+        pieces = flat;
+        if !pieces.is_sorted_by_key(by_offset) {
+            pieces.sort_unstable_by_key(by_offset);
+        }
+    }
+    pieces
+}
+
+/// Whether, among sorted pieces, a repeated piece of a `pread` file overlaps another piece's span.
+fn pread_spans_overlap(pieces: &[Run], mapped: &[bool]) -> bool {
+    let mut file = usize::MAX;
+    let (mut end, mut repeated_end) = (0u64, 0u64);
+    for p in pieces.iter().filter(|p| !mapped[p.file]) {
+        if p.file != file {
+            (file, end, repeated_end) = (p.file, 0, 0);
+        }
+        if p.src_off < repeated_end || (p.reps > 1 && p.src_off < end) {
+            return true;
+        }
+        end = end.max(p.src_end());
+        if p.reps > 1 {
+            repeated_end = repeated_end.max(p.src_end());
+        }
+    }
+    false
 }
 
 fn open_source(h: &Header, backend: Backend, ranges: &[(u64, u64)]) -> Result<Source, LoadError> {
@@ -250,7 +355,7 @@ fn make_tasks(pieces: &[Run], sources: &[Option<Source>], chunk: u64, gap: u64) 
         let (start, end) = (p.src_off, p.src_end());
         let mode = match () {
             _ if mapped => Mode::Mmap,
-            _ if p.is_direct() && end - start >= DIRECT_MIN => Mode::PreadDirect,
+            _ if p.reps == 1 && p.is_direct() && end - start >= DIRECT_MIN => Mode::PreadDirect,
             _ => Mode::PreadBuffered,
         };
         if let Some(t) = tasks.last_mut() {
@@ -390,7 +495,7 @@ fn run_task(
     match task.mode {
         Mode::Mmap => {
             let map = source.map.as_ref().expect("mapped task has a map");
-            let extent: u64 = runs.iter().map(Run::src_extent).sum();
+            let extent: u64 = runs.iter().map(Run::needed_bytes).sum();
             // One populate call beats a fault per touched page on a fresh map, even when the runs touch only
             // a quarter of the span's pages (docs/perf-notes.md, "dense populate only").
             map.will_need(task.start, task.end);
@@ -402,6 +507,7 @@ fn run_task(
         }
         Mode::PreadDirect => {
             let r = &runs[0];
+            debug_assert_eq!(r.reps, 1);
             with_dense_dst(r, |out| read_exact_at(&source.file, out, r.src_off, path))?;
             Ok(r.src_extent())
         }
@@ -625,6 +731,92 @@ mod tests {
         }
     }
 
+    /// Column slices (repeated runs) of row-major tensors whose rows are far apart (expanded for a map
+    /// and for pread), long enough for direct preads, split into groups of rows, and two items reading
+    /// interleaved columns of one tensor: every backend, gap and thread count copies the right bytes,
+    /// counts 1-d runs and copied bytes exactly, and pread reads the interleaved span only once.
+    #[test]
+    fn repeated_runs_match_naive_across_backends() {
+        let dir = tempfile::tempdir().unwrap();
+        let shapes: [(&str, u64, u64); 3] =
+            [("far", 16, 200_000), ("v", 1024, 2048), ("d", 4, 150_000)];
+        let tensors: Vec<(&str, Dtype, Vec<u64>, Vec<u8>)> = shapes
+            .iter()
+            .enumerate()
+            .map(|(i, &(n, r, c))| {
+                (
+                    n,
+                    Dtype::U8,
+                    vec![r, c],
+                    random_bytes((r * c) as usize, i as u64 + 3),
+                )
+            })
+            .collect();
+        let h = write_file(dir.path(), "rep.safetensors", &tensors);
+        // (tensor, first column, columns): rows are all rows of the tensor.
+        let boxes: [(usize, u64, u64); 5] = [
+            (0, 1000, 2000),
+            (1, 100, 512),
+            (2, 10, 100_000),
+            (1, 0, 96),
+            (1, 1024, 96),
+        ];
+        let want: Vec<Vec<u8>> = boxes
+            .iter()
+            .map(|&(t, c0, n)| {
+                let (cols, data) = (tensors[t].2[1], &tensors[t].3);
+                data.chunks(cols as usize)
+                    .flat_map(|row| row[c0 as usize..(c0 + n) as usize].to_vec())
+                    .collect()
+            })
+            .collect();
+        let items: Vec<Item> = boxes
+            .iter()
+            .enumerate()
+            .map(|(k, &(t, c0, n))| {
+                let mut item = Item {
+                    tensor: h.index(tensors[t].0).unwrap() as i64,
+                    src_base: c0 as i64,
+                    dest: k as i64,
+                    ndim: 2,
+                    ..Item::default()
+                };
+                let (rows, cols) = (tensors[t].2[0] as i64, tensors[t].2[1] as i64);
+                item.lengths[..2].copy_from_slice(&[rows, n as i64]);
+                item.src_strides[..2].copy_from_slice(&[cols, 1]);
+                item.dst_strides[..2].copy_from_slice(&[n as i64, 1]);
+                item
+            })
+            .collect();
+        let rows: usize = boxes.iter().map(|b| tensors[b.0].2[0] as usize).sum();
+        let nbytes: u64 = want.iter().map(|w| w.len() as u64).sum();
+        for backend in [Backend::Mmap, Backend::Pread, Backend::Auto] {
+            for gap in [0, 4096, DEFAULT_PREAD_GAP] {
+                for threads in [1, 3] {
+                    let mut outs: Vec<Vec<u8>> = want.iter().map(|w| vec![0u8; w.len()]).collect();
+                    let dests: Vec<DestBuf<'_>> = outs
+                        .iter_mut()
+                        .map(|o| DestBuf::from_mut_slice(o, Dtype::U8))
+                        .collect();
+                    let opts = ExecOptions {
+                        threads: Some(threads),
+                        backend,
+                        pread_gap: gap,
+                    };
+                    let stats = execute(std::slice::from_ref(&h), &dests, &items, &opts).unwrap();
+                    let tag = format!("{backend:?} gap {gap} threads {threads}: {stats:?}");
+                    assert_eq!(outs, want, "{tag}");
+                    assert_eq!((stats.runs, stats.bytes_copied), (rows, nbytes), "{tag}");
+                    match stats.backend {
+                        "mmap" => assert_eq!(stats.bytes_read_from_files, nbytes, "{tag}"),
+                        // The interleaved items' span of v (2 MiB) is read once, not once per item.
+                        _ => assert!(stats.bytes_read_from_files < nbytes + (3 << 20), "{tag}"),
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn large_runs_split_over_threads_and_backends_agree() {
         let dir = tempfile::tempdir().unwrap();
@@ -686,6 +878,9 @@ mod tests {
             count: 4096,
             dst_addr: 0,
             dst_stride: 1,
+            reps: 1,
+            rep_src_stride: 0,
+            rep_dst_stride: 0,
             src_dtype: Dtype::U8,
             dst_dtype: Dtype::U8,
         };
@@ -698,6 +893,85 @@ mod tests {
         let tasks = make_tasks(&pieces, &sources, 8 << 20, DEFAULT_PREAD_GAP);
         let spans: Vec<_> = tasks.iter().map(|t| (t.first, t.last)).collect();
         assert_eq!(spans, [(0, 2), (2, 4)]);
+        // The same holds between the repetitions of one run: far apart, they are expanded into runs of
+        // their own (and give the same tasks); nearby, they stay one piece and one task.
+        let repeated = |stride: u64| Run {
+            reps: 4,
+            rep_src_stride: stride,
+            rep_dst_stride: 4096,
+            ..run(0)
+        };
+        let far = make_pieces(vec![repeated(4096 + (128 << 10))], &[true], 8 << 20, 0);
+        assert_eq!(far.len(), 4);
+        assert!(far.iter().all(|p| p.reps == 1));
+        let tasks = make_tasks(&far, &sources, 8 << 20, DEFAULT_PREAD_GAP);
+        assert_eq!(tasks.len(), 4);
+        let near = make_pieces(vec![repeated(8192)], &[true], 8 << 20, 0);
+        assert_eq!(near, [repeated(8192)]);
+        assert_eq!(
+            make_tasks(&near, &sources, 8 << 20, DEFAULT_PREAD_GAP).len(),
+            1
+        );
+        // For pread the limit is the pread gap.
+        assert_eq!(
+            make_pieces(vec![repeated(8192)], &[false], 8 << 20, 4095).len(),
+            4
+        );
+        assert_eq!(
+            make_pieces(vec![repeated(8192)], &[false], 8 << 20, 4096).len(),
+            1
+        );
+    }
+
+    #[test]
+    fn probe_ranges_sample_needed_bytes_evenly() {
+        let run = |file: usize, src_off: u64, count: u64, reps: u64, stride: u64| Run {
+            item: 0,
+            file,
+            src_off,
+            src_stride: 1,
+            count,
+            dst_addr: 0,
+            dst_stride: 1,
+            reps,
+            rep_src_stride: stride,
+            rep_dst_stride: 0,
+            src_dtype: Dtype::U8,
+            dst_dtype: Dtype::U8,
+        };
+        // File 0: 10^4 repetitions of 100 bytes 1000 apart, then one plain run of as many bytes; file 1:
+        // one 10-byte run.
+        let runs = [
+            run(0, 1000, 100, 10_000, 1000),
+            run(0, 20_000_000, 1_000_000, 1, 0),
+            run(1, 5, 10, 1, 0),
+        ];
+        let probes = probe_ranges(&runs, 3);
+        assert!(probes[2].is_empty());
+        assert_eq!(probes[1], (5..15).map(|a| (a, a + 1)).collect::<Vec<_>>());
+        let p = &probes[0];
+        assert!(
+            (PROBE_RANGES - 10..=PROBE_RANGES).contains(&(p.len() as u64)),
+            "{}",
+            p.len()
+        );
+        assert!(p.iter().all(|&(a, b)| b == a + 1));
+        let (repeated, plain): (Vec<u64>, Vec<u64>) =
+            p.iter().map(|r| r.0).partition(|&a| a < 20_000_000);
+        // Only bytes the repetitions read, none between them; both runs get half the probes.
+        assert!(repeated
+            .iter()
+            .all(|a| a >= &1000 && (a - 1000) % 1000 < 100));
+        assert!(plain.iter().all(|a| (20_000_000..21_000_000).contains(a)));
+        assert!(
+            repeated.len().abs_diff(plain.len()) <= 2,
+            "{} {}",
+            repeated.len(),
+            plain.len()
+        );
+        // Evenly spread over the repetitions.
+        let last_rep = (repeated.last().unwrap() - 1000) / 1000;
+        assert!(last_rep >= 9_990, "{last_rep}");
     }
 
     #[test]

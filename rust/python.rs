@@ -135,6 +135,14 @@ impl SafetensorsHeader {
             .collect()
     }
 
+    fn sort_keys(&self) -> Vec<Option<String>> {
+        self.inner
+            .tensors
+            .iter()
+            .map(|t| crate::header::natural_sort_key(&t.name))
+            .collect()
+    }
+
     fn index(&self, name: &str) -> PyResult<usize> {
         self.inner
             .index(name)

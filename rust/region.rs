@@ -6,7 +6,8 @@
 //! no two destination bytes are written twice), then turns each item into runs: dimensions that are
 //! contiguous on both sides are merged, one dimension becomes the run (the one with unit destination
 //! stride when there is one, so a transposed block gives runs with a strided source, never 1-element
-//! runs), and the others are iterated. It owns no I/O and no pointers.
+//! runs), the innermost of the others becomes the run's repetition (a column slice of a matrix is one
+//! [`Run`] with one repetition per row), and the rest are iterated. It owns no I/O and no pointers.
 //!
 //! ```
 //! use hp_fastload::{Item, MAX_NDIM};
@@ -53,9 +54,11 @@ pub struct Item {
     pub dst_strides: [i64; MAX_NDIM],
 }
 
-/// A 1-d strided copy: `count` elements from the file at `src_off + i * src_stride` to
-/// `dst_addr + i * dst_stride` (bytes). Built only by [`plan`] (and split by the executor), which checked
-/// its bytes; `crate::dest` relies on that.
+/// A 1-d strided copy, repeated: for `r` in `0..reps`, `count` elements from the file at
+/// `src_off + r * rep_src_stride + i * src_stride` to `dst_addr + r * rep_dst_stride + i * dst_stride`
+/// (bytes). One repetition is a "1-d run"; a column slice of a row-major matrix is one `Run` with one
+/// repetition per row. Built only by [`plan`] (and split by the executor), which checked the bytes of every
+/// repetition; `crate::dest` relies on that.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Run {
     /// The item it came from.
@@ -66,12 +69,18 @@ pub struct Run {
     pub src_off: u64,
     /// Source byte stride (unused for sub-byte runs, which are dense).
     pub src_stride: u64,
-    /// Number of elements.
+    /// Number of elements of one repetition.
     pub count: u64,
     /// Address of the first destination element.
     pub dst_addr: usize,
     /// Destination byte stride (unused for sub-byte runs, which are dense).
     pub dst_stride: usize,
+    /// Number of repetitions (at least 1).
+    pub reps: u64,
+    /// Source byte distance between repetitions (byte aligned, also for sub-byte types).
+    pub rep_src_stride: u64,
+    /// Destination byte distance between repetitions.
+    pub rep_dst_stride: usize,
     /// Source element type.
     pub src_dtype: Dtype,
     /// Destination element type.
@@ -98,8 +107,8 @@ impl Run {
         self.dst_dtype.is_sub_byte() || self.count == 1 || self.dst_stride == self.dst_elem_size()
     }
 
-    /// Bytes from the first source byte to one past the last.
-    pub fn src_extent(&self) -> u64 {
+    /// Bytes from the first source byte of one repetition to one past its last.
+    pub fn run_extent(&self) -> u64 {
         if self.src_dtype.is_sub_byte() {
             self.count * self.src_dtype.bits() / 8
         } else {
@@ -107,12 +116,23 @@ impl Run {
         }
     }
 
-    /// One past the last source byte.
+    /// Bytes from the first source byte to one past the last byte of the last repetition (the span,
+    /// including whatever lies between repetitions).
+    pub fn src_extent(&self) -> u64 {
+        (self.reps - 1) * self.rep_src_stride + self.run_extent()
+    }
+
+    /// One past the last source byte of the last repetition.
     pub fn src_end(&self) -> u64 {
         self.src_off + self.src_extent()
     }
 
-    /// Bytes written (the destination extent when the destination is dense).
+    /// Source bytes the repetitions actually read: `reps` times [`Run::run_extent`].
+    pub fn needed_bytes(&self) -> u64 {
+        self.reps * self.run_extent()
+    }
+
+    /// Bytes written by one repetition (its destination extent when the destination is dense).
     pub fn dst_bytes(&self) -> usize {
         if self.dst_dtype.is_sub_byte() {
             (self.count * self.dst_dtype.bits() / 8) as usize
@@ -121,15 +141,61 @@ impl Run {
         }
     }
 
-    /// Whether the run is a plain byte copy that can be read straight into the destination.
+    /// Whether one repetition is a plain byte copy that can be read straight into the destination.
     pub fn is_direct(&self) -> bool {
         self.src_dtype == self.dst_dtype && self.src_is_dense() && self.dst_is_dense()
     }
 
-    /// Splits the run into consecutive pieces whose source extent is at most `max_extent` bytes (at
-    /// least one element each; sub-byte pieces stay byte aligned).
+    /// Repetition `r` (< `reps`) as a run of its own.
+    pub fn rep(&self, r: u64) -> Run {
+        debug_assert!(r < self.reps);
+        Run {
+            src_off: self.src_off + r * self.rep_src_stride,
+            dst_addr: self.dst_addr + r as usize * self.rep_dst_stride,
+            reps: 1,
+            rep_src_stride: 0,
+            rep_dst_stride: 0,
+            ..*self
+        }
+    }
+
+    /// Appends every repetition as a run of its own.
+    pub fn expand(&self, out: &mut Vec<Run>) {
+        out.extend((0..self.reps).map(|r| self.rep(r)));
+    }
+
+    /// Splits the run into consecutive pieces whose source extent is at most `max_extent` bytes: groups
+    /// of repetitions (at least one each), and, when one repetition is longer than that, pieces of
+    /// repetitions of at least one element each (sub-byte pieces stay byte aligned).
     pub fn split(&self, max_extent: u64, out: &mut Vec<Run>) {
-        if self.src_extent() <= max_extent || self.count == 1 {
+        if self.src_extent() <= max_extent {
+            out.push(*self);
+            return;
+        }
+        if self.reps > 1 {
+            let extent = self.run_extent();
+            if extent > max_extent {
+                for r in 0..self.reps {
+                    self.rep(r).split(max_extent, out);
+                }
+                return;
+            }
+            // The span exceeds `max_extent`, so the stride is not 0.
+            let per = ((max_extent - extent) / self.rep_src_stride + 1).min(self.reps);
+            let mut done = 0;
+            while done < self.reps {
+                let n = per.min(self.reps - done);
+                out.push(Run {
+                    src_off: self.src_off + done * self.rep_src_stride,
+                    dst_addr: self.dst_addr + done as usize * self.rep_dst_stride,
+                    reps: n,
+                    ..*self
+                });
+                done += n;
+            }
+            return;
+        }
+        if self.count == 1 {
             out.push(*self);
             return;
         }
@@ -348,6 +414,8 @@ fn plan_item(
         Some(r) => dims.remove(r),
         None => (1, 1, 1),
     };
+    // The innermost remaining dim becomes the repetition dim; the odometer runs over the others.
+    let (reps, rep_ss, rep_ds) = dims.pop().unwrap_or((1, 0, 0));
     let sub_byte = sd.is_sub_byte();
     if sub_byte && count > 1 && (run_ss != 1 || run_ds != 1) {
         return Err(err(format!(
@@ -356,6 +424,11 @@ fn plan_item(
         )));
     }
     let (sbits, dbits) = (sd.bits(), dd.bits());
+    // Sub-byte runs must start and end on byte boundaries in every repetition: repetition 0 does when its
+    // start and length do, and then every later one does when repetition 1 does (the strides are even).
+    let misaligned = |se: u64, de: u64| {
+        (se * sbits) % 8 != 0 || (de * dbits) % 8 != 0 || (count * sbits) % 8 != 0
+    };
     let data_start = h.data_start + tensor.begin;
     let mut idx = vec![0u64; dims.len()];
     loop {
@@ -364,12 +437,20 @@ fn plan_item(
             se += i * s;
             de += i * d;
         }
-        if sub_byte && ((se * sbits) % 8 != 0 || (de * dbits) % 8 != 0 || (count * sbits) % 8 != 0)
-        {
-            return Err(err(format!(
-                "{sd} has elements smaller than a byte and can only be read in whole bytes: a run of {count} \
-                 elements from element {se} into element {de} does not start and end on byte boundaries"
-            )));
+        if sub_byte {
+            let bad = match () {
+                _ if misaligned(se, de) => Some(0),
+                _ if reps > 1 && misaligned(se + rep_ss, de + rep_ds) => Some(1),
+                _ => None,
+            };
+            if let Some(r) = bad {
+                let (se, de) = (se + r * rep_ss, de + r * rep_ds);
+                return Err(err(format!(
+                    "{sd} has elements smaller than a byte and can only be read in whole bytes: a run of \
+                     {count} elements from element {se} into element {de} does not start and end on byte \
+                     boundaries"
+                )));
+            }
         }
         runs.push(Run {
             item: k,
@@ -379,6 +460,9 @@ fn plan_item(
             count,
             dst_addr: dest.addr() + (de * dbits / 8) as usize,
             dst_stride: (run_ds * dbits / 8) as usize,
+            reps,
+            rep_src_stride: rep_ss * sbits / 8,
+            rep_dst_stride: (rep_ds * dbits / 8) as usize,
             src_dtype: sd,
             dst_dtype: dd,
         });
@@ -401,9 +485,22 @@ fn plan_item(
 /// The most destination elements expanded one by one to check strided runs for overlap.
 const MAX_EXPANDED: u64 = 1 << 26;
 
-/// Fails if two runs write the same destination byte. Dense runs are intervals; strided runs are
-/// compared by bounding interval first and, only when that is inconclusive, element by element.
+/// Fails if two runs (or two repetitions of one run) write the same destination byte. Repeated runs are
+/// expanded into their repetitions first (this check only runs when the item-level proof fails). Dense
+/// runs are intervals; strided runs are compared by bounding interval first and, only when that is
+/// inconclusive, element by element.
 fn check_disjoint(runs: &[Run], items: &[Item], dests: &[DestBuf<'_>]) -> Result<(), LoadError> {
+    let flat: Vec<Run>;
+    let runs = if runs.iter().any(|r| r.reps > 1) {
+        let mut all = Vec::with_capacity(runs.iter().map(|r| r.reps as usize).sum());
+        for r in runs {
+            r.expand(&mut all);
+        }
+        flat = all;
+        &flat[..]
+    } else {
+        runs
+    };
     let interval = |r: &Run| -> (usize, usize, bool) {
         if r.dst_is_dense() {
             (r.dst_addr, r.dst_addr + r.dst_bytes(), false)
@@ -570,11 +667,93 @@ mod tests {
         assert_eq!(runs.len(), 1);
         assert_eq!(runs[0].count, 32);
         // Transposed destination: runs follow the destination's unit stride, the source is strided.
+        // It is one run repeated along the source's unit stride.
         let runs = plan(&[h], &dest, &[item(0, &[4, 8], &[8, 1], &[1, 4])]).unwrap();
-        assert_eq!(runs.len(), 8);
-        assert!(runs
-            .iter()
-            .all(|r| r.count == 4 && r.src_stride == 32 && r.dst_stride == 4));
+        assert_eq!(runs.len(), 1);
+        let r = runs[0];
+        assert_eq!((r.count, r.src_stride, r.dst_stride), (4, 32, 4), "{r:?}");
+        assert_eq!((r.reps, r.rep_src_stride, r.rep_dst_stride), (8, 4, 16));
+    }
+
+    #[test]
+    fn column_slices_are_repeated_runs() {
+        let h = header(&[
+            ("w", Dtype::BF16, &[6, 10]),
+            ("c", Dtype::BF16, &[3, 4, 10]),
+        ]);
+        let files = [h.clone()];
+        let mut out = vec![0u8; 4096];
+        let dest = [DestBuf::from_mut_slice(&mut out, Dtype::F32)];
+        let base = dest[0].addr();
+        // Columns 2..5 of every row of w into a contiguous [6, 3] f32 buffer: one run, one rep per row.
+        let col = Item {
+            src_base: 2,
+            ..item(0, &[6, 3], &[10, 1], &[3, 1])
+        };
+        let runs = plan(&files, &dest, &[col]).unwrap();
+        assert_eq!(runs.len(), 1);
+        let r = runs[0];
+        assert_eq!(r.src_off, h.data_start + 4);
+        assert_eq!(
+            (r.count, r.src_stride, r.dst_addr, r.dst_stride),
+            (3, 2, base, 4)
+        );
+        assert_eq!((r.reps, r.rep_src_stride, r.rep_dst_stride), (6, 20, 12));
+        assert_eq!(
+            (r.run_extent(), r.src_extent(), r.needed_bytes()),
+            (6, 106, 36)
+        );
+        assert_eq!(r.rep(5).src_off, r.src_off + 100);
+        assert_eq!(r.rep(5).dst_addr, base + 60);
+        // A 3-d box of c ([1..3, 0..3, 5..9]): one run per outer index, each repeated over the middle dim.
+        let cube = Item {
+            src_base: 40 + 5,
+            ..item(1, &[2, 3, 4], &[40, 10, 1], &[12, 4, 1])
+        };
+        let runs = plan(&files, &dest, &[cube]).unwrap();
+        assert_eq!(runs.len(), 2);
+        for (i, r) in runs.iter().enumerate() {
+            let tensor_start = h.data_start + h.tensors[1].begin;
+            assert_eq!(r.src_off, tensor_start + (40 * (i as u64 + 1) + 5) * 2);
+            assert_eq!(r.dst_addr, base + i * 48);
+            assert_eq!(
+                (r.count, r.reps, r.rep_src_stride, r.rep_dst_stride),
+                (4, 3, 20, 16)
+            );
+        }
+        // Overlaps between repetitions are found and name the items.
+        let below = Item {
+            dst_base: 15,
+            ..col
+        };
+        let m = message(plan(&files, &dest, &[col, below]));
+        assert!(
+            m.contains("overlap") && m.contains("item 0") && m.contains("item 1"),
+            "{m}"
+        );
+        let m = message(plan(&files, &dest, &[item(0, &[6, 3], &[10, 1], &[0, 1])]));
+        assert!(m.contains("item 0") && m.contains("several times"), "{m}");
+        let m = message(plan(&files, &dest, &[item(0, &[6, 3], &[10, 1], &[2, 1])]));
+        assert!(m.contains("item 0") && m.contains("several times"), "{m}");
+        // Sub-byte: every repetition must start on a byte boundary.
+        let h4 = header(&[("f", Dtype::F4, &[4, 6]), ("g", Dtype::F4, &[4, 5])]);
+        let mut packed = vec![0u8; 64];
+        let dest4 = [DestBuf::from_mut_slice(&mut packed, Dtype::F4)];
+        let ok = Item {
+            src_base: 2,
+            ..item(0, &[4, 2], &[6, 1], &[2, 1])
+        };
+        let runs = plan(std::slice::from_ref(&h4), &dest4, &[ok]).unwrap();
+        assert_eq!(
+            (runs.len(), runs[0].reps, runs[0].rep_src_stride),
+            (1, 4, 3)
+        );
+        let odd_rows = item(1, &[4, 2], &[5, 1], &[2, 1]);
+        let m = message(plan(std::slice::from_ref(&h4), &dest4, &[odd_rows]));
+        assert!(
+            m.contains("byte boundaries") && m.contains("from element 5 into element 2"),
+            "{m}"
+        );
     }
 
     #[test]
@@ -740,6 +919,60 @@ mod tests {
         for w in pieces.windows(2) {
             assert_eq!(w[1].src_off, w[0].src_off + w[0].count * 4);
             assert_eq!(w[1].dst_addr, w[0].dst_addr + w[0].count as usize * 4);
+        }
+    }
+
+    /// Every (source, destination) element pair of a run, repetitions expanded, in order.
+    fn elements(r: &Run) -> Vec<(u64, usize)> {
+        let (ss, ds) = (r.src_stride.max(1), r.dst_stride.max(1));
+        (0..r.reps)
+            .flat_map(|k| {
+                let p = r.rep(k);
+                (0..p.count).map(move |i| (p.src_off + i * ss, p.dst_addr + i as usize * ds))
+            })
+            .collect()
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig { cases: 400, ..Default::default() })]
+        /// Splitting a repeated run keeps every element exactly once, in order, and every piece within
+        /// the limit unless it is a single element.
+        #[test]
+        fn split_of_repeated_runs_keeps_elements(
+            rows in 1i64..9,
+            cols in 1i64..9,
+            row_len in 9i64..20,
+            col_step in 1i64..3,
+            max_extent in 1u64..200,
+        ) {
+            let h = header(&[("w", Dtype::BF16, &[8, 40])]);
+            let mut out = vec![0u8; 8 * 20 * 4];
+            let dest = [DestBuf::from_mut_slice(&mut out, Dtype::F32)];
+            let it = item(0, &[rows, cols], &[40, col_step], &[row_len, 1]);
+            let runs = plan(&[h], &dest, &[it]).unwrap();
+            proptest::prop_assert_eq!(runs.len(), 1);
+            let run = runs[0];
+            proptest::prop_assert_eq!(run.reps, if cols > 1 { rows as u64 } else { 1 });
+            let mut pieces = Vec::new();
+            run.split(max_extent, &mut pieces);
+            let want = elements(&run);
+            let got: Vec<(u64, usize)> = pieces.iter().flat_map(elements).collect();
+            proptest::prop_assert_eq!(got, want);
+            for p in &pieces {
+                proptest::prop_assert!(p.reps >= 1 && p.count >= 1);
+                proptest::prop_assert!(
+                    p.src_extent() <= max_extent || (p.reps == 1 && p.count == 1),
+                    "{:?} over {}", p, max_extent
+                );
+                proptest::prop_assert_eq!(p.needed_bytes(), p.reps * p.run_extent());
+            }
+            // Splitting repetitions apart keeps the bytes needed; splitting one apart drops its stride gaps.
+            let needed: u64 = pieces.iter().map(Run::needed_bytes).sum();
+            if pieces.iter().all(|p| p.count == run.count) {
+                proptest::prop_assert_eq!(needed, run.needed_bytes());
+            } else {
+                proptest::prop_assert!(needed <= run.needed_bytes());
+            }
         }
     }
 }

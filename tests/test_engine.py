@@ -342,3 +342,17 @@ def test_gil_is_released_during_reads(tmp_path):
         margin = (t1 - t0) * 0.25
         inside += sum(1 for s in samples if t0 + margin < s < t1 - margin)
     assert inside > 10, f"{inside} ticks ran during {len(windows)} reads of {math.prod(out.shape) * 4} bytes"
+
+
+def test_threads_per_rank_shares_the_node(monkeypatch):
+    from hp_fastload.engine import threads_per_rank
+
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert threads_per_rank() == max(1, min(_core.DEFAULT_THREADS, cores))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cores * 4))
+    assert threads_per_rank() == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert threads_per_rank() == max(1, min(_core.DEFAULT_THREADS, cores // 2))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "not a number")
+    assert threads_per_rank() == max(1, min(_core.DEFAULT_THREADS, cores))

@@ -97,6 +97,27 @@ def test_natural_sort_key_sorts_like_transformers():
         assert (rules.natural_sort_key(a) == rules.natural_sort_key(b)) == same
 
 
+def test_header_sort_keys_equal_the_planners(tmp_path):
+    """The header parser's natural-order keys (Rust) are the planner's ``natural_sort_key`` (Python), exactly."""
+    import random
+
+    from safetensors.torch import save_file
+
+    from hp_fastload.engine import SafetensorsFile
+
+    rng = random.Random(1)
+    parts = ["a", "x1", "x01", "0", "00", "10", "007", "w_3", "w_", "", "layers", "9" * 30, "é2", "٣", "e²"]
+    names = {".".join(rng.choice(parts) for _ in range(rng.randint(1, 4))) for _ in range(2000)}
+    path = tmp_path / "names.safetensors"
+    save_file({n: torch.zeros(1) for n in names}, str(path))
+    f = SafetensorsFile(path)
+    from_header = f.header.sort_keys()
+    assert any(k is None for k in from_header) and sum(k is not None for k in from_header) > 300
+    for name, key in zip(f.keys(), from_header, strict=True):
+        assert key is None or key == rules.natural_sort_key(name), name
+    assert f.sort_keys() == {n: rules.natural_sort_key(n) for n in names}
+
+
 def test_name_boundary_guard_and_star_dot():
     conv = rules.WeightConverter(["mlp.experts.*.gate_proj.weight"], "mlp.experts.gate_up_proj", [rules.Chunk(0)])
     assert conv.rename_source_key("model.layers.12.mlp.experts.3.gate_proj.weight") == (

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from . import errors
+from .engine import threads_per_rank
 from .execute import execute_plan
 from .index import CheckpointIndex, resolve_checkpoint_location
 from .plan import LoadPlan, LoadReport, plan_load
@@ -219,11 +220,14 @@ def load(
     preserved). ``strict`` raises ``RuntimeError`` before any byte is read when model tensors would stay
     missing; unexpected checkpoint keys are only logged. ``share_replicated=True`` (region loader, several
     ranks) has one replica of each replicated DTensor read it and broadcast it to the others (``share``).
+    ``threads`` defaults to this process's cores divided by the ranks on its node (``LOCAL_WORLD_SIZE``).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"load() needs a live nn.Module to write into, got {type(model).__name__}")
     name = resolve_hf_loader(loader)
     start = time.perf_counter()
+    if threads is None:
+        threads = threads_per_rank()
 
     location = _resolve_location_once(path, revision)
     load_plan: LoadPlan = _agree(

@@ -136,6 +136,7 @@ class SafetensorsFile:
             name: (i, dtype, shape, begin, end)
             for i, (name, dtype, shape, begin, end) in enumerate(self.header.entries())
         }
+        self._sort_keys: dict[str, str] | None = None
 
     def _entry(self, key: str) -> tuple[int, str, tuple[int, ...], int, int]:
         try:
@@ -174,6 +175,18 @@ class SafetensorsFile:
         _, _, _, begin, end = self._entry(key)
         start = self.header.data_start
         return start + begin, start + end
+
+    def sort_keys(self) -> dict[str, str]:
+        """Every key -> ``hp_fastload.rules.natural_sort_key(key)``, computed by the header parser."""
+        keys = self._sort_keys
+        if keys is None:
+            from .rules import natural_sort_key
+
+            keys = self._sort_keys = {
+                name: sort_key if sort_key is not None else natural_sort_key(name)
+                for name, sort_key in zip(self._entries, self.header.sort_keys(), strict=True)
+            }
+        return keys
 
     def tensor_index(self, key: str) -> int:
         """Position of ``key`` in the header (the ``COL_TENSOR`` value of an item)."""
@@ -300,6 +313,23 @@ def _fill_item(
     row[COL_DST_BASE] = out.storage_offset()
     row[COL_DST_STRIDES : COL_DST_STRIDES + len(shape)] = list(out.stride())
     return storage.data_ptr(), storage.nbytes(), DTYPE_CODES[dst_name]
+
+
+def threads_per_rank() -> int:
+    """Engine threads for one rank of a job: the cores this process may run on, shared by the ranks of its
+    node (``LOCAL_WORLD_SIZE``, set by torchrun), at least 1 and at most ``_core.DEFAULT_THREADS``.
+
+    Ranks on one node share the cores; two ranks with a thread per core each oversubscribe them.
+    """
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - non-Linux
+        cores = os.cpu_count() or 1
+    try:
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        local = 1
+    return max(1, min(_core.DEFAULT_THREADS, cores // local))
 
 
 def execute_items(

@@ -88,7 +88,12 @@ class CheckpointIndex:
         self._files = key_files
         self._entries: dict[str, TensorEntry] = {}  # built on first use: most keys of a big MoE never need one
         self._dtypes: dict[str, torch.dtype] = {}
-        self._sort_keys = {key: natural_sort_key(key) for key in key_files}
+        sort_keys: dict[str, str] = {}
+        for f in files:
+            sort_keys.update(f.sort_keys())
+        if len(sort_keys) != len(key_files):  # an index that lists only some of its files' keys
+            sort_keys = {key: sort_keys[key] for key in key_files}
+        self._sort_keys = sort_keys
         self._keys = sorted(key_files, key=self._sort_keys.__getitem__)
 
     @classmethod
@@ -139,11 +144,15 @@ class CheckpointIndex:
                 raise FileNotFoundError(f"safetensors shard named by {index_path} does not exist: {file_path}")
             opened[name] = open_file(file_path)
             _refuse_torch_sharded(opened[name])
-        for key, name in weight_map.items():
-            file = opened[name]
-            if key not in file:
-                raise HeaderError(f"index {index_path} puts {key!r} in {name}, whose header does not have it")
-            key_files[key] = file
+        for file in opened.values():
+            key_files.update(dict.fromkeys(file._entries, file))  # every key its header has, in C
+        if len(key_files) != len(weight_map) or any(key_files.get(k) is not opened[n] for k, n in weight_map.items()):
+            key_files = {}
+            for key, name in weight_map.items():
+                file = opened[name]
+                if key not in file:
+                    raise HeaderError(f"index {index_path} puts {key!r} in {name}, whose header does not have it")
+                key_files[key] = file
         return cls(list(opened.values()), key_files)
 
     def sort_key(self, name: str) -> str:
@@ -163,6 +172,15 @@ class CheckpointIndex:
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._keys)
+
+    def facts(self, key: str) -> tuple[tuple[int, ...], str]:
+        """``(shape, safetensors dtype name)`` of ``key``, without building its :class:`TensorEntry` (a
+        100k-key MoE's trace-cache signatures need only these)."""
+        file = self._files.get(key)
+        if file is None:
+            raise KeyError(f"checkpoint key is not indexed: {key}")
+        facts = file._entries[key]
+        return facts[2], facts[1]
 
     def entry(self, key: str) -> TensorEntry:
         entry = self._entries.get(key)

@@ -258,11 +258,11 @@ class _Tracer:
                 {group.target: blocks}, {group.target: tuple(entry.shape)}, {group.target: entry.dtype}, {"#0": key}
             )
         sources = {f"#{i}": k for i, (_, k) in enumerate(group.sources)}
-        entries = [self.index.entry(k) for _, k in group.sources]
+        facts = self.index.facts
         signature = (
             id(group.rule),
             self.trace,
-            tuple((p, e.shape, e.dtype) for (p, _), e in zip(group.sources, entries, strict=True)),
+            tuple((p, *facts(k)) for p, k in group.sources),
             masked_name(group.target),
             self.shape_of(group.target),
         )
@@ -351,8 +351,14 @@ def region_items(
         offsets = block.offsets
         lengths = block.lengths
         ndim = len(offsets)
-        if not full and any(offsets[d] >= bb_hi[d] or offsets[d] + lengths[d] <= bb_lo[d] for d in range(ndim)):
-            continue
+        if not full:
+            outside = False
+            for d in range(ndim):
+                if offsets[d] >= bb_hi[d] or offsets[d] + lengths[d] <= bb_lo[d]:
+                    outside = True
+                    break
+            if outside:
+                continue
         source = sources[block.source] if sources is not None else block.source
         src_shape = block.src_shape
         src_st = strides_by_shape.get(src_shape)
