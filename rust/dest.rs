@@ -133,6 +133,49 @@ impl ElemSink for StridedSink {
     }
 }
 
+/// Same-dtype dense runs of at least this many bytes are copied with streaming stores ([`stream_copy`]):
+/// +40% on a warm full load and +20-30% on Shard(0) rows here; 1 KiB column runs gain nothing (their cost is
+/// the page-strided source), so they keep the cached copy (docs/perf-notes.md, "streaming stores").
+const STREAM_MIN: usize = 4096;
+
+/// Copies `src` into `dst` (same length) with non-temporal stores: the destination of a load is not read
+/// again soon, and streaming stores skip reading each destination cache line before overwriting it.
+pub(crate) fn stream_copy(dst: &mut [u8], src: &[u8]) {
+    assert_eq!(dst.len(), src.len(), "stream_copy needs equal lengths");
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
+        let n = dst.len();
+        let head = ((16 - (dst.as_ptr() as usize & 15)) & 15).min(n);
+        dst[..head].copy_from_slice(&src[..head]);
+        let body = (n - head) / 64 * 64;
+        // SAFETY: `head..head + body` lies inside both slices (checked lengths above); the destination
+        // pointer at `head` is 16-byte aligned as `_mm_stream_si128` requires; loads are unaligned. SSE2 is
+        // part of the x86_64 baseline. `_mm_sfence` orders the streaming stores before the return, so the
+        // bytes are visible to whoever observes this thread's completion.
+        unsafe {
+            let s = src.as_ptr().add(head);
+            let d = dst.as_mut_ptr().add(head);
+            let mut i = 0;
+            while i < body {
+                let sp = s.add(i) as *const __m128i;
+                let dp = d.add(i) as *mut __m128i;
+                let (a, b) = (_mm_loadu_si128(sp), _mm_loadu_si128(sp.add(1)));
+                let (c, e) = (_mm_loadu_si128(sp.add(2)), _mm_loadu_si128(sp.add(3)));
+                _mm_stream_si128(dp, a);
+                _mm_stream_si128(dp.add(1), b);
+                _mm_stream_si128(dp.add(2), c);
+                _mm_stream_si128(dp.add(3), e);
+                i += 64;
+            }
+            _mm_sfence();
+        }
+        dst[head + body..].copy_from_slice(&src[head + body..]);
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    dst.copy_from_slice(src);
+}
+
 /// Writes every repetition of a run from `src`, which starts at the run's first source byte and spans
 /// at least [`Run::src_extent`] bytes.
 pub(crate) fn write_run(run: &Run, src: &[u8]) {
@@ -143,6 +186,11 @@ pub(crate) fn write_run(run: &Run, src: &[u8]) {
     let src_stride = run.src_stride as usize;
     let rep_src = |r: u64| &src[r as usize * src_step..][..extent];
     match (run.dst_is_dense(), run.src_is_dense()) {
+        (true, true) if sd == dd && extent >= STREAM_MIN => {
+            for r in 0..run.reps {
+                with_dense_rep(run, r, |out| stream_copy(out, rep_src(r)));
+            }
+        }
         (true, true) => {
             for r in 0..run.reps {
                 with_dense_rep(run, r, |out| cast_dense(sd, dd, rep_src(r), out));
@@ -165,6 +213,25 @@ pub(crate) fn write_run(run: &Run, src: &[u8]) {
                 };
                 cast_strided(sd, dd, rep_src(r), src_stride, count, &mut sink);
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Streaming copies equal plain copies for every length and both alignments, and write nothing
+        /// outside the destination slice.
+        #[test]
+        fn stream_copy_equals_copy(len in 0usize..9000, src_off in 0usize..64, dst_off in 0usize..64, seed: u8) {
+            let src: Vec<u8> = (0..len + src_off).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect();
+            let mut out = vec![0xa5u8; len + dst_off + 64];
+            stream_copy(&mut out[dst_off..dst_off + len], &src[src_off..]);
+            prop_assert_eq!(&out[dst_off..dst_off + len], &src[src_off..]);
+            prop_assert!(out[..dst_off].iter().chain(&out[dst_off + len..]).all(|&b| b == 0xa5));
         }
     }
 }
