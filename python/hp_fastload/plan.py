@@ -602,12 +602,13 @@ def plan_load(*args: Any, **kwargs: Any) -> LoadPlan:
     Planning a 100k-tensor checkpoint allocates a few hundred thousand small objects, which would trigger
     several full collections of everything the process holds (a model, torch's modules) for nothing.
     """
-    with _gc_paused():
+    with gc_paused():
         return _plan_load(*args, **kwargs)
 
 
 @contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
+def gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector (restored to its previous state on exit)."""
     enabled = gc.isenabled()
     gc.disable()
     try:
