@@ -28,6 +28,8 @@ use crate::region::{plan, Item, Run};
 
 /// Fraction of needed pages that must be cached for `auto` to pick `mmap`.
 pub const AUTO_MMAP_RESIDENT: f64 = 0.9;
+/// Worker threads per requested thread when some file is read with `pread` (waiting on storage).
+pub const IO_THREAD_FACTOR: usize = 2;
 /// Most threads used by default.
 pub const MAX_DEFAULT_THREADS: usize = 16;
 /// Default [`ExecOptions::pread_gap`]: 64 KiB. A cold Shard(1) slice is read through its gaps anyway by the
@@ -79,7 +81,8 @@ impl FromStr for Backend {
 /// Knobs of one [`execute`] call.
 #[derive(Clone, Debug)]
 pub struct ExecOptions {
-    /// Worker threads; `None` = available parallelism capped at [`MAX_DEFAULT_THREADS`].
+    /// Worker threads; `None` = available parallelism capped at [`MAX_DEFAULT_THREADS`]. When some file is
+    /// read with `pread` (not cached), [`IO_THREAD_FACTOR`] times as many run (they wait on storage).
     pub threads: Option<usize>,
     /// Backend choice.
     pub backend: Backend,
@@ -200,7 +203,14 @@ pub fn execute(
         .iter()
         .map(|r| r.reps * (r.count * r.dst_dtype.bits()).div_ceil(8))
         .sum();
-    stats.threads = threads.min(tasks.len());
+    // Reads that go to storage (pread: the pages are not cached) wait on the device, not on a core: twice
+    // the threads keep more requests in flight (cold full read here: 0.84 -> 1.3 GB/s, docs/perf-notes.md
+    // "cold I/O threads").
+    let workers = match uses_pread {
+        true => (threads * IO_THREAD_FACTOR).clamp(threads, MAX_DEFAULT_THREADS.max(threads)),
+        false => threads,
+    };
+    stats.threads = workers.min(tasks.len());
     stats.bytes_read_from_files = run_tasks(&tasks, &pieces, &sources, files, stats.threads)?;
     Ok(stats)
 }
@@ -845,7 +855,8 @@ mod tests {
                 };
                 let dest = [DestBuf::from_mut_slice(&mut out, Dtype::F32)];
                 let stats = execute(std::slice::from_ref(&h), &dest, &[item], &opts).unwrap();
-                assert_eq!(stats.threads, 2, "{stats:?}");
+                let want = if backend == Backend::Pread { 4 } else { 2 };
+                assert_eq!(stats.threads, want.min(stats.spans), "{stats:?}");
                 assert_eq!(stats.backend, backend.name());
                 results.push(out);
             }
