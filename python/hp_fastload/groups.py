@@ -243,8 +243,15 @@ def build_groups(
             renamed[i], matched[i] = new_key, (rule.rule, matched_pattern)
     groups: dict[str, LoadGroup] = {}
     unexpected: list[str] = []
+    # ``_prefix_normalize`` keeps a name that starts with the prefix once when every target starts with it
+    # exactly once (the stripped name and the doubled one cannot be targets): skip the call for those.
+    dotted = f"{base_model_prefix}." if base_model_prefix else ""
+    doubled = dotted + dotted
+    all_prefixed = bool(dotted) and all(t.startswith(dotted) and not t.startswith(doubled) for t in targets)
     for i, key in enumerate(originals):
-        target = _prefix_normalize(renamed[i], base_model_prefix, targets) if base_model_prefix else renamed[i]
+        target = renamed[i]
+        if base_model_prefix and not (all_prefixed and target.startswith(dotted) and not target.startswith(doubled)):
+            target = _prefix_normalize(target, base_model_prefix, targets)
         hit = matched[i]
         converter: Any = hit[0] if hit is not None else None
         pattern = hit[1] if hit is not None else None
