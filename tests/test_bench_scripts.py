@@ -124,3 +124,20 @@ def test_gpu_check_cpu_path(tmp_path: Path) -> None:
             assert r["gbps"] > 0
     assert got[("hp_fastload", "cold")]["cold_verified"] is True
     assert (out / "gpu_check.md").is_file()
+
+
+def test_direct_io_floor_reports_iops(tmp_path: Path) -> None:
+    path = tmp_path / "blob.bin"
+    path.write_bytes(os.urandom(1 << 20))
+    proc = subprocess.run(
+        [sys.executable, str(BENCHES / "direct_io_floor.py"), str(path), "--threads", "1,2", "--seconds", "0.2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("threads")]
+    assert len(lines) == 2, proc.stdout
+    for line in lines:
+        iops = float(line.split(":")[1].split("IOPS")[0])
+        assert iops > 0, line
