@@ -415,6 +415,34 @@ fn parse_tensor(name: String, entry: Entry) -> Result<TensorInfo, String> {
     })
 }
 
+/// The visitor methods of a value that is not a JSON object: kept whole (as [`StrictVisitor`] builds it) in
+/// `$ty::Other`, for the error message that names what was found instead.
+macro_rules! non_object_values {
+    ($ty:ident) => {
+        fn visit_bool<E: de::Error>(self, v: bool) -> Result<$ty, E> {
+            StrictVisitor.visit_bool(v).map($ty::Other)
+        }
+        fn visit_i64<E: de::Error>(self, v: i64) -> Result<$ty, E> {
+            StrictVisitor.visit_i64(v).map($ty::Other)
+        }
+        fn visit_u64<E: de::Error>(self, v: u64) -> Result<$ty, E> {
+            StrictVisitor.visit_u64(v).map($ty::Other)
+        }
+        fn visit_f64<E: de::Error>(self, v: f64) -> Result<$ty, E> {
+            StrictVisitor.visit_f64(v).map($ty::Other)
+        }
+        fn visit_str<E: de::Error>(self, v: &str) -> Result<$ty, E> {
+            StrictVisitor.visit_str(v).map($ty::Other)
+        }
+        fn visit_unit<E: de::Error>(self) -> Result<$ty, E> {
+            Ok($ty::Other(Value::Null))
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<$ty, A::Error> {
+            StrictVisitor.visit_seq(seq).map($ty::Other)
+        }
+    };
+}
+
 /// The fields of a tensor entry that the format defines, in [`Entry::Fields`] order.
 const FIELDS: [&str; 3] = ["dtype", "shape", "data_offsets"];
 
@@ -452,27 +480,7 @@ impl<'de> Deserialize<'de> for Entry {
                 }
                 Ok(Entry::Fields(fields))
             }
-            fn visit_bool<E: de::Error>(self, v: bool) -> Result<Entry, E> {
-                StrictVisitor.visit_bool(v).map(Entry::Other)
-            }
-            fn visit_i64<E: de::Error>(self, v: i64) -> Result<Entry, E> {
-                StrictVisitor.visit_i64(v).map(Entry::Other)
-            }
-            fn visit_u64<E: de::Error>(self, v: u64) -> Result<Entry, E> {
-                StrictVisitor.visit_u64(v).map(Entry::Other)
-            }
-            fn visit_f64<E: de::Error>(self, v: f64) -> Result<Entry, E> {
-                StrictVisitor.visit_f64(v).map(Entry::Other)
-            }
-            fn visit_str<E: de::Error>(self, v: &str) -> Result<Entry, E> {
-                StrictVisitor.visit_str(v).map(Entry::Other)
-            }
-            fn visit_unit<E: de::Error>(self) -> Result<Entry, E> {
-                Ok(Entry::Other(Value::Null))
-            }
-            fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Entry, A::Error> {
-                StrictVisitor.visit_seq(seq).map(Entry::Other)
-            }
+            non_object_values!(Entry);
         }
         d.deserialize_any(V)
     }
@@ -515,27 +523,7 @@ impl<'de> Deserialize<'de> for Top {
                 }
                 Ok(Top::Object { entries, metadata })
             }
-            fn visit_bool<E: de::Error>(self, v: bool) -> Result<Top, E> {
-                StrictVisitor.visit_bool(v).map(Top::Other)
-            }
-            fn visit_i64<E: de::Error>(self, v: i64) -> Result<Top, E> {
-                StrictVisitor.visit_i64(v).map(Top::Other)
-            }
-            fn visit_u64<E: de::Error>(self, v: u64) -> Result<Top, E> {
-                StrictVisitor.visit_u64(v).map(Top::Other)
-            }
-            fn visit_f64<E: de::Error>(self, v: f64) -> Result<Top, E> {
-                StrictVisitor.visit_f64(v).map(Top::Other)
-            }
-            fn visit_str<E: de::Error>(self, v: &str) -> Result<Top, E> {
-                StrictVisitor.visit_str(v).map(Top::Other)
-            }
-            fn visit_unit<E: de::Error>(self) -> Result<Top, E> {
-                Ok(Top::Other(Value::Null))
-            }
-            fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Top, A::Error> {
-                StrictVisitor.visit_seq(seq).map(Top::Other)
-            }
+            non_object_values!(Top);
         }
         d.deserialize_any(V)
     }
