@@ -243,14 +243,20 @@ def build_groups(
             renamed[i], matched[i] = new_key, (rule.rule, matched_pattern)
     groups: dict[str, LoadGroup] = {}
     unexpected: list[str] = []
-    # ``_prefix_normalize`` keeps a name that starts with the prefix once when every target starts with it
-    # exactly once (the stripped name and the doubled one cannot be targets): skip the call for those.
+    # ``_prefix_normalize`` without the call for the usual name, one that carries the prefix once: it can only
+    # lose the prefix (when the rest is a target without it, like ``lm_head.weight``) unless some target
+    # carries the prefix twice.
     dotted = f"{base_model_prefix}." if base_model_prefix else ""
     doubled = dotted + dotted
-    all_prefixed = bool(dotted) and all(t.startswith(dotted) and not t.startswith(doubled) for t in targets)
+    fast = bool(dotted) and not any(t.startswith(doubled) for t in targets)
+    bare = {t for t in targets if not t.startswith(dotted)} if fast else set()
+    cut = len(dotted)
     for i, key in enumerate(originals):
         target = renamed[i]
-        if base_model_prefix and not (all_prefixed and target.startswith(dotted) and not target.startswith(doubled)):
+        if fast and target.startswith(dotted) and not target.startswith(doubled):
+            if bare and target[cut:] in bare:
+                target = target[cut:]
+        elif base_model_prefix:
             target = _prefix_normalize(target, base_model_prefix, targets)
         hit = matched[i]
         converter: Any = hit[0] if hit is not None else None

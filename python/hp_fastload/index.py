@@ -146,9 +146,11 @@ class CheckpointIndex:
         for name, file in zip(names, _open_all([root / name for name in names]), strict=True):
             opened[name] = file
             _refuse_torch_sharded(file)
-        for file in opened.values():
-            key_files.update(dict.fromkeys(file._entries, file))  # every key its header has, in C
-        if len(key_files) != len(weight_map) or any(key_files.get(k) is not opened[n] for k, n in weight_map.items()):
+        listed: dict[str, str] = {}
+        for name, file in opened.items():  # what the headers say, compared with the weight_map in C
+            listed.update(dict.fromkeys(file._entries, name))
+            key_files.update(dict.fromkeys(file._entries, file))
+        if listed != weight_map:
             key_files = {}
             for key, name in weight_map.items():
                 file = opened[name]
