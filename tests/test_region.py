@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import pickle
 import random
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -489,21 +488,18 @@ def test_transformers_ernie_and_conv3d_ops() -> None:
     _check_ops(lambda: [LinearToConv3d(3, (2, 2, 2))], {"proj": [("proj", (4, 24), torch.float32)]}, ["proj"], ["c"])
 
 
-def test_conversion_trace_is_fast_and_coarse() -> None:
+def test_conversion_trace_is_coarse() -> None:
+    """Stacking 256 experts gives one block per source, and splitting back touches only the blocks each
+    chunk can reach (speed is measured by benches/compare.py, "planning")."""
     n, rows, cols = 256, 16, 8
     inputs = {
         "gate_proj": [RegionTensor.leaf(f"e.{i}.gate", (rows, cols), torch.bfloat16) for i in range(n)],
         "up_proj": [RegionTensor.leaf(f"e.{i}.up", (rows, cols), torch.bfloat16) for i in range(n)],
     }
-    t0 = time.perf_counter()
     out = _run_ops([MergeModulelist(dim=0), Concatenate(dim=1)], inputs, ["gate_proj", "up_proj"], ["gu"])["gu"]
-    elapsed = time.perf_counter() - t0
     assert out.shape == (n, 2 * rows, cols) and len(out.blocks) == 2 * n
-    assert elapsed < 1.0, elapsed  # ~2 ms in practice; generous for loaded CI machines
-    # Splitting it back is cheap too (each chunk only looks at the blocks it can touch).
-    t0 = time.perf_counter()
     parts = _run_ops([Chunk(dim=1), SplitModulelist(dim=0)], {"gu": [out]}, ["gu"], ["e.*.g", "e.*.u"])
-    assert len(parts) == 2 * n and time.perf_counter() - t0 < 2.0
+    assert len(parts) == 2 * n and all(len(p.blocks) == 1 for p in parts.values())
     assert parts["e.7.u"].blocks[0].source == "e.7.up"
 
 

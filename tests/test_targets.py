@@ -285,17 +285,14 @@ def test_region_helpers() -> None:
         region.contains((0,), (1,))
 
 
-def test_regions_are_cached_and_fast() -> None:
+def test_regions_are_cached() -> None:
     layouts = [
         ((4096 + i, 1024), (4, 2), (i % 4, i % 2), (_StridedShard(0, split_factor=2), Shard(0))) for i in range(50)
     ]
     first = [local_region(*lay) for lay in layouts]
-    t0 = time.perf_counter()
-    for _ in range(2000):
+    for _ in range(3):
         for lay, region in zip(layouts, first, strict=True):
-            assert local_region(*lay) is region
-    per_100k = (time.perf_counter() - t0) / (2000 * 50) * 100_000
-    assert per_100k < 1.0, f"{per_100k:.2f}s per 100k cached local_region calls"
+            assert local_region(*lay) is region  # a cache hit: the same object, no recomputation
 
 
 def test_build_targets_plain_model() -> None:
@@ -370,15 +367,24 @@ def test_sharding_spec_plain_tensor_is_an_error() -> None:
     assert targets["bias"].error is None
 
 
-def test_build_targets_speed() -> None:
-    n_layers = 2000
-    model = nn.Sequential(*(nn.Linear(2, 2) for _ in range(n_layers)))
-    t0 = time.perf_counter()
-    targets = build_targets(model)
-    elapsed = time.perf_counter() - t0
-    assert len(targets) == 2 * n_layers
-    per_100k = elapsed / len(targets) * 100_000
-    assert per_100k < 5.0, f"{per_100k:.2f}s per 100k plain targets"
+def test_build_targets_is_linear_in_the_number_of_targets() -> None:
+    """Work (Python calls, counted by cProfile: deterministic, unlike a wall clock on a shared box) grows
+    linearly with the number of targets; the speed itself is measured by benches/compare.py ("planning")."""
+    import cProfile
+    import pstats
+
+    def calls(n_layers: int) -> int:
+        model = nn.Sequential(*(nn.Linear(2, 2) for _ in range(n_layers)))
+        profile = cProfile.Profile()
+        profile.enable()
+        targets = build_targets(model)
+        profile.disable()
+        assert len(targets) == 2 * n_layers
+        return int(pstats.Stats(profile).total_calls)  # type: ignore[attr-defined]
+
+    small, large = calls(500), calls(2000)
+    assert large <= 4.4 * small, (small, large)
+    assert large / (2 * 2000) < 50, f"{large / 4000:.0f} Python calls per target"
 
 
 # ---------------------------------------------------------------------------------------------------------
