@@ -154,13 +154,13 @@ class _Batch:
         header_pos = self._header_pos
         headers = self.headers
         extend = self.items.extend
+        source = index.source
         for item in items:
-            entry = index.entry(item.source)
+            file, dtype = source(item.source)
             lengths = item.lengths
             ndim = len(lengths)
             if ndim > MAX_NDIM:
                 raise PlanError(f"{item.source}: a read of {ndim} dims exceeds the engine's {MAX_NDIM}")
-            file = entry.file
             header = file.header
             file_pos = header_pos.get(id(header))
             if file_pos is None:
@@ -188,7 +188,7 @@ class _Batch:
                     *pad,
                 )
             )
-            self.nbytes += numel * entry.dtype.itemsize
+            self.nbytes += numel * dtype.itemsize
         self.count += len(items)
 
     def run(self, threads: int | None, backend: str | None, stats: ExecStats) -> None:
@@ -296,7 +296,7 @@ def _add_target_items(
     casts: dict[torch.dtype, bool] = {}
     direct: list[ReadItem] = []
     for item in items:
-        src_dtype = index.entry(item.source).dtype
+        src_dtype = index.source(item.source)[1]
         engine_casts = casts.get(src_dtype)
         if engine_casts is None:
             engine_casts = casts[src_dtype] = _engine_casts(src_dtype, dest.dtype)

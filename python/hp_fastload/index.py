@@ -186,6 +186,18 @@ class CheckpointIndex:
         facts = file._entries[key]
         return facts[2], facts[1]
 
+    def source(self, key: str) -> tuple[SafetensorsFile, torch.dtype]:
+        """``(file, torch dtype)`` of ``key`` without building its :class:`TensorEntry` (packing a 20k-tensor
+        MoE's reads needs only these)."""
+        file = self._files.get(key)
+        if file is None:
+            raise KeyError(f"checkpoint key is not indexed: {key}")
+        name = file._entries[key][1]
+        dtype = self._dtypes.get(name)
+        if dtype is None:
+            dtype = self._dtypes[name] = file.torch_dtype(key)
+        return file, dtype
+
     def entry(self, key: str) -> TensorEntry:
         entry = self._entries.get(key)
         if entry is not None:

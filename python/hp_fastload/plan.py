@@ -121,10 +121,11 @@ class LoadPlan:
     def read_bytes_by_file(self) -> dict[str, int]:
         """Bytes of source data this rank's region reads need, per checkpoint file."""
         out: dict[str, int] = {}
+        source = self.index.source
         for _, items in self.region_reads.values():
             for item in items:
-                entry = self.index.entry(item.source)
-                out[entry.file.path] = out.get(entry.file.path, 0) + item.numel * entry.dtype.itemsize
+                file, dtype = source(item.source)
+                out[file.path] = out.get(file.path, 0) + item.numel * dtype.itemsize
         for deferred in self.deferred:
             for key in deferred.keys:
                 entry = self.index.entry(key)
