@@ -27,6 +27,16 @@ from pathlib import Path
 from typing import Any
 
 
+def attention_keys(p: str, h: int, q: int, kv: int) -> list[tuple[str, tuple[int, ...]]]:
+    """HF q/k/v/o projection names and shapes of the layer prefixed ``p`` (file order)."""
+    return [
+        (f"{p}.self_attn.q_proj.weight", (q, h)),
+        (f"{p}.self_attn.k_proj.weight", (kv, h)),
+        (f"{p}.self_attn.v_proj.weight", (kv, h)),
+        (f"{p}.self_attn.o_proj.weight", (h, q)),
+    ]
+
+
 def llama_keys(h: int, q: int, kv: int, inter: int, vocab: int, layers: int) -> list[tuple[str, tuple[int, ...]]]:
     """HF Llama tensor names and shapes (hidden ``h``, q/kv projection widths, MLP width), in file order."""
     keys: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (vocab, h))]
@@ -34,10 +44,7 @@ def llama_keys(h: int, q: int, kv: int, inter: int, vocab: int, layers: int) -> 
         p = f"model.layers.{i}"
         keys += [
             (f"{p}.input_layernorm.weight", (h,)),
-            (f"{p}.self_attn.q_proj.weight", (q, h)),
-            (f"{p}.self_attn.k_proj.weight", (kv, h)),
-            (f"{p}.self_attn.v_proj.weight", (kv, h)),
-            (f"{p}.self_attn.o_proj.weight", (h, q)),
+            *attention_keys(p, h, q, kv),
             (f"{p}.post_attention_layernorm.weight", (h,)),
             (f"{p}.mlp.gate_proj.weight", (inter, h)),
             (f"{p}.mlp.up_proj.weight", (inter, h)),
@@ -45,6 +52,21 @@ def llama_keys(h: int, q: int, kv: int, inter: int, vocab: int, layers: int) -> 
         ]
     keys += [("model.norm.weight", (h,)), ("lm_head.weight", (vocab, h))]
     return keys
+
+
+def shard_groups(sizes: list[int], shards: int) -> list[list[int]]:
+    """Tensor indices per shard file, in order: a new shard starts once the current one holds 1/shards of
+    the bytes (what ``save_pretrained``'s size-capped sharding does, at most ``shards`` files)."""
+    budget = sum(sizes) / shards
+    groups: list[list[int]] = [[]]
+    acc = 0.0
+    for i, n in enumerate(sizes):
+        if acc >= budget and len(groups) < shards:
+            groups.append([])
+            acc = 0.0
+        groups[-1].append(i)
+        acc += n
+    return groups
 
 
 PAGE = os.sysconf("SC_PAGE_SIZE")

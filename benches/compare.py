@@ -141,10 +141,7 @@ def moe_keys(c: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
         p = f"model.layers.{i}"
         keys += [
             (f"{p}.input_layernorm.weight", (h,)),
-            (f"{p}.self_attn.q_proj.weight", (q, h)),
-            (f"{p}.self_attn.k_proj.weight", (kv, h)),
-            (f"{p}.self_attn.v_proj.weight", (kv, h)),
-            (f"{p}.self_attn.o_proj.weight", (h, q)),
+            *_peers.attention_keys(p, h, q, kv),
             (f"{p}.self_attn.q_norm.weight", (hd,)),
             (f"{p}.self_attn.k_norm.weight", (hd,)),
             (f"{p}.post_attention_layernorm.weight", (h,)),
@@ -244,15 +241,7 @@ def write_checkpoint(
     gen = torch.Generator().manual_seed(seed)
     dtypes = {"BF16": torch.bfloat16, "F32": torch.float32}
     sizes = [math.prod(s) * dtypes[d].itemsize for _, s, d in keys]
-    budget = sum(sizes) / shards
-    groups: list[list[int]] = [[]]
-    acc = 0.0
-    for i, n in enumerate(sizes):
-        if acc >= budget and len(groups) < shards:
-            groups.append([])
-            acc = 0.0
-        groups[-1].append(i)
-        acc += n
+    groups = _peers.shard_groups(sizes, shards)
     weight_map: dict[str, str] = {}
     for g, idx in enumerate(groups):
         name = f"model-{g + 1:05d}-of-{len(groups):05d}.safetensors"

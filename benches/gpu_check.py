@@ -82,15 +82,7 @@ def write_checkpoint(path: Path, keys: list[tuple[str, tuple[int, ...]]], shards
     shutil.rmtree(path, ignore_errors=True)
     path.mkdir(parents=True)
     sizes = [math.prod(s) * 2 for _, s in keys]
-    budget = sum(sizes) / shards
-    groups: list[list[int]] = [[]]
-    acc = 0.0
-    for i, n in enumerate(sizes):
-        if acc >= budget and len(groups) < shards:
-            groups.append([])
-            acc = 0.0
-        groups[-1].append(i)
-        acc += n
+    groups = _peers.shard_groups(sizes, shards)
     gen = torch.Generator(device=device).manual_seed(0)
     sums: dict[str, list[int]] = {}
     files: dict[str, list[str]] = {}
