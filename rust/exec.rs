@@ -204,8 +204,9 @@ pub fn execute(
         .map(|r| r.reps * (r.count * r.dst_dtype.bits()).div_ceil(8))
         .sum();
     // Reads that go to storage (pread: the pages are not cached) wait on the device, not on a core: twice
-    // the threads keep more requests in flight (cold full read here: 0.84 -> 1.3 GB/s, docs/perf-notes.md
-    // "cold I/O threads").
+    // the threads keep more requests in flight. Plain 8 MiB preads went 0.84 -> 1.3 GB/s cold here; with the
+    // engine's WILLNEED look-ahead it measured a tie on this disk (docs/perf-notes.md, "Cold reads"), kept
+    // for devices with deeper queues.
     let workers = match uses_pread {
         true => (threads * IO_THREAD_FACTOR).clamp(threads, MAX_DEFAULT_THREADS.max(threads)),
         false => threads,

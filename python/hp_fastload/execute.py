@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from . import _core
-from .engine import safetensors_dtype_name
+from .engine import SafetensorsFile, safetensors_dtype_name
 from .errors import PlanError
 from .index import CheckpointIndex
 from .plan import DeferredGroup, LoadPlan, ReadItem
@@ -67,14 +67,13 @@ class _Batch:
         self.nbytes = 0
         self.count = 0
 
-    def _file(self, file: Any, key: str) -> tuple[int, int]:
+    def _file(self, file: SafetensorsFile) -> int:
         header = file.header
         pos = self._header_pos.get(id(header))
         if pos is None:
             pos = self._header_pos[id(header)] = len(self.headers)
             self.headers.append(header)
-        entries = getattr(file, "_entries", None)
-        return pos, (entries[key][0] if entries is not None else header.index(key))
+        return pos
 
     def _dest(self, tensor: torch.Tensor) -> int:
         storage = tensor.untyped_storage()
@@ -104,7 +103,7 @@ class _Batch:
 
     def add_from(
         self,
-        file: Any,
+        file: SafetensorsFile,
         key: str,
         storage_base: int,
         storage_strides: Sequence[int],
@@ -112,24 +111,64 @@ class _Batch:
         dest: torch.Tensor,
         dest_offsets: Sequence[int],
     ) -> None:
-        """Like ``add`` with the file given (a ``SafetensorsFile``), for readers without an index."""
+        """Like ``add`` with the file given, for readers without an index."""
+        self._append(
+            file,
+            key,
+            file.torch_dtype(key).itemsize,
+            storage_base,
+            storage_strides,
+            lengths,
+            (self._dest(dest), tuple(dest.stride()), int(dest.storage_offset())),
+            dest_offsets,
+        )
+
+    def add_boxes(self, items: Sequence[ReadItem], dest: torch.Tensor) -> None:
+        """Many boxes into one destination (a target's local tensor or its staging buffer), no casts to
+        finish in torch: the per-destination work is done once (a stacked-experts target has ~10^3 boxes)."""
+        index = self.index
+        assert index is not None
+        target = (self._dest(dest), tuple(dest.stride()), int(dest.storage_offset()))
+        for item in items:
+            file, dtype = index.source(item.source)
+            self._append(
+                file,
+                item.source,
+                dtype.itemsize,
+                item.storage_base,
+                item.storage_strides,
+                item.lengths,
+                target,
+                item.dest_offsets,
+            )
+
+    def _append(
+        self,
+        file: SafetensorsFile,
+        key: str,
+        itemsize: int,
+        storage_base: int,
+        storage_strides: Sequence[int],
+        lengths: Sequence[int],
+        dest: tuple[int, tuple[int, ...], int],
+        dest_offsets: Sequence[int],
+    ) -> None:
+        """Packs one item; ``dest`` is (destination position, strides, storage offset) of the destination."""
         ndim = len(lengths)
         if ndim > MAX_NDIM:
             raise PlanError(f"{key}: a read of {ndim} dims exceeds the engine's {MAX_NDIM}")
-        file_pos, tensor_pos = self._file(file, key)
-        dest_strides = dest.stride()
-        dst_base = int(dest.storage_offset())
+        dest_pos, dest_strides, dst_base = dest
         numel = 1
-        for o, s, n in zip(dest_offsets, dest_strides, lengths, strict=True):
-            dst_base += o * s
+        for o, st, n in zip(dest_offsets, dest_strides, lengths, strict=True):
+            dst_base += o * st
             numel *= n
         pad = _PAD[MAX_NDIM - ndim]
         self.items.extend(
             (
-                file_pos,
-                tensor_pos,
+                self._file(file),
+                file.tensor_index(key),
                 storage_base,
-                self._dest(dest),
+                dest_pos,
                 dst_base,
                 ndim,
                 *lengths,
@@ -140,56 +179,8 @@ class _Batch:
                 *pad,
             )
         )
-        self.nbytes += numel * file.torch_dtype(key).itemsize
+        self.nbytes += numel * itemsize
         self.count += 1
-
-    def add_boxes(self, items: Sequence[ReadItem], dest: torch.Tensor) -> None:
-        """Many boxes into one destination (a target's local tensor or its staging buffer), no casts to
-        finish in torch: the per-destination work is done once (a stacked-experts target has ~10^3 boxes)."""
-        index = self.index
-        assert index is not None
-        dest_pos = self._dest(dest)
-        dest_strides = tuple(dest.stride())
-        dest_base = int(dest.storage_offset())
-        header_pos = self._header_pos
-        headers = self.headers
-        extend = self.items.extend
-        source = index.source
-        for item in items:
-            file, dtype = source(item.source)
-            lengths = item.lengths
-            ndim = len(lengths)
-            if ndim > MAX_NDIM:
-                raise PlanError(f"{item.source}: a read of {ndim} dims exceeds the engine's {MAX_NDIM}")
-            header = file.header
-            file_pos = header_pos.get(id(header))
-            if file_pos is None:
-                file_pos = header_pos[id(header)] = len(headers)
-                headers.append(header)
-            dst_base = dest_base
-            numel = 1
-            for o, st, n in zip(item.dest_offsets, dest_strides, lengths, strict=True):
-                dst_base += o * st
-                numel *= n
-            pad = _PAD[MAX_NDIM - ndim]
-            extend(
-                (
-                    file_pos,
-                    file._entries[item.source][0],
-                    item.storage_base,
-                    dest_pos,
-                    dst_base,
-                    ndim,
-                    *lengths,
-                    *pad,
-                    *item.storage_strides,
-                    *pad,
-                    *dest_strides,
-                    *pad,
-                )
-            )
-            self.nbytes += numel * dtype.itemsize
-        self.count += len(items)
 
     def run(self, threads: int | None, backend: str | None, stats: ExecStats) -> None:
         if self.count:

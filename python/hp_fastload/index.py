@@ -177,21 +177,22 @@ class CheckpointIndex:
     def __iter__(self) -> Iterator[str]:
         return iter(self._keys)
 
-    def facts(self, key: str) -> tuple[tuple[int, ...], str]:
-        """``(shape, safetensors dtype name)`` of ``key``, without building its :class:`TensorEntry` (a
-        100k-key MoE's trace-cache signatures need only these)."""
+    def _file_of(self, key: str) -> SafetensorsFile:
         file = self._files.get(key)
         if file is None:
             raise KeyError(f"checkpoint key is not indexed: {key}")
-        facts = file._entries[key]
+        return file
+
+    def facts(self, key: str) -> tuple[tuple[int, ...], str]:
+        """``(shape, safetensors dtype name)`` of ``key``, without building its :class:`TensorEntry` (a
+        100k-key MoE's trace-cache signatures need only these)."""
+        facts = self._file_of(key)._entries[key]
         return facts[2], facts[1]
 
     def source(self, key: str) -> tuple[SafetensorsFile, torch.dtype]:
         """``(file, torch dtype)`` of ``key`` without building its :class:`TensorEntry` (packing a 20k-tensor
         MoE's reads needs only these)."""
-        file = self._files.get(key)
-        if file is None:
-            raise KeyError(f"checkpoint key is not indexed: {key}")
+        file = self._file_of(key)
         name = file._entries[key][1]
         dtype = self._dtypes.get(name)
         if dtype is None:
@@ -202,13 +203,8 @@ class CheckpointIndex:
         entry = self._entries.get(key)
         if entry is not None:
             return entry
-        file = self._files.get(key)
-        if file is None:
-            raise KeyError(f"checkpoint key is not indexed: {key}")
-        _, name, shape, begin, end = file._entries[key]
-        dtype = self._dtypes.get(name)
-        if dtype is None:
-            dtype = self._dtypes[name] = file.torch_dtype(key)
+        file, dtype = self.source(key)
+        _, _, shape, begin, end = file._entries[key]
         entry = self._entries[key] = TensorEntry(key, file, dtype, shape, end - begin)
         return entry
 
@@ -220,13 +216,11 @@ class CheckpointIndex:
 def _open_all(paths: list[Path]) -> list[SafetensorsFile]:
     """Open (parse) several shard headers at once: the Rust parser runs without the GIL, so a
     many-shard checkpoint's headers are parsed in parallel. Order and the first error are kept."""
-    if len(paths) < 2:
-        return [open_file(p) for p in paths]
-    from concurrent.futures import ThreadPoolExecutor
-
     workers = min(len(paths), len(os.sched_getaffinity(0)), 8)
     if workers < 2:
         return [open_file(p) for p in paths]
+    from concurrent.futures import ThreadPoolExecutor
+
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hp_fastload-header") as pool:
         return list(pool.map(open_file, paths))
 
