@@ -42,10 +42,27 @@ impl MapSlot {
     }
 }
 
+/// Maps at least this large are unmapped on a short-lived thread by [`MapSlot::clear`].
+pub(crate) const BACKGROUND_UNMAP_MIN: usize = 64 << 20;
+
 impl MapSlot {
     /// Forgets the kept map (it is unmapped once no running read uses it).
+    ///
+    /// Unmapping a populated map tears down one page-table entry per resident page: ~20 ms for 2.6 GB, 7% of
+    /// a rank's warm load (docs/perf-notes.md, "Unmapping off the critical path"). When this slot holds the
+    /// last reference to a large map, the `munmap` runs on a short-lived thread, so the caller does not
+    /// wait for it. A thread per call rather than one long-lived thread: a process forked after the
+    /// first call would otherwise hand its maps to a thread it does not have. If the thread cannot be
+    /// started, the map is dropped here.
     pub(crate) fn clear(&self) {
-        self.0.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let taken = self.0.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let Some(map) = taken else { return };
+        if Arc::strong_count(&map) > 1 || map.mapped_bytes() < BACKGROUND_UNMAP_MIN {
+            return; // a running read unmaps it when it finishes, or it is cheap to unmap here
+        }
+        let _ = std::thread::Builder::new()
+            .name("hp_fastload-unmap".into())
+            .spawn(move || drop(map));
     }
 }
 
@@ -71,6 +88,11 @@ pub struct Mapping {
 }
 
 impl Mapping {
+    /// Bytes mapped.
+    pub(crate) fn mapped_bytes(&self) -> usize {
+        self.map.len()
+    }
+
     /// Maps `len` bytes of `file`; the caller has checked that the file has at least `len` bytes.
     pub(crate) fn new(file: &File, len: u64, path: &Path) -> Result<Mapping, LoadError> {
         let len = usize::try_from(len).map_err(|_| LoadError::request("file too large to map"))?;
@@ -184,4 +206,72 @@ pub(crate) fn read_exact_at(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Weak;
+    use std::time::{Duration, Instant};
+
+    fn sparse_file(len: u64) -> (tempfile::TempDir, File) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("sparse.bin");
+        let file = File::create(&path).unwrap();
+        file.set_len(len).unwrap();
+        (dir, File::open(&path).unwrap())
+    }
+
+    fn gone_within(weak: &Weak<Mapping>, limit: Duration) -> bool {
+        let start = Instant::now();
+        while weak.upgrade().is_some() {
+            if start.elapsed() > limit {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        true
+    }
+
+    #[test]
+    fn clear_unmaps_a_large_map_in_the_background_and_keeps_one_in_use() {
+        let len = BACKGROUND_UNMAP_MIN as u64 + 4096;
+        let (dir, file) = sparse_file(len);
+        let slot = MapSlot::default();
+        let path = dir.path().join("sparse.bin");
+        let in_use = slot.get_or_map(|| Mapping::new(&file, len, &path)).unwrap();
+        let weak = Arc::downgrade(&in_use);
+        slot.clear();
+        // A running read still holds it: nothing is unmapped under it.
+        assert!(weak.upgrade().is_some());
+        drop(in_use);
+        assert!(weak.upgrade().is_none(), "the last user unmaps it");
+
+        let kept = slot.get_or_map(|| Mapping::new(&file, len, &path)).unwrap();
+        let weak = Arc::downgrade(&kept);
+        drop(kept);
+        slot.clear();
+        assert!(
+            slot.0.lock().unwrap().is_none(),
+            "the slot is empty at once"
+        );
+        assert!(
+            gone_within(&weak, Duration::from_secs(10)),
+            "the background thread unmapped it"
+        );
+    }
+
+    #[test]
+    fn clear_unmaps_a_small_map_at_once() {
+        let (dir, file) = sparse_file(8192);
+        let slot = MapSlot::default();
+        let path = dir.path().join("sparse.bin");
+        let weak = Arc::downgrade(
+            &slot
+                .get_or_map(|| Mapping::new(&file, 8192, &path))
+                .unwrap(),
+        );
+        slot.clear();
+        assert!(weak.upgrade().is_none());
+    }
 }

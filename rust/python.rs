@@ -150,8 +150,8 @@ impl SafetensorsHeader {
     }
 
     /// Drops the map of the file kept between reads (see `release_map` in `_core.pyi`).
-    fn release_map(&self) {
-        self.inner.release_map();
+    fn release_map(&self, py: Python<'_>) {
+        py.detach(|| self.inner.release_map());
     }
 
     fn __repr__(&self) -> String {

@@ -27,7 +27,8 @@ class SafetensorsHeader:
         """Per entry (file order), ``hp_fastload.rules.natural_sort_key(name)``; None for non-ASCII names."""
     def index(self, name: str) -> int: ...
     def release_map(self) -> None:
-        """Drop the file map kept between reads (frees its page tables; its pages become evictable)."""
+        """Drop the file map kept between reads (frees its page tables; its pages become evictable). A large
+        map that no running read uses is unmapped on a short-lived background thread."""
 
 def execute(
     headers: list[SafetensorsHeader],
