@@ -9,6 +9,7 @@ with several targets is one group with several outputs (one -> many). No tensor 
 from __future__ import annotations
 
 import copy
+import functools
 import re
 import sys
 from collections.abc import Callable, Collection, Sequence
@@ -96,8 +97,17 @@ def required_literals(rule: Any) -> tuple[str, ...] | None:
     compiled = getattr(rule, "compiled_sources", None)
     if compiled is None or not _plain_matcher(rule) or compiled.flags & re.IGNORECASE:
         return None
+    return _pattern_literals(compiled.pattern, compiled.flags)
+
+
+@functools.lru_cache(maxsize=4096)
+def _pattern_literals(pattern: str | bytes, flags: int) -> tuple[str, ...] | None:
+    """``required_literals`` of one pattern (cached: transformers hands out fresh copies of the same rules on
+    every load, and parsing their patterns again was ~2 ms of a small load)."""
+    if not isinstance(pattern, str):
+        return None
     try:
-        parsed = _sre_parse.parse(compiled.pattern, compiled.flags)
+        parsed = _sre_parse.parse(pattern, flags)
     except Exception:  # pragma: no cover - whatever re accepted, sre_parse accepts
         return None
     items = list(parsed)
