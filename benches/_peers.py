@@ -18,7 +18,8 @@ import os
 import re
 import resource
 import statistics
-import threading
+import subprocess
+import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -179,28 +180,76 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+_SAMPLER_CODE = r"""
+import select, sys
+path = f"/proc/{sys.argv[1]}/status"
+period = float(sys.argv[2])
+
+def anon():
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+for command in sys.stdin:
+    if command.strip() != "start":
+        break
+    peak = anon()
+    sys.stdout.write("ready\n")
+    sys.stdout.flush()
+    while not select.select([sys.stdin], [], [], period)[0]:
+        peak = max(peak, anon())
+    sys.stdin.readline()  # "stop"
+    sys.stdout.write(f"{max(peak, anon())}\n")
+    sys.stdout.flush()
+"""
+
+
 class AnonSampler:
-    """Samples RssAnon every ``period`` seconds in a thread; ``peak`` is the largest value seen."""
+    """Samples RssAnon every ``period`` seconds from a helper *process*; ``peak`` is the largest value seen.
+
+    A sampling thread in the measured process would take the GIL every period: it made a Python-heavy load
+    (20k-tensor MoE) 20% slower in the harness (docs/perf-notes.md, "The RSS sampler"). The helper reads
+    ``/proc/<pid>/status`` instead and is reused for every measurement of a worker.
+    """
+
+    _proc: subprocess.Popen[str] | None = None
 
     def __init__(self, period: float = 0.002) -> None:
         self.period = period
         self.peak = rss_anon()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, rss_anon())
-            self._stop.wait(self.period)
+    @classmethod
+    def _helper(cls, period: float) -> subprocess.Popen[str]:
+        if cls._proc is None or cls._proc.poll() is not None:
+            cls._proc = subprocess.Popen(
+                [sys.executable, "-c", _SAMPLER_CODE, str(os.getpid()), str(period)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+        return cls._proc
 
     def __enter__(self) -> AnonSampler:
-        self._thread.start()
+        proc = self._helper(self.period)
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write("start\n")
+        proc.stdin.flush()
+        if proc.stdout.readline().strip() != "ready":
+            raise RuntimeError("RSS sampler process did not start")
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, rss_anon())
+        proc = self._proc
+        assert proc is not None and proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write("stop\n")
+        proc.stdin.flush()
+        line = proc.stdout.readline().strip()
+        self.peak = max(self.peak, int(line) if line else 0, rss_anon())
 
 
 def read_ahead_kb() -> dict[str, int]:
