@@ -88,6 +88,7 @@ class CheckpointIndex:
         self._files = key_files
         self._entries: dict[str, TensorEntry] = {}  # built on first use: most keys of a big MoE never need one
         self._dtypes: dict[str, torch.dtype] = {}
+        self._located: dict[str, tuple[SafetensorsFile, int, torch.dtype]] = {}
         sort_keys: dict[str, str] = {}
         for f in files:
             sort_keys.update(f.sort_keys())
@@ -198,6 +199,15 @@ class CheckpointIndex:
         if dtype is None:
             dtype = self._dtypes[name] = file.torch_dtype(key)
         return file, dtype
+
+    def locate(self, key: str) -> tuple[SafetensorsFile, int, torch.dtype]:
+        """``(file, position in its header, torch dtype)`` of ``key``, remembered: packing and read accounting
+        ask for every key of a 20k-tensor MoE more than once."""
+        located = self._located.get(key)
+        if located is None:
+            file, dtype = self.source(key)
+            located = self._located[key] = (file, file._entries[key][0], dtype)
+        return located
 
     def entry(self, key: str) -> TensorEntry:
         entry = self._entries.get(key)

@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .engine import SafetensorsFile
 from .errors import PlanError, TargetError
 from .groups import LoadGroup, build_groups, masked_name, rename_key
 from .index import CheckpointIndex
@@ -120,12 +121,15 @@ class LoadPlan:
 
     def read_bytes_by_file(self) -> dict[str, int]:
         """Bytes of source data this rank's region reads need, per checkpoint file."""
-        out: dict[str, int] = {}
-        source = self.index.source
+        by_file: dict[SafetensorsFile, int] = {}
+        locate = self.index.locate
         for _, items in self.region_reads.values():
             for item in items:
-                file, dtype = source(item.source)
-                out[file.path] = out.get(file.path, 0) + item.numel * dtype.itemsize
+                file, _, dtype = locate(item.source)
+                by_file[file] = by_file.get(file, 0) + item.numel * dtype.itemsize
+        out: dict[str, int] = {}
+        for file, n in by_file.items():
+            out[file.path] = out.get(file.path, 0) + n
         for deferred in self.deferred:
             for key in deferred.keys:
                 entry = self.index.entry(key)
