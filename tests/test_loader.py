@@ -405,3 +405,8 @@ def test_staging_path_double_buffers_exactly(checkpoint, staging_bytes):
     state = model.state_dict()
     for name, value in expected_values(tensors).items():
         assert torch.equal(state[name], value), name
+    # Staging stays within the budget: targets larger than a slab are staged in blocks of rows; only a single
+    # row wider than a slab may get a slab of its own size.
+    slab = max(staging_bytes // 2, 64)
+    widest_row = max(t[0].numel() * t.element_size() for t in state.values() if t.dim())
+    assert 0 < stats.extra["staging_bytes"] <= 2 * max(slab, widest_row)

@@ -10,7 +10,7 @@ the legacy loader, cut with ``distribute_tensor``).
 from __future__ import annotations
 
 import array
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -245,7 +245,8 @@ class _Stager:
     Each engine batch reads into one slab; its host-to-device copies are then queued on a side stream and the
     next batch reads into the other slab while they run (double buffering). A slab is reused only after the
     copies out of it have finished, so staging memory stays at ``budget`` however large the checkpoint. A target
-    larger than a slab gets a slab of its own size for its batch.
+    larger than a slab is staged in row blocks that fit one (``_staging_chunks``); only a single row larger than
+    a slab gets a slab of its own size.
     """
 
     ALIGN = 64
@@ -302,11 +303,56 @@ class _Stager:
         if self.stream is not None:
             self.stream.synchronize()
 
+    @property
+    def allocated(self) -> int:
+        """Bytes of staging memory held (both slabs)."""
+        return sum(slab.numel() for slab in self.slabs if slab is not None)
+
+
+def _staging_chunks(
+    local: torch.Tensor, items: list[ReadItem], slab_bytes: int
+) -> Iterator[tuple[torch.Tensor, list[ReadItem]]]:
+    """``(rows of local, items clipped to them)`` in blocks of whole rows that fit a staging slab.
+
+    An item's boxes map element for element onto the destination (post-ops are elementwise), so clipping its
+    destination rows clips its source by the same rows of its first stride.
+    """
+    nbytes = local.numel() * local.element_size()
+    if nbytes <= slab_bytes or local.dim() == 0 or local.shape[0] < 2:
+        yield local, items
+        return
+    total_rows = local.shape[0]
+    rows = max(1, slab_bytes // (nbytes // total_rows))
+    for r0 in range(0, total_rows, rows):
+        r1 = min(r0 + rows, total_rows)
+        clipped = []
+        for item in items:
+            d0 = item.dest_offsets[0]
+            a = max(d0, r0)
+            b = min(d0 + item.lengths[0], r1)
+            if b > a:
+                clipped.append(
+                    item._replace(
+                        storage_base=item.storage_base + (a - d0) * item.storage_strides[0],
+                        lengths=(b - a, *item.lengths[1:]),
+                        dest_offsets=(a - r0, *item.dest_offsets[1:]),
+                    )
+                )
+        if clipped:
+            yield local[r0:r1], clipped
+
 
 def _add_target_items(
-    batch: _Batch, target: Target, items: list[ReadItem], stager: _Stager | None, stage: bool = False
+    batch: _Batch,
+    target: Target,
+    items: list[ReadItem],
+    stager: _Stager | None,
+    stage: bool = False,
+    local: torch.Tensor | None = None,
 ) -> None:
-    local = target.local()
+    """Packs ``items`` into ``local`` (the target's local tensor, or a block of its rows for staging)."""
+    if local is None:
+        local = target.local()
     dest = local
     if local.device.type == "cuda" or stage:
         assert stager is not None
@@ -433,12 +479,20 @@ def execute_plan(
             if not items or name in skip:
                 continue
             stage = stager is not None and (stage_all or target.local().device.type == "cuda")
-            if stage and stager is not None and not stager.fits(target.local()):
-                flush()
-            _add_target_items(batch, target, items, stager, stage)
-            if batch.nbytes >= batch_bytes:
-                flush()
+            if not stage or stager is None:
+                _add_target_items(batch, target, items, stager)
+                if batch.nbytes >= batch_bytes:
+                    flush()
+                continue
+            for rows, row_items in _staging_chunks(target.local(), items, stager.slab_bytes):
+                if not stager.fits(rows):
+                    flush()
+                _add_target_items(batch, target, row_items, stager, True, rows)
+                if batch.nbytes >= batch_bytes:
+                    flush()
         flush()
+        if stager is not None:
+            stats.extra["staging_bytes"] = stager.allocated
         for deferred in plan.deferred:
             before = stats.bytes_read
             _run_deferred(deferred, index, legacy, threads, backend, stats)
