@@ -924,7 +924,7 @@ def verify_model(model: Any, entries: dict[str, Entry]) -> tuple[int, dict[str, 
     """Local shards of a (transformers-loaded) model against the file: plain names and stacked experts."""
     import torch
     from safetensors import safe_open
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor, distribute_tensor
 
     handles: dict[str, Any] = {}
 
@@ -956,14 +956,9 @@ def verify_model(model: Any, entries: dict[str, Entry]) -> tuple[int, dict[str, 
         else:
             continue
         if isinstance(p, DTensor):
-            coord = p.device_mesh.get_coordinate()
-            for mesh_dim, pl in enumerate(p.placements):
-                if isinstance(pl, Shard):
-                    size = full.shape[pl.dim]
-                    k = p.device_mesh.size(mesh_dim)
-                    chunk = -(-size // k)
-                    start = min(size, coord[mesh_dim] * chunk)
-                    full = full.narrow(pl.dim, start, min(size, start + chunk) - start)
+            # torch's own sharding of the file's tensor (transformers' TP plan shards packed gate_up_proj with
+            # _StridedShard, which a hand-written narrow would get wrong); src_data_rank=None: no collectives.
+            full = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
         checked += 1
         needed += local.numel() * local.element_size()
         if tuple(full.shape) != tuple(local.shape) or not torch.equal(_bits(full), _bits(local)):
