@@ -284,6 +284,45 @@ def memcpy_gbps(nbytes: int, threads: int, repeats: int = 5) -> float:
         torch.set_num_threads(old)
 
 
+def box_copy_gbps(ckpt: str, scenario: str, world: int, rank: int, repeats: int = 5) -> float:
+    """The copy ceiling of one placement's boxes: torch ``copy_`` (1 thread) of the same boxes, into the same
+    destinations, from anonymous prefaulted memory laid out like the checkpoint's tensors (each tensor at its
+    own place, so no box reads another's cached bytes), instead of from a file map.
+    """
+    import torch
+
+    from hp_fastload.engine import SAFETENSORS_TO_TORCH
+
+    entries = checkpoint_entries(ckpt)
+    dests = build_destinations(entries, scenario, world, rank)
+    place: dict[str, int] = {}
+    size = 0
+    for b in dests.boxes:
+        if b.key not in place:
+            place[b.key] = size
+            size += math.prod(b.global_shape) * SAFETENSORS_TO_TORCH[entries[b.key].dtype].itemsize
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        raw = torch.ones(size, dtype=torch.uint8)
+        pairs = []
+        for b in dests.boxes:
+            dtype = SAFETENSORS_TO_TORCH[entries[b.key].dtype]
+            start = place[b.key]
+            nbytes = math.prod(b.global_shape) * dtype.itemsize
+            pairs.append((b.dest, raw[start : start + nbytes].view(dtype).view(b.global_shape)[b.slices]))
+        times = []
+        for _ in range(repeats + 1):
+            t = time.perf_counter()
+            for dst, src in pairs:
+                dst.copy_(src)
+            times.append(time.perf_counter() - t)
+        del raw, pairs
+        return dests.nbytes / statistics.median(times[1:]) / 1e9
+    finally:
+        torch.set_num_threads(old)
+
+
 def cold_read_gbps(paths: list[str], threads: int, chunk: int = 8 << 20) -> dict[str, Any]:
     """Evict, verify 0 resident pages, then buffered ``preadv`` of every file by ``threads`` threads."""
     left = evict(paths)
@@ -1115,6 +1154,9 @@ def run_anchors(cfg: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = dict(kind="anchors", read_ahead_kb=read_ahead_kb(), cores=CORES)
     out["memcpy_1t_gbps"] = memcpy_gbps(nbytes, 1)
     out["memcpy_2t_gbps"] = memcpy_gbps(nbytes, 2)
+    if cfg.get("box_copy", True):
+        for sc in ("s0", "s1"):
+            out[f"box_copy_{sc}_gbps"] = box_copy_gbps(cfg["ckpt"], sc, 8, 3)
     seq = [cold_read_gbps(files, 1) for _ in range(cfg["repeats"])]
     par = [cold_read_gbps(files, CORES) for _ in range(cfg["repeats"])]
     out["cold_seq"] = seq

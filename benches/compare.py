@@ -489,6 +489,11 @@ def anchor_line(a: dict[str, Any]) -> str:
         f"memcpy 1 thread {a['memcpy_1t_gbps']:.2f} GB/s, 2 threads {a['memcpy_2t_gbps']:.2f} GB/s; cold read "
         f"sequential {a['cold_seq_gbps']:.2f} GB/s, parallel ({a['cores']} threads) {a['cold_par_gbps']:.2f} GB/s "
         f"(0 resident pages verified before each: {a['cold_verified']}); read_ahead_kb {a['read_ahead_kb']}"
+        + "".join(
+            f"; rank 3 of 8 {sc} boxes copied from anonymous memory (torch copy_, 1 thread) {a[k]:.2f} GB/s"
+            for sc in ("s0", "s1")
+            if (k := f"box_copy_{sc}_gbps") in a
+        )
     )
 
 

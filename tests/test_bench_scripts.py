@@ -56,7 +56,14 @@ def test_compare_quick(tmp_path: Path) -> None:
     assert doc["meta"]["quick"] is True
     a = doc["anchors"]
     assert "error" not in a, a
-    for key in ("memcpy_1t_gbps", "memcpy_2t_gbps", "cold_seq_gbps", "cold_par_gbps"):
+    for key in (
+        "memcpy_1t_gbps",
+        "memcpy_2t_gbps",
+        "cold_seq_gbps",
+        "cold_par_gbps",
+        "box_copy_s0_gbps",
+        "box_copy_s1_gbps",
+    ):
         assert a[key] > 0, key
     assert a["cold_verified"] is True  # posix_fadvise(DONTNEED) left 0 resident pages (mincore)
     results = doc["results"]
