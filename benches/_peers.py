@@ -778,6 +778,8 @@ def run_raw(cfg: dict[str, Any]) -> dict[str, Any]:
         world=world,
         rank=rank,
     )
+    if "round" in cfg:
+        result["round"] = cfg["round"]
     for k in ("FASTSAFETENSORS_ODIRECT", "RUNAI_STREAMER_CONCURRENCY", "RUNAI_STREAMER_FS_STRATEGY"):
         os.environ.pop(k, None)
     for k, v in loader_env(loader, regime).items():
@@ -800,7 +802,8 @@ def run_raw(cfg: dict[str, Any]) -> dict[str, Any]:
     result["file_bytes"] = sum(os.path.getsize(p) for p in files)
     result["tensors"] = len(dests.boxes)
     reps: list[dict[str, Any]] = []
-    for _ in range(repeats):
+    warmup = cfg.get("warmup", 0)  # untimed first repetitions (first-call costs of a single-repetition worker)
+    for rep_no in range(warmup + repeats):
         dests.zero()
         if regime == "cold":
             left = evict(files)
@@ -825,7 +828,8 @@ def run_raw(cfg: dict[str, Any]) -> dict[str, Any]:
             anon_added_bytes=sampler.peak - anon0,
             **extra,
         )
-        reps.append(rep)
+        if rep_no >= warmup:
+            reps.append(rep)
     result["verify"] = verify(dests)
     result["repeats"] = reps
     result.update(summarize(reps))
@@ -1183,7 +1187,11 @@ def run_one(cfg: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(kind)
     except Exception as exc:
         return dict(
-            {k: cfg.get(k) for k in ("kind", "workload", "scenario", "loader", "regime", "world", "rank")},
+            {
+                k: cfg[k]
+                for k in ("kind", "workload", "scenario", "loader", "regime", "world", "rank", "round")
+                if k in cfg
+            },
             error=f"{type(exc).__name__}: {exc}",
             traceback=traceback.format_exc()[-3000:],
         )

@@ -386,7 +386,11 @@ def run_workers(groups: list[list[dict[str, Any]]], timeout: float, log: Any) ->
             for c in group[len(got) :]:
                 got.append(
                     dict(
-                        {k: c.get(k) for k in ("kind", "workload", "scenario", "loader", "regime", "world", "rank")},
+                        {
+                            k: c[k]
+                            for k in ("kind", "workload", "scenario", "loader", "regime", "world", "rank", "round")
+                            if k in c
+                        },
                         error=err or "no result",
                     )
                 )
@@ -402,6 +406,34 @@ def run_workers(groups: list[list[dict[str, Any]]], timeout: float, log: Any) ->
                 print(f"    {r.get('loader', '')}: {str(status)[:300]}", file=log, flush=True)
             results += got
     return results
+
+
+def merge_rounds(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One result per configuration from its single-repetition rounds (median over the rounds' repetitions)."""
+    ident = ("kind", "workload", "scenario", "loader", "regime", "world", "rank")
+    merged: dict[tuple[Any, ...], dict[str, Any]] = {}
+    out: list[dict[str, Any]] = []
+    for r in results:
+        if "round" not in r:
+            out.append(r)
+            continue
+        key = tuple(r.get(k) for k in ident)
+        first = merged.get(key)
+        if first is None:
+            merged[key] = r
+            out.append(r)
+            continue
+        if first.get("error") or r.get("error"):
+            first["error"] = first.get("error") or r.get("error")
+            continue
+        first["repeats"] += r["repeats"]
+        first["verify"] = max(first["verify"], r["verify"], key=lambda v: v.get("mismatched", 0))
+        first["peak_rss_bytes"] = max(first["peak_rss_bytes"], r["peak_rss_bytes"])
+        first["process_seconds"] += r["process_seconds"]
+        first.update(_peers.summarize(first["repeats"]))
+    for r in out:
+        r.pop("round", None)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -769,8 +801,12 @@ def main(argv: list[str] | None = None) -> int:
         rest = [c for c in cfgs if c["kind"] != "e2e"]
         groups = [[anchors_cfg, *rest]] + ([e2e] if e2e else [])
     else:
-        groups = [[anchors_cfg]] + [[c] for c in cfgs]
-    results = run_workers(groups, args.timeout, log)
+        # Cold rows: one timed repetition per worker, in rounds over every cold configuration, so a drift of the
+        # shared disk's throughput spreads over all loaders instead of landing on whichever ran in a bad minute.
+        cold = [c for c in cfgs if c["kind"] == "raw" and c["regime"] == "cold"]
+        rounds = [[dict(c, repeats=1, warmup=1, round=r)] for r in range(args.repeats) for c in cold]
+        groups = [[anchors_cfg]] + [[c] for c in cfgs if c not in cold] + rounds
+    results = merge_rounds(run_workers(groups, args.timeout, log))
     anchors = next((r for r in results if r.get("kind") == "anchors"), {})
     results = [r for r in results if r.get("kind") != "anchors"]
     targets = evaluate_targets(results, anchors)

@@ -148,3 +148,38 @@ def test_direct_io_floor_reports_iops(tmp_path: Path) -> None:
     for line in lines:
         iops = float(line.split(":")[1].split("IOPS")[0])
         assert iops > 0, line
+
+
+def test_cold_rounds_merge_into_one_result_per_configuration() -> None:
+    """``compare.merge_rounds``: single-repetition rounds of one configuration become one result (median of
+    the rounds, worst verification, an error in any round kept); other results pass through."""
+    sys.path.insert(0, str(BENCHES))
+    try:
+        import compare
+    finally:
+        sys.path.remove(str(BENCHES))
+
+    def rnd(loader: str, r: int, seconds: float, mismatched: int = 0) -> dict[str, object]:
+        rep = {
+            "seconds": seconds,
+            "gbps": 1 / seconds,
+            "storage_read_bytes": 1,
+            "cpu_seconds": 1.0,
+            "anon_added_bytes": r,
+        }
+        return dict(
+            kind="raw", workload="dense", scenario="full", loader=loader, regime="cold", world=1, rank=0,
+            round=r, repeats=[rep], verify={"checked": 1, "mismatched": mismatched},
+            peak_rss_bytes=10 * r, process_seconds=1.0, seconds=seconds,
+        )  # fmt: skip
+
+    warm = {"kind": "raw", "workload": "dense", "regime": "warm", "loader": "a", "seconds": 9.0}
+    results = [warm, rnd("a", 0, 4.0), rnd("b", 0, 1.0), rnd("a", 1, 1.0, mismatched=1), rnd("b", 1, 3.0)]
+    results += [rnd("a", 2, 2.0), rnd("b", 2, 2.0), {**rnd("b", 3, 5.0), "error": "boom"}]
+    merged = compare.merge_rounds(results)
+    assert [r["loader"] for r in merged] == ["a", "a", "b"] and merged[0] is warm
+    a, b = merged[1], merged[2]
+    assert [x["seconds"] for x in a["repeats"]] == [4.0, 1.0, 2.0] and a["seconds"] == 2.0
+    assert a["verify"]["mismatched"] == 1 and a["peak_rss_bytes"] == 20 and a["process_seconds"] == 3.0
+    assert a["anon_added_bytes"] == 2 and "round" not in a
+    assert b["error"] == "boom"
