@@ -95,7 +95,8 @@ class CheckpointIndex:
         if len(sort_keys) != len(key_files):  # an index that lists only some of its files' keys
             sort_keys = {key: sort_keys[key] for key in key_files}
         self._sort_keys = sort_keys
-        self._keys = sorted(key_files, key=self._sort_keys.__getitem__)
+        # sort_keys iterates each file's keys in natural order: sorted() merges those runs.
+        self._keys = sorted(sort_keys, key=sort_keys.__getitem__)
 
     @classmethod
     def open(cls, location: str | os.PathLike[str]) -> CheckpointIndex:
