@@ -154,6 +154,34 @@ impl SafetensorsHeader {
         pairs.into_iter().map(|(key, name)| (name, key)).unzip()
     }
 
+    /// Every tensor name of `headers` (several shards) in natural order, plus the names with non-ASCII
+    /// characters apart (their keys are Python's to compute). One merged order for a whole checkpoint: building
+    /// 90k key strings and sorting them in Python was a sixth of a DeepSeek-sized plan.
+    #[staticmethod]
+    fn natural_order(
+        py: Python<'_>,
+        headers: Vec<PyRef<'_, SafetensorsHeader>>,
+    ) -> (Vec<String>, Vec<String>) {
+        let inners: Vec<Arc<Header>> = headers.iter().map(|h| Arc::clone(&h.inner)).collect();
+        py.detach(move || {
+            let mut keyed: Vec<(String, &str)> = Vec::new();
+            let mut other: Vec<String> = Vec::new();
+            for header in &inners {
+                for t in &header.tensors {
+                    match crate::header::natural_sort_key(&t.name) {
+                        Some(key) => keyed.push((key, t.name.as_str())),
+                        None => other.push(t.name.clone()),
+                    }
+                }
+            }
+            keyed.sort_unstable(); // ties (equal keys) broken by name
+            (
+                keyed.into_iter().map(|(_, name)| name.to_owned()).collect(),
+                other,
+            )
+        })
+    }
+
     fn index(&self, name: &str) -> PyResult<usize> {
         self.inner
             .index(name)

@@ -121,6 +121,39 @@ def test_header_sort_keys_equal_the_planners(tmp_path):
     assert f.sort_keys() == {n: rules.natural_sort_key(n) for n in names}
 
 
+def test_checkpoint_index_keys_merge_shards_in_natural_order(tmp_path):
+    """``SafetensorsHeader.natural_order`` over several shards, and the index built on it, order keys exactly as
+    the planner's ``natural_sort_key`` does (ties by name); non-ASCII names are handed back to Python."""
+    import json
+    import random
+
+    from safetensors.torch import save_file
+
+    from hp_fastload import _core
+    from hp_fastload.index import CheckpointIndex
+
+    rng = random.Random(2)
+    parts = ["a", "x1", "x01", "0", "10", "2", "layers", "experts", "w_3", "9" * 30, "é2"]
+    names = sorted({".".join(rng.choice(parts) for _ in range(rng.randint(1, 5))) for _ in range(1500)})
+    rng.shuffle(names)
+    shards = [names[i::3] for i in range(3)]
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        save_file({n: torch.zeros(1) for n in shard}, str(tmp_path / f"s{i}.safetensors"))
+        weight_map.update(dict.fromkeys(shard, f"s{i}.safetensors"))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    index = CheckpointIndex.open(tmp_path)
+    ascii_names, other = _core.SafetensorsHeader.natural_order([f.header for f in index.files])
+    assert ascii_names == sorted((n for n in names if n.isascii()), key=lambda n: (rules.natural_sort_key(n), n))
+    assert sorted(other) == sorted(n for n in names if not n.isascii()) and other
+    keys = index.keys()
+    assert sorted(keys) == sorted(names)
+    sort_keys = [rules.natural_sort_key(k) for k in keys]
+    assert sort_keys == sorted(sort_keys)
+    picked = [*rng.sample(names, 200), "not.a.key.10", "not.a.key.9"]
+    assert index.natural_sorted(picked) == [*sorted(picked[:200], key=keys.index), "not.a.key.9", "not.a.key.10"]
+
+
 def test_name_boundary_guard_and_star_dot():
     conv = rules.WeightConverter(["mlp.experts.*.gate_proj.weight"], "mlp.experts.gate_up_proj", [rules.Chunk(0)])
     assert conv.rename_source_key("model.layers.12.mlp.experts.3.gate_proj.weight") == (

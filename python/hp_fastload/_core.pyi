@@ -26,6 +26,9 @@ class SafetensorsHeader:
     def sort_keys(self) -> tuple[list[str], list[str | None]]:
         """``(names, keys)``: every name and its ``hp_fastload.rules.natural_sort_key``, in natural order;
         names with non-ASCII characters come last with key None (the planner computes those)."""
+    @staticmethod
+    def natural_order(headers: list[SafetensorsHeader]) -> tuple[list[str], list[str]]:
+        """``(names in natural order, names with non-ASCII characters)`` over all ``headers``."""
     def index(self, name: str) -> int: ...
     def release_map(self) -> None:
         """Drop the file map kept between reads (frees its page tables; its pages become evictable). A large

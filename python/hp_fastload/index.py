@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
+from . import _core
 from .engine import SafetensorsFile, open_file
 from .errors import HeaderError
 from .rules import dot_natural_key, natural_sort_key
@@ -89,14 +90,14 @@ class CheckpointIndex:
         self._entries: dict[str, TensorEntry] = {}  # built on first use: most keys of a big MoE never need one
         self._dtypes: dict[str, torch.dtype] = {}
         self._located: dict[str, tuple[SafetensorsFile, int, torch.dtype]] = {}
-        sort_keys: dict[str, str] = {}
-        for f in files:
-            sort_keys.update(f.sort_keys())
-        if len(sort_keys) != len(key_files):  # an index that lists only some of its files' keys
-            sort_keys = {key: sort_keys[key] for key in key_files}
-        self._sort_keys = sort_keys
-        # sort_keys iterates each file's keys in natural order: sorted() merges those runs.
-        self._keys = sorted(sort_keys, key=sort_keys.__getitem__)
+        # The natural order of every key, merged across shards by the header parser.
+        names, other = _core.SafetensorsHeader.natural_order([f.header for f in files])
+        if other:  # names with non-ASCII characters: Python's own digit rules decide their place
+            names = sorted(names + other, key=natural_sort_key)
+        if len(names) != len(key_files):  # an index that lists only some of its files' keys
+            names = list(dict.fromkeys(n for n in names if n in key_files))
+        self._keys = names
+        self._order: dict[str, int] | None = None
 
     @classmethod
     def open(cls, location: str | os.PathLike[str]) -> CheckpointIndex:
@@ -161,10 +162,16 @@ class CheckpointIndex:
                 key_files[key] = file
         return cls(list(opened.values()), key_files)
 
-    def sort_key(self, name: str) -> str:
-        """``natural_sort_key(name)``, precomputed for checkpoint keys (reports sort tens of thousands)."""
-        key = self._sort_keys.get(name)
-        return key if key is not None else natural_sort_key(name)
+    def natural_sorted(self, names: Iterable[str]) -> list[str]:
+        """``names`` in natural order, by position in the index's key order for checkpoint keys (reports sort
+        tens of thousands of unexpected keys; computing each one's sort key in Python was slow)."""
+        order = self._order
+        if order is None:
+            order = self._order = {key: i for i, key in enumerate(self._keys)}
+        names = list(names)
+        known = [n for n in names if n in order]
+        rest = [n for n in names if n not in order]
+        return sorted(known, key=order.__getitem__) + sorted(rest, key=natural_sort_key)
 
     def keys(self) -> list[str]:
         """Every key, in natural order."""
