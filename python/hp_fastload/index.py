@@ -198,6 +198,16 @@ class CheckpointIndex:
         facts = self._file_of(key)._entries[key]
         return facts[2], facts[1]
 
+    def facts_of(self, keys: list[str]) -> tuple[tuple[tuple[int, ...], str], ...]:
+        """``facts(key)`` for many keys (a stacked-experts group's trace-cache signature has hundreds)."""
+        files = self._files
+        try:
+            return tuple([(e[2], e[1]) for k in keys for e in (files[k]._entries[k],)])
+        except KeyError:
+            for k in keys:
+                self._file_of(k)  # raises naming the key
+            raise
+
     def source(self, key: str) -> tuple[SafetensorsFile, torch.dtype]:
         """``(file, torch dtype)`` of ``key`` without building its :class:`TensorEntry` (packing a 20k-tensor
         MoE's reads needs only these)."""

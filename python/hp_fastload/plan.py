@@ -262,12 +262,14 @@ class _Tracer:
             return _Traced(
                 {group.target: blocks}, {group.target: tuple(entry.shape)}, {group.target: entry.dtype}, {"#0": key}
             )
-        sources = {f"#{i}": k for i, (_, k) in enumerate(group.sources)}
-        facts = self.index.facts
+        keys = [k for _, k in group.sources]
+        sources = dict(zip(_placeholders(len(keys)), keys, strict=True))
+        facts = self.index.facts_of(keys)  # (shape, dtype name) per source, looked up in bulk
         signature = (
             id(group.rule),
             self.trace,
-            tuple((p, *facts(k)) for p, k in group.sources),
+            tuple(p for p, _ in group.sources),
+            facts,
             masked_name(group.target),
             self.shape_of(group.target),
         )
@@ -323,6 +325,16 @@ class _Tracer:
 
 # ---------------------------------------------------------------------------------------------------------
 # Regions -> read items
+
+
+_PLACEHOLDERS: list[str] = []
+
+
+def _placeholders(n: int) -> list[str]:
+    """``["#0", ..., "#{n-1}"]`` (shared: stacked-experts groups have hundreds of sources)."""
+    while len(_PLACEHOLDERS) < n:
+        _PLACEHOLDERS.append(f"#{len(_PLACEHOLDERS)}")
+    return _PLACEHOLDERS[:n]
 
 
 def _row_major(shape: Sequence[int]) -> tuple[int, ...]:
