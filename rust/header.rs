@@ -424,30 +424,54 @@ fn parse_tensor(name: String, entry: Entry) -> Result<TensorInfo, String> {
     })
 }
 
-/// The visitor methods of a value that is not a JSON object: kept whole (as [`StrictVisitor`] builds it) in
-/// `$ty::Other`, for the error message that names what was found instead.
-macro_rules! non_object_values {
-    ($ty:ident) => {
-        fn visit_bool<E: de::Error>(self, v: bool) -> Result<$ty, E> {
-            StrictVisitor.visit_bool(v).map($ty::Other)
+/// Visitor methods that build the JSON value (as [`StrictVisitor`] does) and wrap it with `$wrap`, one per
+/// listed kind: a visitor that types some values forwards the others here, for the error message that names
+/// what was found instead.
+macro_rules! forward_to_strict {
+    ($out:ty, $wrap:expr; $($kind:ident),+) => {
+        $(forward_to_strict!(@one $out, $wrap, $kind);)+
+    };
+    (@one $out:ty, $wrap:expr, bool) => {
+        fn visit_bool<E: de::Error>(self, v: bool) -> Result<$out, E> {
+            StrictVisitor.visit_bool(v).map($wrap)
         }
-        fn visit_i64<E: de::Error>(self, v: i64) -> Result<$ty, E> {
-            StrictVisitor.visit_i64(v).map($ty::Other)
+    };
+    (@one $out:ty, $wrap:expr, i64) => {
+        fn visit_i64<E: de::Error>(self, v: i64) -> Result<$out, E> {
+            StrictVisitor.visit_i64(v).map($wrap)
         }
-        fn visit_u64<E: de::Error>(self, v: u64) -> Result<$ty, E> {
-            StrictVisitor.visit_u64(v).map($ty::Other)
+    };
+    (@one $out:ty, $wrap:expr, u64) => {
+        fn visit_u64<E: de::Error>(self, v: u64) -> Result<$out, E> {
+            StrictVisitor.visit_u64(v).map($wrap)
         }
-        fn visit_f64<E: de::Error>(self, v: f64) -> Result<$ty, E> {
-            StrictVisitor.visit_f64(v).map($ty::Other)
+    };
+    (@one $out:ty, $wrap:expr, f64) => {
+        fn visit_f64<E: de::Error>(self, v: f64) -> Result<$out, E> {
+            StrictVisitor.visit_f64(v).map($wrap)
         }
-        fn visit_str<E: de::Error>(self, v: &str) -> Result<$ty, E> {
-            StrictVisitor.visit_str(v).map($ty::Other)
+    };
+    (@one $out:ty, $wrap:expr, str) => {
+        fn visit_str<E: de::Error>(self, v: &str) -> Result<$out, E> {
+            StrictVisitor.visit_str(v).map($wrap)
         }
-        fn visit_unit<E: de::Error>(self) -> Result<$ty, E> {
-            Ok($ty::Other(Value::Null))
+    };
+    (@one $out:ty, $wrap:expr, unit) => {
+        fn visit_unit<E: de::Error>(self) -> Result<$out, E> {
+            Ok(($wrap)(Value::Null))
         }
-        fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<$ty, A::Error> {
-            StrictVisitor.visit_seq(seq).map($ty::Other)
+        fn visit_none<E: de::Error>(self) -> Result<$out, E> {
+            Ok(($wrap)(Value::Null))
+        }
+    };
+    (@one $out:ty, $wrap:expr, seq) => {
+        fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<$out, A::Error> {
+            StrictVisitor.visit_seq(seq).map($wrap)
+        }
+    };
+    (@one $out:ty, $wrap:expr, map) => {
+        fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<$out, A::Error> {
+            StrictVisitor.visit_map(map).map($wrap)
         }
     };
 }
@@ -487,29 +511,12 @@ impl<'de> Visitor<'de> for FieldSeed {
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("a JSON value")
     }
-    fn visit_bool<E: de::Error>(self, v: bool) -> Result<Field, E> {
-        StrictVisitor.visit_bool(v).map(Field::Value)
-    }
-    fn visit_i64<E: de::Error>(self, v: i64) -> Result<Field, E> {
-        StrictVisitor.visit_i64(v).map(Field::Value)
-    }
-    fn visit_u64<E: de::Error>(self, v: u64) -> Result<Field, E> {
-        StrictVisitor.visit_u64(v).map(Field::Value)
-    }
-    fn visit_f64<E: de::Error>(self, v: f64) -> Result<Field, E> {
-        StrictVisitor.visit_f64(v).map(Field::Value)
-    }
+    forward_to_strict!(Field, Field::Value; bool, i64, u64, f64, unit, map);
     fn visit_str<E: de::Error>(self, v: &str) -> Result<Field, E> {
         match Dtype::from_name(v) {
             Some(dtype) if self.0 => Ok(Field::Dtype(dtype)),
             _ => StrictVisitor.visit_str(v).map(Field::Value),
         }
-    }
-    fn visit_unit<E: de::Error>(self) -> Result<Field, E> {
-        Ok(Field::Value(Value::Null))
-    }
-    fn visit_none<E: de::Error>(self) -> Result<Field, E> {
-        Ok(Field::Value(Value::Null))
     }
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Field, A::Error> {
         if self.0 {
@@ -533,9 +540,6 @@ impl<'de> Visitor<'de> for FieldSeed {
         }
         Ok(Field::Ints(ints))
     }
-    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Field, A::Error> {
-        StrictVisitor.visit_map(map).map(Field::Value)
-    }
 }
 
 /// An array element: a non-negative integer, or any other JSON value.
@@ -552,30 +556,7 @@ impl<'de> Deserialize<'de> for IntOrValue {
             fn visit_u64<E: de::Error>(self, v: u64) -> Result<IntOrValue, E> {
                 Ok(IntOrValue(Ok(v)))
             }
-            fn visit_bool<E: de::Error>(self, v: bool) -> Result<IntOrValue, E> {
-                StrictVisitor.visit_bool(v).map(|v| IntOrValue(Err(v)))
-            }
-            fn visit_i64<E: de::Error>(self, v: i64) -> Result<IntOrValue, E> {
-                StrictVisitor.visit_i64(v).map(|v| IntOrValue(Err(v)))
-            }
-            fn visit_f64<E: de::Error>(self, v: f64) -> Result<IntOrValue, E> {
-                StrictVisitor.visit_f64(v).map(|v| IntOrValue(Err(v)))
-            }
-            fn visit_str<E: de::Error>(self, v: &str) -> Result<IntOrValue, E> {
-                StrictVisitor.visit_str(v).map(|v| IntOrValue(Err(v)))
-            }
-            fn visit_unit<E: de::Error>(self) -> Result<IntOrValue, E> {
-                Ok(IntOrValue(Err(Value::Null)))
-            }
-            fn visit_none<E: de::Error>(self) -> Result<IntOrValue, E> {
-                Ok(IntOrValue(Err(Value::Null)))
-            }
-            fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<IntOrValue, A::Error> {
-                StrictVisitor.visit_seq(seq).map(|v| IntOrValue(Err(v)))
-            }
-            fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<IntOrValue, A::Error> {
-                StrictVisitor.visit_map(map).map(|v| IntOrValue(Err(v)))
-            }
+            forward_to_strict!(IntOrValue, |v| IntOrValue(Err(v)); bool, i64, f64, str, unit, seq, map);
         }
         d.deserialize_any(V)
     }
@@ -614,7 +595,7 @@ impl<'de> Deserialize<'de> for Entry {
                 }
                 Ok(Entry::Fields(fields))
             }
-            non_object_values!(Entry);
+            forward_to_strict!(Entry, Entry::Other; bool, i64, u64, f64, str, unit, seq);
         }
         d.deserialize_any(V)
     }
@@ -657,7 +638,7 @@ impl<'de> Deserialize<'de> for Top {
                 }
                 Ok(Top::Object { entries, metadata })
             }
-            non_object_values!(Top);
+            forward_to_strict!(Top, Top::Other; bool, i64, u64, f64, str, unit, seq);
         }
         d.deserialize_any(V)
     }
