@@ -135,23 +135,12 @@ impl SafetensorsHeader {
             .collect()
     }
 
-    /// `(names, keys)`: every name with its natural sort key, in natural order (names with non-ASCII
-    /// characters last, key None). Sorted here so the planner's merge of several shards' keys sees sorted
-    /// runs: sorting 90k keys from scratch in Python was 7% of a DeepSeek-sized plan.
-    fn sort_keys(&self) -> (Vec<&str>, Vec<Option<String>>) {
-        let mut pairs: Vec<(Option<String>, &str)> = self
-            .inner
+    fn sort_keys(&self) -> Vec<Option<String>> {
+        self.inner
             .tensors
             .iter()
-            .map(|t| (crate::header::natural_sort_key(&t.name), t.name.as_str()))
-            .collect();
-        pairs.sort_unstable_by(|a, b| match (&a.0, &b.0) {
-            (Some(x), Some(y)) => x.cmp(y).then_with(|| a.1.cmp(b.1)),
-            (Some(_), None) => std::cmp::Ordering::Less,
-            (None, Some(_)) => std::cmp::Ordering::Greater,
-            (None, None) => a.1.cmp(b.1),
-        });
-        pairs.into_iter().map(|(key, name)| (name, key)).unzip()
+            .map(|t| crate::header::natural_sort_key(&t.name))
+            .collect()
     }
 
     /// Every tensor name of `headers` (several shards) in natural order, plus the names with non-ASCII

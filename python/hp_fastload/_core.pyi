@@ -23,9 +23,8 @@ class SafetensorsHeader:
     def names(self) -> list[str]: ...
     def entries(self) -> list[tuple[str, str, tuple[int, ...], int, int]]:
         """(name, safetensors dtype, shape, begin, end) in file order; begin/end relative to data_start."""
-    def sort_keys(self) -> tuple[list[str], list[str | None]]:
-        """``(names, keys)``: every name and its ``hp_fastload.rules.natural_sort_key``, in natural order;
-        names with non-ASCII characters come last with key None (the planner computes those)."""
+    def sort_keys(self) -> list[str | None]:
+        """Per entry (file order), ``hp_fastload.rules.natural_sort_key(name)``; None for non-ASCII names."""
     @staticmethod
     def natural_order(headers: list[SafetensorsHeader]) -> tuple[list[str], list[str]]:
         """``(names in natural order, names with non-ASCII characters)`` over all ``headers``."""

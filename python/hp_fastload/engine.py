@@ -29,7 +29,7 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from typing import Any, TypeAlias, cast
+from typing import Any, TypeAlias
 
 import numpy as np
 import torch
@@ -182,13 +182,10 @@ class SafetensorsFile:
         if keys is None:
             from .rules import natural_sort_key
 
-            names, sort_keys = self.header.sort_keys()  # in natural order: merged indexes see sorted runs
-            found: dict[str, str | None] = dict(zip(names, sort_keys, strict=True))
-            for name, sort_key in zip(reversed(names), reversed(sort_keys), strict=True):
-                if sort_key is not None:
-                    break
-                found[name] = natural_sort_key(name)  # non-ASCII names (last): Python's own digit rules
-            keys = self._sort_keys = cast("dict[str, str]", found)
+            keys = self._sort_keys = {
+                name: sort_key if sort_key is not None else natural_sort_key(name)
+                for name, sort_key in zip(self._entries, self.header.sort_keys(), strict=True)
+            }
         return keys
 
     def tensor_index(self, key: str) -> int:

@@ -112,22 +112,23 @@ class _Batch:
         dest_offsets: Sequence[int],
     ) -> None:
         """Like ``add`` with the file given, for readers without an index."""
-        self._append(
-            file,
-            key,
-            file.torch_dtype(key).itemsize,
-            storage_base,
-            storage_strides,
-            lengths,
-            (self._dest(dest), tuple(dest.stride()), int(dest.storage_offset())),
-            dest_offsets,
-        )
+        item = ReadItem(key, storage_base, tuple(storage_strides), tuple(lengths), tuple(dest_offsets), ())
+        self._pack([item], dest, lambda k: (file, file.tensor_index(k), file.torch_dtype(k)))
 
     def add_boxes(self, items: Sequence[ReadItem], dest: torch.Tensor) -> None:
         """Many boxes into one destination (a target's local tensor or its staging buffer), no casts to
         finish in torch: the per-destination work is done once (a stacked-experts target has ~10^3 boxes)."""
-        index = self.index
-        assert index is not None
+        assert self.index is not None
+        self._pack(items, dest, self.index.locate)
+
+    def _pack(
+        self,
+        items: Sequence[ReadItem],
+        dest: torch.Tensor,
+        locate: Callable[[str], tuple[SafetensorsFile, int, torch.dtype]],
+    ) -> None:
+        """Packs ``items`` (their ``post`` is not applied here) into ``dest``; ``locate(key)`` gives the key's
+        (file, position in its header, dtype). The per-destination work is done once, outside the item loop."""
         dest_pos = self._dest(dest)
         dest_strides = tuple(dest.stride())
         dest_base = int(dest.storage_offset())
@@ -138,12 +139,9 @@ class _Batch:
             )
         pad = _PAD[MAX_NDIM - ndim]
         dest_tail = (*dest_strides, *pad)
-        locate = index.locate
         header_pos = self._header_pos
         extend = self.items.extend
         nbytes = 0
-        # The loop of ``_append``, with the per-destination work hoisted (a stacked-experts target has ~10^3
-        # boxes, a 20k-tensor MoE ~2*10^4 in all).
         for item in items:
             file, tensor_pos, dtype = locate(item.source)
             file_pos = header_pos.get(id(file.header))
@@ -151,6 +149,8 @@ class _Batch:
                 file_pos = self._file(file)
             lengths = item.lengths
             if len(lengths) != ndim:
+                if len(lengths) > MAX_NDIM:
+                    raise PlanError(f"{item.source}: a read of {len(lengths)} dims exceeds the engine's {MAX_NDIM}")
                 raise PlanError(f"{item.source}: a {len(lengths)}-d read into a {ndim}-d destination")
             base = dest_base
             numel = 1
@@ -175,46 +175,6 @@ class _Batch:
             nbytes += numel * dtype.itemsize
         self.nbytes += nbytes
         self.count += len(items)
-
-    def _append(
-        self,
-        file: SafetensorsFile,
-        key: str,
-        itemsize: int,
-        storage_base: int,
-        storage_strides: Sequence[int],
-        lengths: Sequence[int],
-        dest: tuple[int, tuple[int, ...], int],
-        dest_offsets: Sequence[int],
-    ) -> None:
-        """Packs one item; ``dest`` is (destination position, strides, storage offset) of the destination."""
-        ndim = len(lengths)
-        if ndim > MAX_NDIM:
-            raise PlanError(f"{key}: a read of {ndim} dims exceeds the engine's {MAX_NDIM}")
-        dest_pos, dest_strides, dst_base = dest
-        numel = 1
-        for o, st, n in zip(dest_offsets, dest_strides, lengths, strict=True):
-            dst_base += o * st
-            numel *= n
-        pad = _PAD[MAX_NDIM - ndim]
-        self.items.extend(
-            (
-                self._file(file),
-                file.tensor_index(key),
-                storage_base,
-                dest_pos,
-                dst_base,
-                ndim,
-                *lengths,
-                *pad,
-                *storage_strides,
-                *pad,
-                *dest_strides,
-                *pad,
-            )
-        )
-        self.nbytes += numel * itemsize
-        self.count += 1
 
     def run(self, threads: int | None, backend: str | None, stats: ExecStats) -> None:
         if self.count:

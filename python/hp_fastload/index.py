@@ -192,14 +192,9 @@ class CheckpointIndex:
             raise KeyError(f"checkpoint key is not indexed: {key}")
         return file
 
-    def facts(self, key: str) -> tuple[tuple[int, ...], str]:
-        """``(shape, safetensors dtype name)`` of ``key``, without building its :class:`TensorEntry` (a
-        100k-key MoE's trace-cache signatures need only these)."""
-        facts = self._file_of(key)._entries[key]
-        return facts[2], facts[1]
-
     def facts_of(self, keys: list[str]) -> tuple[tuple[tuple[int, ...], str], ...]:
-        """``facts(key)`` for many keys (a stacked-experts group's trace-cache signature has hundreds)."""
+        """``(shape, safetensors dtype name)`` of each key, without building :class:`TensorEntry` objects (a
+        stacked-experts group's trace-cache signature has hundreds of sources)."""
         files = self._files
         try:
             return tuple([(e[2], e[1]) for k in keys for e in (files[k]._entries[k],)])
