@@ -152,8 +152,8 @@ impl Header {
             ))
         })?;
         let mut de = serde_json::Deserializer::from_str(text);
-        let top =
-            Top::deserialize(&mut de).map_err(|e| err(format!("header is not valid JSON: {e}")))?;
+        let top = de::DeserializeSeed::deserialize(TopSeed(json_bytes.len() / 96), &mut de)
+            .map_err(|e| err(format!("header is not valid JSON: {e}")))?;
         de.end()
             .map_err(|e| err(format!("unexpected text after the JSON object: {e}")))?;
         let (entries, metadata_value) = match top {
@@ -272,6 +272,198 @@ pub fn natural_sort_key(name: &str) -> Option<String> {
     Some(out)
 }
 
+/// The `weight_map` of a sharded checkpoint's `model.safetensors.index.json`: which file holds each tensor.
+#[derive(Debug)]
+pub struct WeightMap {
+    /// The file names it uses, sorted.
+    pub files: Vec<String>,
+    /// `(tensor name, position in files)` in index order.
+    pairs: Vec<(String, usize)>,
+}
+
+impl WeightMap {
+    /// Parses an index: `None` unless it is a JSON object whose `"weight_map"` is a non-empty object of
+    /// strings (the caller, which reports what is wrong in every other case, then parses it itself). Other
+    /// fields are skipped unparsed; streamed into a list, not a map (a hash map of 90k names cost more than
+    /// Python's `json`).
+    pub fn parse(text: &[u8]) -> Option<WeightMap> {
+        let mut de = serde_json::Deserializer::from_slice(text);
+        let (pairs, mut files) = IndexTop::deserialize(&mut de).ok()?.0?;
+        de.end().ok()?;
+        if pairs.is_empty() {
+            return None;
+        }
+        // Positions into the first-seen file list, renumbered to the sorted one.
+        let mut sorted: Vec<usize> = (0..files.len()).collect();
+        sorted.sort_unstable_by(|&a, &b| files[a].cmp(&files[b]));
+        let mut rank = vec![0; files.len()];
+        for (r, &i) in sorted.iter().enumerate() {
+            rank[i] = r;
+        }
+        let pairs = pairs.into_iter().map(|(k, f)| (k, rank[f])).collect();
+        files.sort_unstable();
+        Some(WeightMap { files, pairs })
+    }
+
+    /// Number of entries listed (a repeated name counts each time).
+    pub fn len(&self) -> usize {
+        self.pairs.len()
+    }
+
+    /// Whether nothing is listed (never, for a parsed map).
+    pub fn is_empty(&self) -> bool {
+        self.pairs.is_empty()
+    }
+
+    /// Whether the map lists exactly the tensors of `headers`, each once, `headers[i]` being `files[i]`.
+    pub fn agrees(&self, headers: &[&Header]) -> bool {
+        if headers.len() != self.files.len()
+            || headers.iter().map(|h| h.tensors.len()).sum::<usize>() != self.pairs.len()
+        {
+            return false;
+        }
+        let mut seen: Vec<Vec<bool>> = headers
+            .iter()
+            .map(|h| vec![false; h.tensors.len()])
+            .collect();
+        self.pairs
+            .iter()
+            .all(|(name, f)| match headers[*f].index(name) {
+                Some(i) => !std::mem::replace(&mut seen[*f][i], true),
+                None => false,
+            })
+    }
+}
+
+/// `(pairs, file names in first-seen order)` of an index's `weight_map`, or `None` without one.
+type IndexPairs = Option<(Vec<(String, usize)>, Vec<String>)>;
+
+/// The top level of an index: the last `weight_map` field, every other field skipped.
+struct IndexTop(IndexPairs);
+
+impl<'de> Deserialize<'de> for IndexTop {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Top;
+        impl<'de> Visitor<'de> for Top {
+            type Value = IndexTop;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("an index object")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<IndexTop, A::Error> {
+                let mut found = None;
+                while let Some(key) = map.next_key::<std::borrow::Cow<'de, str>>()? {
+                    if key == "weight_map" {
+                        found = Some(map.next_value_seed(PairsSeed)?);
+                    } else {
+                        map.next_value::<de::IgnoredAny>()?;
+                    }
+                }
+                Ok(IndexTop(found))
+            }
+        }
+        d.deserialize_map(Top)
+    }
+}
+
+/// The `weight_map` object, as its pairs in order with each file name stored once.
+struct PairsSeed;
+
+impl<'de> de::DeserializeSeed<'de> for PairsSeed {
+    type Value = (Vec<(String, usize)>, Vec<String>);
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_map(self)
+    }
+}
+
+impl<'de> Visitor<'de> for PairsSeed {
+    type Value = (Vec<(String, usize)>, Vec<String>);
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("an object of file names")
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let mut pairs = Vec::with_capacity(map.size_hint().unwrap_or(0));
+        let mut files: Vec<String> = Vec::new();
+        let mut last = usize::MAX; // neighbouring keys mostly share a file
+        while let Some(key) = map.next_key::<String>()? {
+            let file = map.next_value::<std::borrow::Cow<'de, str>>()?;
+            if files.get(last).is_none_or(|f| *f != file) {
+                last = match files.iter().position(|f| *f == file) {
+                    Some(at) => at,
+                    None => {
+                        files.push(file.into_owned());
+                        files.len() - 1
+                    }
+                };
+            }
+            pairs.push((key, last));
+        }
+        Ok((pairs, files))
+    }
+}
+
+/// The largest number of digits [`natural_sort_key`] pads to: longer numbers compare as text there.
+const NATURAL_DIGITS: usize = 24;
+
+/// A compact key that sorts exactly like [`natural_sort_key`] (a number is its digit count, then its digits
+/// without leading zeros, instead of 24 padded characters), or `None` when the two could disagree: a
+/// non-ASCII name, a control character (the markers are control characters) or a number of more than
+/// [`NATURAL_DIGITS`] digits. Keys a third as long make sorting 90k names about twice as fast.
+fn natural_order_key(name: &str, out: &mut Vec<u8>) -> bool {
+    if !name.bytes().all(|b| (0x20..0x7f).contains(&b)) {
+        return false;
+    }
+    let number = |out: &mut Vec<u8>, digits: &str| {
+        let digits = digits.trim_start_matches('0');
+        if digits.len() > NATURAL_DIGITS {
+            return false;
+        }
+        out.push(digits.len() as u8);
+        out.extend_from_slice(digits.as_bytes());
+        true
+    };
+    for (i, part) in name.split('.').enumerate() {
+        if i > 0 {
+            out.push(1);
+        }
+        if !part.is_empty() && part.bytes().all(|b| b.is_ascii_digit()) {
+            out.push(2);
+            if !number(out, part) {
+                return false;
+            }
+        } else {
+            let stem = part.trim_end_matches(|c: char| c.is_ascii_digit());
+            out.extend_from_slice(stem.as_bytes());
+            if stem.len() < part.len() {
+                out.push(3);
+                if !number(out, &part[stem.len()..]) {
+                    return false;
+                }
+            }
+        }
+    }
+    true
+}
+
+/// Sorts `names` naturally: `(positions in natural order, positions left to the caller)`. The first list
+/// orders by [`natural_sort_key`], ties by name; the second holds the names [`natural_order_key`] refuses.
+pub fn natural_order(names: &[&str]) -> (Vec<usize>, Vec<usize>) {
+    let mut buf: Vec<u8> = Vec::with_capacity(names.iter().map(|n| n.len() / 2 + 8).sum());
+    let mut spans: Vec<(usize, usize, usize)> = Vec::with_capacity(names.len()); // (start, end, position)
+    let mut other = Vec::new();
+    for (i, name) in names.iter().enumerate() {
+        let start = buf.len();
+        if natural_order_key(name, &mut buf) {
+            spans.push((start, buf.len(), i));
+        } else {
+            buf.truncate(start);
+            other.push(i);
+        }
+    }
+    let key = |&(a, b, _): &(usize, usize, usize)| &buf[a..b];
+    spans.sort_unstable_by(|x, y| key(x).cmp(key(y)).then_with(|| names[x.2].cmp(names[y.2])));
+    (spans.into_iter().map(|(_, _, i)| i).collect(), other)
+}
+
 fn read_exact(
     file: &mut File,
     buf: &mut [u8],
@@ -355,8 +547,9 @@ fn parse_tensor(name: String, entry: Entry) -> Result<TensorInfo, String> {
     };
     let dtype = match field(0)? {
         Field::Dtype(dtype) => dtype,
-        Field::Value(Value::String(s)) => {
-            return Err(format!("tensor '{name}' has unknown dtype '{s}'"))
+        Field::Value(value) if value.is_string() => {
+            let s = value.as_str().unwrap_or_default();
+            return Err(format!("tensor '{name}' has unknown dtype '{s}'"));
         }
         Field::Value(other) => {
             return Err(format!(
@@ -374,8 +567,10 @@ fn parse_tensor(name: String, entry: Entry) -> Result<TensorInfo, String> {
         let key = FIELDS[i];
         match field(i)? {
             Field::Ints(ints) => Ok(ints),
-            Field::Value(Value::Array(items)) => items
-                .iter()
+            Field::Value(value) if value.is_array() => value
+                .as_array()
+                .into_iter()
+                .flatten()
                 .map(|v| {
                     v.as_u64().ok_or_else(|| {
                         format!("tensor '{name}': {key} entry {v} is not a non-negative integer")
@@ -483,7 +678,7 @@ const FIELDS: [&str; 3] = ["dtype", "shape", "data_offsets"];
 /// value itself when it is not an object (for the error message).
 enum Entry {
     Fields([Option<Field>; 3]),
-    Other(Value),
+    Other(Box<Value>),
 }
 
 /// A known field of a tensor entry, typed while it streams by when it has the expected form (a known dtype
@@ -492,7 +687,7 @@ enum Entry {
 enum Field {
     Dtype(Dtype),
     Ints(Vec<u64>),
-    Value(Value),
+    Value(Box<Value>),
 }
 
 /// Deserializes a [`Field`]: the `dtype` field when `.0`, else `shape` / `data_offsets`.
@@ -511,16 +706,20 @@ impl<'de> Visitor<'de> for FieldSeed {
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("a JSON value")
     }
-    forward_to_strict!(Field, Field::Value; bool, i64, u64, f64, unit, map);
+    forward_to_strict!(Field, |v| Field::Value(Box::new(v)); bool, i64, u64, f64, unit, map);
     fn visit_str<E: de::Error>(self, v: &str) -> Result<Field, E> {
         match Dtype::from_name(v) {
             Some(dtype) if self.0 => Ok(Field::Dtype(dtype)),
-            _ => StrictVisitor.visit_str(v).map(Field::Value),
+            _ => StrictVisitor
+                .visit_str(v)
+                .map(|v| Field::Value(Box::new(v))),
         }
     }
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Field, A::Error> {
         if self.0 {
-            return StrictVisitor.visit_seq(seq).map(Field::Value);
+            return StrictVisitor
+                .visit_seq(seq)
+                .map(|v| Field::Value(Box::new(v)));
         }
         let mut ints = Vec::with_capacity(seq.size_hint().unwrap_or(4));
         while let Some(IntOrValue(item)) = seq.next_element()? {
@@ -534,7 +733,7 @@ impl<'de> Visitor<'de> for FieldSeed {
                     while let Some(StrictValue(v)) = seq.next_element()? {
                         values.push(v);
                     }
-                    return Ok(Field::Value(Value::Array(values)));
+                    return Ok(Field::Value(Box::new(Value::Array(values))));
                 }
             }
         }
@@ -595,7 +794,7 @@ impl<'de> Deserialize<'de> for Entry {
                 }
                 Ok(Entry::Fields(fields))
             }
-            forward_to_strict!(Entry, Entry::Other; bool, i64, u64, f64, str, unit, seq);
+            forward_to_strict!(Entry, |v| Entry::Other(Box::new(v)); bool, i64, u64, f64, str, unit, seq);
         }
         d.deserialize_any(V)
     }
@@ -612,17 +811,21 @@ enum Top {
     Other(Value),
 }
 
-impl<'de> Deserialize<'de> for Top {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V;
+/// Deserializes a [`Top`], reserving room for about `.0` entries (estimated from the header's length: growing
+/// the list of a 22k-tensor header step by step moved megabytes).
+struct TopSeed(usize);
+
+impl<'de> de::DeserializeSeed<'de> for TopSeed {
+    type Value = Top;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Top, D::Error> {
+        struct V(usize);
         impl<'de> Visitor<'de> for V {
             type Value = Top;
             fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
                 f.write_str("a JSON object")
             }
             fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Top, A::Error> {
-                let mut entries: Vec<(String, Entry)> =
-                    Vec::with_capacity(map.size_hint().unwrap_or(0));
+                let mut entries: Vec<(String, Entry)> = Vec::with_capacity(self.0);
                 let mut metadata = None;
                 // Duplicate tensor names are caught when the name index is built.
                 while let Some(key) = map.next_key::<String>()? {
@@ -640,7 +843,7 @@ impl<'de> Deserialize<'de> for Top {
             }
             forward_to_strict!(Top, Top::Other; bool, i64, u64, f64, str, unit, seq);
         }
-        d.deserialize_any(V)
+        d.deserialize_any(V(self.0))
     }
 }
 
@@ -900,11 +1103,108 @@ mod tests {
         assert_eq!(h.file_len, 8 + OK.len() as u64 + 16);
     }
 
+    #[test]
+    fn weight_map_parses_the_usual_layout_only() {
+        let w = WeightMap::parse(
+            br#"{"metadata":{"n":[1,{"x":null}]},"weight_map":{"a":"s2","b":"s1","c\u0041":"s2"}}"#,
+        )
+        .unwrap();
+        assert_eq!(w.files, ["s1", "s2"]);
+        assert_eq!(
+            w.pairs,
+            [("a".into(), 1), ("b".into(), 0), ("cA".into(), 1)]
+        );
+        for bad in [
+            &br#"{"weight_map":{}}"#[..],
+            br#"{"weight_map":{"a":1}}"#,
+            br#"{"weight_map":["a"]}"#,
+            br#"{"metadata":{}}"#,
+            br#"[1]"#,
+            br#"{"weight_map":{"a":"s"}"#,
+            br#"{"weight_map":{"a":"s"}} x"#,
+            b"{\"weight_map\":{\"\xff\":\"s\"}}",
+        ] {
+            assert!(
+                WeightMap::parse(bad).is_none(),
+                "{}",
+                String::from_utf8_lossy(bad)
+            );
+        }
+    }
+
+    #[test]
+    fn weight_map_agrees_only_with_exactly_its_tensors() {
+        let h = |json: &str, n| parse(&file(json, n)).unwrap();
+        let s1 = h(
+            r#"{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"b":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}}"#,
+            2,
+        );
+        let s2 = h(
+            r#"{"c":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}"#,
+            1,
+        );
+        let agrees = |json: &str| {
+            WeightMap::parse(json.as_bytes())
+                .unwrap()
+                .agrees(&[&s1, &s2])
+        };
+        assert!(agrees(r#"{"weight_map":{"c":"s2","a":"s1","b":"s1"}}"#));
+        assert!(
+            !agrees(r#"{"weight_map":{"c":"s2","a":"s1"}}"#),
+            "a missing tensor"
+        );
+        assert!(
+            !agrees(r#"{"weight_map":{"c":"s2","a":"s1","b":"s2"}}"#),
+            "a wrong file"
+        );
+        assert!(
+            !agrees(r#"{"weight_map":{"c":"s2","a":"s1","a":"s1"}}"#),
+            "a name twice, one missing"
+        );
+        assert!(
+            !agrees(r#"{"weight_map":{"c":"s2","a":"s1","b":"s1","d":"s1"}}"#),
+            "an extra name"
+        );
+        assert!(
+            !agrees(r#"{"weight_map":{"a":"s1","b":"s1"}}"#),
+            "a file fewer"
+        );
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig { cases: 3000, ..ProptestConfig::default() })]
         #[test]
         fn random_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..200)) {
             let _ = parse(&bytes);
+        }
+
+        /// The compact keys sort exactly like the padded ones (ties by name), and refuse only what they must.
+        #[test]
+        fn natural_order_sorts_like_the_padded_keys(
+            names in proptest::collection::vec(
+                proptest::collection::vec(
+                    prop_oneof![
+                        Just("."), Just("a"), Just("x"), Just("_"), Just("0"), Just("00"), Just("1"),
+                        Just("9"), Just("10"), Just("007"), Just("99999999999999"), Just("\u{1}"), Just("é"),
+                    ],
+                    0..12,
+                ).prop_map(|parts| parts.concat()),
+                0..60,
+            )
+        ) {
+            let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+            let (order, other) = natural_order(&refs);
+            let mut all: Vec<usize> = order.iter().chain(&other).copied().collect();
+            all.sort_unstable();
+            prop_assert_eq!(all, (0..names.len()).collect::<Vec<_>>());
+            for &i in &other {
+                let n = refs[i];
+                let long = n.split(|c: char| !c.is_ascii_digit()).any(|d| d.trim_start_matches('0').len() > 24);
+                prop_assert!(!n.bytes().all(|b| (0x20..0x7f).contains(&b)) || long, "refused {:?}", n);
+            }
+            let mut expected: Vec<usize> = order.clone();
+            expected.sort_by_key(|&i| (natural_sort_key(refs[i]).unwrap(), refs[i]));
+            prop_assert_eq!(order, expected);
         }
 
         #[test]

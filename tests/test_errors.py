@@ -239,3 +239,76 @@ def test_hierarchy():
     assert issubclass(ReadError, HpFastloadError) and issubclass(ReadError, OSError)
     assert issubclass(TargetError, HpFastloadError) and issubclass(TargetError, ValueError)
     assert not issubclass(HpFastloadError, ValueError)
+
+
+def _sharded(tmp_path):
+    """Two shards written by safetensors and the key -> file map an index of them holds."""
+    shards = {
+        "a.safetensors": {"x.1.w": torch.arange(4.0), "x.10.w": torch.ones(2)},
+        "b.safetensors": {"x.2.w": torch.zeros(3)},
+    }
+    weight_map = {}
+    for name, tensors in shards.items():
+        save_file(tensors, str(tmp_path / name))
+        weight_map.update(dict.fromkeys(tensors, name))
+    return weight_map
+
+
+INDEX_CASES = [
+    ("not json", '{"weight_map": {', "failed to read safetensors index"),
+    ("not utf8", b'{"weight_map": {"\xff": "a.safetensors"}}', "failed to read safetensors index"),
+    ("no weight_map", json.dumps({"metadata": {}}), "no non-empty weight_map"),
+    ("empty weight_map", json.dumps({"weight_map": {}}), "no non-empty weight_map"),
+    ("list", json.dumps([1]), "no non-empty weight_map"),
+    ("non-string file", json.dumps({"weight_map": {"x.1.w": 3}}), "maps a key to 3, not a file name"),
+    ("wrong file", json.dumps({"weight_map": {"x.1.w": "b.safetensors"}}), "puts 'x.1.w' in b.safetensors"),
+]
+
+
+@pytest.mark.parametrize(("text", "needle"), [c[1:] for c in INDEX_CASES], ids=[c[0] for c in INDEX_CASES])
+def test_bad_index(tmp_path, text, needle):
+    from hp_fastload.index import CheckpointIndex
+
+    _sharded(tmp_path)
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(HeaderError, match=needle):
+        CheckpointIndex.open(tmp_path)
+
+
+def test_index_missing_shard(tmp_path):
+    from hp_fastload.index import CheckpointIndex
+
+    weight_map = _sharded(tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {**weight_map, "y": "c.safetensors"}})
+    )
+    with pytest.raises(FileNotFoundError, match="c.safetensors"):
+        CheckpointIndex.open(tmp_path)
+
+
+@pytest.mark.parametrize("variant", ["exact", "extra fields", "subset", "listed twice"])
+def test_index_variants_agree_with_the_headers(tmp_path, variant):
+    """The Rust fast path (an index that lists exactly the headers' tensors) and the per-key path give the
+    same index; a subset lists only its keys; a name listed twice keeps its last file, as ``json`` does."""
+    from safetensors import safe_open
+
+    from hp_fastload.index import CheckpointIndex
+
+    weight_map = _sharded(tmp_path)
+    body = json.dumps({"weight_map": weight_map})
+    if variant == "extra fields":
+        body = json.dumps({"metadata": {"total_size": 36, "nested": [1, {"a": None}]}, "weight_map": weight_map})
+    elif variant == "subset":
+        weight_map = {"x.10.w": "a.safetensors", "x.2.w": "b.safetensors"}
+        body = json.dumps({"weight_map": weight_map})
+    elif variant == "listed twice":
+        body = '{"weight_map": {"x.1.w": "b.safetensors", ' + body[len('{"weight_map": {') :]
+    (tmp_path / "model.safetensors.index.json").write_text(body)
+    index = CheckpointIndex.open(tmp_path)
+    assert index.keys() == [k for k in ("x.1.w", "x.2.w", "x.10.w") if k in weight_map]
+    for key in index:
+        file = index._file_of(key)
+        assert os.path.basename(file.path) == weight_map[key]
+        with safe_open(file.path, "pt") as f:
+            assert file.shape(key) == tuple(f.get_slice(key).get_shape())

@@ -140,9 +140,14 @@ def test_checkpoint_index_keys_merge_shards_in_natural_order(tmp_path):
         weight_map.update(dict.fromkeys(shard, f"s{i}.safetensors"))
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     index = CheckpointIndex.open(tmp_path)
-    ascii_names, other = _core.SafetensorsHeader.natural_order([f.header for f in index.files])
-    assert ascii_names == sorted((n for n in names if n.isascii()), key=lambda n: (rules.natural_sort_key(n), n))
-    assert sorted(other) == sorted(n for n in names if not n.isascii()) and other
+    every = [key for f in index.files for key in f]
+    order, other = _core.SafetensorsHeader.natural_order([f.header for f in index.files])
+    assert sorted(order + other) == list(range(len(names)))
+    # Rust orders the names whose compact key provably sorts like the planner's; the others come back apart.
+    left = {n for n in names if not n.isascii() or "9" * 25 in n}
+    assert {every[i] for i in other} == left and left
+    ordered = [every[i] for i in order]
+    assert ordered == sorted((n for n in names if n not in left), key=lambda n: (rules.natural_sort_key(n), n))
     keys = index.keys()
     assert sorted(keys) == sorted(names)
     sort_keys = [rules.natural_sort_key(k) for k in keys]
@@ -242,3 +247,43 @@ def test_batched_grouping_matches_transformers_per_key(family_case):
     got = {key: group.target for group in groups for key in group.keys}
     assert got == {k: v for k, v in expected.items() if k not in unexpected}, family
     assert all(expected[k] not in targets for k in unexpected), family
+
+
+def test_split_alternatives_cut_only_at_top_level_bars():
+    from hp_fastload.groups import _split_alternatives
+
+    assert _split_alternatives(r"(?P<g0>a[|(]b)|(?P<g1>c\|d)|(?P<g2>[]|]x)|(?P<g3>(e|f))") == [
+        r"(?P<g0>a[|(]b)",
+        r"(?P<g1>c\|d)",
+        r"(?P<g2>[]|]x)",
+        r"(?P<g3>(e|f))",
+    ]
+
+
+@pytest.mark.parametrize("make", [HFConverter, rules.WeightConverter], ids=["transformers", "hp_fastload"])
+def test_alternatives_searched_apart_match_like_the_joined_regex(make):
+    """``rename_all`` searches each alternative alone in the keys holding its literal; the result must be what
+    the rule's own ``rename_source_key`` (one search of the joined regex: leftmost match, ties to the first
+    branch) gives for every key."""
+    from transformers.core_model_loading import MergeModulelist
+
+    from hp_fastload.groups import _Prefiltered
+
+    rule = make(
+        ["mlp.experts.*.gate_proj.weight", "experts.*.up_proj.weight", "gate_proj", "mlp.*.weight"],
+        "mlp.experts.gate_up_proj",
+        [rules.MergeModulelist(0)] if make is rules.WeightConverter else [MergeModulelist(0)],
+    )
+    wrapped = _Prefiltered(rule)
+    assert wrapped.searches is not None and len(wrapped.searches) == 4
+    parts = ["model", "layers", "3", "mlp", "experts", "12", "gate_proj", "up_proj", "weight", "weight_scale_inv"]
+    keys = sorted({".".join(p) for n in range(2, 7) for p in itertools.permutations(parts, n)})[::7]
+    keys += ["a.gate_proj.mlp.experts.1.up_proj.weight", "mlp.experts.1.gate_proj.weight", "mlp.x.weight"]
+    got = {i: (new, pattern) for i, new, pattern in wrapped.rename_all(keys)}
+    expected = {}
+    for i, key in enumerate(keys):
+        new, pattern = rule.rename_source_key(key)
+        if pattern is not None:
+            expected[i] = (new, pattern)
+    assert got == expected
+    assert len(expected) > 1000 and len({p for _, p in expected.values()}) == 4

@@ -21,17 +21,32 @@ class SafetensorsHeader:
     def metadata(self) -> dict[str, str] | None: ...
     def __len__(self) -> int: ...
     def names(self) -> list[str]: ...
-    def entries(self) -> list[tuple[str, str, tuple[int, ...], int, int]]:
-        """(name, safetensors dtype, shape, begin, end) in file order; begin/end relative to data_start."""
+    def entry_dict(self) -> dict[str, tuple[int, str, tuple[int, ...], int, int]]:
+        """name -> (position, safetensors dtype, shape, begin, end) in file order; begin/end relative to
+        data_start."""
     def sort_keys(self) -> list[str | None]:
         """Per entry (file order), ``hp_fastload.rules.natural_sort_key(name)``; None for non-ASCII names."""
     @staticmethod
-    def natural_order(headers: list[SafetensorsHeader]) -> tuple[list[str], list[str]]:
-        """``(names in natural order, names with non-ASCII characters)`` over all ``headers``."""
+    def natural_order(headers: list[SafetensorsHeader]) -> tuple[list[int], list[int]]:
+        """Over the names of all ``headers`` taken in order (each in file order): ``(positions in natural order,
+        positions of names left to Python: non-ASCII, control characters, numbers over 24 digits)``."""
     def index(self, name: str) -> int: ...
     def release_map(self) -> None:
         """Drop the file map kept between reads (frees its page tables; its pages become evictable). A large
         map that no running read uses is unmapped on a short-lived background thread."""
+
+class WeightMap:
+    """The ``weight_map`` of a ``model.safetensors.index.json``: which file holds each tensor."""
+
+    @staticmethod
+    def parse(text: bytes) -> WeightMap | None:
+        """The map of an index's bytes; None unless it is a JSON object whose ``weight_map`` is a non-empty
+        object of strings (the caller reports what is wrong)."""
+    def files(self) -> list[str]:
+        """The file names it uses, sorted."""
+    def __len__(self) -> int: ...
+    def agrees(self, headers: list[SafetensorsHeader]) -> bool:
+        """Whether it lists exactly the tensors of ``headers``, which are the files ``files()`` in order."""
 
 def execute(
     headers: list[SafetensorsHeader],

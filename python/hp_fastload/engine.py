@@ -132,10 +132,7 @@ class SafetensorsFile:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
         self.header = _core.SafetensorsHeader(self.path)
-        self._entries: dict[str, tuple[int, str, tuple[int, ...], int, int]] = {
-            name: (i, dtype, shape, begin, end)
-            for i, (name, dtype, shape, begin, end) in enumerate(self.header.entries())
-        }
+        self._entries: dict[str, tuple[int, str, tuple[int, ...], int, int]] = self.header.entry_dict()
         self._sort_keys: dict[str, str] | None = None
 
     def _entry(self, key: str) -> tuple[int, str, tuple[int, ...], int, int]:

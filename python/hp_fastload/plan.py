@@ -698,7 +698,7 @@ def _plan_load(
     report = LoadReport(
         loaded_keys=tuple(sorted(claims.loaded, key=natural_sort_key)),
         missing_keys=tuple(missing),
-        unexpected_keys=tuple(index.natural_sorted(set(claims.unexpected))),
+        unexpected_keys=tuple(index.natural_sorted(claims.unexpected)),
         checkpoint_bytes=index.total_bytes,
         region_targets=len(claims.region_reads),
         deferred_targets=tuple(n for d in claims.deferred for n in d.claims),
