@@ -283,7 +283,7 @@ def test_index_missing_shard(tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text(
         json.dumps({"weight_map": {**weight_map, "y": "c.safetensors"}})
     )
-    with pytest.raises(FileNotFoundError, match="c.safetensors"):
+    with pytest.raises(FileNotFoundError, match=r"c\.safetensors"):
         CheckpointIndex.open(tmp_path)
 
 

@@ -9,6 +9,7 @@ Only headers are read. It does not plan or read tensor bytes.
 from __future__ import annotations
 
 import json
+import operator
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -102,6 +103,7 @@ class CheckpointIndex:
             names = list(dict.fromkeys(n for n in names if n in key_files))
         self._keys = names
         self._order: dict[str, int] | None = None
+        self._all_entries: dict[str, tuple[int, str, tuple[int, ...], int, int]] | None = None
 
     @classmethod
     def open(cls, location: str | os.PathLike[str]) -> CheckpointIndex:
@@ -206,10 +208,18 @@ class CheckpointIndex:
 
     def facts_of(self, keys: list[str]) -> tuple[tuple[tuple[int, ...], str], ...]:
         """``(shape, safetensors dtype name)`` of each key, without building :class:`TensorEntry` objects (a
-        stacked-experts group's trace-cache signature has hundreds of sources)."""
-        files = self._files
+        stacked-experts group's trace-cache signature has hundreds of sources): looked up in C in one dict of
+        every indexed key's header entry."""
+        entries = self._all_entries
+        if entries is None:
+            entries = {}
+            for f in self.files:
+                entries.update(f._entries)
+            if len(entries) != len(self._files):  # a partial index (or one key in two files): its own choice
+                entries = {k: f._entries[k] for k, f in self._files.items()}
+            self._all_entries = entries
         try:
-            return tuple([(e[2], e[1]) for k in keys for e in (files[k]._entries[k],)])
+            return tuple(map(_SHAPE_AND_DTYPE, map(entries.__getitem__, keys)))
         except KeyError:
             for k in keys:
                 self._file_of(k)  # raises naming the key
@@ -260,6 +270,8 @@ def _weight_map(index_path: Path, text: bytes) -> dict[Any, Any]:
         raise HeaderError(f"safetensors index has no non-empty weight_map: {index_path}")
     return weight_map
 
+
+_SHAPE_AND_DTYPE = operator.itemgetter(2, 1)
 
 #: Header bytes (all shards together) above which ``_open_all`` parses in threads. Starting a pool costs
 #: ~1 ms, what parsing ~100 KB of header takes; a dense checkpoint's headers are a few KB each.

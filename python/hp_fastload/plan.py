@@ -21,6 +21,7 @@ from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from .engine import SafetensorsFile
@@ -344,12 +345,42 @@ def _row_major(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(strides)
 
 
+#: Block lists at least this long are filtered against a rank's bounding box with numpy.
+_VECTOR_BLOCKS = 32
+
+
+def _blocks_meeting(
+    blocks: Sequence[Block], lo: Sequence[int], hi: Sequence[int], bounds: dict[int, Any] | None
+) -> Sequence[Block]:
+    """The blocks that meet the box ``[lo, hi)``. A stacked-experts trace has hundreds of blocks, shared by
+    every layer's group, of which an expert-parallel rank keeps a few: their bounds are kept as arrays in
+    ``bounds`` (by the list's identity) and filtered in one vector test instead of a Python loop per block."""
+    if bounds is None or len(blocks) < _VECTOR_BLOCKS:
+        return [
+            b
+            for b in blocks
+            if all(o < h and o + n > l_ for o, n, l_, h in zip(b.offsets, b.lengths, lo, hi, strict=True))
+        ]
+    cached = bounds.get(id(blocks))
+    if cached is None or cached[0] is not blocks:
+        starts = np.array([b.offsets for b in blocks], dtype=np.int64)
+        cached = bounds[id(blocks)] = (blocks, starts, starts + np.array([b.lengths for b in blocks], dtype=np.int64))
+    _, starts, ends = cached
+    keep = np.flatnonzero(((starts < np.asarray(hi)) & (ends > np.asarray(lo))).all(axis=1))
+    return [blocks[i] for i in keep.tolist()]
+
+
 def region_items(
-    target: Target, blocks: Sequence[Block], index: CheckpointIndex, sources: dict[str, str] | None = None
+    target: Target,
+    blocks: Sequence[Block],
+    index: CheckpointIndex,
+    sources: dict[str, str] | None = None,
+    bounds: dict[int, Any] | None = None,
 ) -> list[ReadItem]:
     """Exact read items for the part of the converted global tensor (``blocks``) this rank holds.
 
-    ``sources`` maps the blocks' source names to checkpoint keys (placeholders of a shared trace).
+    ``sources`` maps the blocks' source names to checkpoint keys (placeholders of a shared trace); ``bounds``
+    caches block bounds across calls (see ``_blocks_meeting``).
     """
     items: list[ReadItem] = []
     region = target.region
@@ -364,18 +395,10 @@ def region_items(
     bb_hi = [max(b[0][d] + b[1][d] for b in boxes) for d in range(ndim_t)]
     strides_by_shape: dict[tuple[int, ...], tuple[int, ...]] = {}
     strides_by_map: dict[Any, tuple[int, ...]] = {}
-    for block in blocks:
+    for block in blocks if full else _blocks_meeting(blocks, bb_lo, bb_hi, bounds):
         offsets = block.offsets
         lengths = block.lengths
         ndim = len(offsets)
-        if not full:
-            outside = False
-            for d in range(ndim):
-                if offsets[d] >= bb_hi[d] or offsets[d] + lengths[d] <= bb_lo[d]:
-                    outside = True
-                    break
-            if outside:
-                continue
         source = sources[block.source] if sources is not None else block.source
         src_shape = block.src_shape
         src_st = strides_by_shape.get(src_shape)
@@ -465,6 +488,7 @@ class _Claims:
         self.unexpected: list[str] = []
         self.region_reads: dict[str, tuple[Target, list[ReadItem]]] = {}
         self.deferred: list[DeferredGroup] = []
+        self.bounds: dict[int, Any] = {}  # block bounds of shared traces (see _blocks_meeting)
 
     def claim(self, name: str, shape: Sequence[int]) -> Target | None:
         target = self.targets.get(name)
@@ -482,7 +506,8 @@ class _Claims:
     def region(self, name: str, shape: Sequence[int], blocks: Sequence[Block], sources: dict[str, str] | None) -> None:
         target = self.claim(name, shape)
         if target is not None:
-            self.region_reads[target.names[0]] = (target, region_items(target, blocks, self.index, sources))
+            items = region_items(target, blocks, self.index, sources, self.bounds)
+            self.region_reads[target.names[0]] = (target, items)
 
     def defer(self, name: str, shape: Sequence[int], pending: DeferredGroup) -> None:
         target = self.claim(name, shape)

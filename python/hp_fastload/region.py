@@ -304,8 +304,15 @@ def _with(
 
 
 @functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=64)
 def _identity(nd: int) -> tuple[Vec, ...]:
     return tuple(tuple(int(i == j) for j in range(nd)) for i in range(nd))
+
+
+@functools.lru_cache(maxsize=256)
+def _leaf_meta(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A meta tensor of ``shape`` and ``dtype``, for leaves to wrap (never handed out itself)."""
+    return torch.empty(shape, dtype=dtype, device="meta")
 
 
 def _cols(b: Block) -> list[Vec]:
@@ -380,12 +387,15 @@ class RegionTensor(torch.Tensor):
     def leaf(source: str, shape: Sequence[int], dtype: torch.dtype) -> RegionTensor:
         """A region equal to the whole checkpoint tensor ``source`` (one block, identity map)."""
         shp = tuple(int(s) for s in shape)
-        meta = torch.empty(shp, dtype=dtype, device="meta")
+        if any(n < 0 for n in shp):
+            raise ValueError(f"leaf {source!r}: negative size in shape {list(shp)}")
+        meta = _leaf_meta(shp, dtype)  # shared by leaves of one shape: each wrap is a new tensor object
         if math.prod(shp) == 0:
             return _wrap(meta, ())
         zeros = (0,) * len(shp)
-        block = Block(zeros, shp, source, zeros, _identity(len(shp)), (), dtype, shp)
-        return _wrap(meta, (block,))
+        # The identity block of a valid shape is valid by construction: no per-leaf check (a stacked-experts
+        # trace builds ~10^3 leaves).
+        return _wrap(meta, (_raw(zeros, shp, source, zeros, _identity(len(shp)), (), dtype, shp),))
 
     @staticmethod
     def from_blocks(shape: Sequence[int], dtype: torch.dtype, blocks: Iterable[Block]) -> RegionTensor:
