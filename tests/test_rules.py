@@ -287,3 +287,24 @@ def test_alternatives_searched_apart_match_like_the_joined_regex(make):
             expected[i] = (new, pattern)
     assert got == expected
     assert len(expected) > 1000 and len({p for _, p in expected.values()}) == 4
+
+
+@pytest.mark.parametrize("doubled_target", [False, True])
+def test_prefix_normalization_in_bulk_equals_per_name(doubled_target):
+    """``_normalized`` (one dict lookup per name) gives ``_prefix_normalize``'s answer for every name."""
+    import random
+
+    from hp_fastload.groups import _normalized, _prefix_normalize
+
+    rng = random.Random(3)
+    parts = ["model", "lm_head", "layers", "0", "1", "weight", "embed", "model.model"]
+    targets = {".".join(rng.choice(parts) for _ in range(rng.randint(1, 4))) for _ in range(300)}
+    targets = {t for t in targets if not t.startswith("model.model.")}
+    if doubled_target:
+        targets.add("model.model.x")
+    names = [".".join(rng.choice(parts) for _ in range(rng.randint(1, 5))) for _ in range(3000)]
+    names += [f"model.{t}" for t in list(targets)[:50]] + [t.removeprefix("model.") for t in list(targets)[:50]]
+    expected = [_prefix_normalize(n, "model", targets) for n in names]
+    assert _normalized(names, "model", targets) == expected
+    assert sum(e != n for e, n in zip(expected, names, strict=True)) > 50  # the prefix moved for many
+    assert _normalized(names, None, targets) == names

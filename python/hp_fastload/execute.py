@@ -113,21 +113,31 @@ class _Batch:
     ) -> None:
         """Like ``add`` with the file given, for readers without an index."""
         item = ReadItem(key, storage_base, tuple(storage_strides), tuple(lengths), tuple(dest_offsets), ())
-        self._pack([item], dest, lambda k: (file, file.tensor_index(k), file.torch_dtype(k)))
+        if key not in file:
+            raise PlanError(f"{file.path}: no tensor named {key!r}")
+        self._pack([item], dest, [(file, file.tensor_index(key), file.torch_dtype(key))])
 
-    def add_boxes(self, items: Sequence[ReadItem], dest: torch.Tensor) -> None:
+    def add_boxes(
+        self,
+        items: Sequence[ReadItem],
+        dest: torch.Tensor,
+        located: Sequence[tuple[SafetensorsFile, int, torch.dtype]] | None = None,
+    ) -> None:
         """Many boxes into one destination (a target's local tensor or its staging buffer), no casts to
-        finish in torch: the per-destination work is done once (a stacked-experts target has ~10^3 boxes)."""
+        finish in torch: the per-destination work is done once (a stacked-experts target has ~10^3 boxes).
+        ``located``: each item's ``CheckpointIndex.locate`` result, when the caller has them."""
         assert self.index is not None
-        self._pack(items, dest, self.index.locate)
+        if located is None:
+            located = list(map(self.index.locate, [item.source for item in items]))
+        self._pack(items, dest, located)
 
     def _pack(
         self,
         items: Sequence[ReadItem],
         dest: torch.Tensor,
-        locate: Callable[[str], tuple[SafetensorsFile, int, torch.dtype]],
+        located: Sequence[tuple[SafetensorsFile, int, torch.dtype]],
     ) -> None:
-        """Packs ``items`` (their ``post`` is not applied here) into ``dest``; ``locate(key)`` gives the key's
+        """Packs ``items`` (their ``post`` is not applied here) into ``dest``; ``located`` gives each item's
         (file, position in its header, dtype). The records are built column by column with numpy: a
         stacked-experts target has ~10^3 boxes, and a Python loop building each 30-field record was ~5 us a
         box (a fifth of a 20k-tensor MoE load)."""
@@ -147,7 +157,6 @@ class _Batch:
                 if got > MAX_NDIM:
                     raise PlanError(f"{item.source}: a read of {got} dims exceeds the engine's {MAX_NDIM}")
                 raise PlanError(f"{item.source}: a {got}-d read into a {ndim}-d destination")
-        located = list(map(locate, [item.source for item in items]))
         file_pos: dict[int, int] = {}
         for file, _, _ in located:
             if id(file) not in file_pos:
@@ -323,15 +332,17 @@ def _add_target_items(
     index = batch.index
     assert index is not None
     casts: dict[torch.dtype, bool] = {}
+    located = list(map(index.locate, [item.source for item in items]))
     direct: list[ReadItem] = []
-    locate = index.locate
-    for item in items:
-        src_dtype = locate(item.source)[2]
+    direct_located: list[tuple[SafetensorsFile, int, torch.dtype]] = []
+    for item, where in zip(items, located, strict=True):
+        src_dtype = where[2]
         engine_casts = casts.get(src_dtype)
         if engine_casts is None:
             engine_casts = casts[src_dtype] = _engine_casts(src_dtype, dest.dtype)
         if not item.post and engine_casts:
             direct.append(item)
+            direct_located.append(where)
             continue
         temp = torch.empty(item.lengths, dtype=src_dtype)
         batch.add(item.source, item.storage_base, item.storage_strides, item.lengths, temp, (0,) * len(item.lengths))
@@ -344,7 +355,7 @@ def _add_target_items(
         # post-ops must run before a device copy of the same staging buffer: insert ahead of it
         batch.after.insert(len(batch.after) - (1 if dest is not local else 0), finish)
     if direct:
-        batch.add_boxes(direct, dest)
+        batch.add_boxes(direct, dest, direct_located)
 
 
 def read_whole(

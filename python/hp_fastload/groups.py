@@ -66,6 +66,25 @@ def _prefix_normalize(key: str, prefix: str | None, targets: Collection[str]) ->
     return key
 
 
+def _normalized(names: list[str], prefix: str | None, targets: Collection[str]) -> list[str]:
+    """``_prefix_normalize`` of every name, through one dict lookup each (in C) unless some target carries the
+    prefix twice: a name that carries it once can only lose it (when the rest is a target without it, like
+    ``lm_head.weight``), a name without it can only gain it (when the prefixed name is a target)."""
+    if not prefix:
+        return names
+    dotted = prefix + "."
+    doubled = dotted + dotted
+    if any(t.startswith(doubled) for t in targets):
+        return [_prefix_normalize(n, prefix, targets) for n in names]
+    cut = len(dotted)
+    change = {dotted + t: t for t in targets if not t.startswith(dotted)}
+    change.update((t[cut:], t) for t in targets if t.startswith(dotted))
+    out = list(map(change.get, names, names))
+    for i in compress(range(len(names)), map(str.startswith, names, repeat(doubled))):
+        out[i] = _prefix_normalize(names[i], prefix, targets)
+    return out
+
+
 def _plain_matcher(rule: Any) -> bool:
     """True when ``rule`` matches with the standard regex search (no custom ``rename_source_key``)."""
     method = getattr(type(rule), "rename_source_key", None)
@@ -180,6 +199,17 @@ def _alternative_searches(pattern: str, flags: int) -> tuple[Callable[[str], Any
     return tuple(c.search for c in compiled)
 
 
+class _SourceOf(dict[Any, str]):
+    """Source pattern by the name of the branch that matched (``g<k>``: the rule's ``k``-th source)."""
+
+    def __init__(self, sources: Sequence[str]) -> None:
+        super().__init__((f"g{k}", source) for k, source in enumerate(sources))
+        self.sources = sources
+
+    def __missing__(self, group: Any) -> str:  # pragma: no cover - every branch is a named outer group
+        raise KeyError(f"a match of no named branch ({group!r}) among sources {list(self.sources)}")
+
+
 class _Prefiltered:
     """A rule with its literal prefilter: ``rename(key)`` skips rules that cannot match."""
 
@@ -225,29 +255,30 @@ class _Prefiltered:
                 for search, literal in zip(self.searches, literals, strict=True)
                 if text is None or literal in text
             ]
-        hits: dict[int, Any] = {}
+        found: list[tuple[int, Any]] = []  # (index, match) per alternative, in index order
+        runs = 0
         for search, indices in alternatives:
             if taken is not None:
                 indices = [i for i in indices if taken[i] is None]
             # The searches run in C (map); Python sees only the matches.
-            found = list(map(search, map(keys.__getitem__, indices)))
-            for i, match in compress(zip(indices, found, strict=True), found):
+            matches = list(map(search, map(keys.__getitem__, indices)))
+            run = list(compress(zip(indices, matches, strict=True), matches))
+            if run:
+                runs += 1
+                found.extend(run)
+        if not found:
+            return []
+        if runs > 1:  # several alternatives matched: per key the earliest match, ties to the first alternative
+            hits: dict[int, Any] = {}
+            for i, match in found:
                 earlier = hits.get(i)
                 if earlier is None or match.start() < earlier.start():
                     hits[i] = match
-        if not hits:
-            return []
+            found = sorted(hits.items())
         object.__setattr__(self.rule, "_was_used", True)
         replacement = self.rule.target_patterns[0]
-        sources = self.rule.source_patterns
-        out = []
-        for i in sorted(hits) if len(alternatives) > 1 else hits:
-            match = hits[i]
-            group = match.lastgroup
-            if group is None:  # pragma: no cover - every branch is a named outer group
-                group = next(n for n, v in match.groupdict().items() if v is not None)
-            out.append((i, keys[i].replace(match.group(0), replacement, 1), sources[int(group[1:])]))
-        return out
+        source_of = _SourceOf(self.rule.source_patterns)
+        return [(i, keys[i].replace(m.group(0), replacement, 1), source_of[m.lastgroup]) for i, m in found]
 
     def rename(self, key: str) -> tuple[str, str | None]:
         literals = self.literals
@@ -348,33 +379,22 @@ def build_groups(
             taken = matched
     groups: dict[str, LoadGroup] = {}
     unexpected: list[str] = []
-    # ``_prefix_normalize`` without the call for the usual name, one that carries the prefix once: it can only
-    # lose the prefix (when the rest is a target without it, like ``lm_head.weight``) unless some target
-    # carries the prefix twice.
-    dotted = f"{base_model_prefix}." if base_model_prefix else ""
-    doubled = dotted + dotted
-    fast = bool(dotted) and not any(t.startswith(doubled) for t in targets)
-    bare = {t for t in targets if not t.startswith(dotted)} if fast else set()
-    cut = len(dotted)
+    finals = _normalized(renamed, base_model_prefix, targets)
+    present = list(map(contains, repeat(targets), finals))
     converter: Any
-    for key, target, hit, name in zip(originals, renamed, matched, names, strict=True):
-        if fast and target.startswith(dotted) and not target.startswith(doubled):
-            if bare and target[cut:] in bare:
-                target = target[cut:]
-        elif base_model_prefix:
-            target = _prefix_normalize(target, base_model_prefix, targets)
+    for key, target, hit, name, here in zip(originals, finals, matched, names, present, strict=True):
+        if not here:
+            if name in targets:
+                # The checkpoint already uses the model's names: a rule that would misfire must not win.
+                target, hit = _prefix_normalize(name, base_model_prefix, targets), None
+                here = target in targets
+            if not here and (hit is None or len(hit[0].target_patterns) == 1):
+                unexpected.append(key)
+                continue
         if hit is None:
             converter = pattern = None
         else:
             converter, pattern = hit
-        present = target in targets
-        if not present and name in targets:
-            # The checkpoint already uses the model's names: a rule that would misfire must not win.
-            target, converter, pattern = _prefix_normalize(name, base_model_prefix, targets), None, None
-            present = target in targets
-        if not present and (converter is None or len(converter.target_patterns) == 1):
-            unexpected.append(key)
-            continue
         group = groups.get(target)
         if group is None:
             group = groups[target] = LoadGroup(target, converter)

@@ -348,58 +348,52 @@ def _row_major(shape: Sequence[int]) -> tuple[int, ...]:
 #: Block lists at least this long are filtered against a rank's bounding box with numpy.
 _VECTOR_BLOCKS = 32
 
-
-def _blocks_meeting(
-    blocks: Sequence[Block], lo: Sequence[int], hi: Sequence[int], bounds: dict[int, Any] | None
-) -> Sequence[Block]:
-    """The blocks that meet the box ``[lo, hi)``. A stacked-experts trace has hundreds of blocks, shared by
-    every layer's group, of which an expert-parallel rank keeps a few: their bounds are kept as arrays in
-    ``bounds`` (by the list's identity) and filtered in one vector test instead of a Python loop per block."""
-    if bounds is None or len(blocks) < _VECTOR_BLOCKS:
-        return [
-            b
-            for b in blocks
-            if all(o < h and o + n > l_ for o, n, l_, h in zip(b.offsets, b.lengths, lo, hi, strict=True))
-        ]
-    cached = bounds.get(id(blocks))
-    if cached is None or cached[0] is not blocks:
-        starts = np.array([b.offsets for b in blocks], dtype=np.int64)
-        cached = bounds[id(blocks)] = (blocks, starts, starts + np.array([b.lengths for b in blocks], dtype=np.int64))
-    _, starts, ends = cached
-    keep = np.flatnonzero(((starts < np.asarray(hi)) & (ends > np.asarray(lo))).all(axis=1))
-    return [blocks[i] for i in keep.tolist()]
+#: What a block reads, independent of the rank: (source, storage base, storage strides, lengths, offsets, post).
+_Template = tuple[str, int, tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[Any, ...]]
 
 
-def region_items(
-    target: Target,
-    blocks: Sequence[Block],
-    index: CheckpointIndex,
-    sources: dict[str, str] | None = None,
-    bounds: dict[int, Any] | None = None,
-) -> list[ReadItem]:
-    """Exact read items for the part of the converted global tensor (``blocks``) this rank holds.
+class _BlockCache:
+    """Per shared block list (a cached trace's, reused by every layer's group; held by identity): the blocks'
+    read templates, and their bounds as arrays for long lists. A stacked-experts trace has ~10^3 blocks;
+    computing each block's strides and base once per plan instead of once per layer, and filtering an
+    expert-parallel rank's few experts in one vector test, keeps planning near linear in the items made."""
 
-    ``sources`` maps the blocks' source names to checkpoint keys (placeholders of a shared trace); ``bounds``
-    caches block bounds across calls (see ``_blocks_meeting``).
-    """
-    items: list[ReadItem] = []
-    region = target.region
-    boxes = list(region.boxes())
-    if not boxes:
-        return items
-    full = region.is_full
-    # The region's bounding box: blocks outside it (other ranks' experts, rows, ...) are dropped before any
-    # per-block arithmetic, which keeps planning linear in the blocks this rank actually reads.
-    ndim_t = len(target.global_shape)
-    bb_lo = [min(b[0][d] for b in boxes) for d in range(ndim_t)]
-    bb_hi = [max(b[0][d] + b[1][d] for b in boxes) for d in range(ndim_t)]
+    def __init__(self) -> None:
+        self._lists: dict[int, tuple[Sequence[Block], list[_Template], Any]] = {}
+
+    def _entry(self, blocks: Sequence[Block]) -> tuple[Sequence[Block], list[_Template], Any]:
+        entry = self._lists.get(id(blocks))
+        if entry is None or entry[0] is not blocks:
+            entry = self._lists[id(blocks)] = (blocks, _templates(blocks), None)
+        return entry
+
+    def templates(self, blocks: Sequence[Block]) -> list[_Template]:
+        return self._entry(blocks)[1]
+
+    def meeting(self, blocks: Sequence[Block], lo: Sequence[int], hi: Sequence[int]) -> list[int]:
+        """Positions of the blocks that meet the box ``[lo, hi)``."""
+        if len(blocks) < _VECTOR_BLOCKS:
+            return [
+                i
+                for i, b in enumerate(blocks)
+                if all(o < h and o + n > l_ for o, n, l_, h in zip(b.offsets, b.lengths, lo, hi, strict=True))
+            ]
+        held, templates, bounds = self._entry(blocks)
+        if bounds is None:
+            starts = np.array([b.offsets for b in blocks], dtype=np.int64)
+            bounds = (starts, starts + np.array([b.lengths for b in blocks], dtype=np.int64))
+            self._lists[id(blocks)] = (held, templates, bounds)
+        starts, ends = bounds
+        return np.flatnonzero(((starts < np.asarray(hi)) & (ends > np.asarray(lo))).all(axis=1)).tolist()
+
+
+def _templates(blocks: Sequence[Block]) -> list[_Template]:
+    """Each block's read: its source, the flat storage index of its first element and its element strides in
+    the (contiguous) source, per region dim."""
+    out: list[_Template] = []
     strides_by_shape: dict[tuple[int, ...], tuple[int, ...]] = {}
     strides_by_map: dict[Any, tuple[int, ...]] = {}
-    for block in blocks if full else _blocks_meeting(blocks, bb_lo, bb_hi, bounds):
-        offsets = block.offsets
-        lengths = block.lengths
-        ndim = len(offsets)
-        source = sources[block.source] if sources is not None else block.source
+    for block in blocks:
         src_shape = block.src_shape
         src_st = strides_by_shape.get(src_shape)
         if src_st is None:
@@ -408,15 +402,47 @@ def region_items(
         strides = strides_by_map.get((src_shape, coeff))
         if strides is None:
             nsrc = len(src_st)
-            strides = tuple(sum(coeff[s][d] * src_st[s] for s in range(nsrc)) for d in range(ndim))
+            strides = tuple(sum(coeff[s][d] * src_st[s] for s in range(nsrc)) for d in range(len(block.offsets)))
             strides_by_map[(src_shape, coeff)] = strides
         base0 = 0
         for b, st in zip(block.base, src_st, strict=True):
             base0 += b * st
-        post = tuple(block.post)
-        if full:  # the whole tensor is local: one item per block, no intersection
-            items.append(ReadItem(source, base0, strides, tuple(lengths), tuple(offsets), post))
-            continue
+        out.append((block.source, base0, strides, tuple(block.lengths), tuple(block.offsets), tuple(block.post)))
+    return out
+
+
+def region_items(
+    target: Target,
+    blocks: Sequence[Block],
+    index: CheckpointIndex,
+    sources: dict[str, str] | None = None,
+    cache: _BlockCache | None = None,
+) -> list[ReadItem]:
+    """Exact read items for the part of the converted global tensor (``blocks``) this rank holds.
+
+    ``sources`` maps the blocks' source names to checkpoint keys (placeholders of a shared trace); ``cache``
+    keeps per-block work across calls that share a block list (see ``_BlockCache``).
+    """
+    region = target.region
+    boxes = list(region.boxes())
+    if not boxes:
+        return []
+    if cache is None:
+        cache = _BlockCache()
+    templates = cache.templates(blocks)
+    key = sources.__getitem__ if sources is not None else str
+    if region.is_full:  # the whole tensor is local: one item per block, no intersection
+        return [ReadItem(key(src), base, st, n, off, post) for src, base, st, n, off, post in templates]
+    # The region's bounding box: blocks outside it (other ranks' experts, rows, ...) are dropped before any
+    # per-block arithmetic, which keeps planning linear in the blocks this rank actually reads.
+    ndim_t = len(target.global_shape)
+    bb_lo = [min(b[0][d] for b in boxes) for d in range(ndim_t)]
+    bb_hi = [max(b[0][d] + b[1][d] for b in boxes) for d in range(ndim_t)]
+    items: list[ReadItem] = []
+    for i in cache.meeting(blocks, bb_lo, bb_hi):
+        src, base0, strides, lengths, offsets, post = templates[i]
+        source = key(src)
+        ndim = len(offsets)
         for goff, glen, loff in boxes:
             lo = []
             sub = []
@@ -488,7 +514,7 @@ class _Claims:
         self.unexpected: list[str] = []
         self.region_reads: dict[str, tuple[Target, list[ReadItem]]] = {}
         self.deferred: list[DeferredGroup] = []
-        self.bounds: dict[int, Any] = {}  # block bounds of shared traces (see _blocks_meeting)
+        self.blocks = _BlockCache()  # per-block work on shared traces (see _BlockCache)
 
     def claim(self, name: str, shape: Sequence[int]) -> Target | None:
         target = self.targets.get(name)
@@ -506,7 +532,7 @@ class _Claims:
     def region(self, name: str, shape: Sequence[int], blocks: Sequence[Block], sources: dict[str, str] | None) -> None:
         target = self.claim(name, shape)
         if target is not None:
-            items = region_items(target, blocks, self.index, sources, self.bounds)
+            items = region_items(target, blocks, self.index, sources, self.blocks)
             self.region_reads[target.names[0]] = (target, items)
 
     def defer(self, name: str, shape: Sequence[int], pending: DeferredGroup) -> None:
