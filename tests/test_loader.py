@@ -410,3 +410,26 @@ def test_staging_path_double_buffers_exactly(checkpoint, staging_bytes):
     slab = max(staging_bytes // 2, 64)
     widest_row = max(t[0].numel() * t.element_size() for t in state.values() if t.dim())
     assert 0 < stats.extra["staging_bytes"] <= 2 * max(slab, widest_row)
+
+
+@pytest.mark.parametrize("loader", ["dcp", "legacy"])
+def test_zero_dim_and_mixed_rank_tensors(tmp_path, loader):
+    """0-d parameters and buffers next to 1-d and 3-d ones (the packer builds its records per destination)."""
+    from safetensors import safe_open
+
+    tensors = {"s": torch.tensor(3.5), "v": torch.arange(3.0), "c": torch.arange(24.0).reshape(2, 3, 4)}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.s = nn.Parameter(torch.tensor(0.0))
+            self.v = nn.Parameter(torch.zeros(3))
+            self.register_buffer("c", torch.zeros(2, 3, 4))
+
+    m = M()
+    report = hf.load(m, tmp_path, loader=loader)
+    assert sorted(report.loaded_keys) == ["c", "s", "v"]
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        for name in tensors:
+            assert torch.equal(getattr(m, name).detach(), f.get_tensor(name)), name

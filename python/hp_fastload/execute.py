@@ -151,12 +151,21 @@ class _Batch:
         n = len(items)
         if not n:
             return
-        for item in items:  # the shape check, before any numpy (ragged lists would not make arrays)
-            if len(item.lengths) != ndim or len(item.storage_strides) != ndim or len(item.dest_offsets) != ndim:
-                got = len(item.lengths)
-                if got > MAX_NDIM:
-                    raise PlanError(f"{item.source}: a read of {got} dims exceeds the engine's {MAX_NDIM}")
-                raise PlanError(f"{item.source}: a {got}-d read into a {ndim}-d destination")
+        try:
+            columns = [
+                np.array([getattr(item, name) for item in items], dtype=np.int64)
+                for name in ("lengths", "storage_strides", "dest_offsets")
+            ]
+        except ValueError:  # ragged: some item has another rank (named below)
+            columns = []
+        if len(columns) != 3 or any(c.shape != (n, ndim) for c in columns):
+            for item in items:
+                if len(item.lengths) != ndim or len(item.storage_strides) != ndim or len(item.dest_offsets) != ndim:
+                    got = len(item.lengths)
+                    if got > MAX_NDIM:
+                        raise PlanError(f"{item.source}: a read of {got} dims exceeds the engine's {MAX_NDIM}")
+                    raise PlanError(f"{item.source}: a {got}-d read into a {ndim}-d destination")
+        lengths, storage_strides, offsets = columns
         file_pos: dict[int, int] = {}
         for file, _, _ in located:
             if id(file) not in file_pos:
@@ -167,17 +176,11 @@ class _Batch:
         records[:, 2] = [item.storage_base for item in items]
         records[:, 3] = dest_pos
         records[:, 5] = ndim
-        if ndim:
-            lengths = np.array([item.lengths for item in items], dtype=np.int64)
-            offsets = np.array([item.dest_offsets for item in items], dtype=np.int64)
-            records[:, 4] = offsets @ np.array(dest_strides, dtype=np.int64) + int(dest.storage_offset())
-            records[:, 6 : 6 + ndim] = lengths
-            records[:, 6 + MAX_NDIM : 6 + MAX_NDIM + ndim] = [item.storage_strides for item in items]
-            records[:, 6 + 2 * MAX_NDIM : 6 + 2 * MAX_NDIM + ndim] = dest_strides
-            numel = lengths.prod(axis=1)
-        else:
-            records[:, 4] = int(dest.storage_offset())
-            numel = np.ones(n, dtype=np.int64)
+        records[:, 4] = offsets @ np.array(dest_strides, dtype=np.int64) + int(dest.storage_offset())
+        records[:, 6 : 6 + ndim] = lengths
+        records[:, 6 + MAX_NDIM : 6 + MAX_NDIM + ndim] = storage_strides
+        records[:, 6 + 2 * MAX_NDIM : 6 + 2 * MAX_NDIM + ndim] = dest_strides
+        numel = lengths.prod(axis=1)
         itemsizes = np.array([dtype.itemsize for _, _, dtype in located], dtype=np.int64)
         self.nbytes += int(numel @ itemsizes)
         self.items.append(records)
@@ -331,8 +334,13 @@ def _add_target_items(
         raise PlanError(f"{target.names[0]}: targets on {local.device} are not supported (cpu or cuda)")
     index = batch.index
     assert index is not None
-    casts: dict[torch.dtype, bool] = {}
     located = list(map(index.locate, [item.source for item in items]))
+    if not any(item.post for item in items) and all(
+        _engine_casts(dtype, dest.dtype) for dtype in {where[2] for where in located}
+    ):  # the usual case: the engine reads every box straight into the destination
+        batch.add_boxes(items, dest, located)
+        return
+    casts: dict[torch.dtype, bool] = {}
     direct: list[ReadItem] = []
     direct_located: list[tuple[SafetensorsFile, int, torch.dtype]] = []
     for item, where in zip(items, located, strict=True):
