@@ -244,9 +244,11 @@ class _Tracer:
         return torch.empty(entry.shape, dtype=entry.dtype, device="meta")
 
     def _placeholder_leaf(self, placeholders: dict[str, str]) -> Callable[[str], RegionTensor]:
+        index = self.index
+
         def leaf(key: str) -> RegionTensor:
-            entry = self.index.entry(key)
-            return RegionTensor.leaf(placeholders[key], entry.shape, entry.dtype)
+            file, _, dtype = index.locate(key)  # no TensorEntry: a stacked-experts trace has ~10^3 leaves
+            return RegionTensor.leaf(placeholders[key], file._entries[key][2], dtype)
 
         return leaf
 
