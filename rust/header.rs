@@ -152,8 +152,11 @@ impl Header {
             ))
         })?;
         let mut de = serde_json::Deserializer::from_str(text);
-        let top = de::DeserializeSeed::deserialize(TopSeed(json_bytes.len() / 96), &mut de)
-            .map_err(|e| err(format!("header is not valid JSON: {e}")))?;
+        let top = de::DeserializeSeed::deserialize(
+            TopSeed((json_bytes.len() / 96).min(1 << 18)),
+            &mut de,
+        )
+        .map_err(|e| err(format!("header is not valid JSON: {e}")))?;
         de.end()
             .map_err(|e| err(format!("unexpected text after the JSON object: {e}")))?;
         let (entries, metadata_value) = match top {
@@ -383,13 +386,15 @@ impl<'de> Visitor<'de> for PairsSeed {
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
         let mut pairs = Vec::with_capacity(map.size_hint().unwrap_or(0));
         let mut files: Vec<String> = Vec::new();
+        let mut positions: HashMap<String, usize> = HashMap::new();
         let mut last = usize::MAX; // neighbouring keys mostly share a file
         while let Some(key) = map.next_key::<String>()? {
             let file = map.next_value::<std::borrow::Cow<'de, str>>()?;
             if files.get(last).is_none_or(|f| *f != file) {
-                last = match files.iter().position(|f| *f == file) {
-                    Some(at) => at,
+                last = match positions.get(file.as_ref()) {
+                    Some(&at) => at,
                     None => {
+                        positions.insert(file.to_string(), files.len());
                         files.push(file.into_owned());
                         files.len() - 1
                     }

@@ -312,3 +312,17 @@ def test_index_variants_agree_with_the_headers(tmp_path, variant):
         assert os.path.basename(file.path) == weight_map[key]
         with safe_open(file.path, "pt") as f:
             assert file.shape(key) == tuple(f.get_slice(key).get_shape())
+
+
+def test_index_key_in_two_shards_uses_the_indexed_file(tmp_path):
+    """A key stored in two shards: the index's file wins for every lookup (shape facts, entries, reads)."""
+    from hp_fastload.index import CheckpointIndex
+
+    save_file({"a": torch.zeros(2), "b": torch.ones(1)}, str(tmp_path / "s1.safetensors"))
+    save_file({"a": torch.zeros(5), "c": torch.ones(1)}, str(tmp_path / "s2.safetensors"))
+    weight_map = {"a": "s1.safetensors", "b": "s1.safetensors", "c": "s2.safetensors"}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    index = CheckpointIndex.open(tmp_path)
+    assert index.facts_of(["a", "c"]) == (((2,), "F32"), ((1,), "F32"))
+    assert index.entry("a").shape == (2,)
+    assert os.path.basename(index.entry("a").file.path) == "s1.safetensors"

@@ -113,9 +113,7 @@ class _Batch:
     ) -> None:
         """Like ``add`` with the file given, for readers without an index."""
         item = ReadItem(key, storage_base, tuple(storage_strides), tuple(lengths), tuple(dest_offsets), ())
-        if key not in file:
-            raise PlanError(f"{file.path}: no tensor named {key!r}")
-        self._pack([item], dest, [(file, file.tensor_index(key), file.torch_dtype(key))])
+        self._pack([item], dest, [(file, file.tensor_index(key), file.torch_dtype(key))])  # KeyError if unknown
 
     def add_boxes(
         self,
@@ -160,11 +158,14 @@ class _Batch:
             columns = []
         if len(columns) != 3 or any(c.shape != (n, ndim) for c in columns):
             for item in items:
-                if len(item.lengths) != ndim or len(item.storage_strides) != ndim or len(item.dest_offsets) != ndim:
-                    got = len(item.lengths)
-                    if got > MAX_NDIM:
-                        raise PlanError(f"{item.source}: a read of {got} dims exceeds the engine's {MAX_NDIM}")
-                    raise PlanError(f"{item.source}: a {got}-d read into a {ndim}-d destination")
+                ranks = (len(item.lengths), len(item.storage_strides), len(item.dest_offsets))
+                if ranks != (ndim,) * 3:
+                    if ranks[0] > MAX_NDIM:
+                        raise PlanError(f"{item.source}: a read of {ranks[0]} dims exceeds the engine's {MAX_NDIM}")
+                    raise PlanError(
+                        f"{item.source}: a read with {ranks[0]} lengths, {ranks[1]} strides and {ranks[2]} "
+                        f"destination offsets into a {ndim}-d destination"
+                    )
         lengths, storage_strides, offsets = columns
         file_pos: dict[int, int] = {}
         for file, _, _ in located:

@@ -98,7 +98,7 @@ class CheckpointIndex:
         order, other = _core.SafetensorsHeader.natural_order([f.header for f in files])
         names = list(map(every.__getitem__, order))
         if other:  # names with non-ASCII characters or huge numbers: Python's own rules decide their place
-            names = sorted(names + [every[i] for i in other], key=natural_sort_key)
+            names = sorted(names + [every[i] for i in other], key=lambda n: (natural_sort_key(n), n))
         if len(names) != len(key_files):  # an index that lists only some of its files' keys
             names = list(dict.fromkeys(n for n in names if n in key_files))
         self._keys = names
@@ -212,10 +212,11 @@ class CheckpointIndex:
         every indexed key's header entry."""
         entries = self._all_entries
         if entries is None:
-            entries = {}
-            for f in self.files:
-                entries.update(f._entries)
-            if len(entries) != len(self._files):  # a partial index (or one key in two files): its own choice
+            if sum(len(f) for f in self.files) == len(self._files):  # every key of every file, each once
+                entries = {}
+                for f in self.files:
+                    entries.update(f._entries)
+            else:  # a partial index, or a key in two files: the index's choice of file for each key
                 entries = {k: f._entries[k] for k, f in self._files.items()}
             self._all_entries = entries
         try:

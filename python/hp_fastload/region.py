@@ -304,7 +304,6 @@ def _with(
 
 
 @functools.lru_cache(maxsize=64)
-@functools.lru_cache(maxsize=64)
 def _identity(nd: int) -> tuple[Vec, ...]:
     return tuple(tuple(int(i == j) for j in range(nd)) for i in range(nd))
 
@@ -387,9 +386,9 @@ class RegionTensor(torch.Tensor):
     def leaf(source: str, shape: Sequence[int], dtype: torch.dtype) -> RegionTensor:
         """A region equal to the whole checkpoint tensor ``source`` (one block, identity map)."""
         shp = tuple(int(s) for s in shape)
-        if any(n < 0 for n in shp):
-            raise ValueError(f"leaf {source!r}: negative size in shape {list(shp)}")
-        meta = _leaf_meta(shp, dtype)  # shared by leaves of one shape: each wrap is a new tensor object
+        # Shared by leaves of one shape (each wrap is a new tensor object); raises on a negative size, as
+        # torch.empty does.
+        meta = _leaf_meta(shp, dtype)
         if math.prod(shp) == 0:
             return _wrap(meta, ())
         zeros = (0,) * len(shp)
