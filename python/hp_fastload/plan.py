@@ -140,7 +140,7 @@ class LoadPlan:
     def read_bytes_by_target(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for name, (_, items) in self.region_reads.items():
-            out[name] = sum(i.numel * self.index.entry(i.source).dtype.itemsize for i in items)
+            out[name] = sum(i.numel * self.index.locate(i.source)[2].itemsize for i in items)
         return out
 
     @property
