@@ -433,3 +433,18 @@ def test_zero_dim_and_mixed_rank_tensors(tmp_path, loader):
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
         for name in tensors:
             assert torch.equal(getattr(m, name).detach(), f.get_tensor(name)), name
+
+
+def test_plan_read_accounting(tmp_path):
+    """``LoadPlan.read_bytes_by_target`` / ``read_bytes_by_file`` / ``bytes_needed`` count each target's source
+    bytes (a bf16 source read into a float32 parameter counts 2 bytes an element)."""
+    tensors = {"a.weight": torch.ones(4, 3, dtype=torch.bfloat16), "b.weight": torch.ones(5)}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    model = nn.Module()
+    model.a = nn.Linear(3, 4, bias=False)
+    model.b = nn.Module()
+    model.b.weight = nn.Parameter(torch.zeros(5))
+    plan = hf.plan(model, tmp_path)
+    assert plan.read_bytes_by_target() == {"a.weight": 24, "b.weight": 20}
+    assert plan.read_bytes_by_file() == {str(tmp_path / "model.safetensors"): 44}
+    assert plan.bytes_needed == 44
