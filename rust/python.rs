@@ -63,6 +63,11 @@ fn to_py(py: Python<'_>, err: LoadError) -> PyErr {
     }
 }
 
+/// The parsed headers behind `headers`, shared, for work done with the interpreter released.
+fn shared(headers: &[PyRef<'_, SafetensorsHeader>]) -> Vec<Arc<Header>> {
+    headers.iter().map(|h| Arc::clone(&h.inner)).collect()
+}
+
 /// A parsed, validated safetensors header.
 #[pyclass(frozen, module = "hp_fastload._core")]
 struct SafetensorsHeader {
@@ -162,7 +167,7 @@ impl SafetensorsHeader {
         py: Python<'_>,
         headers: Vec<PyRef<'_, SafetensorsHeader>>,
     ) -> (Vec<usize>, Vec<usize>) {
-        let inners: Vec<Arc<Header>> = headers.iter().map(|h| Arc::clone(&h.inner)).collect();
+        let inners = shared(&headers);
         py.detach(move || {
             let names: Vec<&str> = inners
                 .iter()
@@ -217,7 +222,7 @@ impl WeightMap {
 
     /// Whether the map lists exactly the tensors of `headers`, which are the files `files()` in order.
     fn agrees(&self, py: Python<'_>, headers: Vec<PyRef<'_, SafetensorsHeader>>) -> bool {
-        let inners: Vec<Arc<Header>> = headers.iter().map(|h| Arc::clone(&h.inner)).collect();
+        let inners = shared(&headers);
         py.detach(|| {
             let refs: Vec<&Header> = inners.iter().map(|h| h.as_ref()).collect();
             self.inner.agrees(&refs)
@@ -246,7 +251,7 @@ fn execute<'py>(
     threads: Option<i64>,
     backend: &str,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let files: Vec<Arc<Header>> = headers.iter().map(|h| h.inner.clone()).collect();
+    let files = shared(&headers);
     if dests.len() % 24 != 0 {
         return Err(plan_error(
             py,
