@@ -20,7 +20,7 @@ from . import _core
 from .engine import SafetensorsFile, safetensors_dtype_name
 from .errors import PlanError
 from .index import CheckpointIndex
-from .plan import DeferredGroup, LoadPlan, ReadItem
+from .plan import DeferredGroup, LoadPlan, ReadItem, TemplateReads
 from .region import apply_post
 from .targets import Target
 
@@ -126,7 +126,8 @@ class _Batch:
         ``located``: each item's ``CheckpointIndex.locate`` result, when the caller has them."""
         assert self.index is not None
         if located is None:
-            located = list(map(self.index.locate, [item.source for item in items]))
+            keys = items.keys if isinstance(items, TemplateReads) else [item.source for item in items]
+            located = list(map(self.index.locate, keys))
         self._pack(items, dest, located)
 
     def _pack(
@@ -138,10 +139,8 @@ class _Batch:
         """Packs ``items`` (their ``post`` is not applied here) into ``dest``; ``located`` gives each item's
         (file, position in its header, dtype). The records are built column by column with numpy: a
         stacked-experts target has ~10^3 boxes, and a Python loop building each 30-field record was ~5 us a
-        box (a fifth of a 20k-tensor MoE load)."""
-        dest_pos = self._dest(dest)
-        dest_strides = tuple(dest.stride())
-        ndim = len(dest_strides)
+        box (a fifth of a 20k-tensor MoE load). ``TemplateReads`` bring their columns ready-made."""
+        ndim = dest.dim()
         if ndim > MAX_NDIM:
             raise PlanError(
                 f"{items[0].source if items else dest}: a read of {ndim} dims exceeds the engine's {MAX_NDIM}"
@@ -149,13 +148,18 @@ class _Batch:
         n = len(items)
         if not n:
             return
-        try:
-            columns = [
-                np.array([getattr(item, name) for item in items], dtype=np.int64)
-                for name in ("lengths", "storage_strides", "dest_offsets")
-            ]
-        except ValueError:  # ragged: some item has another rank (named below)
-            columns = []
+        if isinstance(items, TemplateReads):
+            columns = [items.column(name) for name in ("lengths", "strides", "offsets")]
+            base: Any = items.column("base")
+        else:
+            try:
+                columns = [
+                    np.array([getattr(item, name) for item in items], dtype=np.int64)
+                    for name in ("lengths", "storage_strides", "dest_offsets")
+                ]
+            except ValueError:  # ragged: some item has another rank (named below)
+                columns = []
+            base = [item.storage_base for item in items]
         if len(columns) != 3 or any(c.shape != (n, ndim) for c in columns):
             for item in items:
                 ranks = (len(item.lengths), len(item.storage_strides), len(item.dest_offsets))
@@ -167,14 +171,19 @@ class _Batch:
                         f"destination offsets into a {ndim}-d destination"
                     )
         lengths, storage_strides, offsets = columns
+        dest_pos = self._dest(dest)
+        dest_strides = tuple(dest.stride())
         file_pos: dict[int, int] = {}
         for file, _, _ in located:
             if id(file) not in file_pos:
                 file_pos[id(file)] = self._file(file)
         records = np.zeros((n, ITEM_WIDTH), dtype=np.int64)
-        records[:, 0] = [file_pos[id(file)] for file, _, _ in located]
+        if len(file_pos) == 1:
+            records[:, 0] = file_pos[id(located[0][0])]
+        else:
+            records[:, 0] = [file_pos[id(file)] for file, _, _ in located]
         records[:, 1] = [pos for _, pos, _ in located]
-        records[:, 2] = [item.storage_base for item in items]
+        records[:, 2] = base
         records[:, 3] = dest_pos
         records[:, 5] = ndim
         records[:, 4] = offsets @ np.array(dest_strides, dtype=np.int64) + int(dest.storage_offset())
@@ -182,8 +191,11 @@ class _Batch:
         records[:, 6 + MAX_NDIM : 6 + MAX_NDIM + ndim] = storage_strides
         records[:, 6 + 2 * MAX_NDIM : 6 + 2 * MAX_NDIM + ndim] = dest_strides
         numel = lengths.prod(axis=1)
-        itemsizes = np.array([dtype.itemsize for _, _, dtype in located], dtype=np.int64)
-        self.nbytes += int(numel @ itemsizes)
+        itemsizes = {dtype.itemsize for _, _, dtype in located}
+        if len(itemsizes) == 1:
+            self.nbytes += int(numel.sum()) * itemsizes.pop()
+        else:
+            self.nbytes += int(numel @ np.array([dtype.itemsize for _, _, dtype in located], dtype=np.int64))
         self.items.append(records)
         self.count += n
 
@@ -281,8 +293,8 @@ class _Stager:
 
 
 def _staging_chunks(
-    local: torch.Tensor, items: list[ReadItem], slab_bytes: int
-) -> Iterator[tuple[torch.Tensor, list[ReadItem]]]:
+    local: torch.Tensor, items: Sequence[ReadItem], slab_bytes: int
+) -> Iterator[tuple[torch.Tensor, Sequence[ReadItem]]]:
     """``(rows of local, items clipped to them)`` in blocks of whole rows that fit a staging slab.
 
     An item's boxes map element for element onto the destination (post-ops are elementwise), so clipping its
@@ -316,7 +328,7 @@ def _staging_chunks(
 def _add_target_items(
     batch: _Batch,
     target: Target,
-    items: list[ReadItem],
+    items: Sequence[ReadItem],
     stager: _Stager | None,
     stage: bool = False,
     local: torch.Tensor | None = None,
@@ -335,7 +347,14 @@ def _add_target_items(
         raise PlanError(f"{target.names[0]}: targets on {local.device} are not supported (cpu or cuda)")
     index = batch.index
     assert index is not None
-    located = list(map(index.locate, [item.source for item in items]))
+    if isinstance(items, TemplateReads):  # no post-ops by construction
+        located = list(map(index.locate, items.keys))
+        if all(_engine_casts(dtype, dest.dtype) for dtype in {where[2] for where in located}):
+            batch.add_boxes(items, dest, located)
+            return
+        items = list(items)
+    else:
+        located = list(map(index.locate, [item.source for item in items]))
     if not any(item.post for item in items) and all(
         _engine_casts(dtype, dest.dtype) for dtype in {where[2] for where in located}
     ):  # the usual case: the engine reads every box straight into the destination

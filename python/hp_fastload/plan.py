@@ -32,7 +32,7 @@ from .region import Block, RegionTensor, UnsupportedRegionOp
 from .rules import is_converter, is_renaming, natural_sort_key
 from .targets import Target
 
-__all__ = ["ConversionError", "DeferredGroup", "LoadPlan", "LoadReport", "ReadItem", "plan_load"]
+__all__ = ["ConversionError", "DeferredGroup", "LoadPlan", "LoadReport", "ReadItem", "TemplateReads", "plan_load"]
 
 log = logging.getLogger("hp_fastload")
 
@@ -94,6 +94,83 @@ class ReadItem(NamedTuple):
         return n
 
 
+class _Columns(NamedTuple):
+    """A template list as arrays, one row per block (blocks of one rank only): what packing and read
+    accounting need, built once per shared trace."""
+
+    base: np.ndarray[Any, np.dtype[np.int64]]  # (n,) flat source index of each block's first element
+    strides: np.ndarray[Any, np.dtype[np.int64]]  # (n, ndim) source element strides per region dim
+    lengths: np.ndarray[Any, np.dtype[np.int64]]  # (n, ndim)
+    offsets: np.ndarray[Any, np.dtype[np.int64]]  # (n, ndim) region offsets
+    nbytes: np.ndarray[Any, np.dtype[np.int64]]  # (n,) source bytes each block reads
+
+
+class TemplateReads(Sequence[ReadItem]):
+    """The read items of a target that takes whole blocks of a shared trace, held as arrays.
+
+    Item ``i`` is template ``rows[i]`` (all templates when ``rows`` is None) with its source renamed to
+    ``keys[i]`` and its destination moved by ``shift``. A stacked-experts target has ~10^3 items per layer,
+    all alike but for the key: the arrays are built once per trace and shared by every layer, and packing and
+    read accounting use them without a ``ReadItem`` per box. Indexing or iterating builds the ``ReadItem``s,
+    equal to what the general intersection makes (tests compare both).
+    """
+
+    __slots__ = ("_columns", "_templates", "keys", "rows", "shift")
+
+    def __init__(
+        self,
+        templates: Sequence[_Template],
+        columns: _Columns,
+        rows: np.ndarray[Any, np.dtype[np.int64]] | None,
+        keys: list[str],
+        shift: tuple[int, ...] | None,
+    ) -> None:
+        self._templates = templates
+        self._columns = columns
+        self.rows = rows
+        self.keys = keys
+        self.shift = shift
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def _item(self, i: int) -> ReadItem:
+        _, base, strides, lengths, offsets, post = self._templates[i if self.rows is None else int(self.rows[i])]
+        if self.shift is not None:
+            offsets = tuple(o + s for o, s in zip(offsets, self.shift, strict=True))
+        return ReadItem(self.keys[i], base, strides, lengths, offsets, post)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self._item(j) for j in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        return self._item(i)
+
+    def __iter__(self) -> Iterator[ReadItem]:
+        return (self._item(i) for i in range(len(self)))
+
+    def column(self, name: str) -> np.ndarray[Any, np.dtype[np.int64]]:
+        """One of ``base``, ``strides``, ``lengths``, ``offsets`` (moved by ``shift``), ``nbytes``: one row
+        per item."""
+        col = getattr(self._columns, name)
+        if self.rows is not None:
+            col = col[self.rows]
+        if name == "offsets" and self.shift is not None:
+            col = col + np.asarray(self.shift, dtype=np.int64)
+        return col
+
+    @property
+    def nbytes(self) -> int:
+        """Source bytes these items read."""
+        return int(self.column("nbytes").sum())
+
+    def __repr__(self) -> str:
+        return f"TemplateReads({len(self)} items, first {self.keys[0] if self.keys else None!r})"
+
+
 @dataclass
 class DeferredGroup:
     """Work done on whole tensors on this rank: read ``keys`` whole, ``compute`` the converted outputs with
@@ -112,7 +189,7 @@ class LoadPlan:
 
     index: CheckpointIndex
     targets: dict[str, Target]
-    region_reads: dict[str, tuple[Target, list[ReadItem]]]
+    region_reads: dict[str, tuple[Target, Sequence[ReadItem]]]  # a list, or TemplateReads
     deferred: list[DeferredGroup]
     report: LoadReport
     used_rules: list[Any]
@@ -125,27 +202,41 @@ class LoadPlan:
         by_file: dict[SafetensorsFile, int] = {}
         locate = self.index.locate
         for _, items in self.region_reads.values():
+            if isinstance(items, TemplateReads):
+                for key, n in zip(items.keys, items.column("nbytes").tolist(), strict=True):
+                    file = locate(key)[0]
+                    by_file[file] = by_file.get(file, 0) + n
+                continue
             for item in items:
                 file, _, dtype = locate(item.source)
                 by_file[file] = by_file.get(file, 0) + item.numel * dtype.itemsize
         out: dict[str, int] = {}
         for file, n in by_file.items():
             out[file.path] = out.get(file.path, 0) + n
+        for path, n in self._deferred_bytes():
+            out[path] = out.get(path, 0) + n
+        return out
+
+    def _deferred_bytes(self) -> Iterator[tuple[str, int]]:
         for deferred in self.deferred:
             for key in deferred.keys:
                 entry = self.index.entry(key)
-                out[entry.file.path] = out.get(entry.file.path, 0) + entry.nbytes
-        return out
+                yield entry.file.path, entry.nbytes
 
     def read_bytes_by_target(self) -> dict[str, int]:
         out: dict[str, int] = {}
+        locate = self.index.locate
         for name, (_, items) in self.region_reads.items():
-            out[name] = sum(i.numel * self.index.locate(i.source)[2].itemsize for i in items)
+            if isinstance(items, TemplateReads):
+                out[name] = items.nbytes
+            else:
+                out[name] = sum(i.numel * locate(i.source)[2].itemsize for i in items)
         return out
 
     @property
     def bytes_needed(self) -> int:
-        return sum(self.read_bytes_by_file().values())
+        """Source bytes of the region reads plus the deferred groups' whole tensors."""
+        return sum(self.read_bytes_by_target().values()) + sum(n for _, n in self._deferred_bytes())
 
     def summary(self) -> str:
         lines = [
@@ -354,23 +445,64 @@ _VECTOR_BLOCKS = 32
 _Template = tuple[str, int, tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[Any, ...]]
 
 
+class _BlockEntry:
+    """What ``_BlockCache`` keeps per block list (built on first use)."""
+
+    __slots__ = ("blocks", "bounds", "built", "columns", "templates")
+
+    def __init__(self, blocks: Sequence[Block]) -> None:
+        self.blocks = blocks  # held, so the id stays this list's
+        self.templates = _templates(blocks)
+        self.bounds: Any = None
+        self.columns: _Columns | None = None
+        self.built = False  # whether ``columns`` was built (None then: post-ops or mixed ranks)
+
+
 class _BlockCache:
     """Per shared block list (a cached trace's, reused by every layer's group; held by identity): the blocks'
-    read templates, and their bounds as arrays for long lists. A stacked-experts trace has ~10^3 blocks;
-    computing each block's strides and base once per plan instead of once per layer, and filtering an
-    expert-parallel rank's few experts in one vector test, keeps planning near linear in the items made."""
+    read templates, their bounds as arrays for long lists, and their read columns (``TemplateReads``). A
+    stacked-experts trace has ~10^3 blocks; computing each block's strides and base once per plan instead of
+    once per layer, and filtering an expert-parallel rank's few experts in one vector test, keeps planning
+    near linear in the items made."""
 
     def __init__(self) -> None:
-        self._lists: dict[int, tuple[Sequence[Block], list[_Template], Any]] = {}
+        self._lists: dict[int, _BlockEntry] = {}
 
-    def _entry(self, blocks: Sequence[Block]) -> tuple[Sequence[Block], list[_Template], Any]:
+    def _entry(self, blocks: Sequence[Block]) -> _BlockEntry:
         entry = self._lists.get(id(blocks))
-        if entry is None or entry[0] is not blocks:
-            entry = self._lists[id(blocks)] = (blocks, _templates(blocks), None)
+        if entry is None or entry.blocks is not blocks:
+            entry = self._lists[id(blocks)] = _BlockEntry(blocks)
         return entry
 
     def templates(self, blocks: Sequence[Block]) -> list[_Template]:
-        return self._entry(blocks)[1]
+        return self._entry(blocks).templates
+
+    def _bounds(self, entry: _BlockEntry) -> Any:
+        if entry.bounds is None:
+            starts = np.array([b.offsets for b in entry.blocks], dtype=np.int64)
+            entry.bounds = (starts, starts + np.array([b.lengths for b in entry.blocks], dtype=np.int64))
+        return entry.bounds
+
+    def columns(self, blocks: Sequence[Block]) -> _Columns | None:
+        """The blocks' reads as arrays; None when some block has post-ops (read through temporaries) or the
+        blocks differ in rank."""
+        entry = self._entry(blocks)
+        if not entry.built:
+            entry.built = True
+            templates = entry.templates
+            if not templates or any(t[5] for t in templates) or len({len(t[4]) for t in templates}) != 1:
+                entry.columns = None
+            else:
+                lengths = np.array([t[3] for t in templates], dtype=np.int64)
+                itemsize = np.array([b.src_dtype.itemsize for b in blocks], dtype=np.int64)
+                entry.columns = _Columns(
+                    np.array([t[1] for t in templates], dtype=np.int64),
+                    np.array([t[2] for t in templates], dtype=np.int64),
+                    lengths,
+                    np.array([t[4] for t in templates], dtype=np.int64),
+                    lengths.prod(axis=1) * itemsize,
+                )
+        return entry.columns
 
     def meeting(self, blocks: Sequence[Block], lo: Sequence[int], hi: Sequence[int]) -> list[int]:
         """Positions of the blocks that meet the box ``[lo, hi)``."""
@@ -380,13 +512,13 @@ class _BlockCache:
                 for i, b in enumerate(blocks)
                 if all(o < h and o + n > l_ for o, n, l_, h in zip(b.offsets, b.lengths, lo, hi, strict=True))
             ]
-        held, templates, bounds = self._entry(blocks)
-        if bounds is None:
-            starts = np.array([b.offsets for b in blocks], dtype=np.int64)
-            bounds = (starts, starts + np.array([b.lengths for b in blocks], dtype=np.int64))
-            self._lists[id(blocks)] = (held, templates, bounds)
-        starts, ends = bounds
+        starts, ends = self._bounds(self._entry(blocks))
         return np.flatnonzero(((starts < np.asarray(hi)) & (ends > np.asarray(lo))).all(axis=1)).tolist()
+
+    def inside(self, blocks: Sequence[Block], rows: list[int], lo: Sequence[int], hi: Sequence[int]) -> bool:
+        """Whether the blocks at ``rows`` lie wholly inside the box ``[lo, hi)``."""
+        starts, ends = self._bounds(self._entry(blocks))
+        return bool(((starts[rows] >= np.asarray(lo)) & (ends[rows] <= np.asarray(hi))).all())
 
 
 def _templates(blocks: Sequence[Block]) -> list[_Template]:
@@ -419,7 +551,7 @@ def region_items(
     index: CheckpointIndex,
     sources: dict[str, str] | None = None,
     cache: _BlockCache | None = None,
-) -> list[ReadItem]:
+) -> Sequence[ReadItem]:
     """Exact read items for the part of the converted global tensor (``blocks``) this rank holds.
 
     ``sources`` maps the blocks' source names to checkpoint keys (placeholders of a shared trace); ``cache``
@@ -434,14 +566,31 @@ def region_items(
     templates = cache.templates(blocks)
     key = sources.__getitem__ if sources is not None else str
     if region.is_full:  # the whole tensor is local: one item per block, no intersection
+        columns = cache.columns(blocks)
+        if columns is not None:
+            return TemplateReads(templates, columns, None, [key(t[0]) for t in templates], None)
         return [ReadItem(key(src), base, st, n, off, post) for src, base, st, n, off, post in templates]
     # The region's bounding box: blocks outside it (other ranks' experts, rows, ...) are dropped before any
     # per-block arithmetic, which keeps planning linear in the blocks this rank actually reads.
     ndim_t = len(target.global_shape)
     bb_lo = [min(b[0][d] for b in boxes) for d in range(ndim_t)]
     bb_hi = [max(b[0][d] + b[1][d] for b in boxes) for d in range(ndim_t)]
+    rows = cache.meeting(blocks, bb_lo, bb_hi)
+    if len(boxes) == 1 and rows and len(blocks) >= _VECTOR_BLOCKS:
+        # One local box that holds whole blocks (an expert-parallel rank's experts): templates moved by the
+        # box's offset, as arrays.
+        columns = cache.columns(blocks)
+        if columns is not None and cache.inside(blocks, rows, bb_lo, bb_hi):
+            goff, _, loff = boxes[0]
+            return TemplateReads(
+                templates,
+                columns,
+                np.asarray(rows, dtype=np.int64),
+                [key(templates[i][0]) for i in rows],
+                tuple(int(lo) - int(go) for lo, go in zip(loff, goff, strict=True)),
+            )
     items: list[ReadItem] = []
-    for i in cache.meeting(blocks, bb_lo, bb_hi):
+    for i in rows:
         src, base0, strides, lengths, offsets, post = templates[i]
         source = key(src)
         ndim = len(offsets)
@@ -514,7 +663,7 @@ class _Claims:
         self.claimed: set[int] = set()
         self.loaded: set[str] = set()
         self.unexpected: list[str] = []
-        self.region_reads: dict[str, tuple[Target, list[ReadItem]]] = {}
+        self.region_reads: dict[str, tuple[Target, Sequence[ReadItem]]] = {}
         self.deferred: list[DeferredGroup] = []
         self.blocks = _BlockCache()  # per-block work on shared traces (see _BlockCache)
 

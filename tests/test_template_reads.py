@@ -1,0 +1,143 @@
+"""``TemplateReads``: the array form of a target's read items (whole blocks of a shared trace).
+
+Each case traces a stacked-experts style conversion over real safetensors files, plans one region of it, and
+checks (1) that the items equal the general block/box intersection's, item for item, and (2) that the bytes
+the engine writes through them equal torch's own conversion of the tensors safetensors reads, cut to the
+region.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from hp_fastload.execute import ExecStats, _add_target_items, _Batch
+from hp_fastload.index import CheckpointIndex
+from hp_fastload.plan import _VECTOR_BLOCKS, LoadPlan, LoadReport, TemplateReads, _BlockCache, region_items
+from hp_fastload.region import RegionTensor
+from hp_fastload.targets import LocalRegion, Target
+
+EXPERTS = 40  # above plan._VECTOR_BLOCKS, so the partial regions take the array test too
+ROWS, COLS = 3, 5
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("template_reads")
+    g = torch.Generator().manual_seed(7)
+    tensors = {
+        f"e.{i}.{w}": torch.randn(ROWS, COLS, generator=g).to(torch.bfloat16)
+        for i in range(EXPERTS)
+        for w in ("gate", "up")
+    }
+    keys = sorted(tensors)
+    save_file({k: tensors[k] for k in keys[: len(keys) // 2]}, str(root / "a.safetensors"))
+    save_file({k: tensors[k] for k in keys[len(keys) // 2 :]}, str(root / "b.safetensors"))
+    return root
+
+
+def _leaves(index: CheckpointIndex) -> dict[str, RegionTensor]:
+    names = [f"e.{i}.{w}" for i in range(EXPERTS) for w in ("gate", "up")]
+    return {k: RegionTensor.leaf(k, index.entry(k).shape, index.entry(k).dtype) for k in names}
+
+
+def _convert(x: dict[str, Any], fn: Any) -> Any:
+    gate = torch.stack([x[f"e.{i}.gate"] for i in range(EXPERTS)])
+    up = torch.stack([x[f"e.{i}.up"] for i in range(EXPERTS)])
+    return fn(gate, up)
+
+
+CONVERSIONS = {
+    # gate_up_proj: experts stacked, gate and up concatenated along rows
+    "stack-cat": lambda gate, up: torch.cat([gate, up], dim=1),
+    # the same, transposed per expert (non-unit source strides)
+    "stack-cat-transpose": lambda gate, up: torch.cat([gate, up], dim=1).transpose(1, 2),
+    "stack-only": lambda gate, up: gate,
+}
+
+
+def _regions(shape: tuple[int, ...]) -> dict[str, tuple[LocalRegion, type]]:
+    e, a, b = shape
+    return {
+        "full": (LocalRegion.full(shape), TemplateReads),
+        # an expert-parallel rank: experts 8..16, whole
+        "experts": (LocalRegion(shape, (((8, 16),), ((0, a),), ((0, b),))), TemplateReads),
+        # rows cut through the blocks: the general intersection
+        "rows": (LocalRegion(shape, (((0, e),), ((1, a - 1),), ((0, b),))), list),
+        # two boxes (strided sharding): the general intersection
+        "two-boxes": (LocalRegion(shape, (((0, 4), (20, 24)), ((0, a),), ((0, b),))), list),
+    }
+
+
+def _target(name: str, region: LocalRegion) -> Target:
+    local = torch.zeros(region.local_shape, dtype=torch.bfloat16)
+    return Target((name,), local, region.global_shape, torch.bfloat16, local.device, False, _region=region)
+
+
+@pytest.mark.parametrize("conversion", sorted(CONVERSIONS))
+def test_template_reads_equal_the_intersection_and_load_the_right_bytes(
+    ckpt: Path, conversion: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    index = CheckpointIndex.open(ckpt)
+    leaves = _leaves(index)
+    traced = _convert(leaves, CONVERSIONS[conversion])
+    real = {**load_file(str(ckpt / "a.safetensors")), **load_file(str(ckpt / "b.safetensors"))}
+    want_full = _convert(real, CONVERSIONS[conversion])
+    shape = tuple(traced.shape)
+    for label, (region, kind) in _regions(shape).items():
+        target = _target("w", region)
+        cache = _BlockCache()
+        items = region_items(target, traced.blocks, index, None, cache)
+        assert isinstance(items, kind), label
+        with monkeypatch.context() as m:
+            m.setattr(_BlockCache, "columns", lambda self, blocks: None)
+            general = region_items(target, traced.blocks, index, None, _BlockCache())
+        assert isinstance(general, list)
+        assert list(items) == general, label
+        assert len(items) == len(general) and (not general or items[-1] == general[-1])
+
+        batch = _Batch(index)
+        _add_target_items(batch, target, items, None)
+        stats = ExecStats()
+        batch.run(1, None, stats)
+        want = want_full
+        for d, dim in enumerate(region.intervals):
+            want = torch.cat([want.narrow(d, a, b - a) for a, b in dim], dim=d)
+        assert torch.equal(target.tensor, want), (conversion, label)
+        assert stats.bytes_read == region.numel * 2, label
+
+        plan = LoadPlan(index, {"w": target}, {"w": (target, items)}, [], LoadReport((), (), ()), [])
+        assert plan.read_bytes_by_target() == {"w": region.numel * 2}
+        assert plan.bytes_needed == region.numel * 2
+        assert sum(plan.read_bytes_by_file().values()) == region.numel * 2
+
+
+def test_template_reads_index_like_a_list(ckpt: Path) -> None:
+    index = CheckpointIndex.open(ckpt)
+    leaves = _leaves(index)
+    traced = _convert(leaves, CONVERSIONS["stack-cat"])
+    region = LocalRegion(tuple(traced.shape), (((8, 16),), ((0, 2 * ROWS),), ((0, COLS),)))
+    items = region_items(_target("w", region), traced.blocks, index, None, _BlockCache())
+    assert isinstance(items, TemplateReads)
+    as_list = list(items)
+    assert len(as_list) == len(items) == 16  # 8 experts x (gate, up)
+    assert items[-1] == as_list[-1] and items[0] == as_list[0]
+    assert items[2:5] == as_list[2:5]
+    assert [i.dest_offsets[0] for i in as_list[:4]] == [0, 0, 1, 1]  # moved from experts 8, 9 to local 0, 1
+    with pytest.raises(IndexError):
+        items[len(items)]
+    assert "TemplateReads(16 items" in repr(items)
+
+
+def test_post_ops_keep_the_general_items(ckpt: Path) -> None:
+    """A block with post-ops (a cast read through a temporary) is not made a TemplateReads."""
+    index = CheckpointIndex.open(ckpt)
+    leaves = _leaves(index)
+    traced = _convert(leaves, lambda gate, up: gate * 2)
+    items = region_items(_target("w", LocalRegion.full(tuple(traced.shape))), traced.blocks, index, None)
+    assert isinstance(items, list) and all(i.post for i in items)
+    assert _VECTOR_BLOCKS < EXPERTS
