@@ -200,6 +200,83 @@ def test_read_many_across_files_in_one_call(tmp_path, backend):
     assert big[:, :3].abs().sum() == 0 and big[:, 23:].abs().sum() == 0
 
 
+def _mixed_requests(tmp_path):
+    """Requests of every form ``read_many`` takes: ranks 0-3, casts, strided views, paths and open files,
+    a sub-byte dtype (read as bytes), numpy offsets and an ``out`` sharing storage with others."""
+    gen = torch.Generator().manual_seed(11)
+    a = {"a3": random_tensor((5, 4, 6), torch.bfloat16, gen), "a1": random_tensor((9,), torch.float32, gen)}
+    b = {"b2": random_tensor((7, 8), torch.float16, gen), "b0": random_tensor((), torch.bfloat16, gen)}
+    save_file(a, str(tmp_path / "a.safetensors"))
+    save_file(b, str(tmp_path / "b.safetensors"))
+    save_file({"q": torch.arange(64, dtype=torch.uint8).view(16, 4)}, str(tmp_path / "q.safetensors"))
+    q = tmp_path / "q.safetensors"
+    text = q.read_bytes()
+    q.write_bytes(text.replace(b'"U8"', b'"F4"').replace(b"[16,4]", b"[16,8]"))  # 16x8 F4 = the same 64 bytes
+    fb = hf.SafetensorsFile(tmp_path / "b.safetensors")
+    shared = torch.zeros(40, 12, dtype=torch.float32)
+    requests = [
+        (tmp_path / "a.safetensors", "a3", [1, 0, 2], [3, 4, 3], strided_view([3, 4, 3], torch.bfloat16, gen)[1]),
+        (str(tmp_path / "a.safetensors"), "a1", np.array([2]), (5,), torch.zeros(5, dtype=torch.float64)),
+        (fb, "b2", [0, 1], [7, 6], shared[0:7, 0:6]),
+        (fb, "b2", [3, 0], [2, 8], shared[10:12, 2:10]),
+        (fb, "b0", [], [], torch.zeros((), dtype=torch.float32)),
+        (q, "q", [2, 0], [3, 8], torch.zeros(12, dtype=torch.uint8)),
+        (tmp_path / "a.safetensors", "a3", [0, 0, 0], [0, 4, 6], torch.zeros(0, 4, 6, dtype=torch.bfloat16)),
+        (fb, "b2", [6, 7], [1, 1], shared[20:21, 11:12].t()),
+    ]
+    return requests
+
+
+def test_read_many_bulk_packing_equals_the_per_request_checks(tmp_path):
+    """The bulk packer's rows equal those of the per-request path (``_fill_item``), field for field."""
+    requests = _mixed_requests(tmp_path)
+    files, dests, rows = engine._pack_requests(requests)
+    for k, (source, key, offsets, lengths, out) in enumerate(requests):
+        f = engine.open_file(source)
+        want = np.zeros(engine.ITEM_WIDTH, dtype=np.int64)
+        dest = engine._fill_item(want, f, key, offsets, lengths, out)
+        got = rows[k]
+        assert files[got[engine.COL_FILE]] is f, k
+        assert got[engine.COL_TENSOR] == f.tensor_index(key), k
+        assert dests[got[engine.COL_DEST]] == dest, k
+        fields = [c for c in range(engine.ITEM_WIDTH) if c not in (engine.COL_FILE, engine.COL_TENSOR, engine.COL_DEST)]
+        assert got[fields].tolist() == want[fields].tolist(), k
+    assert len(set(dests)) == len(dests)
+    # and the bytes: each box equals safetensors' own slice
+    hf.read_many(requests)
+    for source, key, offsets, lengths, out in requests:
+        if key == "q":
+            continue
+        path = source.path if isinstance(source, hf.SafetensorsFile) else str(source)
+        with safe_open(path, "pt") as ref:
+            want = ref.get_slice(key)[tuple(slice(o, o + n) for o, n in zip(offsets, lengths, strict=True))]
+        assert torch.equal(out, want.to(out.dtype)), key
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        ({3: ("b2", [6, 0], [2, 6])}, "dim 0: offset 6 \\+ length 2"),
+        ({1: ("nope", [0], [5])}, "no tensor named 'nope'"),
+        ({2: ("b2", [0, 1, 0], [7, 6, 1])}, "must have one entry per dim"),
+        ({3: ("b2", [3, 0], [2, 7])}, "out has shape \\[2, 8\\] but the box has lengths \\[2, 7\\]"),
+        # two bad requests: the first in request order is named, whichever check finds each
+        ({2: ("b2", [0, 1], [7, 9]), 1: ("nope", [0], [5])}, "no tensor named 'nope'"),
+        ({1: ("a1", [6], [5]), 2: ("nope", [0], [1])}, "offset 6 \\+ length 5 is outside"),
+        ({1: ("a1", [2.5], ["x"])}, "must be a sequence of ints"),
+    ],
+)
+def test_read_many_names_the_first_bad_request(tmp_path, bad, message):
+    requests = _mixed_requests(tmp_path)
+    outs = [r[4].clone() for r in requests]
+    for k, (key, offsets, lengths) in bad.items():
+        requests[k] = (requests[k][0], key, offsets, lengths, requests[k][4])
+    with pytest.raises(hf.PlanError, match=message):
+        hf.read_many(requests)
+    for (_, _, _, _, out), before in zip(requests, outs, strict=True):
+        assert torch.equal(out, before)  # nothing was written
+
+
 def test_zero_dim_and_empty_boxes(tmp_path):
     path = tmp_path / "z.safetensors"
     save_file(

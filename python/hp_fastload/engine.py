@@ -29,6 +29,7 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
+from itertools import chain, compress
 from typing import Any, TypeAlias
 
 import numpy as np
@@ -382,12 +383,114 @@ def read_many(
             cast, overlapping destinations); nothing has been written.
         ReadError: a file is shorter than its header says or changed since it was opened.
     """
+    files, dests, rows = _pack_requests(requests)
+    return execute_items(files, dests, rows, threads=threads, backend=backend)
+
+
+def _matrix(rows: Sequence[Sequence[Any]], m: int, ndim: int) -> np.ndarray[Any, np.dtype[np.int64]]:
+    """``m`` rows of ``ndim`` ints (every row's length checked by the caller) as an int64 matrix; flattening
+    first is several times faster than ``np.array`` on a list of tuples."""
+    return np.fromiter(chain.from_iterable(rows), dtype=np.int64, count=m * ndim).reshape(m, ndim)
+
+
+def _pack_requests(
+    requests: Sequence[Request],
+) -> tuple[list[SafetensorsFile], list[tuple[int, int, int]], np.ndarray[Any, np.dtype[np.int64]]]:
+    """``read_many``'s files, destination triples and item rows.
+
+    One Python pass collects each request's fields; the bounds, shape checks and strides are then computed
+    per rank with numpy (~3 us a request instead of ~15: 20k expert boxes were 0.3 s of Python against
+    0.15 s of copying). A request the bulk checks do not pass — or whose form they do not cover (sub-byte
+    dtypes, a non-tensor ``out``, ragged offsets) — goes through ``_fill_item``, one by one in request order,
+    which names what is wrong or packs the odd case; so errors are those of the per-request checks, the
+    first in request order.
+    """
+    n = len(requests)
     files: list[SafetensorsFile] = []
     file_ids: dict[int, int] = {}
+    opened: dict[Any, tuple[SafetensorsFile, int]] = {}
     dests: list[tuple[int, int, int]] = []
     dest_ids: dict[tuple[int, int, int], int] = {}
-    rows = np.zeros((len(requests), ITEM_WIDTH), dtype=np.int64)
+    codes: dict[torch.dtype, int | None] = {}
+    rows = np.zeros((n, ITEM_WIDTH), dtype=np.int64)
+    slow: list[int] = []
+    # per rank: request indices and their fields
+    by_rank: dict[int, list[tuple[Any, ...]]] = {}
     for k, request in enumerate(requests):
+        try:
+            source, key, offsets, lengths, out = request
+            where = opened.get(source)
+            if where is None:
+                f = open_file(source)
+                file_id = file_ids.setdefault(id(f), len(files))
+                if file_id == len(files):
+                    files.append(f)
+                where = opened[source] = (f, file_id)
+            entry = where[0]._entries.get(key)
+        except Exception:  # malformed, unopenable, unhashable: the per-request path says what
+            slow.append(k)
+            continue
+        if entry is None or not isinstance(out, torch.Tensor) or not out.is_cpu:
+            slow.append(k)
+            continue
+        code = codes.get(out.dtype, -1)
+        if code == -1:
+            name = TORCH_TO_SAFETENSORS.get(out.dtype)
+            code = codes[out.dtype] = None if name is None or name in SUB_BYTE_BITS else DTYPE_CODES[name]
+        shape = entry[2]
+        if code is None or entry[1] in SUB_BYTE_BITS or len(shape) > MAX_NDIM:
+            slow.append(k)
+            continue
+        storage = out.untyped_storage()
+        dest = (storage.data_ptr(), storage.nbytes(), code)
+        dest_id = dest_ids.setdefault(dest, len(dests))
+        if dest_id == len(dests):
+            dests.append(dest)
+        record: tuple[Any, ...] = (k, where[1], entry[0], dest_id, shape, offsets, lengths)
+        record += (out.shape, out.stride(), out.storage_offset())
+        group = by_rank.get(len(shape))
+        if group is None:
+            by_rank[len(shape)] = [record]
+        else:
+            group.append(record)
+    for ndim, records in by_rank.items():
+        ks, fids, poss, dids, shapes, offs, lens, out_shapes, dst_strides, dst_bases = zip(*records, strict=True)
+        idx = np.array(ks, dtype=np.int64)
+        m = len(ks)
+        try:
+            if {*map(len, offs), *map(len, lens)} != {ndim}:
+                raise ValueError("ragged")
+            o, length = _matrix(offs, m, ndim), _matrix(lens, m, ndim)
+        except (TypeError, ValueError, OverflowError):  # ragged or not integers: one by one
+            slow.extend(ks)
+            continue
+        size = _matrix(shapes, m, ndim)
+        good = ((o >= 0) & (length >= 0) & (o + length <= size)).all(axis=1)
+        if set(map(len, out_shapes)) != {ndim}:
+            good &= np.array([len(s) == ndim for s in out_shapes])
+            out_shapes = tuple(s if len(s) == ndim else (-1,) * ndim for s in out_shapes)
+        good &= (_matrix(out_shapes, m, ndim) == length).all(axis=1)
+        dst = _matrix(dst_strides, m, ndim)
+        if not good.all():
+            slow.extend(idx[~good].tolist())
+            idx, o, length, size, dst = idx[good], o[good], length[good], size[good], dst[good]
+            keep = good.tolist()
+            fids, poss, dids, dst_bases = (tuple(compress(c, keep)) for c in (fids, poss, dids, dst_bases))
+        strides = np.ones_like(size)
+        if ndim > 1:
+            strides[:, :-1] = np.cumprod(size[:, :0:-1], axis=1)[:, ::-1]
+        rows[idx, COL_FILE] = fids
+        rows[idx, COL_TENSOR] = poss
+        rows[idx, COL_SRC_BASE] = (o * strides).sum(axis=1)
+        rows[idx, COL_DEST] = dids
+        rows[idx, COL_DST_BASE] = dst_bases
+        rows[idx, COL_NDIM] = ndim
+        if ndim:
+            rows[idx, COL_LENGTHS : COL_LENGTHS + ndim] = length
+            rows[idx, COL_SRC_STRIDES : COL_SRC_STRIDES + ndim] = strides
+            rows[idx, COL_DST_STRIDES : COL_DST_STRIDES + ndim] = dst
+    for k in sorted(slow):
+        request = requests[k]
         try:
             source, key, offsets, lengths, out = request
         except (TypeError, ValueError):
@@ -405,7 +508,7 @@ def read_many(
         rows[k, COL_FILE] = file_id
         rows[k, COL_TENSOR] = f.tensor_index(key)
         rows[k, COL_DEST] = dest_id
-    return execute_items(files, dests, rows, threads=threads, backend=backend)
+    return files, dests, rows
 
 
 def read_into(
