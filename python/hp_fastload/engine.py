@@ -24,6 +24,8 @@ byte boundaries.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
 import os
 import threading
@@ -383,8 +385,23 @@ def read_many(
             cast, overlapping destinations); nothing has been written.
         ReadError: a file is shorter than its header says or changed since it was opened.
     """
-    files, dests, rows = _pack_requests(requests)
+    with gc_paused():
+        files, dests, rows = _pack_requests(requests)
     return execute_items(files, dests, rows, threads=threads, backend=backend)
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector (restored to its previous state on exit): packing or planning tens
+    of thousands of tensors allocates ~10^5 small objects, and each full collection they trigger walks
+    everything the process holds (a model, torch's modules) for nothing."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _matrix(rows: Sequence[Sequence[Any]], m: int, ndim: int) -> np.ndarray[Any, np.dtype[np.int64]]:

@@ -13,9 +13,7 @@ A plan is plain data: ``LoadPlan.summary()`` prints it, and ``hp_fastload.plan(.
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import gc
 import logging
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -24,7 +22,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from .engine import SafetensorsFile
+from .engine import SafetensorsFile, gc_paused
 from .errors import PlanError, TargetError
 from .groups import LoadGroup, build_groups, masked_name, rename_key
 from .index import CheckpointIndex
@@ -823,18 +821,6 @@ def plan_load(*args: Any, **kwargs: Any) -> LoadPlan:
     """
     with gc_paused():
         return _plan_load(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector (restored to its previous state on exit)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _plan_load(
