@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -173,16 +174,15 @@ class _Batch:
         lengths, storage_strides, offsets = columns
         dest_pos = self._dest(dest)
         dest_strides = tuple(dest.stride())
-        file_pos: dict[int, int] = {}
-        for file, _, _ in located:
-            if id(file) not in file_pos:
-                file_pos[id(file)] = self._file(file)
+        files, positions, dtypes = zip(*located, strict=True)  # the columns, transposed in C
+        distinct = dict(zip(map(id, files), files, strict=True))
+        file_pos = {i: self._file(f) for i, f in distinct.items()}
         records = np.zeros((n, ITEM_WIDTH), dtype=np.int64)
         if len(file_pos) == 1:
-            records[:, 0] = file_pos[id(located[0][0])]
+            records[:, 0] = next(iter(file_pos.values()))
         else:
-            records[:, 0] = [file_pos[id(file)] for file, _, _ in located]
-        records[:, 1] = [pos for _, pos, _ in located]
+            records[:, 0] = list(map(file_pos.__getitem__, map(id, files)))
+        records[:, 1] = positions
         records[:, 2] = base
         records[:, 3] = dest_pos
         records[:, 5] = ndim
@@ -191,11 +191,11 @@ class _Batch:
         records[:, 6 + MAX_NDIM : 6 + MAX_NDIM + ndim] = storage_strides
         records[:, 6 + 2 * MAX_NDIM : 6 + 2 * MAX_NDIM + ndim] = dest_strides
         numel = lengths.prod(axis=1)
-        itemsizes = {dtype.itemsize for _, _, dtype in located}
-        if len(itemsizes) == 1:
-            self.nbytes += int(numel.sum()) * itemsizes.pop()
+        kinds = set(dtypes)
+        if len(kinds) == 1:
+            self.nbytes += int(numel.sum()) * kinds.pop().itemsize
         else:
-            self.nbytes += int(numel @ np.array([dtype.itemsize for _, _, dtype in located], dtype=np.int64))
+            self.nbytes += int(numel @ np.array([dtype.itemsize for dtype in dtypes], dtype=np.int64))
         self.items.append(records)
         self.count += n
 
@@ -349,7 +349,7 @@ def _add_target_items(
     assert index is not None
     if isinstance(items, TemplateReads):  # no post-ops by construction
         located = list(map(index.locate, items.keys))
-        if all(_engine_casts(dtype, dest.dtype) for dtype in {where[2] for where in located}):
+        if all(_engine_casts(dtype, dest.dtype) for dtype in set(map(itemgetter(2), located))):
             batch.add_boxes(items, dest, located)
             return
         items = list(items)
