@@ -230,7 +230,19 @@ def _mixed_requests(tmp_path):
 def test_read_many_bulk_packing_equals_the_per_request_checks(tmp_path):
     """The bulk packer's rows equal those of the per-request path (``_fill_item``), field for field."""
     requests = _mixed_requests(tmp_path)
-    files, dests, rows = engine._pack_requests(requests)
+    fill = engine._fill_item
+    one_by_one = []
+
+    def counted(row, f, key, *args):
+        one_by_one.append(key)
+        return fill(row, f, key, *args)
+
+    engine._fill_item = counted
+    try:
+        files, dests, rows = engine._pack_requests(requests)
+    finally:
+        engine._fill_item = fill
+    assert one_by_one == ["q"]  # only the sub-byte request leaves the bulk path
     for k, (source, key, offsets, lengths, out) in enumerate(requests):
         f = engine.open_file(source)
         want = np.zeros(engine.ITEM_WIDTH, dtype=np.int64)
@@ -275,6 +287,33 @@ def test_read_many_names_the_first_bad_request(tmp_path, bad, message):
         hf.read_many(requests)
     for (_, _, _, _, out), before in zip(requests, outs, strict=True):
         assert torch.equal(out, before)  # nothing was written
+
+
+def test_read_many_bulk_path_refuses_what_the_per_request_checks_refuse(tmp_path):
+    requests = _mixed_requests(tmp_path)
+    a = tmp_path / "a.safetensors"
+    cases = [
+        # an offset near 2**63: the bulk bounds test must not overflow into a valid-looking box
+        ((a, "a3", [0, 2**63 - 1, 0], [1, 1, 6], torch.zeros(1, 1, 6, dtype=torch.bfloat16)), "dim 1: offset"),
+        ((a, "a3", [2**62, 0, 0], [2**62, 4, 6], torch.zeros(1, 4, 6, dtype=torch.bfloat16)), "dim 0: offset"),
+        # an out of another rank than the tensor (a flat buffer; and one with more dims)
+        ((a, "a3", [0, 0, 0], [2, 3, 4], torch.zeros(24, dtype=torch.bfloat16)), "out has shape \\[24\\]"),
+        ((a, "a1", [0], [4], torch.zeros(2, 2)), "out has shape \\[2, 2\\]"),
+    ]
+    for bad, message in cases:
+        batch = [*requests[:2], bad, *requests[2:]]
+        with pytest.raises(hf.PlanError, match=message):
+            hf.read_many(batch)
+        # the first bad request is named even when a later one fails another way
+        with pytest.raises(hf.PlanError, match=message):
+            hf.read_many([*batch, (a, "nope", [0], [1], torch.zeros(1))])
+
+
+def test_read_many_takes_any_iterable(tmp_path):
+    requests = _mixed_requests(tmp_path)
+    as_dict = dict(enumerate(requests))
+    assert hf.read_many(as_dict.values())["bytes_copied"] == hf.read_many(requests)["bytes_copied"] > 0
+    assert hf.read_many(iter(requests))["runs"] == hf.read_many(tuple(requests))["runs"]
 
 
 def test_zero_dim_and_empty_boxes(tmp_path):

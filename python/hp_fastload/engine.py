@@ -422,6 +422,8 @@ def _pack_requests(
     which names what is wrong or packs the odd case; so errors are those of the per-request checks, the
     first in request order.
     """
+    if not isinstance(requests, list | tuple):
+        requests = list(requests)  # any iterable, as before; the per-request pass below indexes it
     n = len(requests)
     files: list[SafetensorsFile] = []
     file_ids: dict[int, int] = {}
@@ -458,13 +460,17 @@ def _pack_requests(
         if code is None or entry[1] in SUB_BYTE_BITS or len(shape) > MAX_NDIM:
             slow.append(k)
             continue
-        storage = out.untyped_storage()
-        dest = (storage.data_ptr(), storage.nbytes(), code)
+        try:  # a sparse or otherwise storage-less tensor: the per-request path raises, in request order
+            storage = out.untyped_storage()
+            dest = (storage.data_ptr(), storage.nbytes(), code)
+            layout = (out.shape, out.stride(), out.storage_offset())
+        except Exception:
+            slow.append(k)
+            continue
         dest_id = dest_ids.setdefault(dest, len(dests))
         if dest_id == len(dests):
             dests.append(dest)
-        record: tuple[Any, ...] = (k, where[1], entry[0], dest_id, shape, offsets, lengths)
-        record += (out.shape, out.stride(), out.storage_offset())
+        record = (k, where[1], entry[0], dest_id, shape, offsets, lengths, *layout)
         group = by_rank.get(len(shape))
         if group is None:
             by_rank[len(shape)] = [record]
@@ -482,10 +488,13 @@ def _pack_requests(
             slow.extend(ks)
             continue
         size = _matrix(shapes, m, ndim)
-        good = ((o >= 0) & (length >= 0) & (o + length <= size)).all(axis=1)
-        if set(map(len, out_shapes)) != {ndim}:
-            good &= np.array([len(s) == ndim for s in out_shapes])
-            out_shapes = tuple(s if len(s) == ndim else (-1,) * ndim for s in out_shapes)
+        # o <= size - length rather than o + length <= size: no int64 overflow for offsets near 2**63
+        good = ((o >= 0) & (length >= 0) & (length <= size) & (o <= size - length)).all(axis=1)
+        if set(map(len, out_shapes)) != {ndim}:  # an out of another rank: its row is checked one by one
+            right = [len(s) == ndim for s in out_shapes]
+            good &= np.array(right)
+            out_shapes = tuple(s if ok else (-1,) * ndim for s, ok in zip(out_shapes, right, strict=True))
+            dst_strides = tuple(s if ok else (0,) * ndim for s, ok in zip(dst_strides, right, strict=True))
         good &= (_matrix(out_shapes, m, ndim) == length).all(axis=1)
         dst = _matrix(dst_strides, m, ndim)
         if not good.all():
