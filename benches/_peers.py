@@ -1169,8 +1169,24 @@ def run_anchors(cfg: dict[str, Any]) -> dict[str, Any]:
     out["cold_par_gbps"] = statistics.median(r["gbps"] for r in par)
     out["cold_verified"] = all(r["resident_pages_before"] == 0 for r in seq + par)
     warm(files)
+    # Warm mapped reads depend on the page cache's folio sizes: files read by plain sequential reads (as `warm`
+    # does) are cached in 2 MiB folios that map with one PMD each when memory allows, forced read-ahead leaves
+    # small folios; Shard(1) column reads measured 2.5x apart between the two (docs/perf-notes.md, session 5).
+    out["file_huge_pages_mib"] = file_huge_pages_mib()
     del torch
     return out
+
+
+def file_huge_pages_mib() -> int | None:
+    """``FileHugePages`` of ``/proc/meminfo`` (page cache held in PMD-sized folios), MiB; None where absent."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("FileHugePages:"):
+                    return int(line.split()[1]) // 1024
+    except OSError:
+        pass
+    return None
 
 
 def run_one(cfg: dict[str, Any]) -> dict[str, Any]:

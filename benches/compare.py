@@ -526,6 +526,11 @@ def anchor_line(a: dict[str, Any]) -> str:
             for sc in ("s0", "s1")
             if (k := f"box_copy_{sc}_gbps") in a
         )
+        + (
+            f"; page cache in 2 MiB folios after warming the dense checkpoint: {a['file_huge_pages_mib']} MiB"
+            if a.get("file_huge_pages_mib") is not None
+            else ""
+        )
     )
 
 

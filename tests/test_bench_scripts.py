@@ -66,6 +66,12 @@ def test_compare_quick(tmp_path: Path) -> None:
     ):
         assert a[key] > 0, key
     assert a["cold_verified"] is True  # posix_fadvise(DONTNEED) left 0 resident pages (mincore)
+    has_thp = "FileHugePages:" in Path("/proc/meminfo").read_text()  # kernels built without THP lack the line
+    assert (
+        (isinstance(a["file_huge_pages_mib"], int) and a["file_huge_pages_mib"] >= 0)
+        if has_thp
+        else (a["file_huge_pages_mib"] is None)
+    )
     results = doc["results"]
     kinds = {r["kind"] for r in results}
     assert {"raw", "e2e", "plan"} <= kinds, kinds
