@@ -141,3 +141,21 @@ def test_post_ops_keep_the_general_items(ckpt: Path) -> None:
     items = region_items(_target("w", LocalRegion.full(tuple(traced.shape))), traced.blocks, index, None)
     assert isinstance(items, list) and all(i.post for i in items)
     assert _VECTOR_BLOCKS < EXPERTS
+
+
+def test_template_reads_into_a_dtype_the_engine_does_not_cast_to(ckpt: Path) -> None:
+    """bf16 expert reads into an int32 target go through temporaries and torch's own cast."""
+    index = CheckpointIndex.open(ckpt)
+    traced = _convert(_leaves(index), CONVERSIONS["stack-cat"])
+    region = LocalRegion(tuple(traced.shape), (((8, 16),), ((0, 2 * ROWS),), ((0, COLS),)))
+    local = torch.zeros(region.local_shape, dtype=torch.int32)
+    target = Target(("w",), local, region.global_shape, torch.int32, local.device, False, _region=region)
+    items = region_items(target, traced.blocks, index, None, _BlockCache())
+    assert isinstance(items, TemplateReads)
+    batch = _Batch(index)
+    _add_target_items(batch, target, items, None)
+    batch.run(1, None, ExecStats())
+    real = {**load_file(str(ckpt / "a.safetensors")), **load_file(str(ckpt / "b.safetensors"))}
+    want = _convert(real, CONVERSIONS["stack-cat"])[8:16].to(torch.int32)
+    assert int(want.count_nonzero()) > 0  # the zeroed target alone would not pass
+    assert torch.equal(local, want)

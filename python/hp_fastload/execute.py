@@ -18,7 +18,20 @@ import numpy as np
 import torch
 
 from . import _core
-from .engine import SafetensorsFile, safetensors_dtype_name
+from .engine import (
+    COL_DEST,
+    COL_DST_BASE,
+    COL_DST_STRIDES,
+    COL_FILE,
+    COL_LENGTHS,
+    COL_NDIM,
+    COL_SRC_BASE,
+    COL_SRC_STRIDES,
+    COL_TENSOR,
+    ITEM_WIDTH,
+    SafetensorsFile,
+    safetensors_dtype_name,
+)
 from .errors import PlanError
 from .index import CheckpointIndex
 from .plan import DeferredGroup, LoadPlan, ReadItem, TemplateReads
@@ -37,7 +50,6 @@ _ENGINE_FLOATS = {
     torch.float8_e5m2,
 }
 DEFAULT_BATCH_BYTES = 1 << 30
-ITEM_WIDTH: int = _core.ITEM_WIDTH
 DEFAULT_STAGING_BYTES = 512 << 20
 
 
@@ -179,17 +191,17 @@ class _Batch:
         file_pos = {i: self._file(f) for i, f in distinct.items()}
         records = np.zeros((n, ITEM_WIDTH), dtype=np.int64)
         if len(file_pos) == 1:
-            records[:, 0] = next(iter(file_pos.values()))
+            records[:, COL_FILE] = next(iter(file_pos.values()))
         else:
-            records[:, 0] = list(map(file_pos.__getitem__, map(id, files)))
-        records[:, 1] = positions
-        records[:, 2] = base
-        records[:, 3] = dest_pos
-        records[:, 5] = ndim
-        records[:, 4] = offsets @ np.array(dest_strides, dtype=np.int64) + int(dest.storage_offset())
-        records[:, 6 : 6 + ndim] = lengths
-        records[:, 6 + MAX_NDIM : 6 + MAX_NDIM + ndim] = storage_strides
-        records[:, 6 + 2 * MAX_NDIM : 6 + 2 * MAX_NDIM + ndim] = dest_strides
+            records[:, COL_FILE] = list(map(file_pos.__getitem__, map(id, files)))
+        records[:, COL_TENSOR] = positions
+        records[:, COL_SRC_BASE] = base
+        records[:, COL_DEST] = dest_pos
+        records[:, COL_DST_BASE] = offsets @ np.array(dest_strides, dtype=np.int64) + int(dest.storage_offset())
+        records[:, COL_NDIM] = ndim
+        records[:, COL_LENGTHS : COL_LENGTHS + ndim] = lengths
+        records[:, COL_SRC_STRIDES : COL_SRC_STRIDES + ndim] = storage_strides
+        records[:, COL_DST_STRIDES : COL_DST_STRIDES + ndim] = dest_strides
         numel = lengths.prod(axis=1)
         kinds = set(dtypes)
         if len(kinds) == 1:
@@ -348,15 +360,12 @@ def _add_target_items(
     index = batch.index
     assert index is not None
     if isinstance(items, TemplateReads):  # no post-ops by construction
-        located = list(map(index.locate, items.keys))
-        if all(_engine_casts(dtype, dest.dtype) for dtype in set(map(itemgetter(2), located))):
-            batch.add_boxes(items, dest, located)
-            return
-        items = list(items)
+        keys, post = items.keys, False
     else:
-        located = list(map(index.locate, [item.source for item in items]))
-    if not any(item.post for item in items) and all(
-        _engine_casts(dtype, dest.dtype) for dtype in {where[2] for where in located}
+        keys, post = [item.source for item in items], any(item.post for item in items)
+    located = list(map(index.locate, keys))
+    if not post and all(
+        _engine_casts(dtype, dest.dtype) for dtype in set(map(itemgetter(2), located))
     ):  # the usual case: the engine reads every box straight into the destination
         batch.add_boxes(items, dest, located)
         return
