@@ -26,7 +26,7 @@ from .engine import SafetensorsFile, gc_paused
 from .errors import PlanError, TargetError
 from .groups import LoadGroup, build_groups, masked_name, rename_key
 from .index import CheckpointIndex
-from .quant import QuantInfo, detect_in_index
+from .quant import Dequant, QuantInfo, detect_in_index
 from .region import Block, RegionTensor, UnsupportedRegionOp
 from .rules import is_converter, is_renaming, natural_sort_key
 from .targets import Target
@@ -195,6 +195,7 @@ class LoadPlan:
     model: Any = None
     used_base_rules: list[Any] = field(default_factory=list)
     used_replacement_rules: list[Any] = field(default_factory=list)
+    dequant: dict[str, Dequant] = field(default_factory=dict)  # quantized keys read dequantized (quant.py)
 
     def read_bytes_by_file(self) -> dict[str, int]:
         """Bytes of source data this rank's region reads need, per checkpoint file."""
@@ -898,6 +899,8 @@ def _plan_load(
     missing = sorted(set(targets) - claims.loaded, key=natural_sort_key)
     if quant:
         quant.check_missing(missing, claims.unexpected)
+        consumed = quant.consumed()  # the scales of dequantized tensors are read with them
+        claims.unexpected = [k for k in claims.unexpected if k not in consumed]
     if strict and missing:
         shown = ", ".join(missing[:10])
         raise RuntimeError(f"Checkpoint did not load {len(missing)} owned model tensors; first keys: {shown}")
@@ -921,6 +924,7 @@ def _plan_load(
         model,
         used_base_rules=used,
         used_replacement_rules=used_replacements,
+        dequant=dict(quant.dequantized),
     )
     log.debug(
         "planned %d model tensors as region reads and %d through %d deferred conversions",
