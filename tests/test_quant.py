@@ -1,7 +1,7 @@
 """Quantized checkpoints are never cast raw into a float model (issue 13, item 1).
 
 The formats hp_fastload dequantizes are tested for values in tests/test_quant_dequant.py; here, the ones it
-does not (MXFP4, GPTQ/AWQ int4, bitsandbytes nf4, ModelOpt NVFP4, fp8 without scales) are refused.
+does not (GPTQ/AWQ int4, bitsandbytes nf4, ModelOpt NVFP4, fp8 without scales) are refused.
 
 Each checkpoint is a tiny model's released checkpoint with its projection weights quantized by torch ops
 (``quant_checkpoints``), written with safetensors ``save_file`` next to the ``quantization_config`` the real
@@ -95,7 +95,7 @@ def _case(name: str, root: Path) -> tuple[Any, str, str]:
     raise AssertionError(name)
 
 
-#: every checkpoint built here; the first five are dequantized (tests/test_quant_dequant.py)
+#: every checkpoint built here; the first six are dequantized (tests/test_quant_dequant.py)
 CASES = [
     "deepseek_fp8_block",
     "qwen3_moe_fp8_block",
@@ -109,7 +109,7 @@ CASES = [
     "llama_fp8_config_only",
 ]
 #: the formats refused with a float model
-REFUSED = CASES[5:]
+REFUSED = CASES[6:]
 
 
 @pytest.fixture(scope="module")

@@ -176,6 +176,33 @@ def test_e5m2_with_e8m0_and_bf16_scales(tmp_path, loader):
     _assert_equal(target, reference)
 
 
+@pytest.mark.parametrize("loader", LOADERS)
+def test_mxfp4_gpt_oss_matches_transformers_dequantizing_load(tmp_path, loader):
+    """gpt-oss experts as MXFP4 ``*_blocks`` + ``*_scales`` (written by the torch quantizer in
+    quant_checkpoints) into the bf16 model: equal to transformers' ``Mxfp4Config(dequantize=True)`` load."""
+    from transformers import Mxfp4Config
+
+    model = qc.build_model("gpt_oss", hidden_size=32, intermediate_size=32)
+    tensors = {}
+    for key, value in qc.released(model, tmp_path).items():
+        if key.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            tensors[key + "_blocks"], tensors[key + "_scales"] = qc.mxfp4_quantize(value)
+        else:
+            tensors[key] = value
+    qc.rewrite(tmp_path, tensors, qc.MXFP4_CONFIG)
+    reference = model_class("gpt_oss").from_pretrained(
+        tmp_path, dtype=torch.bfloat16, quantization_config=Mxfp4Config(dequantize=True)
+    )
+    key = "model.layers.1.mlp.experts.gate_up_proj"
+    formula = qc.mxfp4_dequant(tensors[key + "_blocks"], tensors[key + "_scales"], torch.bfloat16)
+    assert torch.equal(reference.state_dict()[key], formula)  # the reference is the published formula
+    target = _zeroed(model)
+    report = hf.load(target, tmp_path, loader=loader)
+    assert not report.missing_keys and not report.unexpected_keys
+    assert key in report.deferred_targets  # the torch path (not the region path) serves MXFP4
+    _assert_equal(target, reference)
+
+
 def test_staged_reads_dequantize_in_row_blocks(tmp_path):
     """The staging path (CUDA targets; here forced on CPU) cuts targets into row blocks of a small slab:
     the scale of each element still comes from its row in the checkpoint."""

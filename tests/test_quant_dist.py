@@ -5,8 +5,9 @@ full float references (transformers' own loads: ``FineGrainedFP8Config(dequantiz
 published ``weight_dequant`` formula loaded with ``from_pretrained`` for DeepSeek-V3's ragged blocks and the
 per-channel Llama); each rank builds the float model, shards it (FSDP2 ``fully_shard``; TP and EP as DTensor
 placements: column and row shards whose boundaries fall inside scale blocks, experts split over the ranks),
-loads with both loaders and compares every local shard with ``distribute_tensor(reference)``. A refused
-format (MXFP4) must raise ``QuantizationError`` on every rank.
+loads with both loaders and compares every local shard with ``distribute_tensor(reference)``. gpt-oss MXFP4
+experts (dequantized with torch) are compared with transformers' ``Mxfp4Config(dequantize=True)`` load. A
+refused format (GPTQ) must raise ``QuantizationError`` on every rank.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from .tiny_models import model_class
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
 ROOT_ENV = "HPF_QUANT_ROOT"
-MODELS = {"deepseek_v3": (8, 8), "qwen3_moe": (4, 8), "llama": None}  # None: per-channel weight_scale
+#: family -> fp8 block (None: per-channel weight_scale; "mxfp4": gpt-oss MXFP4 experts)
+MODELS: dict[str, Any] = {"deepseek_v3": (8, 8), "qwen3_moe": (4, 8), "llama": None, "gpt_oss": "mxfp4"}
+MXFP4_SIZES = dict(hidden_size=32, intermediate_size=32)
 LAYOUTS = ("fsdp", "tp", "ep")
 LOADERS = ("dcp", "legacy")
 
@@ -35,8 +38,23 @@ def _write(root: Path) -> None:
 
     for family, block in MODELS.items():
         path = root / family
-        model = qc.build_model(family)
+        model = qc.build_model(family, **(MXFP4_SIZES if block == "mxfp4" else {}))
         released = qc.released(model, path)
+        if block == "mxfp4":
+            from transformers import Mxfp4Config
+
+            tensors = {}
+            for key, value in released.items():
+                if key.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                    tensors[key + "_blocks"], tensors[key + "_scales"] = qc.mxfp4_quantize(value)
+                else:
+                    tensors[key] = value
+            qc.rewrite(path, tensors, qc.MXFP4_CONFIG)
+            reference = model_class(family).from_pretrained(
+                path, dtype=torch.bfloat16, quantization_config=Mxfp4Config(dequantize=True)
+            )
+            torch.save(reference.state_dict(), path / "reference.pt")
+            continue
         if block is None:
             tensors = qc.quantize_with(released, qc.fp8_channel_quantize)
             qc.rewrite(path, tensors, qc.FBGEMM_CONFIG)
@@ -65,15 +83,8 @@ def _write(root: Path) -> None:
             qc.save_file(out, str(formula / "model.safetensors"), metadata={"format": "pt"})
             reference = model_class(family).from_pretrained(formula, dtype=torch.bfloat16)
         torch.save(reference.state_dict(), path / "reference.pt")
-    mx = root / "gpt_oss_mxfp4"
-    model = qc.build_model("gpt_oss", hidden_size=32, intermediate_size=32)
-    out = {}
-    for key, value in qc.released(model, mx).items():
-        if key.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            out[key + "_blocks"], out[key + "_scales"] = qc.mxfp4_quantize(value)
-        else:
-            out[key] = value
-    qc.rewrite(mx, out, qc.MXFP4_CONFIG)
+    gptq = root / "llama_gptq"
+    qc.rewrite(gptq, qc.gptq_layout(qc.released(qc.build_model("llama"), gptq)), qc.GPTQ_CONFIG)
 
 
 def _placements(name: str, shape: tuple[int, ...], layout: str) -> list[Any]:
@@ -85,7 +96,7 @@ def _placements(name: str, shape: tuple[int, ...], layout: str) -> list[Any]:
     if len(shape) == 2 and name.endswith(("o_proj.weight", "down_proj.weight")):
         return [Shard(1)]
     if len(shape) == 3:
-        return [Shard(1)]  # experts: a column-parallel split of every expert
+        return [Shard(1)]  # experts: a split of every expert along its second dim
     return [Shard(0)] if len(shape) >= 1 and shape[0] >= 2 else [Replicate()]
 
 
@@ -95,7 +106,7 @@ def _build(family: str, layout: str) -> Any:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import distribute_tensor
 
-    model = qc.build_model(family, seed=1)
+    model = qc.build_model(family, seed=1, **(MXFP4_SIZES if MODELS.get(family) == "mxfp4" else {}))
     mesh = init_device_mesh("cpu", (2,))
     if layout == "fsdp":
         for layer in model.model.layers:
@@ -159,28 +170,19 @@ CASES = [
 
 
 def _all_checks(rank: int, world: int) -> dict[str, Any]:
-    checks = [_make_check(*case) for case in CASES] + [check_mxfp4_refused_on_every_rank]
+    checks = [_make_check(*case) for case in CASES] + [check_gptq_refused_on_every_rank]
     return run_subchecks(rank, world, checks)
 
 
-def check_mxfp4_refused_on_every_rank(rank: int, world: int) -> str:
+def check_gptq_refused_on_every_rank(rank: int, world: int) -> str:
     import hp_fastload as hf
 
-    model = _build_mxfp4()
+    model = _build("llama", "fsdp")
     try:
-        hf.load(model, Path(os.environ[ROOT_ENV]) / "gpt_oss_mxfp4")
+        hf.load(model, Path(os.environ[ROOT_ENV]) / "llama_gptq")
     except hf.QuantizationError as exc:
         return f"{type(exc).__name__}: {exc}"
     return "no error"
-
-
-def _build_mxfp4() -> Any:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    model = qc.build_model("gpt_oss", seed=1, hidden_size=32, intermediate_size=32)
-    fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
-    return model
 
 
 @pytest.fixture(scope="module")
@@ -196,6 +198,6 @@ def test_every_local_shard_matches_distribute_tensor(outcomes, family, layout, l
     assert subcheck_values(outcomes, f"check_{family}_{layout}_{loader}") == [[], []]
 
 
-def test_mxfp4_is_refused_on_every_rank(outcomes):
-    messages = subcheck_values(outcomes, "check_mxfp4_refused_on_every_rank")
-    assert all(m.startswith("QuantizationError") and "mxfp4" in m for m in messages), messages
+def test_gptq_is_refused_on_every_rank(outcomes):
+    messages = subcheck_values(outcomes, "check_gptq_refused_on_every_rank")
+    assert all(m.startswith("QuantizationError") and "gptq" in m for m in messages), messages

@@ -896,6 +896,17 @@ def _plan_load(
         tracer = _Tracer(index, model, lambda n: targets[n].global_shape if n in targets else None, trace)
         for group in groups:
             claims.direct(group, tracer.run(group), model)
+    if quant:  # formats dequantized with torch on whole tensors (MXFP4): deferred groups of their own
+        unloaded = set(targets) - claims.loaded
+        fallbacks = quant.fallbacks(
+            unloaded, claims.unexpected, lambda n: targets[n].dtype, lambda k: index.entry(k).shape
+        )
+        for name, keys, compute, shape in fallbacks:
+            pending = DeferredGroup(name, keys, compute, reason="MXFP4 dequantized with torch (whole tensors)")
+            target = claims.claim(name, shape)
+            if target is not None:
+                pending.claims[name] = target
+            claims.add_deferred(pending)
     missing = sorted(set(targets) - claims.loaded, key=natural_sort_key)
     if quant:
         quant.check_missing(missing, claims.unexpected)

@@ -13,6 +13,7 @@ checkpoint's dtype, its scales as parameters or buffers) loads them raw. Plannin
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -39,6 +40,31 @@ _FLOATS = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64
 _FP8 = frozenset((torch.float8_e4m3fn, torch.float8_e5m2))
 _SCALE_DTYPES = frozenset((torch.float32, torch.bfloat16, torch.float16, torch.uint8, torch.float8_e8m0fnu))
 DEFAULT_BLOCK = (128, 128)
+MXFP4_FORMAT = "MXFP4 (e2m1 blocks, e8m0 scales)"
+#: the e2m1 value of each 4-bit code (OCP MX spec)
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def _mxfp4_group(name: str, blocks: str, scales: str, sources: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: mxfp4_dequantize(sources[blocks], sources[scales])}
+
+
+def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """MXFP4 ``*_blocks`` ``[..., Y, G, 16]`` (two e2m1 codes a byte, low nibble first) and e8m0 ``*_scales``
+    ``[..., Y, G]`` -> float32 ``[..., G * 32, Y]``: each value ``e2m1 * 2^(e - 127)`` (exact in float32),
+    laid out as transformers' ``convert_moe_packed_tensors`` does (groups joined along the last dim, then
+    dims 1 and 2 swapped)."""
+    if blocks.dtype != torch.uint8 or scales.dtype not in (torch.uint8, torch.float8_e8m0fnu):
+        raise QuantizationError(f"MXFP4 needs uint8 blocks and e8m0 scales, got {blocks.dtype} and {scales.dtype}")
+    if tuple(blocks.shape[:-1]) != tuple(scales.shape) or blocks.dim() < 3:
+        raise QuantizationError(f"MXFP4 blocks {tuple(blocks.shape)} do not fit scales {tuple(scales.shape)}")
+    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+    values = torch.stack([lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]], dim=-1)
+    values = values.reshape(*blocks.shape[:-1], blocks.shape[-1] * 2)
+    exponents = scales.view(torch.uint8).to(torch.int32) - 127
+    values = torch.ldexp(values, exponents.unsqueeze(-1))
+    *prefix, groups, width = values.shape
+    return values.reshape(*prefix, groups * width).transpose(1, 2).contiguous()
 
 
 class Dequant(NamedTuple):
@@ -82,6 +108,7 @@ class QuantInfo:
         return bool(self.tensors)
 
     dequantized: dict[str, Dequant] = field(default_factory=dict)  # keys planned as dequantizing reads
+    fallback_keys: set[str] = field(default_factory=set)  # sources of the torch-dequantized groups
 
     def refuse(self, q: QuantTensor, why: str) -> QuantizationError:
         detail = f" ({q.why})" if q.why else ""
@@ -104,7 +131,42 @@ class QuantInfo:
 
     def consumed(self) -> set[str]:
         """The companions of the dequantized tensors (read with them, so not unexpected)."""
-        return {c for k in self.dequantized for c in self.tensors[k].companions}
+        return {c for k in self.dequantized for c in self.tensors[k].companions} | self.fallback_keys
+
+    def _missing_target(self, q: QuantTensor, missing: Collection[str]) -> str | None:
+        for name in missing:
+            if name == q.dequantized or name.endswith("." + q.dequantized) or q.dequantized.endswith("." + name):
+                return name
+        return None
+
+    def fallbacks(
+        self,
+        missing: Collection[str],
+        unclaimed: Collection[str],
+        dtype_of_target: Callable[[str], torch.dtype],
+        shape_of: Callable[[str], Sequence[int]],
+    ) -> list[tuple[str, list[str], Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]], tuple[int, ...]]]:
+        """Formats dequantized with torch on whole tensors (MXFP4 ``*_blocks`` + ``*_scales`` into a float
+        model tensor of the dequantized name): ``(target name, source keys, compute, output shape)`` for each,
+        to plan as a deferred group. The sources are then consumed (see ``consumed``)."""
+        out: list[
+            tuple[str, list[str], Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]], tuple[int, ...]]
+        ] = []
+        for key in unclaimed:
+            q = self.tensors.get(key)
+            if q is None or q.fmt != MXFP4_FORMAT or len(q.companions) != 1:
+                continue
+            name = self._missing_target(q, missing)
+            if name is None or dtype_of_target(name) not in _FLOATS:
+                continue
+            blocks, scales = q.key, q.companions[0]
+            compute = functools.partial(_mxfp4_group, name, blocks, scales)
+            shape = tuple(int(n) for n in shape_of(blocks))
+            if len(shape) < 4:
+                raise self.refuse(q, f"its blocks have shape {shape}, not [..., rows, groups, 16]")
+            out.append((name, [blocks, scales], compute, (*shape[:-3], shape[-2] * shape[-1] * 2, shape[-3])))
+            self.fallback_keys.update((blocks, scales))
+        return out
 
     def check_missing(self, missing: Collection[str], unclaimed: Collection[str]) -> None:
         """Raise when a quantized tensor was not claimed and a model tensor of its dequantized name is missing
@@ -115,9 +177,9 @@ class QuantInfo:
             q = self.tensors.get(key)
             if q is None:
                 continue
-            for name in missing:
-                if name == q.dequantized or name.endswith("." + q.dequantized) or q.dequantized.endswith("." + name):
-                    raise self.refuse(q, f"the model expects it as {name}")
+            name = self._missing_target(q, missing)
+            if name is not None:
+                raise self.refuse(q, f"the model expects it as {name}")
 
 
 def read_quant_config(directory: str | Path) -> dict[str, Any] | None:
@@ -241,7 +303,7 @@ def detect(
         elif key.endswith("_blocks"):
             stem = key[: -len("_blocks")]
             if stem + "_scales" in present:
-                add(key, "mxfp4", "MXFP4 (e2m1 blocks, e8m0 scales)", [stem + "_scales"], stem)
+                add(key, "mxfp4", MXFP4_FORMAT, [stem + "_scales"], stem, (None, "dequantized with torch, whole"))
         elif key.endswith(".weight_scale"):
             module = _module(key)
             if module + ".weight_packed" in present:
