@@ -12,6 +12,7 @@ refused format (GPTQ) must raise ``QuantizationError`` on every rank.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -83,6 +84,11 @@ def _write(root: Path) -> None:
             qc.save_file(out, str(formula / "model.safetensors"), metadata={"format": "pt"})
             reference = model_class(family).from_pretrained(formula, dtype=torch.bfloat16)
         torch.save(reference.state_dict(), path / "reference.pt")
+    for family in ("deepseek_v3", "gpt_oss"):  # torch's quantized reader needs an index
+        path = root / family
+        keys = qc.load_file(str(path / "model.safetensors"))
+        index = {"metadata": {}, "weight_map": dict.fromkeys(keys, "model.safetensors")}
+        (path / "model.safetensors.index.json").write_text(json.dumps(index))
     gptq = root / "llama_gptq"
     qc.rewrite(gptq, qc.gptq_layout(qc.released(qc.build_model("llama"), gptq)), qc.GPTQ_CONFIG)
 
@@ -170,8 +176,73 @@ CASES = [
 
 
 def _all_checks(rank: int, world: int) -> dict[str, Any]:
-    checks = [_make_check(*case) for case in CASES] + [check_gptq_refused_on_every_rank]
+    checks = [_make_check(*case) for case in CASES] + [
+        check_gptq_refused_on_every_rank,
+        check_quantized_dcp_reader_matches_torch,
+    ]
     return run_subchecks(rank, world, checks)
+
+
+#: DCP reader cases: (family, key, placement, state-dict dtype, target_dtype)
+READER_CASES = [
+    ("deepseek_v3", "model.layers.0.self_attn.kv_a_proj_with_mqa.weight", 0, "bfloat16", "float32"),
+    ("deepseek_v3", "model.layers.0.mlp.down_proj.weight", 1, "float32", "float32"),
+    ("deepseek_v3", "model.layers.1.mlp.experts.3.up_proj.weight", 1, "bfloat16", "bfloat16"),
+    ("deepseek_v3", "model.layers.0.self_attn.o_proj.weight", None, "float32", "bfloat16"),
+    ("deepseek_v3", "model.layers.1.input_layernorm.weight", 0, "float32", "float32"),
+    ("gpt_oss", "model.layers.0.mlp.experts.gate_up_proj_blocks", 2, "bfloat16", "bfloat16"),
+    ("gpt_oss", "model.layers.1.mlp.experts.down_proj_blocks", 0, "float32", "float32"),
+    ("gpt_oss", "model.layers.1.mlp.experts.down_proj_blocks", 2, "bfloat16", "float32"),
+]
+
+
+def check_quantized_dcp_reader_matches_torch(rank: int, world: int) -> list[str]:
+    """Our QuantizedHuggingFaceStorageReader under dcp.load == torch's, bit for bit, on sharded DTensors
+    whose boundaries cut scale blocks (rows 6 of 12 over blocks of 8), and == the formula (fp8 and MXFP4,
+    whose groups of 32 are cut at 16)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.quantized_hf_storage import QuantizedHuggingFaceStorageReader as Theirs
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from hp_fastload.dcp import QuantizedHuggingFaceStorageReader as Ours
+
+    mesh = init_device_mesh("cpu", (2,))
+    bad = []
+    for i, (family, key, dim, dtype_name, target_name) in enumerate(READER_CASES):
+        path = Path(os.environ[ROOT_ENV]) / family
+        stored = qc.load_file(str(path / "model.safetensors"))[key]
+        shape = list(stored.shape) if not key.endswith("_blocks") else [*stored.shape[:-2], stored.shape[-2] * 32]
+        placement = [Replicate()] if dim is None else [Shard(dim)]
+        dtype, target = getattr(torch, dtype_name), getattr(torch, target_name)
+        results = []
+        for reader in (
+            Theirs(str(path), target_dtype=target, block_size=8),
+            Ours(str(path), target_dtype=target, block_size=8),
+        ):
+            tensor = distribute_tensor(torch.full(shape, 7.0, dtype=dtype), mesh, placement, src_data_rank=None)
+            state = {key: tensor}
+            dcp.load(state, storage_reader=reader)
+            results.append(state[key].to_local())
+        if key.endswith("_blocks"):
+            # torch's reader keeps the packed chunk in its metadata and fills one value in 32 (torch 2.15):
+            # the reference here is the formula in torch's layout (not transposed), from torch ops
+            blocks, scales = stored, qc.load_file(str(path / "model.safetensors"))[key[: -len("_blocks")] + "_scales"]
+            full = qc.mxfp4_dequant(blocks, scales, target).transpose(1, 2).to(dtype)
+            want = distribute_tensor(full, mesh, placement, src_data_rank=None).to_local()
+            if not torch.equal(results[1], want):
+                bad.append(f"{i}: {key} differs from the MXFP4 formula")
+        elif not torch.equal(results[0], results[1]):
+            bad.append(f"{i}: {key} differs from torch's reader")
+        if results[1].numel() and bool((results[1] == 7.0).all()):
+            bad.append(f"{i}: {key} was not read")
+        if key.endswith(".weight") and key + "_scale_inv" in qc.load_file(str(path / "model.safetensors")):
+            scale = qc.load_file(str(path / "model.safetensors"))[key + "_scale_inv"]
+            full = qc.weight_dequant(stored, scale, (8, 8), target).to(dtype)
+            want = distribute_tensor(full, mesh, placement, src_data_rank=None).to_local()
+            if not torch.equal(results[1], want):
+                bad.append(f"{i}: {key} differs from the formula")
+    return bad
 
 
 def check_gptq_refused_on_every_rank(rank: int, world: int) -> str:
@@ -201,3 +272,7 @@ def test_every_local_shard_matches_distribute_tensor(outcomes, family, layout, l
 def test_gptq_is_refused_on_every_rank(outcomes):
     messages = subcheck_values(outcomes, "check_gptq_refused_on_every_rank")
     assert all(m.startswith("QuantizationError") and "gptq" in m for m in messages), messages
+
+
+def test_quantized_dcp_reader_matches_torchs(outcomes):
+    assert subcheck_values(outcomes, "check_quantized_dcp_reader_matches_torch") == [[], []]
