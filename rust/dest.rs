@@ -18,7 +18,9 @@
 
 use std::marker::PhantomData;
 
-use crate::dtype::{cast_dense, cast_scaled, cast_strided, Dtype, ElemSink, ScaleMap};
+use crate::dtype::{
+    cast_dense, cast_scaled, cast_scaled_dense, cast_strided, Dtype, ElemSink, ScaleMap,
+};
 use crate::region::Run;
 
 /// Caller memory that a batch of reads writes into, interpreted as elements of `dtype`.
@@ -243,6 +245,9 @@ pub(crate) fn write_run_scaled(run: &Run, src: &[u8], map: &ScaleMap<'_>, begin:
         let flat0 = (run.src_off + off - begin) / size;
         let rep = &src[off as usize..][..extent];
         match run.dst_is_dense() {
+            true if step == 1 => with_dense_rep(run, r, |out| {
+                cast_scaled_dense((sd, dd), rep, out, map, flat0)
+            }),
             true => with_dense_rep(run, r, |out| {
                 let mut sink = SliceSink {
                     out,

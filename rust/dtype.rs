@@ -621,6 +621,54 @@ pub(crate) fn cast_scaled<W: ElemSink>(
     }
 }
 
+/// The `f32` value of every code of an 8-bit float (exact), built once per dtype.
+fn fp8_table(sd: Dtype) -> &'static [f32; 256] {
+    static E4M3: std::sync::OnceLock<[f32; 256]> = std::sync::OnceLock::new();
+    static E5M2: std::sync::OnceLock<[f32; 256]> = std::sync::OnceLock::new();
+    let (cell, decode): (_, fn(u8) -> f32) = match sd {
+        Dtype::F8_E4M3 => (&E4M3, e4m3fn_to_f32),
+        Dtype::F8_E5M2 => (&E5M2, e5m2_to_f32),
+        _ => unreachable!("dequantized items are validated before any copy"),
+    };
+    cell.get_or_init(|| std::array::from_fn(|v| decode(v as u8)))
+}
+
+#[inline(always)]
+fn scaled_segment<D: FloatCodec>(table: &[f32; 256], scale: f32, src: &[u8], dst: &mut [u8]) {
+    for (s, d) in src.iter().zip(dst.chunks_exact_mut(D::SIZE)) {
+        D::store_f32(table[*s as usize] * scale, d);
+    }
+}
+
+/// The dense case of [`cast_scaled`] (adjacent source and destination elements, flat indices
+/// `flat0..flat0 + src.len()`): one scale lookup per block segment, a table decode and a multiply per element.
+pub(crate) fn cast_scaled_dense(
+    (sd, dd): (Dtype, Dtype),
+    src: &[u8],
+    dst: &mut [u8],
+    map: &ScaleMap<'_>,
+    flat0: u64,
+) {
+    let table = fp8_table(sd);
+    let (n, mut i, mut flat) = (src.len(), 0usize, flat0);
+    while i < n {
+        let (scale, until) = map.at(flat);
+        let seg = usize::try_from(until - flat).map_or(n - i, |s| s.min(n - i));
+        let (a, b) = (i, i + seg);
+        match dd {
+            Dtype::F16 => scaled_segment::<CF16>(table, scale, &src[a..b], &mut dst[a * 2..b * 2]),
+            Dtype::BF16 => {
+                scaled_segment::<CBF16>(table, scale, &src[a..b], &mut dst[a * 2..b * 2])
+            }
+            Dtype::F32 => scaled_segment::<CF32>(table, scale, &src[a..b], &mut dst[a * 4..b * 4]),
+            Dtype::F64 => scaled_segment::<CF64>(table, scale, &src[a..b], &mut dst[a * 8..b * 8]),
+            _ => unreachable!("dequantized items are validated before any copy"),
+        }
+        i = b;
+        flat += seg as u64;
+    }
+}
+
 /// Decodes scale elements stored as `dtype` (`U8` holds e8m0 exponents, as MXFP8 checkpoints ship them).
 pub(crate) fn decode_scales(dtype: Dtype, bytes: &[u8]) -> Option<Vec<f32>> {
     Some(match dtype {

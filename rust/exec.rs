@@ -1328,6 +1328,32 @@ mod tests {
             assert_eq!(got, want, "{backend:?}");
             assert!(got.iter().any(|&g| bf16_to_f32(g) != 0.0));
         }
+        // rows 1..5 as they are stored: dense runs (the table-decode path), ragged last column block
+        let mut dense = item;
+        dense.lengths[..2].copy_from_slice(&[4, 7]);
+        dense.src_strides[..2].copy_from_slice(&[7, 1]);
+        dense.dst_strides[..2].copy_from_slice(&[7, 1]);
+        dense.src_base = 7;
+        let mut out = vec![0u8; 56];
+        let dest = [DestBuf::from_mut_slice(&mut out, Dtype::BF16)];
+        let sc = [scale([5, 7], [2, 4])];
+        execute_scaled(
+            std::slice::from_ref(&h),
+            &dest,
+            &[dense],
+            &sc,
+            &ExecOptions::default(),
+        )
+        .unwrap();
+        for (k, b) in out.chunks_exact(2).enumerate() {
+            let (row, col) = (k / 7 + 1, k % 7);
+            let x = e4m3fn_to_f32(q[row * 7 + col]) * scales[(row / 2) * 2 + col / 4];
+            assert_eq!(
+                u16::from_le_bytes([b[0], b[1]]),
+                f32_to_bf16(x),
+                "element {k}"
+            );
+        }
         let opts = ExecOptions::default();
         for bad in [
             scale([5, 7], [4, 4]),

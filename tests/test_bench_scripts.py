@@ -189,3 +189,18 @@ def test_cold_rounds_merge_into_one_result_per_configuration() -> None:
     assert a["verify"]["mismatched"] == 1 and a["peak_rss_bytes"] == 20 and a["process_seconds"] == 3.0
     assert a["anon_added_bytes"] == 2 and "round" not in a
     assert b["error"] == "boom"
+
+
+def test_quant_bench_quick(tmp_path: Path) -> None:
+    """benches/quant_bench.py --quick: every loader ran, timed, and its sample equals the formula."""
+    out = tmp_path / "out"
+    _run([str(BENCHES / "quant_bench.py"), "--quick", "--out", str(out), "--data", str(tmp_path / "data")], 480)
+    doc = json.loads((out / "quant_bench.json").read_text())
+    got = {(r["loader"], r["world"]): r for r in doc["results"]}
+    assert len(got) == 9
+    for (loader, world), r in got.items():
+        assert "error" not in r, (loader, world, r.get("error"))
+        assert r["seconds"] > 0 and r["output_bytes"] > 0
+        if loader != "hp_load_bf16":
+            assert r["verify"]["checked"] >= 3 and r["verify"]["mismatched"] == 0, (loader, world, r["verify"])
+    assert "hp_load vs the faster peer" in (out / "quant_bench.md").read_text()
