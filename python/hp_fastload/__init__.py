@@ -11,6 +11,7 @@ from .checkpointer import HF_LOADER_ENV, HuggingFaceCheckpointer, load, plan, re
 from .engine import SafetensorsFile, read_into, read_many
 from .errors import HeaderError, HpFastloadError, PlanError, ReadError, TargetError
 from .plan import ConversionError, LoadPlan, LoadReport
+from .quant import QuantizationError
 
 __all__ = [
     "HF_LOADER_ENV",
@@ -21,6 +22,7 @@ __all__ = [
     "LoadPlan",
     "LoadReport",
     "PlanError",
+    "QuantizationError",
     "ReadError",
     "SafetensorsFile",
     "TargetError",

@@ -25,6 +25,7 @@ from .engine import threads_per_rank
 from .execute import execute_plan
 from .index import CheckpointIndex, resolve_checkpoint_location
 from .plan import LoadPlan, LoadReport, gc_paused, plan_load
+from .quant import QuantizationError
 from .rules import resolve_mapping
 from .targets import build_targets
 
@@ -73,6 +74,7 @@ _REBUILDABLE: dict[str, type[BaseException]] = {
         errors.PlanError,
         errors.ReadError,
         errors.TargetError,
+        QuantizationError,
     )
 }
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -26,6 +26,7 @@ from .engine import SafetensorsFile, gc_paused
 from .errors import PlanError, TargetError
 from .groups import LoadGroup, build_groups, masked_name, rename_key
 from .index import CheckpointIndex
+from .quant import QuantInfo, detect_in_index
 from .region import Block, RegionTensor, UnsupportedRegionOp
 from .rules import is_converter, is_renaming, natural_sort_key
 from .targets import Target
@@ -655,9 +656,10 @@ def _group_compute(group: LoadGroup, model: Any) -> Callable[[dict[str, torch.Te
 class _Claims:
     """Claiming converted outputs for model targets: first claim of a physical tensor wins, aliases load."""
 
-    def __init__(self, index: CheckpointIndex, targets: dict[str, Target]) -> None:
+    def __init__(self, index: CheckpointIndex, targets: dict[str, Target], quant: QuantInfo | None = None) -> None:
         self.index = index
         self.targets = targets
+        self.quant = quant  # the checkpoint's quantized tensors (None or empty: none)
         self.claimed: set[int] = set()
         self.loaded: set[str] = set()
         self.unexpected: list[str] = []
@@ -679,15 +681,28 @@ class _Claims:
         return target
 
     def region(self, name: str, shape: Sequence[int], blocks: Sequence[Block], sources: dict[str, str] | None) -> None:
+        if self.quant:
+            srcs = {b.source for b in blocks}
+            self._check_quant(name, [sources[s] for s in srcs] if sources is not None else srcs)
         target = self.claim(name, shape)
         if target is not None:
             items = region_items(target, blocks, self.index, sources, self.blocks)
             self.region_reads[target.names[0]] = (target, items)
 
     def defer(self, name: str, shape: Sequence[int], pending: DeferredGroup) -> None:
+        if self.quant:
+            self._check_quant(name, pending.keys)
         target = self.claim(name, shape)
         if target is not None:
             pending.claims[name] = target
+
+    def _check_quant(self, name: str, sources: Iterable[str]) -> None:
+        """A quantized source converted into a target of another dtype is refused (before shapes are checked:
+        a packed layout has other shapes than the float tensor it encodes)."""
+        target = self.targets.get(name)
+        if target is None or id(target) in self.claimed or self.quant is None:
+            return
+        self.quant.check_claim(name, target.dtype, sources, lambda k: self.index.source(k)[1])
 
     def add_deferred(self, pending: DeferredGroup | None) -> None:
         if pending is not None and pending.claims:
@@ -844,7 +859,8 @@ def _plan_load(
     """
     keys = [k for k in index if k not in claimed_source_keys]
     prefix = getattr(model, "base_model_prefix", None) or None
-    claims = _Claims(index, targets)
+    quant = detect_in_index(index)
+    claims = _Claims(index, targets, quant)
     replacement = list(getattr(model, "_hp_replacement_weight_conversions", None) or [])
     source_shapes = getattr(model, "_hp_checkpoint_source_shapes", None)
     used_replacements: list[Any] = []
@@ -880,6 +896,8 @@ def _plan_load(
         for group in groups:
             claims.direct(group, tracer.run(group), model)
     missing = sorted(set(targets) - claims.loaded, key=natural_sort_key)
+    if quant:
+        quant.check_missing(missing, claims.unexpected)
     if strict and missing:
         shown = ", ".join(missing[:10])
         raise RuntimeError(f"Checkpoint did not load {len(missing)} owned model tensors; first keys: {shown}")
