@@ -10,7 +10,7 @@ from __future__ import annotations
 from .checkpointer import HF_LOADER_ENV, HuggingFaceCheckpointer, load, plan, resolve_hf_loader
 from .engine import SafetensorsFile, read_into, read_many
 from .errors import HeaderError, HpFastloadError, PlanError, ReadError, TargetError
-from .plan import ConversionError, LoadPlan, LoadReport
+from .plan import ConversionError, LoadPlan, LoadReport, Replacement
 
 __all__ = [
     "HF_LOADER_ENV",
@@ -22,6 +22,7 @@ __all__ = [
     "LoadReport",
     "PlanError",
     "ReadError",
+    "Replacement",
     "SafetensorsFile",
     "TargetError",
     "load",

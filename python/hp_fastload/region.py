@@ -55,7 +55,6 @@ __all__ = [
     "apply_post",
     "materialize",
     "post_dtype",
-    "trace",
 ]
 
 MAX_BLOCKS = 65536
@@ -1500,11 +1499,3 @@ def materialize(region: RegionTensor, sources: Mapping[str, torch.Tensor]) -> to
                 raise AssertionError(f"block produces {view.dtype}, region is {out.dtype}")
             out[tuple(slice(o, o + n) for o, n in zip(b.offsets, b.lengths, strict=True))] = view
     return out
-
-
-def trace(fn: Callable[[dict[str, RegionTensor]], Any], inputs: Mapping[str, tuple[Sequence[int], torch.dtype]]) -> Any:
-    """Call ``fn`` on a dict of leaf RegionTensors and return what it returns.
-
-    ``inputs`` maps checkpoint keys to ``(shape, dtype)``; ``fn`` gets ``{key: RegionTensor.leaf(key, ...)}``.
-    """
-    return fn({name: RegionTensor.leaf(name, shape, dtype) for name, (shape, dtype) in inputs.items()})
