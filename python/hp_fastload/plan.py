@@ -26,7 +26,7 @@ from .engine import SafetensorsFile, gc_paused
 from .errors import PlanError, TargetError
 from .groups import LoadGroup, build_groups, masked_name, rename_key
 from .index import CheckpointIndex
-from .region import Block, RegionTensor, UnsupportedRegionOp
+from .region import Block, RegionTensor, UnsupportedRegionOp, row_major_strides
 from .rules import is_converter, is_renaming, natural_sort_key
 from .targets import Target
 
@@ -439,13 +439,6 @@ def _placeholders(n: int) -> list[str]:
     return _PLACEHOLDERS[:n]
 
 
-def _row_major(shape: Sequence[int]) -> tuple[int, ...]:
-    strides = [1] * len(shape)
-    for d in range(len(shape) - 2, -1, -1):
-        strides[d] = strides[d + 1] * shape[d + 1]
-    return tuple(strides)
-
-
 #: Block lists at least this long are filtered against a rank's bounding box with numpy.
 _VECTOR_BLOCKS = 32
 
@@ -539,7 +532,7 @@ def _templates(blocks: Sequence[Block]) -> list[_Template]:
         src_shape = block.src_shape
         src_st = strides_by_shape.get(src_shape)
         if src_st is None:
-            src_st = strides_by_shape[src_shape] = _row_major(src_shape)
+            src_st = strides_by_shape[src_shape] = row_major_strides(src_shape)
         coeff = block.coeff
         strides = strides_by_map.get((src_shape, coeff))
         if strides is None:
