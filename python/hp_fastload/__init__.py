@@ -10,7 +10,7 @@ from __future__ import annotations
 from .checkpointer import HF_LOADER_ENV, HuggingFaceCheckpointer, load, plan, resolve_hf_loader
 from .engine import SafetensorsFile, read_into, read_many
 from .errors import HeaderError, HpFastloadError, PlanError, ReadError, TargetError
-from .plan import ConversionError, LoadPlan, LoadReport
+from .plan import ConversionError, LoadPlan, LoadReport, Replacement
 from .quant import QuantizationError
 
 __all__ = [
@@ -24,6 +24,7 @@ __all__ = [
     "PlanError",
     "QuantizationError",
     "ReadError",
+    "Replacement",
     "SafetensorsFile",
     "TargetError",
     "load",
