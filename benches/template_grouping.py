@@ -13,7 +13,8 @@ in the same process, interleaved, on the key lists of ``compare.py``'s MoE and D
 
 The script fails (exit 1) unless the prototype's groups and unexpected keys equal ``build_groups``'. With
 ``--checkpoint DIR`` it also times the whole ``hp_fastload.plan`` for a fake-world expert-parallel rank with each
-implementation patched in (``--world``, ``--rank``). CPU times (``time.process_time``), GC paused like the planner.
+implementation patched in (``--world``, ``--rank``; ``--plan-only`` skips the key-list timings). CPU times
+(``time.process_time``); the key-list timings pause the GC, as the planner does.
 
     python benches/template_grouping.py [--quick] [--reps 7]
     python benches/template_grouping.py --checkpoint bench-data/moe-12x576 --world 8 --rank 3
@@ -209,7 +210,14 @@ def bench_plan(checkpoint: str, world: int, rank: int, reps: int) -> None:
             dt = _peers.as_dtensor(local, mesh, 0 if expert else None, tuple(p.shape))
             setattr(module, pname, torch.nn.Parameter(dt, requires_grad=False))
     original = plan_mod.build_groups
-    impls = {"current": original, "template": template_build_groups}
+    from hp_fastload.index import CheckpointIndex
+
+    handed_in = templates_of(list(CheckpointIndex.open(checkpoint)))  # the planner groups the index's key list
+    impls = {
+        "current": original,
+        "template": template_build_groups,
+        "tmpl-free": functools.partial(template_build_groups, pre=handed_in),
+    }
     times: dict[str, list[float]] = {n: [] for n in impls}
     try:
         for _ in range(reps + 1):
@@ -233,7 +241,11 @@ def main() -> int:
     parser.add_argument("--checkpoint", help="also time the whole plan of this checkpoint")
     parser.add_argument("--world", type=int, default=8)
     parser.add_argument("--rank", type=int, default=3)
+    parser.add_argument("--plan-only", action="store_true", help="with --checkpoint: only the whole-plan timings")
     args = parser.parse_args()
+    if args.checkpoint and args.plan_only:
+        bench_plan(args.checkpoint, args.world, args.rank, args.reps)
+        return 0
     moe = compare.moe_config(args.quick, None, None)
     deepseek = compare.deepseek_config(args.quick)
     ok = bench_groups("MoE", moe, [k for k, *_ in compare.moe_keys(moe)], args.reps)
