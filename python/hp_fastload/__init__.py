@@ -8,12 +8,13 @@ rules, and writes them into the local shards of the model's DTensors.
 from __future__ import annotations
 
 from .checkpointer import HF_LOADER_ENV, HuggingFaceCheckpointer, load, plan, resolve_hf_loader
-from .engine import SafetensorsFile, read_into, read_many
-from .errors import HeaderError, HpFastloadError, PlanError, ReadError, TargetError
+from .engine import SafetensorsFile, clear_cache, read_into, read_many
+from .errors import CheckpointMismatchError, HeaderError, HpFastloadError, PlanError, ReadError, TargetError
 from .plan import ConversionError, LoadPlan, LoadReport
 
 __all__ = [
     "HF_LOADER_ENV",
+    "CheckpointMismatchError",
     "ConversionError",
     "HeaderError",
     "HpFastloadError",
@@ -24,6 +25,7 @@ __all__ = [
     "ReadError",
     "SafetensorsFile",
     "TargetError",
+    "clear_cache",
     "load",
     "plan",
     "read_into",
