@@ -474,8 +474,13 @@ fn run_tasks(
     let lookahead = 2 * threads;
     let prefetch_task = |i: usize| {
         if let Some(t) = tasks.get(i).filter(|t| t.mode != Mode::Mmap) {
-            // An open that fails here fails again in the task, which reports it.
-            if let Some(Ok(file)) = sources[t.file].as_ref().map(|s| s.file(&files[t.file])) {
+            // An open that fails here fails again in the task, which reports it. A file whose tasks are all
+            // done (its task ran before this hint) is not opened again.
+            let source = sources[t.file].as_ref();
+            if let Some(Ok(file)) = source
+                .filter(|s| s.pending.load(Ordering::Acquire) > 0)
+                .map(|s| s.file(&files[t.file]))
+            {
                 prefetch(&file, t.start, t.end);
             }
         }

@@ -213,7 +213,7 @@ class CheckpointIndex:
     def _file_of(self, key: str) -> SafetensorsFile:
         file = self._files.get(key)
         if file is None:
-            raise KeyError(f"checkpoint key is not indexed: {key}")
+            raise KeyError(f"checkpoint key is not indexed: {shown_key(key)}")
         return file
 
     def facts_of(self, keys: list[str]) -> tuple[tuple[tuple[int, ...], str], ...]:
