@@ -220,6 +220,7 @@ _FIFO_CASES = [
     "load_glob",
     "index_index",
     "index_glob",
+    "index_fifo",
     "safetensors_file",
     "open_file",
     "cli_inspect",
@@ -238,6 +239,9 @@ def fifo_outcomes(tmp_path_factory) -> dict[str, list[str]]:
     save_file({"lin.weight": _tensors(1)["lin.weight"]}, str(by_glob / "a.safetensors"))
     os.mkfifo(by_glob / "b.safetensors")
     fifo = by_glob / "b.safetensors"
+    fifo_index = _sharded(root / "fifo_index")
+    (fifo_index / INDEX_NAME).unlink()
+    os.mkfifo(fifo_index / INDEX_NAME)
     code = f"""
         import contextlib, io, json, warnings
         import hp_fastload as hf
@@ -251,6 +255,7 @@ def fifo_outcomes(tmp_path_factory) -> dict[str, list[str]]:
             "load_glob": lambda: _load({str(by_glob)!r}),
             "index_index": lambda: CheckpointIndex.open({str(by_index)!r}),
             "index_glob": lambda: CheckpointIndex.open({str(by_glob)!r}),
+            "index_fifo": lambda: CheckpointIndex.open({str(fifo_index)!r}),
             "safetensors_file": lambda: hf.SafetensorsFile({str(fifo)!r}),
             "open_file": lambda: open_file({str(fifo)!r}),
             "dcp_reader": lambda: HuggingFaceStorageReader({str(by_glob)!r}).read_metadata(),
@@ -283,7 +288,7 @@ def test_fifo_is_refused_without_blocking(fifo_outcomes, case):
         assert kind in {"FileNotFoundError", "HeaderError"}, (kind, message)
     else:
         assert kind == "HeaderError", (kind, message)
-        assert "a FIFO, not a regular file" in message and "safetensors" in message
+        assert "FIFO" in message and "not a regular file" in message and "safetensors" in message
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -175,7 +175,10 @@ def _agree_checkpoint(location: Path, index: CheckpointIndex) -> None:
     same identity (``_checkpoint_identity``), naming rank 0's location and each other rank's."""
     if not _dist_active() or torch.distributed.get_world_size() == 1:
         return
-    mine = (str(location.absolute()), _checkpoint_identity(location, index))
+    # Computed under _agree: a rank whose sample read fails must not leave the others in all_gather.
+    mine = _agree(
+        "Comparing the ranks' checkpoints", lambda: (str(location.absolute()), _checkpoint_identity(location, index))
+    )
     gathered: list[Any] = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, mine)
     reference_location, reference = gathered[0]

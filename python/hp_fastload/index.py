@@ -123,7 +123,9 @@ class CheckpointIndex:
         if index_path.is_file():
             return cls._from_index_json(path, index_path)
         if index_path.exists():  # a FIFO or a device: reading it could block forever
-            raise HeaderError(f"{index_path} is not a regular file; a safetensors index must be one")
+            raise HeaderError(
+                f"{index_path} is a FIFO, socket or device, not a regular file; a safetensors index must be one"
+            )
         single = path / SINGLE_NAME
         if single.is_file():
             file = open_file(single)
