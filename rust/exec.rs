@@ -23,7 +23,7 @@ use std::sync::{Arc, Mutex};
 use crate::dest::{with_dense_dst, write_run, DestBuf};
 use crate::error::LoadError;
 use crate::header::{FileIdentity, Header};
-use crate::mmap::{prefetch, read_exact_at, Mapping};
+use crate::mmap::{open_regular, prefetch, read_exact_at, Mapping};
 use crate::region::{plan, Item, Run};
 
 /// Fraction of needed pages that must be cached for `auto` to pick `mmap`.
@@ -141,9 +141,38 @@ struct Task {
     end: u64,
 }
 
+/// At most this many files of one call stay open from the pre-read check until their reads: the others are
+/// opened again when their first task runs.
+const KEEP_OPEN: usize = 64;
+
+/// One needed file of a call: its map (mapped reads; a map needs no descriptor), or, for positioned reads,
+/// a descriptor opened on first use and closed after the file's last task. A call over thousands of shards
+/// thus holds about one descriptor per worker, not one per file (a soft `ulimit -n` of 1024 is common).
 struct Source {
-    file: File,
     map: Option<Arc<Mapping>>,
+    file: Mutex<Option<Arc<File>>>,
+    /// `pread` tasks of the file not yet finished (set once the tasks are made).
+    pending: AtomicUsize,
+}
+
+impl Source {
+    /// The open file for a `pread` task, opened (and checked again) when it is not open.
+    fn file(&self, h: &Header) -> Result<Arc<File>, LoadError> {
+        let mut slot = self.file.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(file) = slot.as_ref() {
+            return Ok(Arc::clone(file));
+        }
+        let file = Arc::new(open_checked(h)?);
+        *slot = Some(Arc::clone(&file));
+        Ok(file)
+    }
+
+    /// One `pread` task of the file is done; after the last one the descriptor is closed.
+    fn finish(&self) {
+        if self.pending.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.file.lock().unwrap_or_else(|p| p.into_inner()).take();
+        }
+    }
 }
 
 /// Reads every item into its destination. All items are validated first; on error nothing has been
@@ -176,9 +205,14 @@ pub fn execute(
         _ => vec![Vec::new(); files.len()],
     };
     let mut sources: Vec<Option<Source>> = Vec::with_capacity(files.len());
+    let mut kept_open = 0;
     for ((h, &used), ranges) in files.iter().zip(&used).zip(&probes) {
         sources.push(match used {
-            true => Some(open_source(h, opts.backend, ranges)?),
+            true => {
+                let mut source = open_source(h, opts.backend, ranges, kept_open < KEEP_OPEN)?;
+                kept_open += usize::from(source.file.get_mut().is_ok_and(|f| f.is_some()));
+                Some(source)
+            }
             false => None,
         });
     }
@@ -198,6 +232,11 @@ pub fn execute(
     let chunk = (total / (threads as u64 * 8)).clamp(64 * 1024, 8 * 1024 * 1024);
     let pieces = make_pieces(runs, &mapped, chunk, opts.pread_gap);
     let tasks = make_tasks(&pieces, &sources, chunk, opts.pread_gap);
+    for t in tasks.iter().filter(|t| t.mode != Mode::Mmap) {
+        if let Some(s) = &sources[t.file] {
+            s.pending.fetch_add(1, Ordering::Relaxed);
+        }
+    }
     stats.spans = tasks.len();
     stats.bytes_copied = pieces
         .iter()
@@ -324,9 +363,10 @@ fn pread_spans_overlap(pieces: &[Run], mapped: &[bool]) -> bool {
     false
 }
 
-fn open_source(h: &Header, backend: Backend, ranges: &[(u64, u64)]) -> Result<Source, LoadError> {
-    let file = File::open(&h.path).map_err(|e| LoadError::io(&h.path, &e))?;
-    let meta = file.metadata().map_err(|e| LoadError::io(&h.path, &e))?;
+/// Opens the file of `h` (a regular file, without blocking) and checks it against the header: at least as
+/// long ([`LoadError::Truncated`]) and the same identity ([`LoadError::Changed`]).
+fn open_checked(h: &Header) -> Result<File, LoadError> {
+    let (file, meta) = open_regular(&h.path)?;
     if meta.len() < h.file_len {
         return Err(LoadError::Truncated {
             path: h.path.clone(),
@@ -339,6 +379,18 @@ fn open_source(h: &Header, backend: Backend, ranges: &[(u64, u64)]) -> Result<So
             path: h.path.clone(),
         });
     }
+    Ok(file)
+}
+
+/// Checks the file of `h` and maps it when `backend` may copy from a map. The descriptor is kept for
+/// positioned reads only when `keep_open`, else closed (a map does not need it; [`Source::file`] reopens).
+fn open_source(
+    h: &Header,
+    backend: Backend,
+    ranges: &[(u64, u64)],
+    keep_open: bool,
+) -> Result<Source, LoadError> {
+    let file = open_checked(h)?;
     // Headers parsed from memory have no identity to check a kept map against: map afresh.
     let mapping = || -> Result<Arc<Mapping>, LoadError> {
         let make = || Mapping::new(&file, h.file_len, &h.path);
@@ -356,7 +408,12 @@ fn open_source(h: &Header, backend: Backend, ranges: &[(u64, u64)]) -> Result<So
             (map.resident_fraction(ranges) >= AUTO_MMAP_RESIDENT).then_some(map)
         }
     };
-    Ok(Source { file, map })
+    let file = (map.is_none() && keep_open).then(|| Arc::new(file));
+    Ok(Source {
+        map,
+        file: Mutex::new(file),
+        pending: AtomicUsize::new(0),
+    })
 }
 
 fn make_tasks(pieces: &[Run], sources: &[Option<Source>], chunk: u64, gap: u64) -> Vec<Task> {
@@ -417,8 +474,14 @@ fn run_tasks(
     let lookahead = 2 * threads;
     let prefetch_task = |i: usize| {
         if let Some(t) = tasks.get(i).filter(|t| t.mode != Mode::Mmap) {
-            if let Some(source) = &sources[t.file] {
-                prefetch(&source.file, t.start, t.end);
+            // An open that fails here fails again in the task, which reports it. A file whose tasks are all
+            // done (its task ran before this hint) is not opened again.
+            let source = sources[t.file].as_ref();
+            if let Some(Ok(file)) = source
+                .filter(|s| s.pending.load(Ordering::Acquire) > 0)
+                .map(|s| s.file(&files[t.file]))
+            {
+                prefetch(&file, t.start, t.end);
             }
         }
     };
@@ -429,7 +492,13 @@ fn run_tasks(
             let i = next.fetch_add(1, Ordering::Relaxed);
             let Some(task) = tasks.get(i) else { break };
             prefetch_task(i + lookahead);
-            match run_task(task, pieces, sources, files, &mut buf) {
+            let result = run_task(task, pieces, sources, files, &mut buf);
+            if task.mode != Mode::Mmap {
+                if let Some(source) = &sources[task.file] {
+                    source.finish();
+                }
+            }
+            match result {
                 Ok(n) => {
                     bytes_read.fetch_add(n, Ordering::Relaxed);
                 }
@@ -519,7 +588,8 @@ fn run_task(
         Mode::PreadDirect => {
             let r = &runs[0];
             debug_assert_eq!(r.reps, 1);
-            with_dense_dst(r, |out| read_exact_at(&source.file, out, r.src_off, path))?;
+            let (file, len) = (source.file(&files[task.file])?, files[task.file].file_len);
+            with_dense_dst(r, |out| read_exact_at(&file, out, r.src_off, path, len))?;
             Ok(r.src_extent())
         }
         Mode::PreadBuffered => {
@@ -527,7 +597,9 @@ fn run_task(
             if buf.len() < len {
                 buf.resize(len, 0);
             }
-            read_exact_at(&source.file, &mut buf[..len], task.start, path)?;
+            let file = source.file(&files[task.file])?;
+            let file_len = files[task.file].file_len;
+            read_exact_at(&file, &mut buf[..len], task.start, path, file_len)?;
             for r in runs {
                 let at = (r.src_off - task.start) as usize;
                 write_run(r, &buf[at..at + r.src_extent() as usize]);
@@ -879,8 +951,9 @@ mod tests {
         let file = File::open(&h.path).unwrap();
         let map = Arc::new(Mapping::new(&file, h.file_len, &h.path).unwrap());
         let sources = vec![Some(Source {
-            file,
             map: Some(map),
+            file: Mutex::new(None),
+            pending: AtomicUsize::new(0),
         })];
         let run = |src_off: u64| Run {
             item: 0,

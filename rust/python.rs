@@ -56,7 +56,9 @@ fn to_py(py: Python<'_>, err: LoadError) -> PyErr {
             ..
         } => PyOSError::new_err((errno, message, path.to_string_lossy().into_owned())),
         LoadError::Io { .. } => PyOSError::new_err(message),
-        LoadError::Header { .. } => raise(py, "HeaderError", message),
+        LoadError::Header { .. } | LoadError::NotRegular { .. } => {
+            raise(py, "HeaderError", message)
+        }
         LoadError::Request { .. } => raise(py, "PlanError", message),
         LoadError::Truncated { .. } | LoadError::Changed { .. } => raise(py, "ReadError", message),
         LoadError::WorkerPanicked { .. } => raise(py, "HpFastloadError", message),
@@ -99,6 +101,16 @@ impl SafetensorsHeader {
     #[getter]
     fn data_start(&self) -> u64 {
         self.inner.data_start
+    }
+
+    #[getter]
+    fn digest(&self) -> u64 {
+        self.inner.digest
+    }
+
+    /// Whether the file still has this header (identity, size and header bytes; see `_core.pyi`).
+    fn still_current(&self, py: Python<'_>) -> bool {
+        py.detach(|| self.inner.still_current())
     }
 
     fn metadata<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {

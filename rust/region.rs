@@ -25,6 +25,7 @@ use crate::dest::DestBuf;
 use crate::dtype::Dtype;
 use crate::error::LoadError;
 use crate::header::Header;
+use crate::overlap::Overlap;
 
 /// Most dimensions an item can have.
 pub const MAX_NDIM: usize = 8;
@@ -485,11 +486,25 @@ fn plan_item(
 /// The most destination elements expanded one by one to check strided runs for overlap.
 const MAX_EXPANDED: u64 = 1 << 26;
 
-/// Fails if two runs (or two repetitions of one run) write the same destination byte. Repeated runs are
-/// expanded into their repetitions first (this check only runs when the item-level proof fails). Dense
-/// runs are intervals; strided runs are compared by bounding interval first and, only when that is
-/// inconclusive, element by element.
+/// Fails if two runs (or two repetitions of one run) write the same destination byte (this check only runs
+/// when the item-level proof fails). Decided on the runs' descriptors by [`crate::overlap::check`], exactly
+/// and without expanding anything; only when its work budget runs out, by [`check_disjoint_expanded`].
 fn check_disjoint(runs: &[Run], items: &[Item], dests: &[DestBuf<'_>]) -> Result<(), LoadError> {
+    match crate::overlap::check(runs) {
+        Overlap::Disjoint => Ok(()),
+        Overlap::Clash(a, b) => Err(overlap_error(&runs[a], &runs[b], items, dests)),
+        Overlap::Undecided => check_disjoint_expanded(runs, items, dests),
+    }
+}
+
+/// [`check_disjoint`] by expansion: repeated runs become their repetitions; dense runs are intervals;
+/// strided runs are compared by bounding interval first and, only when that is inconclusive, element by
+/// element (at most [`MAX_EXPANDED`] elements).
+fn check_disjoint_expanded(
+    runs: &[Run],
+    items: &[Item],
+    dests: &[DestBuf<'_>],
+) -> Result<(), LoadError> {
     let flat: Vec<Run>;
     let runs = if runs.iter().any(|r| r.reps > 1) {
         let mut all = Vec::with_capacity(runs.iter().map(|r| r.reps as usize).sum());

@@ -8,13 +8,14 @@ rules, and writes them into the local shards of the model's DTensors.
 from __future__ import annotations
 
 from .checkpointer import HF_LOADER_ENV, HuggingFaceCheckpointer, load, plan, resolve_hf_loader
-from .engine import SafetensorsFile, read_into, read_many
-from .errors import HeaderError, HpFastloadError, PlanError, ReadError, TargetError
+from .engine import SafetensorsFile, clear_cache, read_into, read_many
+from .errors import CheckpointMismatchError, HeaderError, HpFastloadError, PlanError, ReadError, TargetError
 from .plan import ConversionError, LoadPlan, LoadReport, Replacement
 from .quant import QuantizationError
 
 __all__ = [
     "HF_LOADER_ENV",
+    "CheckpointMismatchError",
     "ConversionError",
     "HeaderError",
     "HpFastloadError",
@@ -27,6 +28,7 @@ __all__ = [
     "Replacement",
     "SafetensorsFile",
     "TargetError",
+    "clear_cache",
     "load",
     "plan",
     "read_into",

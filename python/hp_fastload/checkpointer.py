@@ -9,6 +9,7 @@ the one summary log line. Planning lives in ``plan``, reading in ``execute``.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import sys
@@ -75,6 +76,7 @@ _REBUILDABLE: dict[str, type[BaseException]] = {
         errors.ReadError,
         errors.TargetError,
         QuantizationError,
+        errors.CheckpointMismatchError,
     )
 }
 
@@ -107,21 +109,104 @@ def _agree(stage: str, fn: Callable[[], Any]) -> Any:
     return result
 
 
-def _resolve_location_once(path: str | os.PathLike[str], revision: str | None) -> Path:
-    """Resolve on rank 0 only (Hub cache touched once), broadcast the local path."""
+def _resolve_location_each(path: str | os.PathLike[str], revision: str | None) -> Path:
+    """Every rank resolves its own ``path`` (a relative path against its own working directory): rank 0
+    first, then the others, a Hub id from the cache rank 0 has just filled when they share it. A failure on
+    any rank makes every rank raise. The ranks' checkpoints are compared later (``_agree_checkpoint``)."""
     if not _dist_active() or torch.distributed.get_world_size() == 1:
         return resolve_checkpoint_location(path, revision=revision)
-    box: list[Any] = [None]
-    if torch.distributed.get_rank() == 0:
+    first = torch.distributed.get_rank() == 0
+    location = _agree(
+        "Resolving the checkpoint on rank 0",
+        lambda: resolve_checkpoint_location(path, revision=revision) if first else None,
+    )
+    resolved: Path = _agree(
+        "Resolving the checkpoint",
+        lambda: location if first else resolve_checkpoint_location(path, revision=revision, cache_first=True),
+    )
+    return resolved
+
+
+#: Blocks of data the ranks compare (``_content_sample``), and their size.
+SAMPLE_BLOCKS = 64
+SAMPLE_BYTES = 4096
+
+
+def _content_sample(index: CheckpointIndex, root: Path) -> str:
+    """A digest of :data:`SAMPLE_BLOCKS` blocks of :data:`SAMPLE_BYTES` spread evenly over the data
+    sections of every file (in name order): two fine-tunes of one architecture have equal headers and
+    sizes, and differ in every block. 64 small reads per rank, whatever the checkpoint's size."""
+    files = sorted(index.files, key=lambda f: os.path.relpath(f.path, root))
+    spans = [(f.path, f.header.data_start, f.file_size) for f in files if f.file_size > f.header.data_start]
+    total = sum(end - start for _, start, end in spans)
+    digest = hashlib.blake2b(digest_size=16)
+    if total == 0:
+        return digest.hexdigest()
+    wanted = sorted(total * (2 * k + 1) // (2 * SAMPLE_BLOCKS) for k in range(SAMPLE_BLOCKS))
+    seen, k = 0, 0
+    for path, start, end in spans:
+        size = end - start
+        positions = []
+        while k < len(wanted) and wanted[k] < seen + size:
+            positions.append(start + wanted[k] - seen)
+            k += 1
+        seen += size
+        if not positions:
+            continue
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a regular file: its header was just read
         try:
-            box[0] = ("ok", str(resolve_checkpoint_location(path, revision=revision)))
-        except Exception as exc:
-            box[0] = ("err", type(exc).__name__, str(exc))
-    torch.distributed.broadcast_object_list(box, src=0)
-    if box[0][0] == "err":
-        cls = _REBUILDABLE.get(box[0][1], RuntimeError)
-        raise cls(box[0][2])
-    return Path(box[0][1])
+            for at in positions:
+                digest.update(os.pread(fd, min(SAMPLE_BYTES, end - at), at))
+        finally:
+            os.close(fd)
+    return digest.hexdigest()
+
+
+def _checkpoint_identity(location: Path, index: CheckpointIndex) -> tuple[list[tuple[str, int, int]], str]:
+    """What makes two resolved checkpoints the same one: each file's name relative to the location, its
+    size and its header digest (computed by the header parser from the bytes it read), and a digest of a
+    sample of the data (``_content_sample``). Where the files are is not part of it: node-local copies of
+    one checkpoint agree."""
+    root = location if location.is_dir() else location.parent
+    files = sorted((os.path.relpath(f.path, root), f.file_size, f.header.digest) for f in index.files)
+    return files, _content_sample(index, root)
+
+
+def _agree_checkpoint(location: Path, index: CheckpointIndex) -> None:
+    """Every rank raises :class:`~hp_fastload.CheckpointMismatchError` unless all ranks' checkpoints have the
+    same identity (``_checkpoint_identity``), naming rank 0's location and each other rank's."""
+    if not _dist_active() or torch.distributed.get_world_size() == 1:
+        return
+    # Computed under _agree: a rank whose sample read fails must not leave the others in all_gather.
+    mine = _agree(
+        "Comparing the ranks' checkpoints", lambda: (str(location.absolute()), _checkpoint_identity(location, index))
+    )
+    gathered: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, mine)
+    reference_location, reference = gathered[0]
+    differing = [(rank, where, ident) for rank, (where, ident) in enumerate(gathered) if ident != reference]
+    if not differing:
+        return
+    lines = []
+    for rank, where, ident in differing[:4]:
+        ours, theirs = ({n: (s, d) for n, s, d in files} for files in (reference[0], ident[0]))
+        what = next(
+            (
+                f"{n}: {'missing' if n not in theirs else 'absent on rank 0' if n not in ours else 'differs'}"
+                for n in sorted(ours.keys() | theirs.keys())
+                if ours.get(n) != theirs.get(n)
+            ),
+            "the tensor data",
+        )
+        lines.append(f"rank {rank} resolved {where} (first difference: {what})")
+    more = f" and {len(differing) - 4} more ranks" if len(differing) > 4 else ""
+    raise errors.CheckpointMismatchError(
+        f"the ranks resolved different checkpoints: rank 0 resolved {reference_location}, "
+        + "; ".join(lines)
+        + more
+        + " (files, sizes, headers or sampled data differ). Pass every rank the same checkpoint (an absolute "
+        "path, or identical node-local copies)"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -187,12 +272,14 @@ def _plan_at(
     claimed_source_keys: Collection[str],
     mesh_override: Any = None,
     replacement: Replacement | None = None,
+    index: CheckpointIndex | None = None,
 ) -> LoadPlan:
     """Headers, targets and rules of one (possibly virtual) rank, planned; nothing is read. The cyclic GC is
     paused throughout (indexing a 90k-tensor header allocates ~10^5 objects; every full collection would
     walk the whole model)."""
     with gc_paused():
-        index = CheckpointIndex.open(location)
+        if index is None:
+            index = CheckpointIndex.open(location)
         targets = build_targets(
             model, external_target_fqns=frozenset(external_target_fqns), mesh_override=mesh_override
         )
@@ -248,13 +335,16 @@ def load(
     if threads is None:
         threads = threads_per_rank()
 
-    location = _resolve_location_once(path, revision)
+    location = _resolve_location_each(path, revision)
+    index = _agree("Reading the checkpoint headers", lambda: CheckpointIndex.open(location))
+    _agree_checkpoint(location, index)
     load_plan: LoadPlan = _agree(
         "Planning the pretrained load",
         lambda: _plan_at(
             model,
             location,
             name,
+            index=index,
             weights_mapping=weights_mapping,
             key_mapping=key_mapping,
             strict=strict,
@@ -313,7 +403,7 @@ def load(
         log.warning(
             "Ignored %d checkpoint tensors not owned by this model; first keys: %s",
             len(report.unexpected_keys),
-            ", ".join(report.unexpected_keys[:10]),
+            ", ".join(map(errors.shown_key, report.unexpected_keys[:10])),
         )
     log.info(report.summary())
     return report

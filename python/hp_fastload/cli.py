@@ -12,6 +12,7 @@ import json
 import math
 import os
 import sys
+import unicodedata
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -26,6 +27,28 @@ def _safetensors_paths(path: str) -> list[str]:
             raise FileNotFoundError(f"{path}: no *.safetensors files in this directory")
         return found
     return [path]
+
+
+def _printable(text: str) -> str:
+    """``text`` safe to print on a terminal: control characters (escape sequences, NUL), format characters
+    (bidi overrides such as RLO, zero-width marks), line/paragraph separators, surrogates and unassigned
+    code points are written as ``\\xNN`` / ``\\uNNNN`` / ``\\UNNNNNNNN``, and a backslash as ``\\\\`` (so
+    the output is unambiguous). Other characters, non-ASCII letters included, print as they are."""
+    if text.isprintable() and "\\" not in text:
+        return text
+    out = []
+    for ch in text:
+        if ch == "\\":
+            out.append("\\\\")
+        elif unicodedata.category(ch) in _UNPRINTABLE:
+            code = ord(ch)
+            out.append(f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}")
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
+_UNPRINTABLE = frozenset({"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"})
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -45,10 +68,11 @@ def _inspect(args: argparse.Namespace) -> int:
     for entry in report:
         data = sum(t["bytes"] for t in entry["tensors"])
         count, size = len(entry["tensors"]), entry["file_size"]
-        print(f"{entry['path']}: {count} tensors, {data} data bytes, file {size} bytes")
+        print(f"{_printable(entry['path'])}: {count} tensors, {data} data bytes, file {size} bytes")
         for t in entry["tensors"]:
             numel = math.prod(t["shape"])
-            print(f"  {t['name']}  {t['dtype']}  {t['shape']}  {t['bytes']} bytes  ({numel} elements)")
+            name = _printable(t["name"])
+            print(f"  {name}  {t['dtype']}  {t['shape']}  {t['bytes']} bytes  ({numel} elements)")
         total_tensors += len(entry["tensors"])
         total_bytes += data
     if len(report) > 1:

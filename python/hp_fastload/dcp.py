@@ -28,13 +28,24 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.futures import Future
 
 from .engine import SafetensorsFile, open_file
-from .errors import HeaderError
+from .errors import HeaderError, shown_key
 from .execute import ExecStats, _Batch, _engine_casts
 from .quant import QuantInfo, detect, read_quant_config
 
 __all__ = ["HuggingFaceStorageReader"]
 
 _SHARDING_KEY = "DCP_SHARDING_INFO"
+
+
+def _check_inside(root: Path, path: str) -> None:
+    """Refuses a storage path that names a file outside the checkpoint directory ``root`` (metadata handed to
+    ``set_up_storage_reader`` says which file holds each chunk): it must be ``root``/a relative name with no
+    ``..`` component. Checked on the name, so symlinks inside the directory (a Hub snapshot) still work."""
+    name = os.path.relpath(path, root) if "\x00" not in path else ""
+    if "\x00" in path or os.path.isabs(name) or ".." in Path(name).parts or name in ("", "."):
+        raise HeaderError(
+            f"checkpoint storage path {path!r} is outside the checkpoint directory {root}; refusing to open it"
+        )
 
 
 def _copier(target: torch.Tensor, temp: torch.Tensor) -> Any:
@@ -64,6 +75,7 @@ class HuggingFaceStorageReader(FileSystemReader):
     def _file(self, path: str) -> SafetensorsFile:
         file = self._files.get(path)
         if file is None:
+            _check_inside(Path(str(self.path)), path)
             file = self._files[path] = open_file(path)
         return file
 
@@ -97,12 +109,16 @@ class HuggingFaceStorageReader(FileSystemReader):
                     )
                 else:
                     if md.properties.dtype != dtype:
-                        raise HeaderError(f"tensor {key!r} has chunks of dtypes {md.properties.dtype} and {dtype}")
+                        raise HeaderError(
+                            f"tensor {shown_key(key)} has chunks of dtypes {md.properties.dtype} and {dtype}"
+                        )
                     md.chunks.append(chunk)
                     md.size = torch.Size([max(a, o + s) for a, o, s in zip(md.size, offsets, shape, strict=True)])
                 index = MetadataIndex(fqn=key, offset=torch.Size(offsets))
                 if index in storage:
-                    raise HeaderError(f"tensor {key!r} at offsets {offsets} is stored in two files (one is {path})")
+                    raise HeaderError(
+                        f"tensor {shown_key(key)} at offsets {offsets} is stored in two files (one is {path})"
+                    )
                 storage[index] = path
         self._quant = detect(
             state, lambda k: state[k].properties.dtype, read_quant_config(root)

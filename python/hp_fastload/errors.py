@@ -9,7 +9,27 @@ is not an ``nn.Module`` a ``TypeError``), and missing or unreadable files (``Fil
 
 from __future__ import annotations
 
-__all__ = ["HeaderError", "HpFastloadError", "PlanError", "ReadError", "TargetError"]
+__all__ = [
+    "KEY_SHOWN",
+    "CheckpointMismatchError",
+    "HeaderError",
+    "HpFastloadError",
+    "PlanError",
+    "ReadError",
+    "TargetError",
+    "shown_key",
+]
+
+#: Most characters of a tensor name that a message or log line quotes (a checkpoint can hold a 50 MB name).
+KEY_SHOWN = 200
+
+
+def shown_key(key: object) -> str:
+    """``repr(key)`` for messages: control characters and bidi overrides escaped by ``repr``, and a name
+    longer than :data:`KEY_SHOWN` characters cut there, with its length."""
+    if isinstance(key, str) and len(key) > KEY_SHOWN:
+        return f"{key[:KEY_SHOWN]!r}... ({len(key)} characters)"
+    return repr(key)
 
 
 class HpFastloadError(Exception):
@@ -28,6 +48,11 @@ class PlanError(HpFastloadError, ValueError):
 class ReadError(HpFastloadError, OSError):
     """Reading failed: the file is shorter than its header says (truncated, or shrank after it was opened)
     or changed since its header was read."""
+
+
+class CheckpointMismatchError(HpFastloadError, ValueError):
+    """The ranks of one load resolved their checkpoint arguments to different checkpoints (other files,
+    sizes or headers). Raised on every rank, naming each rank's location."""
 
 
 class TargetError(HpFastloadError, ValueError):

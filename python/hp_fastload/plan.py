@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from .engine import SafetensorsFile, gc_paused
-from .errors import PlanError, TargetError
+from .errors import PlanError, TargetError, shown_key
 from .groups import LoadGroup, build_groups, masked_name, rename_key
 from .index import CheckpointIndex
 from .quant import QuantInfo, detect_in_index
@@ -413,7 +413,7 @@ class _Tracer:
         except Exception as exc:
             raise ConversionError(
                 f"Failed to convert checkpoint tensors for {group.target} "
-                f"(keys {', '.join(group.keys[:4])}{', ...' if len(group.keys) > 4 else ''}): "
+                f"(keys {', '.join(map(shown_key, group.keys[:4]))}{', ...' if len(group.keys) > 4 else ''}): "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
         return _CacheEntry(

@@ -17,6 +17,7 @@ It does not read tensors or decide regions: see ``groups`` and ``plan``.
 
 from __future__ import annotations
 
+import math
 import re
 import sys
 from collections import defaultdict
@@ -50,8 +51,14 @@ _NATURAL_PARTS: dict[str, tuple[Any, ...]] = {}
 
 
 def _natural_part(part: str) -> tuple[Any, ...]:
-    if part.isdigit():
-        value: tuple[Any, ...] = (0, int(part))
+    # isdecimal, not isdigit: int() refuses digits that are not decimal ("²" is a digit, and a shard named
+    # "².safetensors" crashed indexing); those sort as text.
+    if part.isdecimal():
+        try:
+            value: tuple[Any, ...] = (0, int(part))
+        except ValueError:  # more digits than int() converts (4300): after every smaller number, by value
+            digits = part.lstrip("0")
+            value = (0, math.inf, len(digits), digits)
     else:
         stem = part.rstrip("0123456789")
         digits = part[len(stem) :]
@@ -76,8 +83,9 @@ _SORT_PARTS: dict[str, str] = {}
 
 
 def _sort_part(part: str) -> str:
-    if part.isdigit():
-        value = "\x02" + part.lstrip("0").rjust(24, "0")
+    if part.isdecimal():  # as in _natural_part; other scripts' decimal digits compare by value there too
+        digits = part.lstrip("0") if part.isascii() or len(part) > 4000 else str(int(part)).lstrip("0")
+        value = "\x02" + digits.rjust(24, "0")
     else:
         stem = part.rstrip("0123456789")
         digits = part[len(stem) :]
