@@ -216,6 +216,166 @@ pub fn execute(
     Ok(stats)
 }
 
+/// Bytes of one positioned write of [`execute_write`] at most (repetitions adjacent in the file are
+/// gathered into one buffer up to this size).
+const WRITE_CHUNK: u64 = 8 * 1024 * 1024;
+
+/// The write direction over the same items: every item's box is copied from its buffer (the "destination"
+/// of a read: the memory being saved) into its tensor's bytes in the file (the "source" of a read), with
+/// positioned writes from `threads` scoped threads. The files must exist at their final size (at least the
+/// header's `file_len`) with the header already written; they are opened for writing, never truncated or
+/// created. Source and file dtypes must be equal (no cast on the way out). All items are validated first
+/// ([`crate::region::plan_file_major`]); on an I/O error some regions may have been written.
+/// `stats.bytes_copied` counts bytes written; `bytes_read_from_files` stays 0.
+pub fn execute_write(
+    files: &[Arc<Header>],
+    bufs: &[DestBuf<'_>],
+    items: &[Item],
+    opts: &ExecOptions,
+) -> Result<ExecStats, LoadError> {
+    use std::os::unix::fs::FileExt;
+
+    let runs = crate::region::plan_file_major(files, bufs, items)?;
+    if let Some(r) = runs
+        .iter()
+        .find(|r| r.src_dtype != r.dst_dtype || r.src_dtype.is_sub_byte())
+    {
+        let h = &files[r.file];
+        return Err(LoadError::Request {
+            path: Some(h.path.clone()),
+            tensor: None,
+            reason: format!(
+                "item {}: writing {} memory into a {} tensor (the write direction does not cast, nor \
+                 write sub-byte types)",
+                r.item, r.dst_dtype, r.src_dtype
+            ),
+        });
+    }
+    let threads = opts.threads.unwrap_or_else(default_threads).max(1);
+    let mut stats = ExecStats {
+        runs: runs.iter().map(|r| r.reps as usize).sum(),
+        backend: "pwrite",
+        threads: 1,
+        ..ExecStats::default()
+    };
+    if runs.is_empty() {
+        stats.backend = "none";
+        return Ok(stats);
+    }
+    let mut outs: Vec<Option<File>> = Vec::with_capacity(files.len());
+    for (f, h) in files.iter().enumerate() {
+        if !runs.iter().any(|r| r.file == f) {
+            outs.push(None);
+            continue;
+        }
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&h.path)
+            .map_err(|e| LoadError::io(&h.path, &e))?;
+        let len = file
+            .metadata()
+            .map_err(|e| LoadError::io(&h.path, &e))?
+            .len();
+        if len < h.file_len {
+            return Err(LoadError::Truncated {
+                path: h.path.clone(),
+                expected: h.file_len,
+                actual: len,
+            });
+        }
+        outs.push(Some(file));
+    }
+    let mut pieces = Vec::with_capacity(runs.len());
+    for r in &runs {
+        r.split(WRITE_CHUNK, &mut pieces);
+    }
+    pieces.sort_unstable_by_key(|r| (r.file, r.src_off));
+    stats.bytes_copied = pieces.iter().map(|r| r.reps * r.dst_bytes() as u64).sum();
+    stats.spans = pieces.len();
+    stats.threads = threads.min(pieces.len());
+    let next = AtomicUsize::new(0);
+    let failed = AtomicBool::new(false);
+    let first_error: Mutex<Option<LoadError>> = Mutex::new(None);
+    let write_piece = |p: &Run, buf: &mut Vec<u8>| -> Result<(), LoadError> {
+        let file = outs[p.file].as_ref().expect("every file with runs is open");
+        let path = &files[p.file].path;
+        let put = |bytes: &[u8], at: u64| {
+            file.write_all_at(bytes, at)
+                .map_err(|e| LoadError::io(path, &e))
+        };
+        let size = p.dst_elem_size() as u64;
+        if p.count == 1 || p.src_stride == size {
+            // Adjacent in the file within a repetition; repetitions too when they follow each other.
+            let adjacent = p.reps == 1 || p.rep_src_stride == p.count * size;
+            let group = if adjacent { p.reps } else { 1 };
+            let mut r = 0;
+            while r < p.reps {
+                buf.clear();
+                crate::dest::gather_reps(p, r..r + group, buf);
+                put(buf, p.src_off + r * p.rep_src_stride)?;
+                r += group;
+            }
+            return Ok(());
+        }
+        // A file-strided run (neither side of the box has a unit file stride): element by element.
+        for r in 0..p.reps {
+            buf.clear();
+            crate::dest::gather_reps(p, r..r + 1, buf);
+            for (i, elem) in buf.chunks_exact(size as usize).enumerate() {
+                put(
+                    elem,
+                    p.src_off + r * p.rep_src_stride + i as u64 * p.src_stride,
+                )?;
+            }
+        }
+        Ok(())
+    };
+    let worker = || {
+        let mut buf: Vec<u8> = Vec::new();
+        while !failed.load(Ordering::Relaxed) {
+            let i = next.fetch_add(1, Ordering::Relaxed);
+            let Some(p) = pieces.get(i) else { break };
+            if let Err(e) = write_piece(p, &mut buf) {
+                failed.store(true, Ordering::Relaxed);
+                first_error
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .get_or_insert(e);
+            }
+        }
+    };
+    let guarded =
+        || catch_unwind(AssertUnwindSafe(worker)).map_err(|payload| panic_error(payload.as_ref()));
+    let mut panicked = None;
+    std::thread::scope(|scope| {
+        let helpers: Vec<_> = (1..stats.threads)
+            .filter_map(|_| {
+                std::thread::Builder::new()
+                    .spawn_scoped(scope, guarded)
+                    .ok()
+            })
+            .collect();
+        if let Err(e) = guarded() {
+            panicked.get_or_insert(e);
+        }
+        for h in helpers {
+            match h.join() {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    panicked.get_or_insert(e);
+                }
+                Err(payload) => {
+                    panicked.get_or_insert(panic_error(payload.as_ref()));
+                }
+            }
+        }
+    });
+    if let Some(e) = panicked.or(first_error.into_inner().unwrap_or_else(|p| p.into_inner())) {
+        return Err(e);
+    }
+    Ok(stats)
+}
+
 /// Most byte ranges per file handed to the `auto` residency probe ([`Mapping::resident_fraction`], which
 /// asks about at most `RESIDENCY_SAMPLES` = 256 pages spread evenly over them).
 const PROBE_RANGES: u64 = 4096;

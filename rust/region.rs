@@ -253,6 +253,26 @@ pub fn plan(
     dests: &[DestBuf<'_>],
     items: &[Item],
 ) -> Result<Vec<Run>, LoadError> {
+    plan_oriented(files, dests, items, false)
+}
+
+/// [`plan`] for the write direction ([`crate::exec::execute_write`]): the same checks, but each run is
+/// taken along the dimension that is contiguous in the file when there is one (then the one contiguous in
+/// memory), so that one repetition is one positioned write of adjacent file bytes.
+pub fn plan_file_major(
+    files: &[Arc<Header>],
+    dests: &[DestBuf<'_>],
+    items: &[Item],
+) -> Result<Vec<Run>, LoadError> {
+    plan_oriented(files, dests, items, true)
+}
+
+fn plan_oriented(
+    files: &[Arc<Header>],
+    dests: &[DestBuf<'_>],
+    items: &[Item],
+    file_major: bool,
+) -> Result<Vec<Run>, LoadError> {
     // Plan items in (file, first source element) order so that the runs of a batch whose items each read
     // forward come out already sorted by file offset, and the executor can skip its sort.
     let mut order: Vec<(i64, i64, usize)> = items
@@ -271,7 +291,7 @@ pub fn plan(
     order.sort_unstable();
     let mut runs = Vec::new();
     for &(_, _, k) in &order {
-        plan_item(k, &items[k], files, dests, &mut runs)?;
+        plan_item(k, &items[k], files, dests, file_major, &mut runs)?;
     }
     if !items_disjoint(items, dests) {
         check_disjoint(&runs, items, dests)?;
@@ -323,6 +343,7 @@ fn plan_item(
     item: &Item,
     files: &[Arc<Header>],
     dests: &[DestBuf<'_>],
+    file_major: bool,
     runs: &mut Vec<Run>,
 ) -> Result<(), LoadError> {
     let fi = index(item.file, files.len(), "file", k)?;
@@ -405,10 +426,15 @@ fn plan_item(
             _ => dims.push(dim),
         }
     }
+    let (unit, other): (fn(&(u64, u64, u64)) -> bool, fn(&(u64, u64, u64)) -> bool) =
+        match file_major {
+            false => (|d| d.2 == 1, |d| d.1 == 1),
+            true => (|d| d.1 == 1, |d| d.2 == 1),
+        };
     let run_dim = dims
         .iter()
-        .rposition(|d| d.2 == 1)
-        .or_else(|| dims.iter().rposition(|d| d.1 == 1))
+        .rposition(unit)
+        .or_else(|| dims.iter().rposition(other))
         .or(dims.len().checked_sub(1));
     let (count, run_ss, run_ds) = match run_dim {
         Some(r) => dims.remove(r),
