@@ -902,6 +902,134 @@ mod tests {
         }
     }
 
+    /// The write direction: a strided memory box written into a (permuted) box of a file tensor changes
+    /// exactly the box's file bytes, each to its memory element (naive reference), and leaves every other
+    /// byte of the file as it was.
+    fn check_write(c: &Case) {
+        let dt = PAIRS[c.pair].0;
+        let ndim = c.shape.len();
+        let numel: u64 = c.shape.iter().product();
+        let size = dt.byte_size().unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let before = random_bytes(numel as usize * size, c.seed);
+        let h = write_file(
+            dir.path(),
+            "w.safetensors",
+            &[
+                ("pre", Dtype::U8, vec![24], vec![7; 24]),
+                ("t", dt, c.shape.clone(), before.clone()),
+            ],
+        );
+        let original = std::fs::read(&h.path).unwrap();
+        let mut sstr = vec![1u64; ndim];
+        for d in (0..ndim.saturating_sub(1)).rev() {
+            sstr[d] = sstr[d + 1] * c.shape[d + 1];
+        }
+        let src_base: u64 = c.offsets.iter().zip(&sstr).map(|(o, s)| o * s).sum();
+        let lengths: Vec<u64> = c.perm.iter().map(|&d| c.lengths[d]).collect();
+        let ss: Vec<u64> = c.perm.iter().map(|&d| sstr[d]).collect();
+        let mut ds = vec![0u64; ndim];
+        let mut acc = 1u64;
+        for &d in c.dst_order.iter().rev() {
+            ds[d] = acc;
+            acc *= lengths[d] + c.pad[d];
+        }
+        let dst_base = 3u64;
+        let mut mem = random_bytes((dst_base + acc + 2) as usize * size, c.seed ^ 99);
+        let mut item = Item {
+            file: 0,
+            tensor: h.index("t").unwrap() as i64,
+            src_base: src_base as i64,
+            dest: 0,
+            dst_base: dst_base as i64,
+            ndim: ndim as i64,
+            ..Item::default()
+        };
+        for d in 0..ndim {
+            item.lengths[d] = lengths[d] as i64;
+            item.src_strides[d] = ss[d] as i64;
+            item.dst_strides[d] = ds[d] as i64;
+        }
+        let opts = ExecOptions {
+            threads: Some(c.threads),
+            ..ExecOptions::default()
+        };
+        let want_mem = mem.clone();
+        let bufs = [DestBuf::from_mut_slice(&mut mem, dt)];
+        let stats = execute_write(std::slice::from_ref(&h), &bufs, &[item], &opts).unwrap();
+        let total: u64 = lengths.iter().product();
+        assert_eq!(stats.bytes_copied, total * size as u64);
+        let mut want = original.clone();
+        let data = (h.data_start + h.tensors[h.index("t").unwrap()].begin) as usize;
+        for flat in 0..total {
+            let (mut rem, mut se, mut de) = (flat, src_base, dst_base);
+            for d in (0..ndim).rev() {
+                let i = rem % lengths[d];
+                rem /= lengths[d];
+                se += i * ss[d];
+                de += i * ds[d];
+            }
+            let (se, de) = (data + se as usize * size, de as usize * size);
+            want[se..se + size].copy_from_slice(&want_mem[de..de + size]);
+        }
+        assert_eq!(std::fs::read(&h.path).unwrap(), want);
+        assert_eq!(mem, want_mem, "the memory being saved is only read");
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+        #[test]
+        fn region_write_matches_naive(c in case()) {
+            check_write(&c);
+        }
+    }
+
+    /// The write direction refuses a cast and a file shorter than its header, and writes nothing then.
+    #[test]
+    fn write_refuses_casts_and_short_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let h = write_file(
+            dir.path(),
+            "w.safetensors",
+            &[("t", Dtype::BF16, vec![4], vec![0; 8])],
+        );
+        let original = std::fs::read(&h.path).unwrap();
+        let mut item = Item {
+            ndim: 1,
+            ..Item::default()
+        };
+        item.lengths[0] = 4;
+        item.src_strides[0] = 1;
+        item.dst_strides[0] = 1;
+        let mut mem = vec![1u8; 16];
+        let bufs = [DestBuf::from_mut_slice(&mut mem, Dtype::F32)];
+        let err = execute_write(
+            std::slice::from_ref(&h),
+            &bufs,
+            &[item],
+            &ExecOptions::default(),
+        );
+        assert!(
+            matches!(&err, Err(LoadError::Request { reason, .. }) if reason.contains("does not cast")),
+            "{err:?}"
+        );
+        assert_eq!(std::fs::read(&h.path).unwrap(), original);
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&h.path)
+            .unwrap();
+        f.set_len(h.file_len - 1).unwrap();
+        let mut mem = vec![1u8; 8];
+        let bufs = [DestBuf::from_mut_slice(&mut mem, Dtype::BF16)];
+        let err = execute_write(
+            std::slice::from_ref(&h),
+            &bufs,
+            &[item],
+            &ExecOptions::default(),
+        );
+        assert!(matches!(err, Err(LoadError::Truncated { .. })), "{err:?}");
+    }
+
     /// Column slices (repeated runs) of row-major tensors whose rows are far apart (expanded for a map
     /// and for pread), long enough for direct preads, split into groups of rows, and two items reading
     /// interleaved columns of one tensor: every backend, gap and thread count copies the right bytes,

@@ -426,15 +426,12 @@ fn plan_item(
             _ => dims.push(dim),
         }
     }
-    let (unit, other): (fn(&(u64, u64, u64)) -> bool, fn(&(u64, u64, u64)) -> bool) =
-        match file_major {
-            false => (|d| d.2 == 1, |d| d.1 == 1),
-            true => (|d| d.1 == 1, |d| d.2 == 1),
-        };
-    let run_dim = dims
-        .iter()
-        .rposition(unit)
-        .or_else(|| dims.iter().rposition(other))
+    // The run dimension: unit stride on the side that is written (memory for a read, the file for a
+    // write), else unit stride on the other side, else the innermost.
+    let unit_on = |side: usize| dims.iter().rposition(|d| [d.1, d.2][side] == 1);
+    let (first, second) = if file_major { (0, 1) } else { (1, 0) };
+    let run_dim = unit_on(first)
+        .or_else(|| unit_on(second))
         .or(dims.len().checked_sub(1));
     let (count, run_ss, run_ds) = match run_dim {
         Some(r) => dims.remove(r),

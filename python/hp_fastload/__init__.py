@@ -1,4 +1,5 @@
-"""hp_fastload: load Hugging Face safetensors checkpoints straight into local shards of distributed models.
+"""hp_fastload: load Hugging Face safetensors checkpoints straight into local shards of distributed models,
+and save them back (``save``: every rank writes its own shards into the released layout).
 
 The Rust engine (``hp_fastload._core``) reads strided boxes of safetensors tensors into caller memory in
 parallel threads; the Python layer plans which boxes each rank needs, through the checkpoint's conversion
@@ -11,6 +12,7 @@ from .checkpointer import HF_LOADER_ENV, HuggingFaceCheckpointer, load, plan, re
 from .engine import SafetensorsFile, read_into, read_many
 from .errors import HeaderError, HpFastloadError, PlanError, ReadError, TargetError
 from .plan import ConversionError, LoadPlan, LoadReport
+from .save import SaveReport, save
 
 __all__ = [
     "HF_LOADER_ENV",
@@ -23,10 +25,12 @@ __all__ = [
     "PlanError",
     "ReadError",
     "SafetensorsFile",
+    "SaveReport",
     "TargetError",
     "load",
     "plan",
     "read_into",
     "read_many",
     "resolve_hf_loader",
+    "save",
 ]

@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -150,7 +150,7 @@ def _conversions(model: nn.Module, rules: list[Any] | None) -> Any:
         if saved is missing:
             model.__dict__.pop("_weight_conversions", None)
         else:
-            model._weight_conversions = saved  # type: ignore[assignment]
+            model._weight_conversions = saved
 
 
 def _meta_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -171,26 +171,34 @@ def _meta_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _released(model: nn.Module, rules: list[Any] | None) -> dict[str, torch.Tensor]:
-    """Released key -> meta tensor, by transformers' own tie removal and reverse conversion."""
+    """Released key -> meta tensor, by transformers' own tie removal and reverse conversion (for a module that
+    is not a transformers model: aliases dropped by name, and the rules reverted when there are any)."""
+    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.modeling_utils import PreTrainedModel, remove_tied_weights_from_state_dict
+
     state = _meta_state_dict(model)
-    try:
-        from transformers.core_model_loading import revert_weight_conversion
-        from transformers.modeling_utils import PreTrainedModel, remove_tied_weights_from_state_dict
-    except ImportError:  # pragma: no cover - transformers is a dependency of the conversion rules
+    pretrained = isinstance(model, PreTrainedModel)
+    state = (
+        remove_tied_weights_from_state_dict(state, cast(Any, model)) if pretrained else _drop_plain_ties(model, state)
+    )
+    if not pretrained and rules is None and getattr(model, "_weight_conversions", None) is None:
         return state
-    if not isinstance(model, PreTrainedModel):
-        return _drop_plain_ties(model, state)
-    state = remove_tied_weights_from_state_dict(state, model)
+    for rule in rules or getattr(model, "_weight_conversions", None) or ():
+        if not callable(getattr(rule, "reverse_transform", None)):
+            raise PlanError(
+                f"rule {type(rule).__module__}.{type(rule).__name__} {getattr(rule, 'source_patterns', '')} has no "
+                "reverse_transform(); saving needs transformers' WeightRenaming / WeightConverter rules"
+            )
     with _conversions(model, rules):
-        reverted = revert_weight_conversion(model, state)
+        reverted = revert_weight_conversion(cast(Any, model), state)
     return {key: value for key, value in reverted.items() if isinstance(value, torch.Tensor)}
 
 
 def _drop_plain_ties(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """For a model that is not a transformers model: aliases of one tensor keep the first name in sort order."""
     seen: set[int] = set()
-    params = dict(model.named_parameters(remove_duplicate=False))
-    params.update(dict(model.named_buffers(remove_duplicate=False)))
+    params: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
+    params.update(model.named_buffers(remove_duplicate=False))
     out = {}
     for key in sorted(state):
         ident = id(params[key]) if key in params else id(state[key])
@@ -440,7 +448,7 @@ def _run_fallbacks(
         if not rank0:
             continue
         with _conversions(model, rules):
-            reverted = revert_weight_conversion(model, state)
+            reverted = revert_weight_conversion(cast(Any, model), state)
         missing = [key for key in keys if key not in reverted]
         if missing:
             raise PlanError(f"the reverse conversion of {', '.join(t.name for t in targets)} did not give {missing}")
@@ -506,8 +514,11 @@ def _finish_files(tmp: Path, layout: _Layout, model: nn.Module) -> None:
             f.write(json.dumps(layout.index, indent=2, sort_keys=True) + "\n")
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "save_pretrained"):
-        with contextlib.suppress(StopIteration, AttributeError):
-            config.dtype = str(next(iter(model.parameters())).dtype).split(".")[1]
+        # as save_pretrained does: the model's dtype and class (an FSDP2 class keeps its "FSDP" prefix off)
+        dtype = getattr(model, "dtype", None)
+        if isinstance(dtype, torch.dtype):
+            config.dtype = str(dtype).split(".")[1]
+        config.architectures = [type(model).__name__.removeprefix("FSDP")]
         config.save_pretrained(tmp)
         can_generate = getattr(model, "can_generate", None)
         generation = getattr(model, "generation_config", None)
@@ -600,8 +611,7 @@ def save(
     by_rank = _gather(stats.bytes_written)
     return SaveReport(
         path=str(path),
-        files=[f.name for f in layout.files]
-        + ([SAFE_WEIGHTS_INDEX_NAME] if layout.index is not None else []),
+        files=[f.name for f in layout.files] + ([SAFE_WEIGHTS_INDEX_NAME] if layout.index is not None else []),
         tensors=len(layout.released),
         total_bytes=sum(f.size for f in layout.files),
         bytes_written=stats.bytes_written,
@@ -609,4 +619,3 @@ def save(
         fallbacks=list(fallbacks),
         seconds=time.perf_counter() - start,
     )
-
