@@ -276,8 +276,7 @@ def _check_destination(path: Path, overwrite: bool) -> None:
         raise FileExistsError(f"{path} exists and is not a directory; refusing to replace it")
     if path.is_dir() and any(path.iterdir()) and not overwrite:
         raise FileExistsError(f"{path} is a non-empty directory; pass overwrite=True to replace it")
-    if not path.parent.is_dir():
-        raise FileNotFoundError(f"{path.parent} (the parent of the output directory) does not exist")
+    path.parent.mkdir(parents=True, exist_ok=True)  # as save_pretrained's makedirs
 
 
 _RENAME_EXCHANGE = 2
@@ -329,7 +328,7 @@ def _mesh_coordinate_writes(target: Target) -> bool:
     if not target.is_dtensor:
         return not _dist_active() or torch.distributed.get_rank() == 0
     assert target.placements is not None
-    if target.coordinate is None:
+    if target.coordinate is None or not _first_instance(target.tensor.device_mesh):  # type: ignore[attr-defined]
         return False
     for placement, coord in zip(target.placements, target.coordinate, strict=True):
         if isinstance(placement, Partial):
@@ -337,6 +336,22 @@ def _mesh_coordinate_writes(target: Target) -> bool:
         if isinstance(placement, Replicate) and coord != 0:
             return False
     return True
+
+
+def _first_instance(mesh: Any) -> bool:
+    """Whether ``mesh`` is the first of the copies of a sub-mesh (``mesh["dp"]`` of a (dp, tp) mesh exists once
+    per tp coordinate, each copy holding the same shards): the copy holding the root mesh's lowest rank. A
+    mesh that is not a sub-mesh has no copies."""
+    get_root = getattr(mesh, "_get_root_mesh", None)
+    if get_root is None:
+        from torch.distributed.device_mesh import _mesh_resources
+
+        root = _mesh_resources.get_root_mesh(mesh)
+    else:
+        root = get_root()
+    if root is None or root is mesh:
+        return True
+    return int(root.mesh.min()) in set(mesh.mesh.flatten().tolist())
 
 
 def _full(target: Target) -> torch.Tensor:
@@ -378,6 +393,32 @@ def _cpu_local(target: Target) -> torch.Tensor:
     if local.device.type == "cpu":
         return local
     return local.detach().to("cpu")
+
+
+def _planned_bytes(save_plan: LoadPlan, fallback: set[str], groups: list[tuple[list[str], list[Target]]]) -> int:
+    """The data bytes this rank is about to write (its region writes, and on rank 0 the fallback tensors)."""
+    total = 0
+    for name, (target, items) in save_plan.region_reads.items():
+        if not items or name in fallback or not _mesh_coordinate_writes(target):
+            continue
+        if isinstance(items, TemplateReads):
+            total += items.nbytes
+        else:
+            total += sum(item.numel for item in items) * target.dtype.itemsize
+    if _rank0():
+        total += sum(save_plan.index.entry(key).nbytes for keys, _ in groups for key in keys)
+    return total
+
+
+def _check_writers(planned: list[int], layout: _Layout) -> None:
+    """Every data byte has exactly one writer, as far as sums tell: a replica that also writes, or a region no
+    rank writes, changes the sum (checked before any byte is written)."""
+    data = sum(f.size - len(f.header) for f in layout.files)
+    if sum(planned) != data:
+        raise PlanError(
+            f"the ranks would write {sum(planned)} bytes ({planned} by rank) of {data} bytes of tensor data: some "
+            "region has no writer or several (replicas this rank cannot tell apart from its mesh)"
+        )
 
 
 def _write_regions(
@@ -593,6 +634,8 @@ def save(
         try:
             _agree("Checking the save plan", lambda: _check_coverage(save_plan))
             groups, fallback = _fallback_groups(save_plan)
+            planned = _gather(_agree("Planning the writers", lambda: _planned_bytes(save_plan, fallback, groups)))
+            _check_writers(planned, layout)  # the same list on every rank: all raise or none
             _agree("Writing the checkpoint", lambda: _write_regions(save_plan, fallback, threads, batch_bytes, stats))
             fallbacks = _agree(
                 "Writing tensors converted with torch",
