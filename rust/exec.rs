@@ -310,9 +310,15 @@ pub fn execute_write(
             let group = if adjacent { p.reps } else { 1 };
             let mut r = 0;
             while r < p.reps {
-                buf.clear();
-                crate::dest::gather_reps(p, r..r + group, buf);
-                put(buf, p.src_off + r * p.rep_src_stride)?;
+                let at = p.src_off + r * p.rep_src_stride;
+                match crate::dest::with_contiguous_reps(p, r..r + group, |bytes| put(bytes, at)) {
+                    Some(result) => result?,
+                    None => {
+                        buf.clear();
+                        crate::dest::gather_reps(p, r..r + group, buf);
+                        put(buf, at)?;
+                    }
+                }
                 r += group;
             }
             return Ok(());

@@ -82,7 +82,10 @@ def test_single_file_default_shard_size(tmp_path: Path) -> None:
 def _empty_model(family: str) -> Any:
     cls = model_class(family)
     with torch.device("meta"):
-        model = cls.from_config(tiny_config(family), dtype=torch.bfloat16)
+        if cls.__name__.startswith("Auto"):
+            model = cls.from_config(tiny_config(family), dtype=torch.bfloat16)
+        else:
+            model = cls._from_config(tiny_config(family), dtype=torch.bfloat16)
     model.to_empty(device="cpu")
     model.tie_weights()
     return model
@@ -244,3 +247,11 @@ def test_checkpointer_save_is_save(tmp_path: Path) -> None:
     model.save_pretrained(tmp_path / "ref")
     _assert_same_dir(tmp_path / "ref", tmp_path / "out")
     assert os.path.isdir(tmp_path / "out")
+
+
+def test_quantized_model_is_refused(tmp_path: Path) -> None:
+    model = tiny_model("llama")
+    model.hf_quantizer = type("Fp8HfQuantizer", (), {})()
+    with pytest.raises(NotImplementedError, match="Fp8HfQuantizer"):
+        hf.save(model, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -29,8 +29,11 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
 ROOT_ENV = "HPF_SAVE_ROOT"
 SHARD = 4000
-FAMILIES = ["mixtral", "qwen3_moe", "phi3", "llama"]
+FAMILIES = ["mixtral", "qwen3_moe", "phi3", "llama", "deepseek_v3", "gpt_oss", "qwen3_vl_moe"]
 LAYOUTS_2 = ["fsdp", "tp", "ep", "tp_fsdp"]
+#: demo.parallelize expects causal-LM layers at model.model.layers
+NOT_BUILDABLE = {("qwen3_vl_moe", "tp_fsdp")}
+COMBOS_2 = [(f, lay) for f in FAMILIES for lay in LAYOUTS_2 if (f, lay) not in NOT_BUILDABLE]
 FAMILIES_4 = ["llama", "mixtral"]
 
 
@@ -107,39 +110,46 @@ def _locals(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _save_layouts(rank: int, world: int, combos: list[tuple[str, str]]) -> dict[str, Any]:
-    import hp_fastload as hf
-
     os.environ.update(LOCAL_WORLD_SIZE=str(world))
     root = Path(os.environ[ROOT_ENV])
     results: dict[str, Any] = {}
     for family, layout in combos:
-        model = _build(family, layout, world)
-        hf.load(model, root / "src" / family)
-        before = _locals(model)
-        out = root / f"out-{world}" / f"{family}-{layout}"
-        with _Counter() as counter:
-            report = hf.save(model, out, max_shard_size=SHARD)
-        for value in model.state_dict().values():  # zero, then load the export back
-            with torch.no_grad():
-                (value.to_local() if hasattr(value, "to_local") else value).zero_()
-        hf.load(model, out)
-        after = _locals(model)
-        changed = [name for name in before if not torch.equal(before[name], after[name])]
-        results[f"{family}/{layout}"] = {
-            "bytes_written": report.bytes_written,
-            "by_rank": report.bytes_written_by_rank,
-            "fallbacks": report.fallbacks,
-            "collective_bytes": counter.bytes,
-            "collective_calls": counter.calls,
-            "round_trip_changed": changed,
-            "path": str(out),
-        }
+        try:
+            results[f"{family}/{layout}"] = _save_one(root, family, layout, world)
+        except Exception as exc:  # every rank raises together (save agrees); the next combo still runs
+            results[f"{family}/{layout}"] = {"error": f"{type(exc).__name__}: {exc}"}
         torch.distributed.barrier()
     return results
 
 
+def _save_one(root: Path, family: str, layout: str, world: int) -> dict[str, Any]:
+    import hp_fastload as hf
+
+    model = _build(family, layout, world)
+    hf.load(model, root / "src" / family)
+    before = _locals(model)
+    out = root / f"out-{world}" / f"{family}-{layout}"
+    with _Counter() as counter:
+        report = hf.save(model, out, max_shard_size=SHARD)
+    for value in model.state_dict().values():  # zero, then load the export back
+        with torch.no_grad():
+            (value.to_local() if hasattr(value, "to_local") else value).zero_()
+    hf.load(model, out)
+    after = _locals(model)
+    changed = [name for name in before if not torch.equal(before[name], after[name])]
+    return {
+        "bytes_written": report.bytes_written,
+        "by_rank": report.bytes_written_by_rank,
+        "fallbacks": report.fallbacks,
+        "collective_bytes": counter.bytes,
+        "collective_calls": counter.calls,
+        "round_trip_changed": changed,
+        "path": str(out),
+    }
+
+
 def check_layouts(rank: int, world: int) -> dict[str, Any]:
-    return _save_layouts(rank, world, [(f, lay) for f in FAMILIES for lay in LAYOUTS_2])
+    return _save_layouts(rank, world, COMBOS_2)
 
 
 def check_fault_on_one_rank(rank: int, world: int) -> str:
@@ -232,6 +242,7 @@ def world2(root: Path) -> list[dict[str, Any]]:
 def _check_combo(root: Path, per_rank: list[dict[str, Any]], key: str, world: int) -> None:
     family = key.split("/")[0]
     results = [r[key] for r in per_rank]
+    assert all("error" not in r for r in results), [r.get("error") for r in results]
     out = Path(results[0]["path"])
     ref, got = _files(root / "ref" / family), _files(out)
     assert sorted(ref) == sorted(got)
@@ -247,8 +258,7 @@ def _check_combo(root: Path, per_rank: list[dict[str, Any]], key: str, world: in
     assert [p.name for p in out.parent.iterdir() if p.name.startswith(".")] == []
 
 
-@pytest.mark.parametrize("layout", LAYOUTS_2)
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(("family", "layout"), COMBOS_2)
 def test_save_on_two_ranks(root: Path, world2: list[dict[str, Any]], family: str, layout: str) -> None:
     per_rank = subcheck_values(world2, "check_layouts")
     _check_combo(root, per_rank, f"{family}/{layout}", 2)

@@ -176,6 +176,11 @@ def _released(model: nn.Module, rules: list[Any] | None) -> dict[str, torch.Tens
     from transformers.core_model_loading import revert_weight_conversion
     from transformers.modeling_utils import PreTrainedModel, remove_tied_weights_from_state_dict
 
+    if getattr(model, "hf_quantizer", None) is not None:
+        raise NotImplementedError(
+            f"{type(model).__name__} is quantized ({type(model.hf_quantizer).__name__}); saving quantized models is "
+            "not supported (save_pretrained writes its quantizer's own state dict and metadata)"
+        )
     state = _meta_state_dict(model)
     pretrained = isinstance(model, PreTrainedModel)
     state = (
@@ -264,11 +269,7 @@ def _layout(model: nn.Module, rules: list[Any] | None, max_shard_size: int | str
 
 
 def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _fsync(path)
 
 
 def _check_destination(path: Path, overwrite: bool) -> None:
@@ -299,9 +300,10 @@ def _exchange(a: Path, b: Path) -> bool:
     return True
 
 
-def _publish(tmp: Path, path: Path) -> None:
+def _publish(tmp: Path, path: Path, overwrite: bool) -> None:
     """Moves the finished ``tmp`` to ``path``: a plain rename, or, over an existing directory, an atomic
     exchange (the old directory is removed only once the new one is in place)."""
+    _check_destination(path, overwrite)  # again: something may have appeared there while the ranks wrote
     if path.is_dir() and not any(path.iterdir()):
         path.rmdir()
     if not path.exists():
@@ -376,12 +378,14 @@ class _WriteBatch(_Batch):
             )
             stats.bytes_written += int(result["bytes_copied"])
             stats.items += self.count
+            stats.files.update(Path(header.path).name for header in self.headers)
 
 
 @dataclass
 class _Stats:
     bytes_written: int = 0
     items: int = 0
+    files: set[str] = field(default_factory=set)  # names of the shard files this rank wrote into
 
 
 def _write_batch(batch: _WriteBatch, threads: int | None, stats: _Stats) -> None:
@@ -566,12 +570,25 @@ def _finish_files(tmp: Path, layout: _Layout, model: nn.Module) -> None:
         if callable(can_generate) and can_generate() and generation is not None:
             generation.save_pretrained(tmp)
     for entry in tmp.iterdir():
-        fd = os.open(entry, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        if entry.suffix != ".safetensors":  # the writers synced the shards (_sync_written)
+            _fsync(entry)
     _fsync_dir(tmp)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sync_written(save_plan: LoadPlan, written: set[str], tmp: Path) -> None:
+    """Each rank syncs the shard files it wrote into (rank 0 all of them: it created them), in parallel with
+    the other ranks; on a file system shared by several nodes a rank's dirty pages are its own to flush."""
+    names = {f.name for f in tmp.iterdir() if f.suffix == ".safetensors"} if _rank0() else written
+    for name in sorted(names):
+        _fsync(tmp / name)
 
 
 def _forward_rules(model: nn.Module, weights_mapping: Iterable[Any] | None) -> list[Any] | None:
@@ -642,11 +659,12 @@ def save(
                 lambda: _run_fallbacks(model, rules, save_plan, groups, threads, stats),
             )
             fallbacks = _broadcast(fallbacks)
+            _agree("Syncing the written files", lambda: _sync_written(save_plan, stats.files, tmp))
         finally:
             for file in save_plan.index.files:
                 file.header.release_map()
         _agree("Finishing the checkpoint", lambda: _finish_files(tmp, layout, model) if _rank0() else None)
-        _agree("Publishing the checkpoint", lambda: _publish(tmp, path) if _rank0() else None)
+        _agree("Publishing the checkpoint", lambda: _publish(tmp, path, overwrite) if _rank0() else None)
         done = True
     finally:
         if created and not done and _rank0():
