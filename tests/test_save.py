@@ -255,3 +255,20 @@ def test_quantized_model_is_refused(tmp_path: Path) -> None:
     with pytest.raises(NotImplementedError, match="Fp8HfQuantizer"):
         hf.save(model, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_checkpointer_save_refuses_async_and_non_modules(tmp_path: Path) -> None:
+    ckpt = hf.HuggingFaceCheckpointer()
+    with pytest.raises(NotImplementedError, match="save_async"):
+        ckpt.save(tmp_path / "out", {"model": tiny_model("llama")}, global_step=3, save_async=True)
+    with pytest.raises(TypeError, match=r"nn\.Module to export"):
+        ckpt.save(tmp_path / "out", {"model": {}})
+    assert not (tmp_path / "out").exists()
+
+
+def test_replacement_conversions_are_refused(tmp_path: Path) -> None:
+    model = tiny_model("llama")
+    model._hp_used_replacement_weight_conversions = [object()]
+    with pytest.raises(NotImplementedError, match="replacement conversions"):
+        hf.save(model, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

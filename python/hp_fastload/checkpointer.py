@@ -335,10 +335,22 @@ class HuggingFaceCheckpointer:
         self.loader = resolve_hf_loader(loader)
         self.weights_mapping = list(weights_mapping) if weights_mapping is not None else None
 
-    def save(self, path: str | os.PathLike[str], state: dict[str, Any] | nn.Module, **save_kwargs: Any) -> Any:
+    def save(
+        self,
+        path: str | os.PathLike[str],
+        state: dict[str, Any] | nn.Module,
+        *,
+        global_step: int | None = None,
+        save_async: bool = False,
+        **save_kwargs: Any,
+    ) -> Any:
         """Export ``state["model"]`` (or a module) as a Hugging Face checkpoint: ``hp_fastload.save`` with this
-        checkpointer's ``weights_mapping``; every rank calls it. Returns the ``SaveReport``."""
+        checkpointer's ``weights_mapping``; every rank calls it. Returns the ``SaveReport``. The seed's
+        ``global_step`` is accepted and not stored (the format has no place for it); ``save_async`` is refused."""
         from .save import save
+
+        if save_async:
+            raise NotImplementedError("save_async: the Hugging Face export is synchronous (it returns once published)")
 
         model = state.get("model") if isinstance(state, dict) else state
         if not isinstance(model, nn.Module):

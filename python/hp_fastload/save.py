@@ -176,6 +176,11 @@ def _released(model: nn.Module, rules: list[Any] | None) -> dict[str, torch.Tens
     from transformers.core_model_loading import revert_weight_conversion
     from transformers.modeling_utils import PreTrainedModel, remove_tied_weights_from_state_dict
 
+    if rules is None and getattr(model, "_hp_used_replacement_weight_conversions", None):
+        raise NotImplementedError(
+            "the model was loaded through replacement conversions (model._hp_used_replacement_weight_conversions); "
+            "their two-stage reverse is not supported by save: pass weights_mapping explicitly"
+        )
     if getattr(model, "hf_quantizer", None) is not None:
         raise NotImplementedError(
             f"{type(model).__name__} is quantized ({type(model.hf_quantizer).__name__}); saving quantized models is "
