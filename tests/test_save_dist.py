@@ -34,7 +34,9 @@ LAYOUTS_2 = ["fsdp", "tp", "ep", "tp_fsdp"]
 #: demo.parallelize expects causal-LM layers at model.model.layers
 NOT_BUILDABLE = {("qwen3_vl_moe", "tp_fsdp")}
 COMBOS_2 = [(f, lay) for f in FAMILIES for lay in LAYOUTS_2 if (f, lay) not in NOT_BUILDABLE]
-FAMILIES_4 = ["llama", "mixtral"]
+FAMILIES_4 = ["llama", "mixtral", "qwen3_moe", "phi3", "deepseek_v3", "gpt_oss"]
+#: 4 ranks: the (dp=2, tp=2) mesh for every family, and FSDP2 / EP on 4 (uneven: 4 experts, 24-row MLPs...)
+COMBOS_4 = [(f, "2d") for f in FAMILIES_4] + [(f, lay) for f in ("mixtral", "gpt_oss") for lay in ("fsdp", "ep")]
 
 
 def _torch_ep(model: nn.Module, world: int) -> None:
@@ -228,7 +230,7 @@ def _data_bytes(root: Path) -> int:
 @pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("save_dist")
-    _write_inputs(path, FAMILIES)
+    _write_inputs(path, sorted(set(FAMILIES) | set(FAMILIES_4)))
     os.environ[ROOT_ENV] = str(path)  # spawned ranks inherit the environment
     return path
 
@@ -282,7 +284,7 @@ def test_overwrite_refused_on_every_rank(root: Path, world2: list[dict[str, Any]
 
 
 def check_layouts_2d(rank: int, world: int) -> dict[str, Any]:
-    return _save_layouts(rank, world, [(f, "2d") for f in FAMILIES_4])
+    return _save_layouts(rank, world, COMBOS_4)
 
 
 @pytest.fixture(scope="module")
@@ -290,7 +292,7 @@ def world4(root: Path) -> list[dict[str, Any]]:
     return subcheck_values(run_distributed(run_subchecks, 4, [check_layouts_2d], timeout=500), "check_layouts_2d")
 
 
-@pytest.mark.parametrize("family", FAMILIES_4)
-def test_save_on_a_2d_mesh_of_four_ranks(root: Path, world4: list[dict[str, Any]], family: str) -> None:
-    """demo.parallelize on 4 ranks: a (dp=2, tp=2) mesh, attention TP inside FSDP2."""
-    _check_combo(root, world4, f"{family}/2d", 4)
+@pytest.mark.parametrize(("family", "layout"), COMBOS_4)
+def test_save_on_four_ranks(root: Path, world4: list[dict[str, Any]], family: str, layout: str) -> None:
+    """demo.parallelize on 4 ranks ("2d"): a (dp=2, tp=2) mesh, attention TP inside FSDP2; FSDP2 and EP on 4."""
+    _check_combo(root, world4, f"{family}/{layout}", 4)
