@@ -35,7 +35,7 @@ LAYOUTS_2 = ["fsdp", "tp", "ep", "tp_fsdp"]
 NOT_BUILDABLE = {("qwen3_vl_moe", "tp_fsdp")}
 COMBOS_2 = [(f, lay) for f in FAMILIES for lay in LAYOUTS_2 if (f, lay) not in NOT_BUILDABLE]
 FAMILIES_4 = ["llama", "mixtral", "qwen3_moe", "phi3", "deepseek_v3", "gpt_oss"]
-#: 4 ranks: the (dp=2, tp=2) mesh for every family, and FSDP2 / EP on 4 (uneven: 4 experts, 24-row MLPs...)
+#: 4 ranks: the (dp=2, tp=2) mesh for every family, and FSDP2 / EP on 4 (one expert per rank)
 COMBOS_4 = [(f, "2d") for f in FAMILIES_4] + [(f, lay) for f in ("mixtral", "gpt_oss") for lay in ("fsdp", "ep")]
 
 
