@@ -11,6 +11,7 @@ injected on one rank must make every rank raise and leave nothing at ``path``.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import pickle
@@ -22,14 +23,17 @@ import torch
 from torch import nn
 
 from .dist_utils import run_distributed, run_subchecks, subcheck_values
-from .test_parity import _meta_model, _torch_demo, _torch_fsdp, _torch_tp
-from .tiny_models import tiny_model
+from .test_parity import _torch_demo, _torch_fsdp, _torch_tp
+from .tiny_models import FAMILIES as TINY
+from .tiny_models import model_class, tiny_model
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
 ROOT_ENV = "HPF_SAVE_ROOT"
 SHARD = 4000
-FAMILIES = ["mixtral", "qwen3_moe", "phi3", "llama", "deepseek_v3", "gpt_oss", "qwen3_vl_moe"]
+#: "llama_odd": llama with 63 vocab rows and a 25-wide MLP, so that FSDP2 and TP shards are uneven on 2 ranks
+ODD = {"llama_odd": ("llama", dict(vocab_size=63, intermediate_size=25))}
+FAMILIES = ["mixtral", "qwen3_moe", "phi3", "llama", "llama_odd", "deepseek_v3", "gpt_oss", "qwen3_vl_moe"]
 LAYOUTS_2 = ["fsdp", "tp", "ep", "tp_fsdp"]
 #: demo.parallelize expects causal-LM layers at model.model.layers
 NOT_BUILDABLE = {("qwen3_vl_moe", "tp_fsdp")}
@@ -57,8 +61,34 @@ def _torch_ep(model: nn.Module, world: int) -> None:
 _BUILDERS = {"fsdp": _torch_fsdp, "tp": _torch_tp, "ep": _torch_ep, "tp_fsdp": _torch_demo, "2d": _torch_demo}
 
 
+def _config(family: str) -> Any:
+    from transformers import AutoConfig
+
+    base, extra = ODD.get(family, (family, {}))
+    return AutoConfig.for_model(base, **{**TINY[base], **extra})
+
+
+def _new_model(family: str, meta: bool) -> Any:
+    """The family's model, on meta or initialized (every tensor random, as tiny_models does)."""
+    base = ODD.get(family, (family, {}))[0]
+    if not meta and family not in ODD:
+        return tiny_model(family)
+    cls = model_class(base)
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        if cls.__name__.startswith("Auto"):
+            model = cls.from_config(_config(family), dtype=torch.bfloat16 if meta else None)
+        else:
+            model = cls._from_config(_config(family), dtype=torch.bfloat16 if meta else None)
+    if not meta:
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.randn_like(p))
+    return model
+
+
 def _build(family: str, layout: str, world: int) -> nn.Module:
-    model = _meta_model(family, torch.bfloat16)
+    model = _new_model(family, meta=True)
     _BUILDERS[layout](model, world)
     model.to_empty(device="cpu")
     return model
@@ -200,13 +230,13 @@ def _write_inputs(root: Path, families: list[str]) -> None:
     then transformers' save_pretrained)."""
     import hp_fastload as hf
 
-    from .test_save import _empty_model
-
     for family in families:
         if (root / "ref" / family).exists():
             continue
-        tiny_model(family).to(torch.bfloat16).save_pretrained(root / "src" / family, max_shard_size=SHARD)
-        model = _empty_model(family)
+        _new_model(family, meta=False).to(torch.bfloat16).save_pretrained(root / "src" / family, max_shard_size=SHARD)
+        model = _new_model(family, meta=True)
+        model.to_empty(device="cpu")
+        model.tie_weights()
         hf.load(model, root / "src" / family)
         model.save_pretrained(root / "ref" / family, max_shard_size=SHARD)
 
