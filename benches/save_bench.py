@@ -1,7 +1,7 @@
 """Export benchmark: ``hp_fastload.save`` against its peers on 2 gloo ranks, same run, same models.
 
     python benches/save_bench.py                 # dense ~1.5 GB bf16 Llama + ~0.75 GB Mixtral, FSDP2 (~5 min)
-    python benches/save_bench.py --quick         # tiny models, seconds (tests/test_bench_scripts.py style)
+    python benches/save_bench.py --quick         # tiny models (tests/test_bench_scripts.py); exit 1 on any error
 
 Each (model, method) runs in a fresh 2-rank spawn: the model is built on meta, laid out with FSDP2 (every
 decoder layer and the root), materialized and filled with seeded values; then, between barriers, one method
@@ -298,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
             + " / ".join(f"{(r['peak_rss'] - r['rss_before']) / 1e9:.2f}" for r in ranks)
             + " |"
         )
-    return 0
+    failed = [r for r in rows if any("error" in x for x in r.get("ranks", ())) or r.get("ok") is False]
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
