@@ -272,3 +272,24 @@ def test_replacement_conversions_are_refused(tmp_path: Path) -> None:
     with pytest.raises(NotImplementedError, match="replacement conversions"):
         hf.save(model, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("staging_bytes", [1 << 20, 512])
+def test_staged_writes_equal_direct_ones(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, staging_bytes: int) -> None:
+    """The device path (double-buffered host slabs, row blocks cut to the slab, written one slab behind) taken
+    by CPU shards: the same directory as save_pretrained's. 512 bytes: most tensors are cut into row blocks."""
+    import functools
+
+    real = save_mod._write_regions
+    calls: list[int] = []
+
+    def staged(*args: Any, **kwargs: Any) -> None:
+        calls.append(1)
+        real(*args, **kwargs, staging_bytes=staging_bytes, stage_all=True)
+
+    monkeypatch.setattr(save_mod, "_write_regions", functools.wraps(real)(staged))
+    model = tiny_model("mixtral")
+    model.save_pretrained(tmp_path / "ref", max_shard_size=SHARD)
+    hf.save(model, tmp_path / "out", max_shard_size=SHARD)
+    assert calls == [1]
+    _assert_same_dir(tmp_path / "ref", tmp_path / "out")

@@ -30,7 +30,7 @@ from torch import nn
 from . import _core
 from .checkpointer import _agree, _dist_active, _plan_at
 from .errors import PlanError, TargetError
-from .execute import _Batch
+from .execute import _Batch, _staging_chunks
 from .plan import LoadPlan, ReadItem, TemplateReads, gc_paused
 from .targets import Target
 
@@ -39,6 +39,7 @@ __all__ = ["SaveReport", "save"]
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 DEFAULT_BATCH_BYTES = 1 << 30
+DEFAULT_STAGING_BYTES = 512 << 20
 
 # safetensors writes tensor data sorted by dtype, largest enum value first (then by name); this is its enum
 # order (safetensors' ``Dtype``), checked against safetensors' own files in tests/test_save.py.
@@ -397,13 +398,6 @@ def _write_batch(batch: _WriteBatch, threads: int | None, stats: _Stats) -> None
     batch.run(threads, None, stats)
 
 
-def _cpu_local(target: Target) -> torch.Tensor:
-    local = target.local()
-    if local.device.type == "cpu":
-        return local
-    return local.detach().to("cpu")
-
-
 def _planned_bytes(save_plan: LoadPlan, fallback: set[str], groups: list[tuple[list[str], list[Target]]]) -> int:
     """The data bytes this rank is about to write (its region writes, and on rank 0 the fallback tensors)."""
     total = 0
@@ -430,18 +424,116 @@ def _check_writers(planned: list[int], layout: _Layout) -> None:
         )
 
 
+class _D2HStager:
+    """Host staging for device shards: two reusable slabs of ``budget // 2`` bytes (pinned when CUDA is there).
+
+    A shard's rows are copied into the current slab on a side stream (non-blocking); when a slab is full its
+    batch waits, and it is written only after the next slab's copies have been queued, so the device-to-host
+    copies of one slab overlap the positioned writes of the other. Memory stays at ``budget`` (a block of rows
+    larger than a slab gets a slab of its own size); rows are cut as the load's staging cuts them.
+    """
+
+    ALIGN = 64
+
+    def __init__(self, budget: int) -> None:
+        self.slab_bytes = max(budget // 2, self.ALIGN)
+        self.pin = torch.cuda.is_available()
+        self.stream = torch.cuda.Stream() if self.pin else None
+        self.slabs: list[torch.Tensor | None] = [None, None]
+        self.current = 0
+        self.used = 0
+
+    def fits(self, rows: torch.Tensor) -> bool:
+        return self.used == 0 or self.used + rows.numel() * rows.element_size() <= self.slab_bytes
+
+    def stage(self, rows: torch.Tensor) -> torch.Tensor:
+        """A host copy of ``rows`` in the current slab (queued, not finished: see ``event``)."""
+        nbytes = rows.numel() * rows.element_size()
+        slab = self.slabs[self.current]
+        if slab is None or slab.numel() < self.used + nbytes:
+            slab = torch.empty(max(self.used + nbytes, self.slab_bytes), dtype=torch.uint8, pin_memory=self.pin)
+            self.slabs[self.current] = slab  # views already handed out keep the previous one alive
+        view = slab[self.used : self.used + nbytes].view(rows.dtype).view(rows.shape)
+        if self.stream is not None and rows.device.type == "cuda":
+            self.stream.wait_stream(torch.cuda.current_stream(rows.device))
+            with torch.cuda.stream(self.stream):
+                view.copy_(rows, non_blocking=True)
+        else:
+            view.copy_(rows)
+        self.used += -(-nbytes // self.ALIGN) * self.ALIGN
+        return view
+
+    def event(self) -> Any:
+        """Marks the copies queued so far (None without CUDA: they are done) and switches slabs."""
+        event = None
+        if self.stream is not None:
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        self.current = 1 - self.current
+        self.used = 0
+        return event
+
+
 def _write_regions(
-    save_plan: LoadPlan, fallback: set[str], threads: int | None, batch_bytes: int, stats: _Stats
+    save_plan: LoadPlan,
+    fallback: set[str],
+    threads: int | None,
+    batch_bytes: int,
+    stats: _Stats,
+    staging_bytes: int = DEFAULT_STAGING_BYTES,
+    stage_all: bool = False,
 ) -> None:
-    batch = _WriteBatch(save_plan.index)
+    """The region writes of this rank, in engine batches of ``batch_bytes``. Device shards (and, with
+    ``stage_all``, CPU ones: the tests' way through this path without a GPU) go through ``_D2HStager``."""
+    index = save_plan.index
+    batch = _WriteBatch(index)
+    stager: _D2HStager | None = None
+    pending: tuple[_WriteBatch, Any] | None = None  # a full slab's batch, written once the next one is queued
+
+    def run_pending() -> None:
+        nonlocal pending
+        if pending is not None:
+            done, event = pending
+            if event is not None:
+                event.synchronize()
+            _write_batch(done, threads, stats)
+            pending = None
+
+    def flush(staged: bool) -> None:
+        nonlocal batch, pending
+        if staged:
+            assert stager is not None
+            event = stager.event()
+            run_pending()  # the previous slab, while this one's copies run
+            pending = (batch, event)
+        else:
+            _write_batch(batch, threads, stats)
+        batch = _WriteBatch(index)
+
     for name, (target, items) in save_plan.region_reads.items():
         if not items or name in fallback or not _mesh_coordinate_writes(target):
             continue
-        batch.add_boxes(items, _cpu_local(target))
-        if batch.nbytes >= batch_bytes:
-            _write_batch(batch, threads, stats)
-            batch = _WriteBatch(save_plan.index)
-    _write_batch(batch, threads, stats)
+        local = target.local()
+        if local.device.type == "cpu" and not stage_all:
+            batch.add_boxes(items, local)
+            if batch.nbytes >= batch_bytes:
+                flush(staged=stager is not None)  # a batch holding staged views waits for their copies
+            continue
+        if stager is None:
+            if batch.count:
+                flush(staged=False)
+            stager = _D2HStager(staging_bytes)
+        for rows, row_items in _staging_chunks(local, items, stager.slab_bytes):
+            if not stager.fits(rows):
+                flush(staged=True)
+            view = stager.stage(rows)
+            batch.keep.append(view)
+            batch.add_boxes(row_items, view)
+    if stager is not None:
+        flush(staged=True)
+        run_pending()
+    else:
+        _write_batch(batch, threads, stats)
 
 
 def _write_whole(save_plan: LoadPlan, tensors: dict[str, torch.Tensor], threads: int | None, stats: _Stats) -> None:
