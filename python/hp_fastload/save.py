@@ -5,8 +5,9 @@ tensors dropped and the conversions reverted by transformers' own code, run on m
 shapes, so no data moves), the deterministic file layout (transformers' shard split, safetensors' header and
 data order), the temporary sibling directory and its atomic rename, the choice of one writer per replicated
 region, the write batches (the load plan of each rank's local shards against the virtual checkpoint, handed
-to the engine in the write direction), the torch fallback for targets whose conversion has no exact region
-inverse, and the cross-rank agreement that makes a failure on any rank leave nothing at ``path``.
+to the engine in the write direction; device shards through pinned double-buffered host slabs), the torch
+fallback for targets whose conversion has no exact region inverse, and the cross-rank agreement that makes a
+failure on any rank leave nothing at ``path``.
 """
 
 from __future__ import annotations
