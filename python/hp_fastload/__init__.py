@@ -11,7 +11,8 @@ from __future__ import annotations
 from .checkpointer import HF_LOADER_ENV, HuggingFaceCheckpointer, load, plan, resolve_hf_loader
 from .engine import SafetensorsFile, read_into, read_many
 from .errors import HeaderError, HpFastloadError, PlanError, ReadError, TargetError
-from .plan import ConversionError, LoadPlan, LoadReport
+from .plan import ConversionError, LoadPlan, LoadReport, Replacement
+from .quant import QuantizationError
 from .save import SaveReport, save
 
 __all__ = [
@@ -23,7 +24,9 @@ __all__ = [
     "LoadPlan",
     "LoadReport",
     "PlanError",
+    "QuantizationError",
     "ReadError",
+    "Replacement",
     "SafetensorsFile",
     "SaveReport",
     "TargetError",

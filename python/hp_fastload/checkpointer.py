@@ -24,7 +24,8 @@ from . import errors
 from .engine import threads_per_rank
 from .execute import execute_plan
 from .index import CheckpointIndex, resolve_checkpoint_location
-from .plan import LoadPlan, LoadReport, gc_paused, plan_load
+from .plan import LoadPlan, LoadReport, Replacement, gc_paused, plan_load
+from .quant import QuantizationError
 from .rules import resolve_mapping
 from .targets import build_targets
 
@@ -73,6 +74,7 @@ _REBUILDABLE: dict[str, type[BaseException]] = {
         errors.PlanError,
         errors.ReadError,
         errors.TargetError,
+        QuantizationError,
     )
 }
 
@@ -152,10 +154,12 @@ def plan(
     claimed_source_keys: Collection[str] = frozenset(),
     mesh_override: Any = None,
     revision: str | None = None,
+    replacement: Replacement | None = None,
 ) -> LoadPlan:
     """Dry run: what this rank (or a virtual rank, see ``targets.build_targets``'s ``mesh_override``) reads.
 
     Reads headers only. ``LoadPlan.read_bytes_by_file()`` / ``read_bytes_by_target()`` / ``summary()``.
+    The arguments are ``load``'s.
     """
     return _plan_at(
         model,
@@ -167,6 +171,7 @@ def plan(
         external_target_fqns=external_target_fqns,
         claimed_source_keys=claimed_source_keys,
         mesh_override=mesh_override,
+        replacement=replacement,
     )
 
 
@@ -181,6 +186,7 @@ def _plan_at(
     external_target_fqns: Collection[str],
     claimed_source_keys: Collection[str],
     mesh_override: Any = None,
+    replacement: Replacement | None = None,
 ) -> LoadPlan:
     """Headers, targets and rules of one (possibly virtual) rank, planned; nothing is read. The cyclic GC is
     paused throughout (indexing a 90k-tensor header allocates ~10^5 objects; every full collection would
@@ -200,6 +206,7 @@ def _plan_at(
         trace=loader == "dcp",
         claimed_source_keys=frozenset(claimed_source_keys),
         loader=loader,
+        replacement=replacement,
     )
 
 
@@ -221,6 +228,7 @@ def load(
     backend: str | None = None,
     revision: str | None = None,
     share_replicated: bool = False,
+    replacement: Replacement | None = None,
 ) -> LoadReport:
     """Fill ``model``'s parameters and persistent buffers (DTensor shards or plain) from a HF checkpoint.
 
@@ -229,6 +237,9 @@ def load(
     missing; unexpected checkpoint keys are only logged. ``share_replicated=True`` (region loader, several
     ranks) has one replica of each replicated DTensor read it and broadcast it to the others (``share``).
     ``threads`` defaults to this process's cores divided by the ranks on its node (``LOCAL_WORLD_SIZE``).
+    ``replacement`` (an ``hp_fastload.Replacement``) is the second stage of a model whose modules were
+    replaced after the checkpoint's layout was fixed; None takes it from the model's
+    ``_hp_replacement_weight_conversions`` / ``_hp_checkpoint_source_shapes`` when both are set.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"load() needs a live nn.Module to write into, got {type(model).__name__}")
@@ -249,6 +260,7 @@ def load(
             strict=strict,
             external_target_fqns=external_target_fqns,
             claimed_source_keys=claimed_source_keys,
+            replacement=replacement,
         ),
     )
     replicas = None
