@@ -234,9 +234,11 @@ fn plan_error(py: Python<'_>, message: String) -> PyErr {
     raise(py, "PlanError", message)
 }
 
-/// Reads a batch of strided boxes into caller memory; see `_core.pyi`.
+/// Reads a batch of strided boxes into caller memory, or (`direction="write"`) writes them from caller
+/// memory into the files; see `_core.pyi`.
 #[pyfunction]
-#[pyo3(signature = (headers, dests, items, threads=None, backend="auto"))]
+#[pyo3(signature = (headers, dests, items, threads=None, backend="auto", direction="read"))]
+#[allow(clippy::too_many_arguments)]
 fn execute<'py>(
     py: Python<'py>,
     headers: Vec<PyRef<'py, SafetensorsHeader>>,
@@ -244,7 +246,18 @@ fn execute<'py>(
     items: &[u8],
     threads: Option<i64>,
     backend: &str,
+    direction: &str,
 ) -> PyResult<Bound<'py, PyDict>> {
+    let write = match direction {
+        "read" => false,
+        "write" => true,
+        _ => {
+            return Err(plan_error(
+                py,
+                format!("unknown direction '{direction}' (expected read or write)"),
+            ))
+        }
+    };
     let files = shared(&headers);
     if dests.len() % 24 != 0 {
         return Err(plan_error(
@@ -328,7 +341,10 @@ fn execute<'py>(
     let stats = py
         .detach(move || {
             let dests = crate::dest::from_python(&triples);
-            execute_batch(&files, &dests, &items, &opts)
+            match write {
+                false => execute_batch(&files, &dests, &items, &opts),
+                true => crate::exec::execute_write(&files, &dests, &items, &opts),
+            }
         })
         .map_err(|e| to_py(py, e))?;
     let out = PyDict::new(py);

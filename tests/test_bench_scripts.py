@@ -189,3 +189,16 @@ def test_cold_rounds_merge_into_one_result_per_configuration() -> None:
     assert a["verify"]["mismatched"] == 1 and a["peak_rss_bytes"] == 20 and a["process_seconds"] == 3.0
     assert a["anon_added_bytes"] == 2 and "round" not in a
     assert b["error"] == "boom"
+
+
+def test_save_bench_quick(tmp_path: Path) -> None:
+    """``benches/save_bench.py --quick`` on the MoE model, hp_fastload and the gather peer: both ranks report
+    their writes, each writes its half, and the two outputs hold the same tensors (the script's own check)."""
+    args = [str(BENCHES / "save_bench.py"), "--quick", "--out", str(tmp_path), "--models", "moe"]
+    _run([*args, "--methods", "hp_save", "gather_save_pretrained"], timeout=500)
+    (result,) = tmp_path.glob("hp_save_bench_*/save_bench.json")
+    rows = json.loads(result.read_text())
+    hp = next(r for r in rows if r.get("method") == "hp_save")
+    writes = [rank["wchar"] for rank in hp["ranks"]]
+    assert len(writes) == 2 and min(writes) > 0.4 * hp["output_bytes"] / 2
+    assert [r["ok"] for r in rows if "check" in r] == [True]

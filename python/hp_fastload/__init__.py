@@ -1,4 +1,5 @@
-"""hp_fastload: load Hugging Face safetensors checkpoints straight into local shards of distributed models.
+"""hp_fastload: load Hugging Face safetensors checkpoints straight into local shards of distributed models,
+and save them back (``save``: every rank writes its own shards into the released layout).
 
 The Rust engine (``hp_fastload._core``) reads strided boxes of safetensors tensors into caller memory in
 parallel threads; the Python layer plans which boxes each rank needs, through the checkpoint's conversion
@@ -12,6 +13,7 @@ from .engine import SafetensorsFile, clear_cache, read_into, read_many
 from .errors import CheckpointMismatchError, HeaderError, HpFastloadError, PlanError, ReadError, TargetError
 from .plan import ConversionError, LoadPlan, LoadReport, Replacement
 from .quant import QuantizationError
+from .save import SaveReport, save
 
 __all__ = [
     "HF_LOADER_ENV",
@@ -27,6 +29,7 @@ __all__ = [
     "ReadError",
     "Replacement",
     "SafetensorsFile",
+    "SaveReport",
     "TargetError",
     "clear_cache",
     "load",
@@ -34,4 +37,5 @@ __all__ = [
     "read_into",
     "read_many",
     "resolve_hf_loader",
+    "save",
 ]

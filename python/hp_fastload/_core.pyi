@@ -56,6 +56,7 @@ def execute(
     items: bytes,
     threads: int | None = None,
     backend: str = "auto",
+    direction: str = "read",
 ) -> dict[str, int | str]:
     """Read a batch of strided boxes into caller memory, with the GIL released.
 
@@ -64,4 +65,8 @@ def execute(
     [file, tensor, src_base, dest, dst_base, ndim, lengths x MAX_NDIM, src_strides x MAX_NDIM,
     dst_strides x MAX_NDIM], in elements. ``backend``: "auto", "mmap" or "pread". Returns the stats
     bytes_copied, bytes_read_from_files, runs, spans, backend, threads.
+
+    ``direction="write"``: the same items the other way: each box is copied from its buffer into its
+    tensor's bytes in the file (positioned writes; the files exist at their final size with their headers
+    written; dtypes must be equal). ``backend`` is ignored; bytes_copied counts bytes written.
     """

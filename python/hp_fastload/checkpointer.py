@@ -423,7 +423,8 @@ def _record_used_rules(model: nn.Module, load_plan: LoadPlan) -> None:
 
 
 class HuggingFaceCheckpointer:
-    """Load-only checkpointer for Hugging Face safetensors checkpoints (hyper-parallel's contract).
+    """Checkpointer for Hugging Face safetensors checkpoints (hyper-parallel's contract): ``load`` fills a
+    model, ``save`` exports it (``hp_fastload.save``).
 
     Args:
         loader: ``"dcp"`` (exact region reads) or ``"legacy"`` (whole tensors, sliced on the host); None
@@ -436,11 +437,28 @@ class HuggingFaceCheckpointer:
         self.loader = resolve_hf_loader(loader)
         self.weights_mapping = list(weights_mapping) if weights_mapping is not None else None
 
-    def save(self, *args: Any, **kwargs: Any) -> None:
-        raise NotImplementedError(
-            "HuggingFaceCheckpointer only loads pretrained checkpoints; save training state with a "
-            "distributed checkpointer (torch.distributed.checkpoint) or export with the model's save_pretrained()"
-        )
+    def save(
+        self,
+        path: str | os.PathLike[str],
+        state: dict[str, Any] | nn.Module,
+        *,
+        global_step: int | None = None,
+        save_async: bool = False,
+        **save_kwargs: Any,
+    ) -> Any:
+        """Export ``state["model"]`` (or a module) as a Hugging Face checkpoint: ``hp_fastload.save`` with this
+        checkpointer's ``weights_mapping``; every rank calls it. Returns the ``SaveReport``. The seed's
+        ``global_step`` is accepted and not stored (the format has no place for it); ``save_async`` is refused."""
+        from .save import save
+
+        if save_async:
+            raise NotImplementedError("save_async: the Hugging Face export is synchronous (it returns once published)")
+
+        model = state.get("model") if isinstance(state, dict) else state
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"state['model'] must be an nn.Module to export, got {type(model).__name__}")
+        save_kwargs.setdefault("weights_mapping", self.weights_mapping)
+        return save(model, path, **save_kwargs)
 
     def load(
         self,
