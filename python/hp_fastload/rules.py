@@ -537,7 +537,7 @@ class _ModelView:
     class-level rule. The user's model is not touched: each wrapped submodule is stood in for by a bare,
     uninitialized instance of its own class that carries only its ``config``."""
 
-    def __init__(self, model: Any, pretrained: type) -> None:
+    def __init__(self, model: Any, pretrained: Any) -> None:
         self._model = model
         self._pretrained = pretrained
         self.base_model_prefix = getattr(own_class(model), "base_model_prefix", model.base_model_prefix)
@@ -547,7 +547,7 @@ class _ModelView:
             cls: Any = own_class(module)
             if cls is not type(module) and isinstance(module, self._pretrained):
                 stand_in: Any = cls.__new__(cls)
-                object.__setattr__(stand_in, "config", module.config)
+                stand_in.__dict__["config"] = module.config  # no __init__ ran: only the instance dict
                 module = stand_in
             yield name, module
 
