@@ -23,6 +23,7 @@ from torch import nn
 from . import errors
 from .engine import threads_per_rank
 from .execute import execute_plan
+from .finalize import non_persistent_buffers, recreate_buffers, retie
 from .index import CheckpointIndex, resolve_checkpoint_location
 from .plan import LoadPlan, LoadReport, gc_paused, plan_load
 from .rules import resolve_mapping
@@ -221,6 +222,7 @@ def load(
     backend: str | None = None,
     revision: str | None = None,
     share_replicated: bool = False,
+    finalize: bool = True,
 ) -> LoadReport:
     """Fill ``model``'s parameters and persistent buffers (DTensor shards or plain) from a HF checkpoint.
 
@@ -229,6 +231,12 @@ def load(
     missing; unexpected checkpoint keys are only logged. ``share_replicated=True`` (region loader, several
     ranks) has one replica of each replicated DTensor read it and broadcast it to the others (``share``).
     ``threads`` defaults to this process's cores divided by the ranks on its node (``LOCAL_WORLD_SIZE``).
+
+    ``finalize`` (default) also finishes what a checkpoint does not hold (``finalize``): tied weights that
+    parallelization or ``to_empty`` untied are tied again before planning (transformers models, through
+    ``tie_weights()``), and non-persistent buffers (rotary ``inv_freq``...) are recomputed after reading
+    through the model's own ``initialize_weights()``, as ``from_pretrained`` does; buffers nothing re-created
+    are listed in ``LoadReport.unfilled_buffers``.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"load() needs a live nn.Module to write into, got {type(model).__name__}")
@@ -238,6 +246,7 @@ def load(
         threads = threads_per_rank()
 
     location = _resolve_location_once(path, revision)
+    retied: list[str] = _agree("Tying the model's tied weights", lambda: retie(model)) if finalize else []
     load_plan: LoadPlan = _agree(
         "Planning the pretrained load",
         lambda: _plan_at(
@@ -284,6 +293,7 @@ def load(
         for target in deferred.claims.values():
             target.tensor._is_hf_initialized = True  # type: ignore[attr-defined]
     _record_used_rules(model, load_plan)
+    unfilled = recreate_buffers(model) if finalize else [name for name, _ in non_persistent_buffers(model)]
     seconds = time.perf_counter() - start
     report = LoadReport(
         loaded_keys=load_plan.report.loaded_keys,
@@ -296,6 +306,8 @@ def load(
         region_targets=load_plan.report.region_targets,
         deferred_targets=load_plan.report.deferred_targets,
         loader=name,
+        retied_keys=tuple(retied),
+        unfilled_buffers=tuple(unfilled),
     )
     if report.unexpected_keys:
         log.warning(

@@ -1,0 +1,166 @@
+"""A training script's prologue on 2 gloo ranks (issue 15): tiny fp32 Llama (tied) and Qwen3-MoE.
+
+Three ways to get a parallelized, loaded model, each checked against transformers' single-process
+``from_pretrained`` of the same checkpoint: non-persistent buffers bit-equal, ties kept, and the loss of one
+forward/backward/SGD step, and the loss after it, equal to the single-process ones (up to the reduction order
+of the sharded matmuls and gradient reductions):
+
+- (a) the user builds on meta, parallelizes (FSDP2 per layer and root), ``to_empty``, ``hp_fastload.load``;
+
+One spawn runs every check; the parent writes the checkpoints with ``save_pretrained`` and computes the
+single-process reference.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from .dist_utils import run_distributed, run_subchecks, subcheck_values
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
+
+ROOT_ENV = "HPF_PROLOGUE_ROOT"
+_SIZES: dict[str, Any] = dict(
+    vocab_size=64,
+    hidden_size=16,
+    intermediate_size=24,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=4,
+    max_position_embeddings=64,
+)
+CONFIGS: dict[str, dict[str, Any]] = {
+    "llama": dict(_SIZES, tie_word_embeddings=True),
+    "qwen3_moe": dict(_SIZES, tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8),
+}
+TIED = {"llama": ("lm_head.weight", "model.embed_tokens.weight")}
+
+
+def _config(family: str) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(family, **CONFIGS[family])
+
+
+def _path(family: str) -> Path:
+    return Path(os.environ[ROOT_ENV]) / family
+
+
+def _batch() -> torch.Tensor:
+    generator = torch.Generator().manual_seed(3)
+    return torch.randint(0, _SIZES["vocab_size"], (4, 11), generator=generator)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _observe(model: nn.Module, family: str) -> dict[str, Any]:
+    """Buffers, ties, and the losses of one SGD step: what every way of building the model must agree on."""
+    from hp_fastload.finalize import non_persistent_buffers
+
+    buffers = {name: b.detach().clone() for name, b in non_persistent_buffers(model)}
+    ties = {}
+    if family in TIED:
+        a, b = TIED[family]
+        ties[a] = model.get_parameter(a) is model.get_parameter(b)
+    ids = _batch()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    model.train()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    optimizer.step()
+    with torch.no_grad():
+        after = model(input_ids=ids, labels=ids).loss
+    if family in TIED:
+        a, b = TIED[family]
+        ties[a + " after the step"] = model.get_parameter(a) is model.get_parameter(b)
+    return {"buffers": buffers, "ties": ties, "loss": _full(loss).item(), "loss_after_step": _full(after).item()}
+
+
+def _meta_model(family: str) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(_config(family), dtype=torch.float32)
+
+
+def fsdp(model: nn.Module) -> None:
+    """The user's parallelization: FSDP2 on every decoder layer, then the root."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def _user_parallelized(family: str) -> dict[str, Any]:
+    import hp_fastload
+
+    model = _meta_model(family)
+    fsdp(model)
+    model.to_empty(device="cpu")
+    report = hp_fastload.load(model, _path(family))
+    assert not report.missing_keys and not report.unfilled_buffers, report.summary()
+    return _observe(model, family)
+
+
+def check_user_parallelized_llama(rank: int, world: int) -> dict[str, Any]:
+    return _user_parallelized("llama")
+
+
+def check_user_parallelized_qwen3_moe(rank: int, world: int) -> dict[str, Any]:
+    return _user_parallelized("qwen3_moe")
+
+
+CHECKS = [check_user_parallelized_llama, check_user_parallelized_qwen3_moe]
+
+
+@pytest.fixture(scope="module")
+def prologue(tmp_path_factory) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("prologue")
+    references = {}
+    for family in CONFIGS:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(_config(family))
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.randn_like(p) * 0.5)
+        model.save_pretrained(root / family)
+        reference = AutoModelForCausalLM.from_pretrained(root / family, dtype=torch.float32)
+        os.environ[ROOT_ENV] = str(root)
+        references[family] = _observe(reference, family)
+    try:
+        per_rank = run_distributed(run_subchecks, 2, checks=CHECKS, timeout=500)
+    finally:
+        os.environ.pop(ROOT_ENV, None)
+    return references, per_rank
+
+
+def _agrees(observed: dict[str, Any], expected: dict[str, Any]) -> None:
+    assert sorted(observed["buffers"]) == sorted(expected["buffers"])
+    for name, value in expected["buffers"].items():
+        assert torch.equal(observed["buffers"][name], value), f"non-persistent buffer {name} differs"
+    assert observed["ties"] == expected["ties"]
+    assert all(observed["ties"].values()), observed["ties"]
+    assert observed["loss"] == pytest.approx(expected["loss"], rel=1e-6, abs=1e-6)
+    assert observed["loss_after_step"] == pytest.approx(expected["loss_after_step"], rel=1e-5, abs=1e-5)
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+@pytest.mark.parametrize("way", ["user_parallelized"])
+def test_prologue_matches_single_process_from_pretrained(prologue, way, family):
+    references, per_rank = prologue
+    for observed in subcheck_values(per_rank, f"check_{way}_{family}"):
+        _agrees(observed, references[family])
