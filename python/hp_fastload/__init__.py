@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from .checkpointer import HF_LOADER_ENV, HuggingFaceCheckpointer, load, plan, resolve_hf_loader
 from .engine import SafetensorsFile, read_into, read_many
-from .errors import HeaderError, HpFastloadError, PlanError, ReadError, TargetError
+from .errors import HeaderError, HpFastloadError, MissingKeysError, PlanError, ReadError, TargetError
 from .plan import ConversionError, LoadPlan, LoadReport
 
 __all__ = [
@@ -20,6 +20,7 @@ __all__ = [
     "HuggingFaceCheckpointer",
     "LoadPlan",
     "LoadReport",
+    "MissingKeysError",
     "PlanError",
     "ReadError",
     "SafetensorsFile",

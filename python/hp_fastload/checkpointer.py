@@ -9,6 +9,7 @@ the one summary log line. Planning lives in ``plan``, reading in ``execute``.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import sys
@@ -70,6 +71,7 @@ _REBUILDABLE: dict[str, type[BaseException]] = {
         OSError,
         NotImplementedError,
         errors.HpFastloadError,
+        errors.MissingKeysError,
         errors.HeaderError,
         errors.PlanError,
         errors.ReadError,
@@ -92,7 +94,7 @@ def _agree(stage: str, fn: Callable[[], Any]) -> Any:
         return result
     payload = None if failure is None else (type(failure).__name__, str(failure))
     gathered: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(gathered, payload)
+    _waiting(stage, lambda: torch.distributed.all_gather_object(gathered, payload))
     if failure is not None:
         raise failure
     for rank, item in enumerate(gathered):
@@ -104,6 +106,31 @@ def _agree(stage: str, fn: Callable[[], Any]) -> Any:
                 raise cls(text)
             raise RuntimeError(text)
     return result
+
+
+_COLLECTIVE_FAILURES = ("gloo", "nccl", "connection closed", "connection reset", "timed out", "timeout", "processgroup")
+
+
+def _waiting(stage: str, collective: Callable[[], Any]) -> Any:
+    """Run a collective of ``load``; when it fails because another rank is not there, say so.
+
+    Every rank of the default process group must call ``load`` together: a rank that skipped the call, failed
+    before it or exited leaves the others waiting in their first collective until the peer's connection closes
+    or the process group's timeout (``init_process_group(timeout=...)``) expires.
+    """
+    try:
+        return collective()
+    except RuntimeError as exc:
+        distributed = getattr(torch.distributed, "DistError", ())
+        if not (isinstance(exc, distributed) or any(m in str(exc).lower() for m in _COLLECTIVE_FAILURES)):
+            raise
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        raise RuntimeError(
+            f"hp_fastload.load: rank {rank} of {world} waited for the other ranks while {stage.lower()} and the "
+            f"collective failed ({str(exc).splitlines()[0][:300]}). Every rank of the default process group "
+            "must call hp_fastload.load (or from_pretrained) together; a rank that skipped the call, failed "
+            "before it or exited makes the others wait until the process group's timeout"
+        ) from exc
 
 
 def _resolve_location_once(path: str | os.PathLike[str], revision: str | None) -> Path:
@@ -192,16 +219,46 @@ def _plan_at(
             model, external_target_fqns=frozenset(external_target_fqns), mesh_override=mesh_override
         )
         rules = resolve_mapping(model, weights_mapping, key_mapping)
-    return plan_load(
-        model,
-        index,
-        targets,
-        rules,
-        strict=strict,
-        trace=loader == "dcp",
-        claimed_source_keys=frozenset(claimed_source_keys),
-        loader=loader,
-    )
+    try:
+        return plan_load(
+            model,
+            index,
+            targets,
+            rules,
+            strict=strict,
+            trace=loader == "dcp",
+            claimed_source_keys=frozenset(claimed_source_keys),
+            loader=loader,
+        )
+    except errors.MissingKeysError as exc:
+        hint = _config_mismatch(model, location)
+        if not hint:
+            raise
+        raise errors.MissingKeysError(f"{exc} {hint}", exc.missing_keys, exc.unexpected_keys) from None
+
+
+_COMPARED_CONFIG_FIELDS = ("model_type", "num_hidden_layers", "hidden_size", "vocab_size")
+
+
+def _config_mismatch(model: nn.Module, location: Path) -> str:
+    """Where the checkpoint's ``config.json`` and the model's config disagree (architecture, depth, size)."""
+    config_path = (location if location.is_dir() else location.parent) / "config.json"
+    config = getattr(model, "config", None)
+    if config is None or not config_path.is_file():
+        return ""
+    try:
+        saved = json.loads(config_path.read_text())
+    except (OSError, ValueError):
+        return ""
+    ours = config.to_dict() if hasattr(config, "to_dict") else vars(config)
+    text_saved, text_ours = saved.get("text_config") or {}, ours.get("text_config") or {}
+    differences = []
+    for key in _COMPARED_CONFIG_FIELDS:
+        theirs = saved.get(key, text_saved.get(key))
+        mine = ours.get(key, text_ours.get(key) if isinstance(text_ours, dict) else None)
+        if theirs is not None and mine is not None and theirs != mine:
+            differences.append(f"{key} {theirs!r} in the checkpoint, {mine!r} in the model")
+    return f"The checkpoint's config.json disagrees: {'; '.join(differences)}." if differences else ""
 
 
 # The cyclic GC is paused for the whole load: planning and packing a 20k-tensor MoE allocate ~10^5 small
@@ -245,7 +302,7 @@ def load(
     if threads is None:
         threads = threads_per_rank()
 
-    location = _resolve_location_once(path, revision)
+    location = _waiting("Resolving the checkpoint location", lambda: _resolve_location_once(path, revision))
     retied: list[str] = _agree("Tying the model's tied weights", lambda: retie(model)) if finalize else []
     load_plan: LoadPlan = _agree(
         "Planning the pretrained load",

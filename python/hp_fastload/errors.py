@@ -8,7 +8,9 @@ for failed reads). Missing and unreadable files raise the builtin ``FileNotFound
 
 from __future__ import annotations
 
-__all__ = ["HeaderError", "HpFastloadError", "PlanError", "ReadError", "TargetError"]
+from collections.abc import Sequence
+
+__all__ = ["HeaderError", "HpFastloadError", "MissingKeysError", "PlanError", "ReadError", "TargetError"]
 
 
 class HpFastloadError(Exception):
@@ -31,3 +33,14 @@ class ReadError(HpFastloadError, OSError):
 
 class TargetError(HpFastloadError, ValueError):
     """A model tensor cannot receive what the checkpoint holds (used by the loader)."""
+
+
+class MissingKeysError(HpFastloadError, RuntimeError):
+    """A strict load would leave model tensors unfilled (raised before any byte is read). A ``RuntimeError``, as
+    the seed's strict check was. ``missing_keys`` / ``unexpected_keys`` hold the names (empty when the error was
+    rebuilt on another rank from its message)."""
+
+    def __init__(self, message: str, missing_keys: Sequence[str] = (), unexpected_keys: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.missing_keys = tuple(missing_keys)
+        self.unexpected_keys = tuple(unexpected_keys)

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from .engine import SafetensorsFile, gc_paused
-from .errors import PlanError, TargetError
+from .errors import MissingKeysError, PlanError, TargetError
 from .groups import LoadGroup, build_groups, masked_name, rename_key
 from .index import CheckpointIndex
 from .region import Block, RegionTensor, UnsupportedRegionOp
@@ -827,6 +827,17 @@ def _plan_replacement_stage(
     claims.add_deferred(pending)
 
 
+def _missing_keys_error(missing: Sequence[str], unexpected: Sequence[str]) -> MissingKeysError:
+    text = f"Checkpoint did not load {len(missing)} owned model tensors; first keys: {', '.join(missing[:10])}"
+    if unexpected:
+        text += (
+            f". The checkpoint also holds {len(unexpected)} tensors this model does not own (first: "
+            f"{', '.join(unexpected[:5])}): is it a checkpoint of another architecture, depth or size, or does it "
+            "need a weights_mapping / key_mapping?"
+        )
+    return MissingKeysError(text, missing, unexpected)
+
+
 def plan_load(*args: Any, **kwargs: Any) -> LoadPlan:
     """Plan one rank's load (see ``_plan_load``), with the cyclic garbage collector paused.
 
@@ -895,8 +906,7 @@ def _plan_load(
             claims.direct(group, tracer.run(group), model)
     missing = sorted(set(targets) - claims.loaded, key=natural_sort_key)
     if strict and missing:
-        shown = ", ".join(missing[:10])
-        raise RuntimeError(f"Checkpoint did not load {len(missing)} owned model tensors; first keys: {shown}")
+        raise _missing_keys_error(missing, index.natural_sorted(claims.unexpected))
     report = LoadReport(
         loaded_keys=tuple(sorted(claims.loaded, key=natural_sort_key)),
         missing_keys=tuple(missing),
