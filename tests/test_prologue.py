@@ -6,6 +6,9 @@ forward/backward/SGD step, and the loss after it, equal to the single-process on
 of the sharded matmuls and gradient reductions):
 
 - (a) the user builds on meta, parallelizes (FSDP2 per layer and root), ``to_empty``, ``hp_fastload.load``;
+- (b) ``hp_fastload.from_pretrained(path, parallelize=fsdp)``: the same layout in one call;
+- (c) ``hp_fastload.from_pretrained(path, distributed_config=DistributedConfig(...))``: transformers' own plans
+  (tensor parallel for Llama, FSDP + expert parallel for Qwen3-MoE).
 
 One spawn runs every check; the parent writes the checkpoints with ``save_pretrained`` and computes the
 single-process reference.
@@ -122,7 +125,74 @@ def check_user_parallelized_qwen3_moe(rank: int, world: int) -> dict[str, Any]:
     return _user_parallelized("qwen3_moe")
 
 
-CHECKS = [check_user_parallelized_llama, check_user_parallelized_qwen3_moe]
+def _one_call(family: str, **kwargs: Any) -> dict[str, Any]:
+    import hp_fastload
+
+    model, report = hp_fastload.from_pretrained(
+        _path(family), dtype=torch.float32, device="cpu", output_loading_info=True, **kwargs
+    )
+    assert not report.missing_keys and not report.unfilled_buffers, report.summary()
+    assert not model.training  # eval mode, as transformers' from_pretrained leaves it
+    from torch.distributed.tensor import DTensor
+
+    assert any(isinstance(p, DTensor) for p in model.parameters())  # really parallelized
+    return _observe(model, family)
+
+
+def check_from_pretrained_llama(rank: int, world: int) -> dict[str, Any]:
+    return _one_call("llama", parallelize=fsdp)
+
+
+def check_from_pretrained_qwen3_moe(rank: int, world: int) -> dict[str, Any]:
+    return _one_call("qwen3_moe", parallelize=fsdp)
+
+
+#: transformers' own layouts: tensor parallel for the dense model, FSDP + expert parallel for the MoE
+DISTRIBUTED = {"llama": dict(tp_size=2), "qwen3_moe": dict(fsdp_size=2, ep_size=2)}
+
+
+def _with_distributed_config(family: str, rank: int, world: int) -> dict[str, Any]:
+    from transformers.distributed import DistributedConfig
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    return _one_call(family, distributed_config=DistributedConfig(**DISTRIBUTED[family]))
+
+
+def check_distributed_config_llama(rank: int, world: int) -> dict[str, Any]:
+    return _with_distributed_config("llama", rank, world)
+
+
+def check_distributed_config_qwen3_moe(rank: int, world: int) -> dict[str, Any]:
+    return _with_distributed_config("qwen3_moe", rank, world)
+
+
+def check_untied_under_fsdp_is_refused(rank: int, world: int) -> str:
+    """A tie fully_shard has split into two parameters cannot be made again: a TargetError says what to do."""
+    from transformers import AutoModelForCausalLM, initialization
+
+    import hp_fastload
+
+    with torch.device("meta"), initialization.no_tie_weights():
+        model = AutoModelForCausalLM.from_config(_config("llama"), dtype=torch.float32)
+    assert model.lm_head.weight is not model.model.embed_tokens.weight
+    fsdp(model)
+    model.to_empty(device="cpu")
+    try:
+        hp_fastload.load(model, _path("llama"))
+    except hp_fastload.TargetError as exc:
+        return str(exc)
+    return "loaded"
+
+
+CHECKS = [
+    check_untied_under_fsdp_is_refused,
+    check_user_parallelized_llama,
+    check_user_parallelized_qwen3_moe,
+    check_from_pretrained_llama,
+    check_from_pretrained_qwen3_moe,
+    check_distributed_config_llama,
+    check_distributed_config_qwen3_moe,
+]
 
 
 @pytest.fixture(scope="module")
@@ -159,8 +229,14 @@ def _agrees(observed: dict[str, Any], expected: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize("family", sorted(CONFIGS))
-@pytest.mark.parametrize("way", ["user_parallelized"])
+@pytest.mark.parametrize("way", ["user_parallelized", "from_pretrained", "distributed_config"])
 def test_prologue_matches_single_process_from_pretrained(prologue, way, family):
     references, per_rank = prologue
     for observed in subcheck_values(per_rank, f"check_{way}_{family}"):
         _agrees(observed, references[family])
+
+
+def test_a_tie_split_by_fully_shard_is_refused_with_the_fix(prologue):
+    for message in subcheck_values(prologue[1], "check_untied_under_fsdp_is_refused"):
+        assert message.startswith("lm_head.weight: tied to model.embed_tokens.weight"), message
+        assert "tie them before fully_shard" in message

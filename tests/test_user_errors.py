@@ -112,3 +112,29 @@ def test_a_rank_that_does_not_call_load_is_named_in_the_waiting_ranks_error(tmp_
     assert results[1] == "rank 1 went on without calling load"
     assert "rank 0 of 2 waited for the other ranks" in results[0], results[0]
     assert "Every rank of the default process group must call hp_fastload.load" in results[0]
+
+
+def test_from_pretrained_refuses_two_layouts_and_a_checkpoint_without_config(llama2, tmp_path):
+    from safetensors.torch import save_file
+
+    with pytest.raises(ValueError, match="either parallelize or distributed_config"):
+        hp_fastload.from_pretrained(llama2, parallelize=lambda m: None, distributed_config=object())
+    save_file({"w": torch.ones(2)}, tmp_path / "model.safetensors")
+    with pytest.raises(FileNotFoundError, match=r"config\.json: from_pretrained builds the model from"):
+        hp_fastload.from_pretrained(tmp_path)
+
+
+def test_from_pretrained_single_process_equals_transformers(llama2):
+    from transformers import AutoModelForCausalLM
+
+    model, report = hp_fastload.from_pretrained(llama2, dtype="float32", output_loading_info=True)
+    reference = AutoModelForCausalLM.from_pretrained(llama2, dtype=torch.float32)
+    assert not report.missing_keys and type(model) is type(reference)
+    ids = torch.arange(12).reshape(2, 6)
+    assert torch.equal(model(input_ids=ids).logits, reference(input_ids=ids).logits)
+    assert (
+        hp_fastload.from_pretrained(
+            llama2, dtype=torch.float32, num_hidden_layers=1, strict=False
+        ).config.num_hidden_layers
+        == 1
+    )

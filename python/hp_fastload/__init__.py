@@ -11,6 +11,7 @@ from .checkpointer import HF_LOADER_ENV, HuggingFaceCheckpointer, load, plan, re
 from .engine import SafetensorsFile, read_into, read_many
 from .errors import HeaderError, HpFastloadError, MissingKeysError, PlanError, ReadError, TargetError
 from .plan import ConversionError, LoadPlan, LoadReport
+from .pretrained import from_pretrained
 
 __all__ = [
     "HF_LOADER_ENV",
@@ -25,6 +26,7 @@ __all__ = [
     "ReadError",
     "SafetensorsFile",
     "TargetError",
+    "from_pretrained",
     "load",
     "plan",
     "read_into",

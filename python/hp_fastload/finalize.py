@@ -6,6 +6,8 @@ Owns the two steps around ``load``'s planning and reading:
   the model's ``_tied_weights_keys``) but whose tied names now reach different tensors (``parallelize_module``
   replaced the embedding's parameter, ``to_empty`` swapped tensors) is tied again with transformers' own
   ``tie_weights()``, so the planner sees one target under both names and the checkpoint's one copy fills it.
+  Under FSDP2 a tie cannot be made after ``fully_shard`` (each copy is its own sharded parameter): that is a
+  ``TargetError`` saying to tie before sharding.
 - :func:`recreate_buffers` (after reading): non-persistent buffers are not in a checkpoint, and
   ``to_empty`` leaves them uninitialized (rotary ``inv_freq``, ``position_ids``...). For a transformers model
   they are recomputed exactly as ``from_pretrained`` does after its meta-device load: ``initialize_weights()``
@@ -27,6 +29,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from .errors import TargetError
 
 __all__ = ["non_persistent_buffers", "recreate_buffers", "retie"]
 
@@ -88,10 +92,25 @@ def retie(model: nn.Module) -> list[str]:
         a, b = _tensor_at(model, target), _tensor_at(model, source)
         if a is not None and b is not None and a is not b:
             broken.append(target)
+    if broken and _fsdp_managed(model):
+        raise TargetError(
+            f"{', '.join(broken)}: tied to {', '.join(tied_keys(all_submodels=True)[t] for t in broken)} by the "
+            "model's config, but they are different tensors and fully_shard manages them (FSDP2 would keep "
+            "gathering the untied copy): tie them before fully_shard (model.tie_weights()), or untie them in the "
+            "config (tie_word_embeddings=False) and load a checkpoint that holds both"
+        )
     if broken:
         model.tie_weights()  # type: ignore[operator]
         log.info("re-tied %d tied weights that no longer shared a tensor: %s", len(broken), ", ".join(broken))
     return sorted(broken)
+
+
+def _fsdp_managed(model: nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return False
+    return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
 def _flagged(tensor: torch.Tensor) -> bool:
