@@ -8,7 +8,7 @@ of the sharded matmuls and gradient reductions):
 - (a) the user builds on meta, parallelizes (FSDP2 per layer and root), ``to_empty``, ``hp_fastload.load``;
 - (b) ``hp_fastload.from_pretrained(path, parallelize=fsdp)``: the same layout in one call;
 - (c) ``hp_fastload.from_pretrained(path, distributed_config=DistributedConfig(...))``: transformers' own plans
-  (tensor parallel for Llama, FSDP + expert parallel for Qwen3-MoE).
+  (tensor parallel and FSDP for Llama, FSDP + expert parallel for Qwen3-MoE).
 
 One spawn runs every check; the parent writes the checkpoints with ``save_pretrained`` and computes the
 single-process reference.
@@ -166,6 +166,20 @@ def check_distributed_config_qwen3_moe(rank: int, world: int) -> dict[str, Any]:
     return _with_distributed_config("qwen3_moe", rank, world)
 
 
+def check_distributed_config_fsdp_llama(rank: int, world: int) -> str:
+    """transformers' FSDP plan wraps the tied embedding alone (and unties it): refused, with what to do."""
+    from transformers.distributed import DistributedConfig
+
+    import hp_fastload
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    try:
+        _one_call("llama", distributed_config=DistributedConfig(fsdp_size=2))
+    except hp_fastload.TargetError as exc:
+        return str(exc)
+    return "loaded"
+
+
 def check_untied_under_fsdp_is_refused(rank: int, world: int) -> str:
     """A tie fully_shard has split into two parameters cannot be made again: a TargetError says what to do."""
     from transformers import AutoModelForCausalLM, initialization
@@ -192,6 +206,7 @@ CHECKS = [
     check_from_pretrained_qwen3_moe,
     check_distributed_config_llama,
     check_distributed_config_qwen3_moe,
+    check_distributed_config_fsdp_llama,
 ]
 
 
@@ -234,6 +249,12 @@ def test_prologue_matches_single_process_from_pretrained(prologue, way, family):
     references, per_rank = prologue
     for observed in subcheck_values(per_rank, f"check_{way}_{family}"):
         _agrees(observed, references[family])
+
+
+def test_distributed_config_fsdp_of_a_tied_model_is_refused_with_the_fix(prologue):
+    for message in subcheck_values(prologue[1], "check_distributed_config_fsdp_llama"):
+        assert message.startswith("lm_head.weight: tied to model.embed_tokens.weight"), message
+        assert "pass from_pretrained(parallelize=...)" in message
 
 
 def test_a_tie_split_by_fully_shard_is_refused_with_the_fix(prologue):

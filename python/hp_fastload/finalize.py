@@ -96,8 +96,10 @@ def retie(model: nn.Module) -> list[str]:
         raise TargetError(
             f"{', '.join(broken)}: tied to {', '.join(tied_keys(all_submodels=True)[t] for t in broken)} by the "
             "model's config, but they are different tensors and fully_shard manages them (FSDP2 would keep "
-            "gathering the untied copy): tie them before fully_shard (model.tie_weights()), or untie them in the "
-            "config (tie_word_embeddings=False) and load a checkpoint that holds both"
+            "gathering the untied copy): tie them before fully_shard (model.tie_weights()) and keep both in one "
+            "FSDP unit (the root, or fully_shard([embedding, head])), or untie them in the config "
+            "(tie_word_embeddings=False) and load a checkpoint that holds both. transformers' DistributedConfig "
+            "fsdp plan wraps the embedding alone: for a tied model, pass from_pretrained(parallelize=...)"
         )
     if broken:
         model.tie_weights()  # type: ignore[operator]
