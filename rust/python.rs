@@ -116,10 +116,6 @@ impl SafetensorsHeader {
         self.inner.tensors.len()
     }
 
-    fn names(&self) -> Vec<String> {
-        self.inner.tensors.iter().map(|t| t.name.clone()).collect()
-    }
-
     /// `{name: (position, dtype name, shape, begin, end)}` in file order, built here in one pass: the same
     /// dict built in Python from a list of tuples was a third of indexing a 90k-tensor checkpoint.
     fn entry_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
@@ -150,14 +146,6 @@ impl SafetensorsHeader {
         Ok(dict)
     }
 
-    fn sort_keys(&self) -> Vec<Option<String>> {
-        self.inner
-            .tensors
-            .iter()
-            .map(|t| crate::header::natural_sort_key(&t.name))
-            .collect()
-    }
-
     /// The natural order of every tensor of `headers` (several shards): positions into their names taken in
     /// order (each header's in file order), sorted, plus the positions of names whose order is Python's to
     /// decide (see [`crate::header::natural_order_key`]). Positions rather than names, so the caller orders
@@ -175,12 +163,6 @@ impl SafetensorsHeader {
                 .collect();
             crate::header::natural_order(&names)
         })
-    }
-
-    fn index(&self, name: &str) -> PyResult<usize> {
-        self.inner
-            .index(name)
-            .ok_or_else(|| pyo3::exceptions::PyKeyError::new_err(name.to_string()))
     }
 
     /// Drops the map of the file kept between reads (see `release_map` in `_core.pyi`).

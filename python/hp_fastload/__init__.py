@@ -10,8 +10,9 @@ from __future__ import annotations
 from .checkpointer import HF_LOADER_ENV, HuggingFaceCheckpointer, load, plan, resolve_hf_loader
 from .engine import SafetensorsFile, read_into, read_many
 from .errors import HeaderError, HpFastloadError, MissingKeysError, PlanError, ReadError, TargetError
-from .plan import ConversionError, LoadPlan, LoadReport
+from .plan import ConversionError, LoadPlan, LoadReport, Replacement
 from .pretrained import from_pretrained
+from .quant import QuantizationError
 
 __all__ = [
     "HF_LOADER_ENV",
@@ -23,7 +24,9 @@ __all__ = [
     "LoadReport",
     "MissingKeysError",
     "PlanError",
+    "QuantizationError",
     "ReadError",
+    "Replacement",
     "SafetensorsFile",
     "TargetError",
     "from_pretrained",

@@ -20,17 +20,13 @@ class SafetensorsHeader:
     def data_start(self) -> int: ...
     def metadata(self) -> dict[str, str] | None: ...
     def __len__(self) -> int: ...
-    def names(self) -> list[str]: ...
     def entry_dict(self) -> dict[str, tuple[int, str, tuple[int, ...], int, int]]:
         """name -> (position, safetensors dtype, shape, begin, end) in file order; begin/end relative to
         data_start."""
-    def sort_keys(self) -> list[str | None]:
-        """Per entry (file order), ``hp_fastload.rules.natural_sort_key(name)``; None for non-ASCII names."""
     @staticmethod
     def natural_order(headers: list[SafetensorsHeader]) -> tuple[list[int], list[int]]:
         """Over the names of all ``headers`` taken in order (each in file order): ``(positions in natural order,
         positions of names left to Python: non-ASCII, control characters, numbers over 24 digits)``."""
-    def index(self, name: str) -> int: ...
     def release_map(self) -> None:
         """Drop the file map kept between reads (frees its page tables; its pages become evictable). A large
         map that no running read uses is unmapped on a short-lived background thread."""

@@ -26,7 +26,8 @@ from .engine import threads_per_rank
 from .execute import execute_plan
 from .finalize import non_persistent_buffers, recreate_buffers, retie
 from .index import CheckpointIndex, resolve_checkpoint_location
-from .plan import LoadPlan, LoadReport, gc_paused, plan_load
+from .plan import LoadPlan, LoadReport, Replacement, gc_paused, plan_load
+from .quant import QuantizationError
 from .rules import resolve_mapping
 from .targets import build_targets
 
@@ -76,6 +77,7 @@ _REBUILDABLE: dict[str, type[BaseException]] = {
         errors.PlanError,
         errors.ReadError,
         errors.TargetError,
+        QuantizationError,
     )
 }
 
@@ -180,10 +182,12 @@ def plan(
     claimed_source_keys: Collection[str] = frozenset(),
     mesh_override: Any = None,
     revision: str | None = None,
+    replacement: Replacement | None = None,
 ) -> LoadPlan:
     """Dry run: what this rank (or a virtual rank, see ``targets.build_targets``'s ``mesh_override``) reads.
 
     Reads headers only. ``LoadPlan.read_bytes_by_file()`` / ``read_bytes_by_target()`` / ``summary()``.
+    The arguments are ``load``'s.
     """
     return _plan_at(
         model,
@@ -195,6 +199,7 @@ def plan(
         external_target_fqns=external_target_fqns,
         claimed_source_keys=claimed_source_keys,
         mesh_override=mesh_override,
+        replacement=replacement,
     )
 
 
@@ -209,6 +214,7 @@ def _plan_at(
     external_target_fqns: Collection[str],
     claimed_source_keys: Collection[str],
     mesh_override: Any = None,
+    replacement: Replacement | None = None,
 ) -> LoadPlan:
     """Headers, targets and rules of one (possibly virtual) rank, planned; nothing is read. The cyclic GC is
     paused throughout (indexing a 90k-tensor header allocates ~10^5 objects; every full collection would
@@ -229,6 +235,7 @@ def _plan_at(
             trace=loader == "dcp",
             claimed_source_keys=frozenset(claimed_source_keys),
             loader=loader,
+            replacement=replacement,
         )
     except errors.MissingKeysError as exc:
         hint = _config_mismatch(model, location)
@@ -279,15 +286,20 @@ def load(
     backend: str | None = None,
     revision: str | None = None,
     share_replicated: bool = False,
+    replacement: Replacement | None = None,
     finalize: bool = True,
 ) -> LoadReport:
     """Fill ``model``'s parameters and persistent buffers (DTensor shards or plain) from a HF checkpoint.
 
     Every rank of the default process group must call it together. Writes in place (parameter identity is
-    preserved). ``strict`` raises ``RuntimeError`` before any byte is read when model tensors would stay
-    missing; unexpected checkpoint keys are only logged. ``share_replicated=True`` (region loader, several
-    ranks) has one replica of each replicated DTensor read it and broadcast it to the others (``share``).
+    preserved). ``strict`` raises ``MissingKeysError`` (a ``RuntimeError``) before any byte is read when model
+    tensors would stay missing; unexpected checkpoint keys are only logged. ``share_replicated=True`` (region
+    loader, several ranks) has one replica of each replicated DTensor read it and broadcast it to the others
+    (``share``).
     ``threads`` defaults to this process's cores divided by the ranks on its node (``LOCAL_WORLD_SIZE``).
+    ``replacement`` (an ``hp_fastload.Replacement``) is the second stage of a model whose modules were
+    replaced after the checkpoint's layout was fixed; None takes it from the model's
+    ``_hp_replacement_weight_conversions`` / ``_hp_checkpoint_source_shapes`` when both are set.
 
     ``finalize`` (default) also finishes what a checkpoint does not hold (``finalize``): tied weights that
     parallelization or ``to_empty`` untied are tied again before planning (transformers models, through
@@ -315,6 +327,7 @@ def load(
             strict=strict,
             external_target_fqns=external_target_fqns,
             claimed_source_keys=claimed_source_keys,
+            replacement=replacement,
         ),
     )
     replicas = None

@@ -30,6 +30,7 @@ from torch.futures import Future
 from .engine import SafetensorsFile, open_file
 from .errors import HeaderError
 from .execute import ExecStats, _Batch, _engine_casts
+from .quant import QuantInfo, detect, read_quant_config
 
 __all__ = ["HuggingFaceStorageReader"]
 
@@ -58,6 +59,7 @@ class HuggingFaceStorageReader(FileSystemReader):
         self.backend = backend
         self._files: dict[str, SafetensorsFile] = {}
         self.last_stats: ExecStats | None = None
+        self._quant: QuantInfo | None = None
 
     def _file(self, path: str) -> SafetensorsFile:
         file = self._files.get(path)
@@ -102,6 +104,9 @@ class HuggingFaceStorageReader(FileSystemReader):
                 if index in storage:
                     raise HeaderError(f"tensor {key!r} at offsets {offsets} is stored in two files (one is {path})")
                 storage[index] = path
+        self._quant = detect(
+            state, lambda k: state[k].properties.dtype, read_quant_config(root)
+        )  # quantized tensors are refused in read_data unless read into their own dtype
         metadata = Metadata(state_dict_metadata=state, storage_data=storage)  # type: ignore[arg-type]
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
@@ -116,6 +121,12 @@ class HuggingFaceStorageReader(FileSystemReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         batch = _Batch(None)
         commits: list[tuple[Any, torch.Tensor]] = []
+        quant = self._quant if self._quant is not None else self._detect_quant()
+        if quant:  # every request is checked before the engine reads anything
+            for req in plan.items:
+                key = req.storage_index.fqn
+                file = self._file(self.storage_data[req.storage_index])
+                quant.check_claim(key, planner.resolve_tensor(req).dtype, [key], lambda k, f=file: f.torch_dtype(k))
         for req in plan.items:
             path = self.storage_data[req.storage_index]
             file = self._file(path)
@@ -146,6 +157,16 @@ class HuggingFaceStorageReader(FileSystemReader):
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
+
+    def _detect_quant(self) -> QuantInfo:
+        """The quantized tensors of the checkpoint, for a reader whose metadata came from elsewhere."""
+        root = Path(str(self.path))
+        dtypes: dict[str, torch.dtype] = {}
+        for path in sorted(str(p) for p in root.glob("*.safetensors")):
+            file = self._file(path)
+            dtypes.update((key, file.torch_dtype(key)) for key in file)
+        self._quant = detect(dtypes, dtypes.__getitem__, read_quant_config(root))
+        return self._quant
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:

@@ -136,7 +136,6 @@ class SafetensorsFile:
         self.path = os.fspath(path)
         self.header = _core.SafetensorsHeader(self.path)
         self._entries: dict[str, tuple[int, str, tuple[int, ...], int, int]] = self.header.entry_dict()
-        self._sort_keys: dict[str, str] | None = None
 
     def _entry(self, key: str) -> tuple[int, str, tuple[int, ...], int, int]:
         try:
@@ -175,18 +174,6 @@ class SafetensorsFile:
         _, _, _, begin, end = self._entry(key)
         start = self.header.data_start
         return start + begin, start + end
-
-    def sort_keys(self) -> dict[str, str]:
-        """Every key -> ``hp_fastload.rules.natural_sort_key(key)``, computed by the header parser."""
-        keys = self._sort_keys
-        if keys is None:
-            from .rules import natural_sort_key
-
-            keys = self._sort_keys = {
-                name: sort_key if sort_key is not None else natural_sort_key(name)
-                for name, sort_key in zip(self._entries, self.header.sort_keys(), strict=True)
-            }
-        return keys
 
     def tensor_index(self, key: str) -> int:
         """Position of ``key`` in the header (the ``COL_TENSOR`` value of an item)."""

@@ -1,10 +1,11 @@
 """Exception hierarchy of hp_fastload.
 
-Every error the library raises on purpose derives from :class:`HpFastloadError`; each subclass also derives
-from the builtin class that callers of the seed API already catch (``ValueError`` for bad input, ``OSError``
-for failed reads). Missing and unreadable files raise the builtin ``FileNotFoundError`` / ``PermissionError``
-(with ``filename`` set), not a class from here. The Rust engine imports this module when it raises.
-"""
+What goes wrong with a checkpoint, a plan, a read or a model tensor raises a subclass of
+:class:`HpFastloadError`, and each subclass also derives from the builtin class that callers of the seed API
+already catch (``ValueError`` for bad input, ``OSError`` for failed reads). Two kinds of error stay builtin:
+the seed API's own argument checks (an unknown loader name or an empty path is a ``ValueError``, a model that
+is not an ``nn.Module`` a ``TypeError``), and missing or unreadable files (``FileNotFoundError`` /
+``PermissionError`` with ``filename`` set). The Rust engine imports this module when it raises."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -26,11 +26,22 @@ from .engine import SafetensorsFile, gc_paused
 from .errors import MissingKeysError, PlanError, TargetError
 from .groups import LoadGroup, build_groups, masked_name, rename_key
 from .index import CheckpointIndex
-from .region import Block, RegionTensor, UnsupportedRegionOp
+from .quant import QuantInfo, detect_in_index
+from .region import Block, RegionTensor, UnsupportedRegionOp, row_major_strides
 from .rules import is_converter, is_renaming, natural_sort_key
 from .targets import Target
 
-__all__ = ["ConversionError", "DeferredGroup", "LoadPlan", "LoadReport", "ReadItem", "TemplateReads", "plan_load"]
+__all__ = [
+    "ConversionError",
+    "DeferredGroup",
+    "LoadPlan",
+    "LoadReport",
+    "ReadItem",
+    "Replacement",
+    "TemplateReads",
+    "plan_load",
+    "replacement_of",
+]
 
 log = logging.getLogger("hp_fastload")
 
@@ -443,13 +454,6 @@ def _placeholders(n: int) -> list[str]:
     return _PLACEHOLDERS[:n]
 
 
-def _row_major(shape: Sequence[int]) -> tuple[int, ...]:
-    strides = [1] * len(shape)
-    for d in range(len(shape) - 2, -1, -1):
-        strides[d] = strides[d + 1] * shape[d + 1]
-    return tuple(strides)
-
-
 #: Block lists at least this long are filtered against a rank's bounding box with numpy.
 _VECTOR_BLOCKS = 32
 
@@ -543,7 +547,7 @@ def _templates(blocks: Sequence[Block]) -> list[_Template]:
         src_shape = block.src_shape
         src_st = strides_by_shape.get(src_shape)
         if src_st is None:
-            src_st = strides_by_shape[src_shape] = _row_major(src_shape)
+            src_st = strides_by_shape[src_shape] = row_major_strides(src_shape)
         coeff = block.coeff
         strides = strides_by_map.get((src_shape, coeff))
         if strides is None:
@@ -669,9 +673,10 @@ def _group_compute(group: LoadGroup, model: Any) -> Callable[[dict[str, torch.Te
 class _Claims:
     """Claiming converted outputs for model targets: first claim of a physical tensor wins, aliases load."""
 
-    def __init__(self, index: CheckpointIndex, targets: dict[str, Target]) -> None:
+    def __init__(self, index: CheckpointIndex, targets: dict[str, Target], quant: QuantInfo | None = None) -> None:
         self.index = index
         self.targets = targets
+        self.quant = quant  # the checkpoint's quantized tensors (None or empty: none)
         self.claimed: set[int] = set()
         self.loaded: set[str] = set()
         self.unexpected: list[str] = []
@@ -693,15 +698,28 @@ class _Claims:
         return target
 
     def region(self, name: str, shape: Sequence[int], blocks: Sequence[Block], sources: dict[str, str] | None) -> None:
+        if self.quant:
+            srcs = {b.source for b in blocks}
+            self._check_quant(name, [sources[s] for s in srcs] if sources is not None else srcs)
         target = self.claim(name, shape)
         if target is not None:
             items = region_items(target, blocks, self.index, sources, self.blocks)
             self.region_reads[target.names[0]] = (target, items)
 
     def defer(self, name: str, shape: Sequence[int], pending: DeferredGroup) -> None:
+        if self.quant:
+            self._check_quant(name, pending.keys)
         target = self.claim(name, shape)
         if target is not None:
             pending.claims[name] = target
+
+    def _check_quant(self, name: str, sources: Iterable[str]) -> None:
+        """A quantized source converted into a target of another dtype is refused (before shapes are checked:
+        a packed layout has other shapes than the float tensor it encodes)."""
+        target = self.targets.get(name)
+        if target is None or id(target) in self.claimed or self.quant is None:
+            return
+        self.quant.check_claim(name, target.dtype, sources, lambda k: self.index.source(k)[1])
 
     def add_deferred(self, pending: DeferredGroup | None) -> None:
         if pending is not None and pending.claims:
@@ -719,6 +737,32 @@ class _Claims:
                 pending = DeferredGroup(group.target, group.keys, _group_compute(group, model), reason=traced.reason)
             self.defer(name, traced.shapes[name], pending)
         self.add_deferred(pending)
+
+
+@dataclass(frozen=True)
+class Replacement:
+    """The second planning stage of a model whose modules were replaced (fused kernels, merged projections).
+
+    ``source_shapes`` are the pre-replacement model's tensor names and global shapes, taken before the
+    replacement: stage 1 normalizes the checkpoint to them with the base rules. ``rules`` are the replacement
+    modules' scoped converters (and renamings): stage 2 routes the normalized tensors into them, each converter
+    firing once all its expected inputs arrived. Rules in ``rules`` that also appear (by identity) in the load's
+    rule list are removed from stage 1. In the region loader the two stages compose into one set of region reads.
+    """
+
+    rules: Sequence[Any]
+    source_shapes: Mapping[str, Sequence[int]]
+
+
+def replacement_of(model: Any) -> Replacement | None:
+    """The model's replacement stage from the attributes hyper-parallel's module replacement sets
+    (``_hp_replacement_weight_conversions`` and ``_hp_checkpoint_source_shapes``), or None. ``load`` and
+    ``plan`` use it when no ``replacement`` argument is given."""
+    rules = list(getattr(model, "_hp_replacement_weight_conversions", None) or [])
+    shapes = getattr(model, "_hp_checkpoint_source_shapes", None)
+    if not rules or not shapes:
+        return None
+    return Replacement(rules, dict(shapes))
 
 
 @dataclass
@@ -838,14 +882,39 @@ def _missing_keys_error(missing: Sequence[str], unexpected: Sequence[str]) -> Mi
     return MissingKeysError(text, missing, unexpected)
 
 
-def plan_load(*args: Any, **kwargs: Any) -> LoadPlan:
-    """Plan one rank's load (see ``_plan_load``), with the cyclic garbage collector paused.
+def plan_load(
+    model: Any,
+    index: CheckpointIndex,
+    targets: dict[str, Target],
+    rules: Sequence[Any],
+    *,
+    strict: bool = True,
+    trace: bool = True,
+    claimed_source_keys: Collection[str] = frozenset(),
+    map_key: Callable[[str], str | None] | None = None,
+    loader: str = "dcp",
+    replacement: Replacement | None = None,
+) -> LoadPlan:
+    """Plan one rank's load. Raises (before any byte is read) on strict misses and bad targets.
 
-    Planning a 100k-tensor checkpoint allocates a few hundred thousand small objects, which would trigger
-    several full collections of everything the process holds (a model, torch's modules) for nothing.
+    ``trace=False`` plans every group as deferred (the legacy loader). ``replacement`` (default:
+    ``replacement_of(model)``) adds the replacement modules' second stage. The cyclic garbage collector is
+    paused: planning a 100k-tensor checkpoint allocates a few hundred thousand small objects, which would
+    trigger several full collections of everything the process holds (a model, torch's modules) for nothing.
     """
     with gc_paused():
-        return _plan_load(*args, **kwargs)
+        return _plan_load(
+            model,
+            index,
+            targets,
+            rules,
+            strict=strict,
+            trace=trace,
+            claimed_source_keys=claimed_source_keys,
+            map_key=map_key,
+            loader=loader,
+            replacement=replacement if replacement is not None else replacement_of(model),
+        )
 
 
 def _plan_load(
@@ -857,28 +926,22 @@ def _plan_load(
     strict: bool = True,
     trace: bool = True,
     claimed_source_keys: Collection[str] = frozenset(),
-    map_key: Callable[[str], str | None] | None = None,
-    loader: str = "dcp",
+    map_key: Callable[[str], str | None] | None,
+    loader: str,
+    replacement: Replacement | None,
 ) -> LoadPlan:
-    """Plan one rank's load. Raises (before any byte is read) on strict misses and bad targets.
-
-    A model carrying ``_hp_replacement_weight_conversions`` and ``_hp_checkpoint_source_shapes`` is planned in
-    two stages: the base rules normalize the checkpoint to the pre-replacement names and shapes, then the
-    scoped replacement converters consume those (each once all its inputs arrived). In the region loader the
-    two stages compose into one set of region reads.
-    """
+    """``plan_load`` with the GC already paused (see there)."""
     keys = [k for k in index if k not in claimed_source_keys]
     prefix = getattr(model, "base_model_prefix", None) or None
-    claims = _Claims(index, targets)
-    replacement = list(getattr(model, "_hp_replacement_weight_conversions", None) or [])
-    source_shapes = getattr(model, "_hp_checkpoint_source_shapes", None)
+    quant = detect_in_index(index)
+    claims = _Claims(index, targets, quant)
     used_replacements: list[Any] = []
-    if replacement and source_shapes:
-        base_rules = [r for r in rules if not any(r is x for x in replacement)]
-        view = SourceModelView(model, dict(source_shapes))
+    if replacement is not None and replacement.rules and replacement.source_shapes:
+        base_rules = [r for r in rules if not any(r is x for x in replacement.rules)]
+        view = SourceModelView(model, dict(replacement.source_shapes))
         groups, unexpected = build_groups(keys, view.shapes, base_rules, base_model_prefix=prefix, map_key=map_key)
         claims.unexpected.extend(unexpected)
-        routes = _replacement_routes(view.shapes, targets, replacement)
+        routes = _replacement_routes(view.shapes, targets, replacement.rules)
         tracer = _Tracer(index, view, view.shapes.get, trace)
         for group in groups:
             traced = tracer.run(group)
@@ -905,6 +968,8 @@ def _plan_load(
         for group in groups:
             claims.direct(group, tracer.run(group), model)
     missing = sorted(set(targets) - claims.loaded, key=natural_sort_key)
+    if quant:
+        quant.check_missing(missing, claims.unexpected)
     if strict and missing:
         raise _missing_keys_error(missing, index.natural_sorted(claims.unexpected))
     report = LoadReport(

@@ -89,11 +89,13 @@ def _sort_part(part: str) -> str:
 
 
 def natural_sort_key(name: str) -> str:
-    """A string that sorts exactly like ``dot_natural_key(name)`` but compares much faster.
+    r"""A string that sorts exactly like ``dot_natural_key(name)`` but compares much faster.
 
-    Digit parts become ``\x00`` + zero-padded digits (before any text part), a text part's trailing number
-    is padded after ``\x01``, and parts are joined with ``\x02`` (a name that is a prefix of another sorts
-    first). Used to sort 100k-key checkpoints, where comparing lists of tuples dominated planning.
+    Parts are joined with ``\x01`` (below every other character, so a name that is a prefix of another sorts
+    first); a digit part becomes ``\x02`` + its digits zero-padded to 24 (before any text part, which starts
+    higher), and a text part's trailing number is zero-padded after ``\x03``. ``rust/header.rs`` computes the
+    same key (``natural_sort_key``) for ASCII names. Used to sort 100k-key checkpoints, where comparing lists of
+    tuples dominated planning.
     """
     cache = _SORT_PARTS
     return "\x01".join([cache.get(part) or _sort_part(part) for part in name.split(".")])
