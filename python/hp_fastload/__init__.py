@@ -10,8 +10,17 @@ from __future__ import annotations
 
 from .checkpointer import HF_LOADER_ENV, HuggingFaceCheckpointer, load, plan, resolve_hf_loader
 from .engine import SafetensorsFile, clear_cache, read_into, read_many
-from .errors import CheckpointMismatchError, HeaderError, HpFastloadError, PlanError, ReadError, TargetError
+from .errors import (
+    CheckpointMismatchError,
+    HeaderError,
+    HpFastloadError,
+    MissingKeysError,
+    PlanError,
+    ReadError,
+    TargetError,
+)
 from .plan import ConversionError, LoadPlan, LoadReport, Replacement
+from .pretrained import from_pretrained
 from .quant import QuantizationError
 from .save import SaveReport, save
 
@@ -24,6 +33,7 @@ __all__ = [
     "HuggingFaceCheckpointer",
     "LoadPlan",
     "LoadReport",
+    "MissingKeysError",
     "PlanError",
     "QuantizationError",
     "ReadError",
@@ -32,6 +42,7 @@ __all__ = [
     "SaveReport",
     "TargetError",
     "clear_cache",
+    "from_pretrained",
     "load",
     "plan",
     "read_into",

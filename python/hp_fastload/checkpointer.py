@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import logging
 import os
 import sys
@@ -24,6 +25,7 @@ from torch import nn
 from . import errors
 from .engine import threads_per_rank
 from .execute import execute_plan
+from .finalize import non_persistent_buffers, recreate_buffers, retie
 from .index import CheckpointIndex, resolve_checkpoint_location
 from .plan import LoadPlan, LoadReport, Replacement, gc_paused, plan_load
 from .quant import QuantizationError
@@ -71,6 +73,7 @@ _REBUILDABLE: dict[str, type[BaseException]] = {
         OSError,
         NotImplementedError,
         errors.HpFastloadError,
+        errors.MissingKeysError,
         errors.HeaderError,
         errors.PlanError,
         errors.ReadError,
@@ -95,7 +98,7 @@ def _agree(stage: str, fn: Callable[[], Any]) -> Any:
         return result
     payload = None if failure is None else (type(failure).__name__, str(failure))
     gathered: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(gathered, payload)
+    _waiting(stage, lambda: torch.distributed.all_gather_object(gathered, payload))
     if failure is not None:
         raise failure
     for rank, item in enumerate(gathered):
@@ -107,6 +110,31 @@ def _agree(stage: str, fn: Callable[[], Any]) -> Any:
                 raise cls(text)
             raise RuntimeError(text)
     return result
+
+
+_COLLECTIVE_FAILURES = ("gloo", "nccl", "connection closed", "connection reset", "timed out", "timeout", "processgroup")
+
+
+def _waiting(stage: str, collective: Callable[[], Any]) -> Any:
+    """Run a collective of ``load``; when it fails because another rank is not there, say so.
+
+    Every rank of the default process group must call ``load`` together: a rank that skipped the call, failed
+    before it or exited leaves the others waiting in their first collective until the peer's connection closes
+    or the process group's timeout (``init_process_group(timeout=...)``) expires.
+    """
+    try:
+        return collective()
+    except RuntimeError as exc:
+        distributed = getattr(torch.distributed, "DistError", ())
+        if not (isinstance(exc, distributed) or any(m in str(exc).lower() for m in _COLLECTIVE_FAILURES)):
+            raise
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        raise RuntimeError(
+            f"hp_fastload.load: rank {rank} of {world} waited for the other ranks while {stage.lower()} and the "
+            f"collective failed ({str(exc).splitlines()[0][:300]}). Every rank of the default process group "
+            "must call hp_fastload.load (or from_pretrained) together; a rank that skipped the call, failed "
+            "before it or exited makes the others wait until the process group's timeout"
+        ) from exc
 
 
 def _resolve_location_each(path: str | os.PathLike[str], revision: str | None) -> Path:
@@ -284,17 +312,47 @@ def _plan_at(
             model, external_target_fqns=frozenset(external_target_fqns), mesh_override=mesh_override
         )
         rules = resolve_mapping(model, weights_mapping, key_mapping)
-    return plan_load(
-        model,
-        index,
-        targets,
-        rules,
-        strict=strict,
-        trace=loader == "dcp",
-        claimed_source_keys=frozenset(claimed_source_keys),
-        loader=loader,
-        replacement=replacement,
-    )
+    try:
+        return plan_load(
+            model,
+            index,
+            targets,
+            rules,
+            strict=strict,
+            trace=loader == "dcp",
+            claimed_source_keys=frozenset(claimed_source_keys),
+            loader=loader,
+            replacement=replacement,
+        )
+    except errors.MissingKeysError as exc:
+        hint = _config_mismatch(model, location)
+        if not hint:
+            raise
+        raise errors.MissingKeysError(f"{exc} {hint}", exc.missing_keys, exc.unexpected_keys) from None
+
+
+_COMPARED_CONFIG_FIELDS = ("model_type", "num_hidden_layers", "hidden_size", "vocab_size")
+
+
+def _config_mismatch(model: nn.Module, location: Path) -> str:
+    """Where the checkpoint's ``config.json`` and the model's config disagree (architecture, depth, size)."""
+    config_path = (location if location.is_dir() else location.parent) / "config.json"
+    config = getattr(model, "config", None)
+    if config is None or not config_path.is_file():
+        return ""
+    try:
+        saved = json.loads(config_path.read_text())
+    except (OSError, ValueError):
+        return ""
+    ours = config.to_dict() if hasattr(config, "to_dict") else vars(config)
+    text_saved, text_ours = saved.get("text_config") or {}, ours.get("text_config") or {}
+    differences = []
+    for key in _COMPARED_CONFIG_FIELDS:
+        theirs = saved.get(key, text_saved.get(key))
+        mine = ours.get(key, text_ours.get(key) if isinstance(text_ours, dict) else None)
+        if theirs is not None and mine is not None and theirs != mine:
+            differences.append(f"{key} {theirs!r} in the checkpoint, {mine!r} in the model")
+    return f"The checkpoint's config.json disagrees: {'; '.join(differences)}." if differences else ""
 
 
 # The cyclic GC is paused for the whole load: planning and packing a 20k-tensor MoE allocate ~10^5 small
@@ -316,17 +374,25 @@ def load(
     revision: str | None = None,
     share_replicated: bool = False,
     replacement: Replacement | None = None,
+    finalize: bool = True,
 ) -> LoadReport:
     """Fill ``model``'s parameters and persistent buffers (DTensor shards or plain) from a HF checkpoint.
 
     Every rank of the default process group must call it together. Writes in place (parameter identity is
-    preserved). ``strict`` raises ``RuntimeError`` before any byte is read when model tensors would stay
-    missing; unexpected checkpoint keys are only logged. ``share_replicated=True`` (region loader, several
-    ranks) has one replica of each replicated DTensor read it and broadcast it to the others (``share``).
+    preserved). ``strict`` raises ``MissingKeysError`` (a ``RuntimeError``) before any byte is read when model
+    tensors would stay missing; unexpected checkpoint keys are only logged. ``share_replicated=True`` (region
+    loader, several ranks) has one replica of each replicated DTensor read it and broadcast it to the others
+    (``share``).
     ``threads`` defaults to this process's cores divided by the ranks on its node (``LOCAL_WORLD_SIZE``).
     ``replacement`` (an ``hp_fastload.Replacement``) is the second stage of a model whose modules were
     replaced after the checkpoint's layout was fixed; None takes it from the model's
     ``_hp_replacement_weight_conversions`` / ``_hp_checkpoint_source_shapes`` when both are set.
+
+    ``finalize`` (default) also finishes what a checkpoint does not hold (``finalize``): tied weights that
+    parallelization or ``to_empty`` untied are tied again before planning (transformers models, through
+    ``tie_weights()``), and non-persistent buffers (rotary ``inv_freq``...) are recomputed after reading
+    through the model's own ``initialize_weights()``, as ``from_pretrained`` does; buffers nothing re-created
+    are listed in ``LoadReport.unfilled_buffers``.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"load() needs a live nn.Module to write into, got {type(model).__name__}")
@@ -338,6 +404,7 @@ def load(
     location = _resolve_location_each(path, revision)
     index = _agree("Reading the checkpoint headers", lambda: CheckpointIndex.open(location))
     _agree_checkpoint(location, index)
+    retied: list[str] = _agree("Tying the model's tied weights", lambda: retie(model)) if finalize else []
     load_plan: LoadPlan = _agree(
         "Planning the pretrained load",
         lambda: _plan_at(
@@ -386,6 +453,7 @@ def load(
         for target in deferred.claims.values():
             target.tensor._is_hf_initialized = True  # type: ignore[attr-defined]
     _record_used_rules(model, load_plan)
+    unfilled = recreate_buffers(model) if finalize else [name for name, _ in non_persistent_buffers(model)]
     seconds = time.perf_counter() - start
     report = LoadReport(
         loaded_keys=load_plan.report.loaded_keys,
@@ -398,6 +466,8 @@ def load(
         region_targets=load_plan.report.region_targets,
         deferred_targets=load_plan.report.deferred_targets,
         loader=name,
+        retied_keys=tuple(retied),
+        unfilled_buffers=tuple(unfilled),
     )
     if report.unexpected_keys:
         log.warning(

@@ -9,17 +9,19 @@ is not an ``nn.Module`` a ``TypeError``), and missing or unreadable files (``Fil
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 __all__ = [
     "KEY_SHOWN",
     "CheckpointMismatchError",
     "HeaderError",
     "HpFastloadError",
+    "MissingKeysError",
     "PlanError",
     "ReadError",
     "TargetError",
     "shown_key",
 ]
-
 #: Most characters of a tensor name that a message or log line quotes (a checkpoint can hold a 50 MB name).
 KEY_SHOWN = 200
 
@@ -57,3 +59,14 @@ class CheckpointMismatchError(HpFastloadError, ValueError):
 
 class TargetError(HpFastloadError, ValueError):
     """A model tensor cannot receive what the checkpoint holds (used by the loader)."""
+
+
+class MissingKeysError(HpFastloadError, RuntimeError):
+    """A strict load would leave model tensors unfilled (raised before any byte is read). A ``RuntimeError``, as
+    the seed's strict check was. ``missing_keys`` / ``unexpected_keys`` hold the names (empty when the error was
+    rebuilt on another rank from its message)."""
+
+    def __init__(self, message: str, missing_keys: Sequence[str] = (), unexpected_keys: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.missing_keys = tuple(missing_keys)
+        self.unexpected_keys = tuple(unexpected_keys)

@@ -8,6 +8,7 @@ Only headers are read. It does not plan or read tensor bytes.
 
 from __future__ import annotations
 
+import errno
 import json
 import operator
 import os
@@ -39,9 +40,20 @@ class TensorEntry(NamedTuple):
     nbytes: int
 
 
-def _is_hub_id(text: str) -> bool:
+def _looks_local(text: str) -> bool:
+    """A path the user meant on this machine: absolute, ``./``, ``../``, ``~``, a Windows separator, more than
+    two components, a ``.safetensors`` name, or ``dir/name`` whose ``dir`` exists here (``checkpoints/lama``
+    with ``checkpoints/`` present is a mistyped path, not the Hub repo ``checkpoints/lama``)."""
+    if text.startswith((".", "/", "~")) or os.path.isabs(text) or "\\" in text:
+        return True
     parts = text.split("/")
-    return 1 <= len(parts) <= 2 and all(parts) and not text.startswith((".", "/", "~"))
+    return len(parts) > 2 or text.endswith(".safetensors") or (len(parts) == 2 and os.path.isdir(parts[0]))
+
+
+def _is_hub_id(text: str) -> bool:
+    """``name`` or ``owner/name`` that is not a local-looking path."""
+    parts = text.split("/")
+    return 1 <= len(parts) <= 2 and all(parts) and not _looks_local(text)
 
 
 def _resolve_hub(repo_id: str, revision: str | None, cache_first: bool = False) -> Path:
@@ -61,7 +73,21 @@ def _resolve_hub(repo_id: str, revision: str | None, cache_first: bool = False) 
             )
         except Exception:  # not in this node's cache (or another revision): ask the Hub as usual
             pass
-    path = snapshot_download(repo_id=repo_id, revision=revision, allow_patterns=patterns, local_files_only=offline)
+    try:
+        path = snapshot_download(repo_id=repo_id, revision=revision, allow_patterns=patterns, local_files_only=offline)
+    except Exception as exc:  # huggingface_hub's errors: cache miss, unknown repo, gated, network
+        from huggingface_hub.errors import LocalEntryNotFoundError
+
+        where = f"{repo_id!r}{f' (revision {revision!r})' if revision else ''}"
+        if isinstance(exc, LocalEntryNotFoundError) and offline:
+            raise FileNotFoundError(
+                f"checkpoint {where} is not a local path, and it is not in the Hugging Face cache "
+                f"(HF_HUB_OFFLINE is set, so the Hub was not asked): download it first or pass a local directory"
+            ) from exc
+        raise FileNotFoundError(
+            f"checkpoint {where} is not a local path, and the Hub could not provide it: "
+            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        ) from exc
     return Path(path)
 
 
@@ -85,7 +111,10 @@ def resolve_checkpoint_location(
         return local
     if _is_hub_id(text):
         return _resolve_hub(text, revision, cache_first)
-    raise FileNotFoundError(f"checkpoint not found: {text} is not a file, a directory or a Hub repo id")
+    hub = "" if _looks_local(text) else ", nor a Hub repo id (owner/name)"
+    raise FileNotFoundError(
+        errno.ENOENT, f"checkpoint not found ({local.absolute()} is not a file or a directory{hub})", text
+    )
 
 
 class CheckpointIndex:

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from .engine import SafetensorsFile, gc_paused
-from .errors import PlanError, TargetError, shown_key
+from .errors import MissingKeysError, PlanError, TargetError, shown_key
 from .groups import LoadGroup, build_groups, masked_name, rename_key
 from .index import CheckpointIndex
 from .quant import QuantInfo, detect_in_index
@@ -68,16 +68,30 @@ class LoadReport:
     region_targets: int = field(default=0, compare=False)
     deferred_targets: tuple[str, ...] = field(default=(), compare=False)
     loader: str = field(default="", compare=False)
+    #: tied weights that reached different tensors and were tied again before planning (``finalize.retie``)
+    retied_keys: tuple[str, ...] = field(default=(), compare=False)
+    #: non-persistent buffers nothing re-created after the load: after ``to_empty`` they hold garbage until
+    #: the caller sets them (``finalize.recreate_buffers`` recomputes those of transformers models)
+    unfilled_buffers: tuple[str, ...] = field(default=(), compare=False)
 
     def summary(self) -> str:
         rate = self.bytes_read / self.seconds / 1e9 if self.seconds > 0 else 0.0
-        return (
+        text = (
             f"{self.loader or 'hp_fastload'}: loaded {len(self.loaded_keys)} tensors, "
             f"missing {len(self.missing_keys)}, unexpected {len(self.unexpected_keys)}; "
             f"read {self.bytes_read / 1e6:.1f} MB of {self.checkpoint_bytes / 1e6:.1f} MB checkpoint "
             f"in {self.seconds:.3f} s ({rate:.2f} GB/s); {self.region_targets} region targets, "
             f"{len(self.deferred_targets)} deferred"
         )
+        if self.retied_keys:
+            text += f"; re-tied {len(self.retied_keys)} ({', '.join(self.retied_keys[:3])})"
+        if self.unfilled_buffers:
+            shown = ", ".join(self.unfilled_buffers[:3]) + (", ..." if len(self.unfilled_buffers) > 3 else "")
+            text += (
+                f"; {len(self.unfilled_buffers)} non-persistent buffers not re-created ({shown}): "
+                "set them yourself if the model was materialized with to_empty"
+            )
+        return text
 
 
 class ReadItem(NamedTuple):
@@ -857,6 +871,17 @@ def _plan_replacement_stage(
     claims.add_deferred(pending)
 
 
+def _missing_keys_error(missing: Sequence[str], unexpected: Sequence[str]) -> MissingKeysError:
+    text = f"Checkpoint did not load {len(missing)} owned model tensors; first keys: {', '.join(missing[:10])}"
+    if unexpected:
+        text += (
+            f". The checkpoint also holds {len(unexpected)} tensors this model does not own (first: "
+            f"{', '.join(unexpected[:5])}): is it a checkpoint of another architecture, depth or size, or does it "
+            "need a weights_mapping / key_mapping?"
+        )
+    return MissingKeysError(text, missing, unexpected)
+
+
 def plan_load(
     model: Any,
     index: CheckpointIndex,
@@ -946,8 +971,7 @@ def _plan_load(
     if quant:
         quant.check_missing(missing, claims.unexpected)
     if strict and missing:
-        shown = ", ".join(missing[:10])
-        raise RuntimeError(f"Checkpoint did not load {len(missing)} owned model tensors; first keys: {shown}")
+        raise _missing_keys_error(missing, index.natural_sorted(claims.unexpected))
     report = LoadReport(
         loaded_keys=tuple(sorted(claims.loaded, key=natural_sort_key)),
         missing_keys=tuple(missing),
