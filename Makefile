@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 .PHONY: help venv build demo test test-rust test-python lint lint-rust lint-python format bench bench-compare clean
 
 help:
-	@echo "make demo          load a generated Mixtral checkpoint into 2 gloo ranks (FSDP2 + TP) and check it"
+	@echo "make demo          a generated Mixtral into 2 gloo ranks (FSDP2 + TP): shards, buffers, one training step"
 	@echo "make test          lint + cargo test + pytest"
 	@echo "make bench         criterion + pytest-benchmark"
 	@echo "make bench-compare hp_fastload against the peers, one table"

@@ -282,6 +282,60 @@ pub(crate) fn write_run_scaled(run: &Run, src: &[u8], map: &ScaleMap<'_>, begin:
     }
 }
 
+/// The write direction's zero-copy case: calls `f` with the memory of repetitions `reps` of a same-dtype,
+/// byte-sized run when it is one contiguous byte range (elements adjacent, repetitions back to back), else
+/// returns `None` without calling it.
+pub(crate) fn with_contiguous_reps<R>(
+    run: &Run,
+    reps: std::ops::Range<u64>,
+    f: impl FnOnce(&[u8]) -> R,
+) -> Option<R> {
+    let size = run.dst_elem_size();
+    assert!(
+        run.src_dtype == run.dst_dtype && size > 0 && reps.end <= run.reps && reps.start < reps.end,
+        "with_contiguous_reps needs a same-dtype byte-sized run and repetitions"
+    );
+    let n = (reps.end - reps.start) as usize;
+    if !run.dst_is_dense() || (n > 1 && run.rep_dst_stride != run.dst_bytes()) {
+        return None;
+    }
+    let base = run.dst_addr + reps.start as usize * run.rep_dst_stride;
+    // SAFETY: region::plan_file_major checked that the `count` adjacent elements of every repetition lie
+    // inside one DestBuf, valid for reads by its constructor's contract; with repetitions back to back
+    // (`rep_dst_stride == dst_bytes`), repetitions `reps` are the one range `base..base + n * dst_bytes`.
+    let bytes = unsafe { std::slice::from_raw_parts(base as *const u8, n * run.dst_bytes()) };
+    Some(f(bytes))
+}
+
+/// The write direction's read of memory: appends the bytes of repetitions `reps` of a same-dtype,
+/// byte-sized run to `out`, each repetition's elements in order (adjacent, as the file holds them). The
+/// run's "destination" side is the memory being saved: `region::plan_file_major` checked that every
+/// element of every repetition lies inside its `DestBuf`.
+pub(crate) fn gather_reps(run: &Run, reps: std::ops::Range<u64>, out: &mut Vec<u8>) {
+    let size = run.dst_elem_size();
+    assert!(
+        run.src_dtype == run.dst_dtype && size > 0 && reps.end <= run.reps,
+        "gather_reps needs a same-dtype byte-sized run"
+    );
+    for r in reps {
+        let base = run.dst_addr + r as usize * run.rep_dst_stride;
+        if run.dst_is_dense() {
+            // SAFETY: region::plan_file_major checked that the `count` adjacent elements of repetition
+            // `r < reps` lie inside one DestBuf, valid for reads by its constructor's contract (memory the
+            // caller keeps alive and does not write during the call); reading it from several threads is
+            // sound.
+            let bytes = unsafe { std::slice::from_raw_parts(base as *const u8, run.dst_bytes()) };
+            out.extend_from_slice(bytes);
+            continue;
+        }
+        for i in 0..run.count as usize {
+            let at = (base + i * run.dst_stride) as *const u8;
+            // SAFETY: as above, for element `i < count` of repetition `r` at its checked strided address.
+            out.extend_from_slice(unsafe { std::slice::from_raw_parts(at, size) });
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

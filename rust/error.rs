@@ -67,9 +67,21 @@ pub enum LoadError {
         /// The size actually found.
         actual: u64,
     },
+    /// The path is not a regular file (a FIFO, socket or device): it is refused before it is opened for
+    /// reading, since reading it could block forever or never end.
+    #[error(
+        "{}: is {kind}, not a regular file; safetensors files must be regular files",
+        path.display()
+    )]
+    NotRegular {
+        /// The refused path.
+        path: PathBuf,
+        /// What it is instead ("a FIFO", "a socket", ...).
+        kind: &'static str,
+    },
     /// The file was replaced or rewritten after its header was parsed.
     #[error(
-        "{}: file changed since its header was read (inode or modification time differs)",
+        "{}: file changed since its header was read (inode, modification or status-change time differs)",
         path.display()
     )]
     Changed {
@@ -84,11 +96,50 @@ pub enum LoadError {
     },
 }
 
+/// Most characters of a tensor name that an error message quotes; a longer name is cut (see [`Quoted`]).
+pub const NAME_SHOWN: usize = 200;
+
+/// A tensor name in an error message: quoted, control and format characters escaped, and cut to its first
+/// [`NAME_SHOWN`] characters with its length when longer (a checkpoint may hold a 50 MB name; the message
+/// should not).
+///
+/// ```
+/// use hp_fastload::error::Quoted;
+/// assert_eq!(Quoted("w").to_string(), "'w'");
+/// assert_eq!(Quoted("a\u{1b}[2J\u{202e}b\0").to_string(), r"'a\u{1b}[2J\u{202e}b\0'");
+/// let long = "k".repeat(1000);
+/// assert!(Quoted(&long).to_string().ends_with("...' (1000 characters)"));
+/// ```
+pub struct Quoted<'a>(pub &'a str);
+
+impl std::fmt::Display for Quoted<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (shown, cut) = match self.0.char_indices().nth(NAME_SHOWN) {
+            None => (self.0, false),
+            Some((at, _)) => (&self.0[..at], true),
+        };
+        f.write_str("'")?;
+        for c in shown.chars() {
+            // Control and format characters (terminal escapes, NUL, bidi overrides) are escaped; printable
+            // ones, quotes and backslashes included, are written as they are.
+            if c.is_ascii_graphic() || c == ' ' || (!c.is_ascii() && c.escape_debug().len() == 1) {
+                write!(f, "{c}")?;
+            } else {
+                write!(f, "{}", c.escape_debug())?;
+            }
+        }
+        match cut {
+            false => f.write_str("'"),
+            true => write!(f, "...' ({} characters)", self.0.chars().count()),
+        }
+    }
+}
+
 fn request_message(path: Option<&Path>, tensor: Option<&str>, reason: &str) -> String {
     match (path, tensor) {
-        (Some(p), Some(t)) => format!("{}: tensor '{t}': {reason}", p.display()),
+        (Some(p), Some(t)) => format!("{}: tensor {}: {reason}", p.display(), Quoted(t)),
         (Some(p), None) => format!("{}: {reason}", p.display()),
-        (None, Some(t)) => format!("tensor '{t}': {reason}"),
+        (None, Some(t)) => format!("tensor {}: {reason}", Quoted(t)),
         (None, None) => reason.to_string(),
     }
 }

@@ -24,7 +24,7 @@ use crate::dest::{with_dense_dst, write_run, write_run_scaled, DestBuf};
 use crate::dtype::{can_dequantize, decode_scales, ScaleMap};
 use crate::error::LoadError;
 use crate::header::{FileIdentity, Header};
-use crate::mmap::{prefetch, read_exact_at, Mapping};
+use crate::mmap::{open_regular, prefetch, read_exact_at, Mapping};
 use crate::region::{plan, Item, Run, MAX_NDIM};
 
 /// Fraction of needed pages that must be cached for `auto` to pick `mmap`.
@@ -142,9 +142,38 @@ struct Task {
     end: u64,
 }
 
+/// At most this many files of one call stay open from the pre-read check until their reads: the others are
+/// opened again when their first task runs.
+const KEEP_OPEN: usize = 64;
+
+/// One needed file of a call: its map (mapped reads; a map needs no descriptor), or, for positioned reads,
+/// a descriptor opened on first use and closed after the file's last task. A call over thousands of shards
+/// thus holds about one descriptor per worker, not one per file (a soft `ulimit -n` of 1024 is common).
 struct Source {
-    file: File,
     map: Option<Arc<Mapping>>,
+    file: Mutex<Option<Arc<File>>>,
+    /// `pread` tasks of the file not yet finished (set once the tasks are made).
+    pending: AtomicUsize,
+}
+
+impl Source {
+    /// The open file for a `pread` task, opened (and checked again) when it is not open.
+    fn file(&self, h: &Header) -> Result<Arc<File>, LoadError> {
+        let mut slot = self.file.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(file) = slot.as_ref() {
+            return Ok(Arc::clone(file));
+        }
+        let file = Arc::new(open_checked(h)?);
+        *slot = Some(Arc::clone(&file));
+        Ok(file)
+    }
+
+    /// One `pread` task of the file is done; after the last one the descriptor is closed.
+    fn finish(&self) {
+        if self.pending.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.file.lock().unwrap_or_else(|p| p.into_inner()).take();
+        }
+    }
 }
 
 /// Reads every item into its destination. All items are validated first; on error nothing has been
@@ -239,8 +268,8 @@ fn load_scale(k: usize, s: &Scale, files: &[Arc<Header>]) -> Result<LoadedScale,
         )));
     }
     let mut raw = vec![0u8; (t.end - t.begin) as usize];
-    let file = File::open(&h.path).map_err(|e| LoadError::io(&h.path, &e))?;
-    read_exact_at(&file, &mut raw, h.data_start + t.begin, &h.path)?;
+    let (file, _) = open_regular(&h.path)?;
+    read_exact_at(&file, &mut raw, h.data_start + t.begin, &h.path, h.file_len)?;
     let values = decode_scales(t.dtype, &raw).ok_or_else(|| {
         bad(format!(
             "'{}' is {}; scales must be F32, BF16, F16, F8_E8M0 or U8 (e8m0)",
@@ -353,9 +382,14 @@ pub fn execute_scaled(
         _ => vec![Vec::new(); files.len()],
     };
     let mut sources: Vec<Option<Source>> = Vec::with_capacity(files.len());
+    let mut kept_open = 0;
     for ((h, &used), ranges) in files.iter().zip(&used).zip(&probes) {
         sources.push(match used {
-            true => Some(open_source(h, opts.backend, ranges)?),
+            true => {
+                let mut source = open_source(h, opts.backend, ranges, kept_open < KEEP_OPEN)?;
+                kept_open += usize::from(source.file.get_mut().is_ok_and(|f| f.is_some()));
+                Some(source)
+            }
             false => None,
         });
     }
@@ -375,6 +409,11 @@ pub fn execute_scaled(
     let chunk = (total / (threads as u64 * 8)).clamp(64 * 1024, 8 * 1024 * 1024);
     let pieces = make_pieces(runs, &mapped, chunk, opts.pread_gap);
     let tasks = make_tasks(&pieces, &sources, chunk, opts.pread_gap);
+    for t in tasks.iter().filter(|t| t.mode != Mode::Mmap) {
+        if let Some(s) = &sources[t.file] {
+            s.pending.fetch_add(1, Ordering::Relaxed);
+        }
+    }
     stats.spans = tasks.len();
     stats.bytes_copied = pieces
         .iter()
@@ -395,6 +434,172 @@ pub fn execute_scaled(
     };
     stats.bytes_read_from_files =
         scale_bytes + run_tasks(&tasks, &pieces, &sources, files, stats.threads, &scaled)?;
+    Ok(stats)
+}
+
+/// Bytes of one positioned write of [`execute_write`] at most (repetitions adjacent in the file are
+/// gathered into one buffer up to this size).
+const WRITE_CHUNK: u64 = 8 * 1024 * 1024;
+
+/// The write direction over the same items: every item's box is copied from its buffer (the "destination"
+/// of a read: the memory being saved) into its tensor's bytes in the file (the "source" of a read), with
+/// positioned writes from `threads` scoped threads. The files must exist at their final size (at least the
+/// header's `file_len`) with the header already written; they are opened for writing, never truncated or
+/// created. Source and file dtypes must be equal (no cast on the way out). All items are validated first
+/// ([`crate::region::plan_file_major`]); on an I/O error some regions may have been written.
+/// `stats.bytes_copied` counts bytes written; `bytes_read_from_files` stays 0.
+pub fn execute_write(
+    files: &[Arc<Header>],
+    bufs: &[DestBuf<'_>],
+    items: &[Item],
+    opts: &ExecOptions,
+) -> Result<ExecStats, LoadError> {
+    use std::os::unix::fs::FileExt;
+
+    let runs = crate::region::plan_file_major(files, bufs, items)?;
+    if let Some(r) = runs
+        .iter()
+        .find(|r| r.src_dtype != r.dst_dtype || r.src_dtype.is_sub_byte())
+    {
+        let h = &files[r.file];
+        return Err(LoadError::Request {
+            path: Some(h.path.clone()),
+            tensor: None,
+            reason: format!(
+                "item {}: writing {} memory into a {} tensor (the write direction does not cast, nor \
+                 write sub-byte types)",
+                r.item, r.dst_dtype, r.src_dtype
+            ),
+        });
+    }
+    let threads = opts.threads.unwrap_or_else(default_threads).max(1);
+    let mut stats = ExecStats {
+        runs: runs.iter().map(|r| r.reps as usize).sum(),
+        backend: "pwrite",
+        threads: 1,
+        ..ExecStats::default()
+    };
+    if runs.is_empty() {
+        stats.backend = "none";
+        return Ok(stats);
+    }
+    let mut outs: Vec<Option<File>> = Vec::with_capacity(files.len());
+    for (f, h) in files.iter().enumerate() {
+        if !runs.iter().any(|r| r.file == f) {
+            outs.push(None);
+            continue;
+        }
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&h.path)
+            .map_err(|e| LoadError::io(&h.path, &e))?;
+        let len = file
+            .metadata()
+            .map_err(|e| LoadError::io(&h.path, &e))?
+            .len();
+        if len < h.file_len {
+            return Err(LoadError::Truncated {
+                path: h.path.clone(),
+                expected: h.file_len,
+                actual: len,
+            });
+        }
+        outs.push(Some(file));
+    }
+    let mut pieces = Vec::with_capacity(runs.len());
+    for r in &runs {
+        r.split(WRITE_CHUNK, &mut pieces);
+    }
+    pieces.sort_unstable_by_key(|r| (r.file, r.src_off));
+    stats.bytes_copied = pieces.iter().map(|r| r.reps * r.dst_bytes() as u64).sum();
+    stats.spans = pieces.len();
+    stats.threads = threads.min(pieces.len());
+    let next = AtomicUsize::new(0);
+    let failed = AtomicBool::new(false);
+    let first_error: Mutex<Option<LoadError>> = Mutex::new(None);
+    let write_piece = |p: &Run, buf: &mut Vec<u8>| -> Result<(), LoadError> {
+        let file = outs[p.file].as_ref().expect("every file with runs is open");
+        let path = &files[p.file].path;
+        let put = |bytes: &[u8], at: u64| {
+            file.write_all_at(bytes, at)
+                .map_err(|e| LoadError::io(path, &e))
+        };
+        let size = p.dst_elem_size() as u64;
+        if p.count == 1 || p.src_stride == size {
+            // Adjacent in the file within a repetition; repetitions too when they follow each other.
+            let adjacent = p.reps == 1 || p.rep_src_stride == p.count * size;
+            let group = if adjacent { p.reps } else { 1 };
+            let mut r = 0;
+            while r < p.reps {
+                let at = p.src_off + r * p.rep_src_stride;
+                match crate::dest::with_contiguous_reps(p, r..r + group, |bytes| put(bytes, at)) {
+                    Some(result) => result?,
+                    None => {
+                        buf.clear();
+                        crate::dest::gather_reps(p, r..r + group, buf);
+                        put(buf, at)?;
+                    }
+                }
+                r += group;
+            }
+            return Ok(());
+        }
+        // A file-strided run (neither side of the box has a unit file stride): element by element.
+        for r in 0..p.reps {
+            buf.clear();
+            crate::dest::gather_reps(p, r..r + 1, buf);
+            for (i, elem) in buf.chunks_exact(size as usize).enumerate() {
+                put(
+                    elem,
+                    p.src_off + r * p.rep_src_stride + i as u64 * p.src_stride,
+                )?;
+            }
+        }
+        Ok(())
+    };
+    let worker = || {
+        let mut buf: Vec<u8> = Vec::new();
+        while !failed.load(Ordering::Relaxed) {
+            let i = next.fetch_add(1, Ordering::Relaxed);
+            let Some(p) = pieces.get(i) else { break };
+            if let Err(e) = write_piece(p, &mut buf) {
+                failed.store(true, Ordering::Relaxed);
+                first_error
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .get_or_insert(e);
+            }
+        }
+    };
+    let guarded =
+        || catch_unwind(AssertUnwindSafe(worker)).map_err(|payload| panic_error(payload.as_ref()));
+    let mut panicked = None;
+    std::thread::scope(|scope| {
+        let helpers: Vec<_> = (1..stats.threads)
+            .filter_map(|_| {
+                std::thread::Builder::new()
+                    .spawn_scoped(scope, guarded)
+                    .ok()
+            })
+            .collect();
+        if let Err(e) = guarded() {
+            panicked.get_or_insert(e);
+        }
+        for h in helpers {
+            match h.join() {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    panicked.get_or_insert(e);
+                }
+                Err(payload) => {
+                    panicked.get_or_insert(panic_error(payload.as_ref()));
+                }
+            }
+        }
+    });
+    if let Some(e) = panicked.or(first_error.into_inner().unwrap_or_else(|p| p.into_inner())) {
+        return Err(e);
+    }
     Ok(stats)
 }
 
@@ -506,9 +711,10 @@ fn pread_spans_overlap(pieces: &[Run], mapped: &[bool]) -> bool {
     false
 }
 
-fn open_source(h: &Header, backend: Backend, ranges: &[(u64, u64)]) -> Result<Source, LoadError> {
-    let file = File::open(&h.path).map_err(|e| LoadError::io(&h.path, &e))?;
-    let meta = file.metadata().map_err(|e| LoadError::io(&h.path, &e))?;
+/// Opens the file of `h` (a regular file, without blocking) and checks it against the header: at least as
+/// long ([`LoadError::Truncated`]) and the same identity ([`LoadError::Changed`]).
+fn open_checked(h: &Header) -> Result<File, LoadError> {
+    let (file, meta) = open_regular(&h.path)?;
     if meta.len() < h.file_len {
         return Err(LoadError::Truncated {
             path: h.path.clone(),
@@ -521,6 +727,18 @@ fn open_source(h: &Header, backend: Backend, ranges: &[(u64, u64)]) -> Result<So
             path: h.path.clone(),
         });
     }
+    Ok(file)
+}
+
+/// Checks the file of `h` and maps it when `backend` may copy from a map. The descriptor is kept for
+/// positioned reads only when `keep_open`, else closed (a map does not need it; [`Source::file`] reopens).
+fn open_source(
+    h: &Header,
+    backend: Backend,
+    ranges: &[(u64, u64)],
+    keep_open: bool,
+) -> Result<Source, LoadError> {
+    let file = open_checked(h)?;
     // Headers parsed from memory have no identity to check a kept map against: map afresh.
     let mapping = || -> Result<Arc<Mapping>, LoadError> {
         let make = || Mapping::new(&file, h.file_len, &h.path);
@@ -538,7 +756,12 @@ fn open_source(h: &Header, backend: Backend, ranges: &[(u64, u64)]) -> Result<So
             (map.resident_fraction(ranges) >= AUTO_MMAP_RESIDENT).then_some(map)
         }
     };
-    Ok(Source { file, map })
+    let file = (map.is_none() && keep_open).then(|| Arc::new(file));
+    Ok(Source {
+        map,
+        file: Mutex::new(file),
+        pending: AtomicUsize::new(0),
+    })
 }
 
 fn make_tasks(pieces: &[Run], sources: &[Option<Source>], chunk: u64, gap: u64) -> Vec<Task> {
@@ -616,8 +839,14 @@ fn run_tasks(
     let lookahead = 2 * threads;
     let prefetch_task = |i: usize| {
         if let Some(t) = tasks.get(i).filter(|t| t.mode != Mode::Mmap) {
-            if let Some(source) = &sources[t.file] {
-                prefetch(&source.file, t.start, t.end);
+            // An open that fails here fails again in the task, which reports it. A file whose tasks are all
+            // done (its task ran before this hint) is not opened again.
+            let source = sources[t.file].as_ref();
+            if let Some(Ok(file)) = source
+                .filter(|s| s.pending.load(Ordering::Acquire) > 0)
+                .map(|s| s.file(&files[t.file]))
+            {
+                prefetch(&file, t.start, t.end);
             }
         }
     };
@@ -628,7 +857,13 @@ fn run_tasks(
             let i = next.fetch_add(1, Ordering::Relaxed);
             let Some(task) = tasks.get(i) else { break };
             prefetch_task(i + lookahead);
-            match run_task(task, pieces, sources, files, &mut buf, scaled) {
+            let result = run_task(task, pieces, sources, files, &mut buf, scaled);
+            if task.mode != Mode::Mmap {
+                if let Some(source) = &sources[task.file] {
+                    source.finish();
+                }
+            }
+            match result {
                 Ok(n) => {
                     bytes_read.fetch_add(n, Ordering::Relaxed);
                 }
@@ -719,7 +954,8 @@ fn run_task(
         Mode::PreadDirect => {
             let r = &runs[0];
             debug_assert_eq!(r.reps, 1);
-            with_dense_dst(r, |out| read_exact_at(&source.file, out, r.src_off, path))?;
+            let (file, len) = (source.file(&files[task.file])?, files[task.file].file_len);
+            with_dense_dst(r, |out| read_exact_at(&file, out, r.src_off, path, len))?;
             Ok(r.src_extent())
         }
         Mode::PreadBuffered => {
@@ -727,7 +963,9 @@ fn run_task(
             if buf.len() < len {
                 buf.resize(len, 0);
             }
-            read_exact_at(&source.file, &mut buf[..len], task.start, path)?;
+            let file = source.file(&files[task.file])?;
+            let file_len = files[task.file].file_len;
+            read_exact_at(&file, &mut buf[..len], task.start, path, file_len)?;
             for r in runs {
                 let at = (r.src_off - task.start) as usize;
                 scaled.write(r, &buf[at..at + r.src_extent() as usize]);
@@ -942,6 +1180,134 @@ mod tests {
         }
     }
 
+    /// The write direction: a strided memory box written into a (permuted) box of a file tensor changes
+    /// exactly the box's file bytes, each to its memory element (naive reference), and leaves every other
+    /// byte of the file as it was.
+    fn check_write(c: &Case) {
+        let dt = PAIRS[c.pair].0;
+        let ndim = c.shape.len();
+        let numel: u64 = c.shape.iter().product();
+        let size = dt.byte_size().unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let before = random_bytes(numel as usize * size, c.seed);
+        let h = write_file(
+            dir.path(),
+            "w.safetensors",
+            &[
+                ("pre", Dtype::U8, vec![24], vec![7; 24]),
+                ("t", dt, c.shape.clone(), before.clone()),
+            ],
+        );
+        let original = std::fs::read(&h.path).unwrap();
+        let mut sstr = vec![1u64; ndim];
+        for d in (0..ndim.saturating_sub(1)).rev() {
+            sstr[d] = sstr[d + 1] * c.shape[d + 1];
+        }
+        let src_base: u64 = c.offsets.iter().zip(&sstr).map(|(o, s)| o * s).sum();
+        let lengths: Vec<u64> = c.perm.iter().map(|&d| c.lengths[d]).collect();
+        let ss: Vec<u64> = c.perm.iter().map(|&d| sstr[d]).collect();
+        let mut ds = vec![0u64; ndim];
+        let mut acc = 1u64;
+        for &d in c.dst_order.iter().rev() {
+            ds[d] = acc;
+            acc *= lengths[d] + c.pad[d];
+        }
+        let dst_base = 3u64;
+        let mut mem = random_bytes((dst_base + acc + 2) as usize * size, c.seed ^ 99);
+        let mut item = Item {
+            file: 0,
+            tensor: h.index("t").unwrap() as i64,
+            src_base: src_base as i64,
+            dest: 0,
+            dst_base: dst_base as i64,
+            ndim: ndim as i64,
+            ..Item::default()
+        };
+        for d in 0..ndim {
+            item.lengths[d] = lengths[d] as i64;
+            item.src_strides[d] = ss[d] as i64;
+            item.dst_strides[d] = ds[d] as i64;
+        }
+        let opts = ExecOptions {
+            threads: Some(c.threads),
+            ..ExecOptions::default()
+        };
+        let want_mem = mem.clone();
+        let bufs = [DestBuf::from_mut_slice(&mut mem, dt)];
+        let stats = execute_write(std::slice::from_ref(&h), &bufs, &[item], &opts).unwrap();
+        let total: u64 = lengths.iter().product();
+        assert_eq!(stats.bytes_copied, total * size as u64);
+        let mut want = original.clone();
+        let data = (h.data_start + h.tensors[h.index("t").unwrap()].begin) as usize;
+        for flat in 0..total {
+            let (mut rem, mut se, mut de) = (flat, src_base, dst_base);
+            for d in (0..ndim).rev() {
+                let i = rem % lengths[d];
+                rem /= lengths[d];
+                se += i * ss[d];
+                de += i * ds[d];
+            }
+            let (se, de) = (data + se as usize * size, de as usize * size);
+            want[se..se + size].copy_from_slice(&want_mem[de..de + size]);
+        }
+        assert_eq!(std::fs::read(&h.path).unwrap(), want);
+        assert_eq!(mem, want_mem, "the memory being saved is only read");
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+        #[test]
+        fn region_write_matches_naive(c in case()) {
+            check_write(&c);
+        }
+    }
+
+    /// The write direction refuses a cast and a file shorter than its header, and writes nothing then.
+    #[test]
+    fn write_refuses_casts_and_short_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let h = write_file(
+            dir.path(),
+            "w.safetensors",
+            &[("t", Dtype::BF16, vec![4], vec![0; 8])],
+        );
+        let original = std::fs::read(&h.path).unwrap();
+        let mut item = Item {
+            ndim: 1,
+            ..Item::default()
+        };
+        item.lengths[0] = 4;
+        item.src_strides[0] = 1;
+        item.dst_strides[0] = 1;
+        let mut mem = vec![1u8; 16];
+        let bufs = [DestBuf::from_mut_slice(&mut mem, Dtype::F32)];
+        let err = execute_write(
+            std::slice::from_ref(&h),
+            &bufs,
+            &[item],
+            &ExecOptions::default(),
+        );
+        assert!(
+            matches!(&err, Err(LoadError::Request { reason, .. }) if reason.contains("does not cast")),
+            "{err:?}"
+        );
+        assert_eq!(std::fs::read(&h.path).unwrap(), original);
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&h.path)
+            .unwrap();
+        f.set_len(h.file_len - 1).unwrap();
+        let mut mem = vec![1u8; 8];
+        let bufs = [DestBuf::from_mut_slice(&mut mem, Dtype::BF16)];
+        let err = execute_write(
+            std::slice::from_ref(&h),
+            &bufs,
+            &[item],
+            &ExecOptions::default(),
+        );
+        assert!(matches!(err, Err(LoadError::Truncated { .. })), "{err:?}");
+    }
+
     /// Column slices (repeated runs) of row-major tensors whose rows are far apart (expanded for a map
     /// and for pread), long enough for direct preads, split into groups of rows, and two items reading
     /// interleaved columns of one tensor: every backend, gap and thread count copies the right bytes,
@@ -1079,8 +1445,9 @@ mod tests {
         let file = File::open(&h.path).unwrap();
         let map = Arc::new(Mapping::new(&file, h.file_len, &h.path).unwrap());
         let sources = vec![Some(Source {
-            file,
             map: Some(map),
+            file: Mutex::new(None),
+            pending: AtomicUsize::new(0),
         })];
         let run = |src_off: u64| Run {
             item: 0,

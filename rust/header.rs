@@ -30,8 +30,8 @@ use serde::de::{self, Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde_json::{Map, Number, Value};
 
 use crate::dtype::Dtype;
-use crate::error::LoadError;
-use crate::mmap::MapSlot;
+use crate::error::{LoadError, Quoted};
+use crate::mmap::{open_regular, MapSlot};
 
 /// The largest header accepted, in bytes (the limit safetensors itself uses).
 pub const MAX_HEADER_LEN: u64 = 100_000_000;
@@ -67,6 +67,9 @@ pub struct FileIdentity {
     pub ino: u64,
     /// Modification time in nanoseconds since the epoch.
     pub mtime_ns: i128,
+    /// Status-change time (`ctime`) in nanoseconds since the epoch: unlike the mtime, no copy tool or
+    /// `utime` call can set it back, so an in-place rewrite whose old mtime was restored still differs.
+    pub ctime_ns: i128,
 }
 
 impl FileIdentity {
@@ -77,6 +80,7 @@ impl FileIdentity {
             dev: meta.dev(),
             ino: meta.ino(),
             mtime_ns: i128::from(meta.mtime()) * 1_000_000_000 + i128::from(meta.mtime_nsec()),
+            ctime_ns: i128::from(meta.ctime()) * 1_000_000_000 + i128::from(meta.ctime_nsec()),
         }
     }
 }
@@ -96,6 +100,9 @@ pub struct Header {
     pub tensors: Vec<TensorInfo>,
     /// The file's identity when read (`None` for headers parsed from memory).
     pub identity: Option<FileIdentity>,
+    /// A 64-bit digest of the header bytes (length prefix and JSON, see [`header_digest`]): what ranks
+    /// compare to agree that they read the same checkpoint, and what [`Header::still_current`] re-checks.
+    pub digest: u64,
     index: HashMap<String, usize>,
     /// The file's map, kept between reads (see [`MapSlot`]).
     pub(crate) map: MapSlot,
@@ -103,17 +110,9 @@ pub struct Header {
 
 impl Header {
     /// Opens `path` and parses its header.
+    /// A FIFO, socket or device is refused before it is opened ([`crate::mmap::open_regular`]).
     pub fn read(path: &Path) -> Result<Header, LoadError> {
-        let mut file = File::open(path).map_err(|e| LoadError::io(path, &e))?;
-        let meta = file.metadata().map_err(|e| LoadError::io(path, &e))?;
-        if meta.is_dir() {
-            return Err(LoadError::Io {
-                path: path.to_path_buf(),
-                kind: std::io::ErrorKind::IsADirectory,
-                errno: Some(libc::EISDIR),
-                message: "is a directory".into(),
-            });
-        }
+        let (mut file, meta) = open_regular(path)?;
         let file_len = meta.len();
         if file_len < 8 {
             return Err(LoadError::header(
@@ -130,6 +129,21 @@ impl Header {
         let mut header = Header::parse(path, &buf, file_len)?;
         header.identity = Some(FileIdentity::of(&meta));
         Ok(header)
+    }
+
+    /// Whether the file at [`Header::path`] still has this header: same identity and size, and the same
+    /// header bytes (re-read and digested). For callers that cache headers and cannot trust the identity
+    /// alone (a rewrite within one tick of a coarse file-system clock keeps every timestamp). Any error
+    /// (gone, unreadable, not regular) is `false`: the caller parses the file again and reports it.
+    pub fn still_current(&self) -> bool {
+        let Ok((mut file, meta)) = open_regular(&self.path) else {
+            return false;
+        };
+        if meta.len() != self.file_len || self.identity != Some(FileIdentity::of(&meta)) {
+            return false;
+        }
+        let mut buf = vec![0u8; self.data_start as usize];
+        file.read_exact(&mut buf).is_ok() && header_digest(&buf) == self.digest
     }
 
     /// Parses a header from `bytes` (at least the length prefix and the JSON) of a file of `file_len` bytes.
@@ -169,6 +183,7 @@ impl Header {
             }
         };
         let data_start = 8 + n;
+        let digest = header_digest(&bytes[..data_start as usize]);
         let data_len = file_len - data_start;
         let metadata = match metadata_value {
             Some(entry) => parse_metadata(&entry).map_err(err)?,
@@ -178,7 +193,8 @@ impl Header {
         let mut seen = std::collections::HashSet::with_capacity(entries.len());
         if let Some((name, _)) = entries.iter().find(|(name, _)| !seen.insert(name.as_str())) {
             return Err(err(format!(
-                "header is not valid JSON: duplicate key '{name}'"
+                "header is not valid JSON: duplicate key {}",
+                Quoted(name)
             )));
         }
         drop(seen);
@@ -196,14 +212,14 @@ impl Header {
         for t in &tensors {
             if t.begin < covered {
                 return Err(err(format!(
-                    "tensor '{}' at data_offsets [{}, {}] overlaps the previous tensor, which ends at {covered}",
-                    t.name, t.begin, t.end
+                    "tensor {} at data_offsets [{}, {}] overlaps the previous tensor, which ends at {covered}",
+                    Quoted(&t.name), t.begin, t.end
                 )));
             }
             if t.begin > covered {
                 return Err(err(format!(
-                    "hole in the data section: bytes {covered}..{} belong to no tensor (next is '{}')",
-                    t.begin, t.name
+                    "hole in the data section: bytes {covered}..{} belong to no tensor (next is {})",
+                    t.begin, Quoted(&t.name)
                 )));
             }
             covered = t.end;
@@ -221,6 +237,7 @@ impl Header {
             metadata,
             tensors,
             identity: None,
+            digest,
             index,
             map: MapSlot::default(),
         })
@@ -236,6 +253,23 @@ impl Header {
     pub fn index(&self, name: &str) -> Option<usize> {
         self.index.get(name).copied()
     }
+}
+
+/// The digest of a header's bytes: 64-bit FNV-1a over 8-byte words (then the tail), fixed across builds
+/// and platforms, so ranks compare it; ~2 GB/s, a few ms for the largest headers, which parse far slower.
+/// Not a cryptographic hash: it detects accidents (another checkpoint, a rewritten file), not forgeries.
+pub fn header_digest(bytes: &[u8]) -> u64 {
+    const PRIME: u64 = 0x0000_0100_0000_01b3;
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325 ^ bytes.len() as u64;
+    let mut words = bytes.chunks_exact(8);
+    for w in &mut words {
+        h = (h ^ u64::from_le_bytes(w.try_into().expect("8 bytes"))).wrapping_mul(PRIME);
+        h ^= h >> 29;
+    }
+    for &b in words.remainder() {
+        h = (h ^ u64::from(b)).wrapping_mul(PRIME);
+    }
+    h
 }
 
 /// The natural-order sort key of a dotted tensor name, as a string that compares like the Python planner's
@@ -536,11 +570,12 @@ fn parse_metadata(entry: &Value) -> Result<Option<Vec<(String, String)>>, String
 }
 
 fn parse_tensor(name: String, entry: Entry) -> Result<TensorInfo, String> {
+    let q = Quoted(&name);
     let mut fields = match entry {
         Entry::Fields(fields) => fields,
         Entry::Other(value) => {
             return Err(format!(
-                "tensor '{name}' is {}, expected an object",
+                "tensor {q} is {}, expected an object",
                 kind(&value)
             ))
         }
@@ -548,25 +583,21 @@ fn parse_tensor(name: String, entry: Entry) -> Result<TensorInfo, String> {
     let mut field = |i: usize| {
         fields[i]
             .take()
-            .ok_or_else(|| format!("tensor '{name}' has no '{}'", FIELDS[i]))
+            .ok_or_else(|| format!("tensor {q} has no '{}'", FIELDS[i]))
     };
     let dtype = match field(0)? {
         Field::Dtype(dtype) => dtype,
         Field::Value(value) if value.is_string() => {
             let s = value.as_str().unwrap_or_default();
-            return Err(format!("tensor '{name}' has unknown dtype '{s}'"));
+            return Err(format!("tensor {q} has unknown dtype '{s}'"));
         }
         Field::Value(other) => {
             return Err(format!(
-                "tensor '{name}': dtype is {}, expected a string",
+                "tensor {q}: dtype is {}, expected a string",
                 kind(&other)
             ))
         }
-        Field::Ints(_) => {
-            return Err(format!(
-                "tensor '{name}': dtype is an array, expected a string"
-            ))
-        }
+        Field::Ints(_) => return Err(format!("tensor {q}: dtype is an array, expected a string")),
     };
     let mut ints = |i: usize| -> Result<Vec<u64>, String> {
         let key = FIELDS[i];
@@ -578,39 +609,37 @@ fn parse_tensor(name: String, entry: Entry) -> Result<TensorInfo, String> {
                 .flatten()
                 .map(|v| {
                     v.as_u64().ok_or_else(|| {
-                        format!("tensor '{name}': {key} entry {v} is not a non-negative integer")
+                        format!("tensor {q}: {key} entry {v} is not a non-negative integer")
                     })
                 })
                 .collect(),
-            Field::Value(_) | Field::Dtype(_) => {
-                Err(format!("tensor '{name}': {key} is not an array"))
-            }
+            Field::Value(_) | Field::Dtype(_) => Err(format!("tensor {q}: {key} is not an array")),
         }
     };
     let shape = ints(1)?;
     let offsets = ints(2)?;
     let [begin, end] = offsets[..] else {
         return Err(format!(
-            "tensor '{name}': data_offsets has {} entries, expected 2",
+            "tensor {q}: data_offsets has {} entries, expected 2",
             offsets.len()
         ));
     };
     if end < begin {
         return Err(format!(
-            "tensor '{name}': data_offsets [{begin}, {end}] end before they begin"
+            "tensor {q}: data_offsets [{begin}, {end}] end before they begin"
         ));
     }
     let numel = shape
         .iter()
         .try_fold(1u64, |acc, &d| acc.checked_mul(d))
-        .ok_or_else(|| format!("tensor '{name}': shape {shape:?} overflows the element count"))?;
-    let bits = numel.checked_mul(dtype.bits()).ok_or_else(|| {
-        format!("tensor '{name}': shape {shape:?} of {dtype} overflows the byte size")
-    })?;
+        .ok_or_else(|| format!("tensor {q}: shape {shape:?} overflows the element count"))?;
+    let bits = numel
+        .checked_mul(dtype.bits())
+        .ok_or_else(|| format!("tensor {q}: shape {shape:?} of {dtype} overflows the byte size"))?;
     let nbytes = bits.div_ceil(8);
     if end - begin != nbytes {
         return Err(format!(
-            "tensor '{name}': data_offsets [{begin}, {end}] hold {} bytes but dtype {dtype} and shape \
+            "tensor {q}: data_offsets [{begin}, {end}] hold {} bytes but dtype {dtype} and shape \
              {shape:?} need {nbytes}",
             end - begin
         ));

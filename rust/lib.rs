@@ -41,6 +41,7 @@ pub mod error;
 pub mod exec;
 pub mod header;
 mod mmap;
+mod overlap;
 #[cfg(feature = "python")]
 mod python;
 pub mod region;

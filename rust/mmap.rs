@@ -8,8 +8,8 @@
 
 #![allow(unsafe_code)]
 
-use std::fs::File;
-use std::os::unix::fs::FileExt;
+use std::fs::{File, Metadata};
+use std::os::unix::fs::{FileExt, FileTypeExt, OpenOptionsExt};
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
@@ -179,21 +179,69 @@ pub(crate) fn prefetch(file: &File, start: u64, end: u64) {
     let _ = unsafe { libc::posix_fadvise(file.as_raw_fd(), off, len, libc::POSIX_FADV_WILLNEED) };
 }
 
-/// Fills `buf` from `file` at `offset`; a read that hits the end of the file is [`LoadError::Truncated`].
+/// What a file that is not a regular file is, for [`LoadError::NotRegular`] (`None` for a regular file).
+fn non_regular_kind(meta: &Metadata) -> Option<&'static str> {
+    let t = meta.file_type();
+    match () {
+        _ if t.is_file() => None,
+        _ if t.is_fifo() => Some("a FIFO"),
+        _ if t.is_socket() => Some("a socket"),
+        _ if t.is_char_device() => Some("a character device"),
+        _ if t.is_block_device() => Some("a block device"),
+        _ => Some("not a regular file"),
+    }
+}
+
+/// Opens `path` for reading if it is a regular file, without ever blocking: the path is `stat`ed first (a
+/// FIFO, socket or device is [`LoadError::NotRegular`] and is not opened; a directory is an `EISDIR`
+/// [`LoadError::Io`]), and the open itself uses `O_NONBLOCK`, so a regular file replaced by a FIFO between
+/// the two is refused by the `fstat` that follows instead of blocking the open until a writer comes.
+/// `O_NONBLOCK` changes nothing for reads of a regular file.
+pub(crate) fn open_regular(path: &Path) -> Result<(File, Metadata), LoadError> {
+    let check = |meta: &Metadata| -> Result<(), LoadError> {
+        if meta.is_dir() {
+            return Err(LoadError::Io {
+                path: path.to_path_buf(),
+                kind: std::io::ErrorKind::IsADirectory,
+                errno: Some(libc::EISDIR),
+                message: "is a directory".into(),
+            });
+        }
+        match non_regular_kind(meta) {
+            Some(kind) => Err(LoadError::NotRegular {
+                path: path.to_path_buf(),
+                kind,
+            }),
+            None => Ok(()),
+        }
+    };
+    check(&std::fs::metadata(path).map_err(|e| LoadError::io(path, &e))?)?;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|e| LoadError::io(path, &e))?;
+    let meta = file.metadata().map_err(|e| LoadError::io(path, &e))?;
+    check(&meta)?;
+    Ok((file, meta))
+}
+
+/// Fills `buf` from `file` at `offset`; a read that hits the end of the file is [`LoadError::Truncated`],
+/// which reports `file_len` (the size the header says the file has) and the size the file has now.
 pub(crate) fn read_exact_at(
     file: &File,
     mut buf: &mut [u8],
     mut offset: u64,
     path: &Path,
+    file_len: u64,
 ) -> Result<(), LoadError> {
-    let want_end = offset + buf.len() as u64;
     while !buf.is_empty() {
         match file.read_at(buf, offset) {
             Ok(0) => {
                 let actual = file.metadata().map(|m| m.len()).unwrap_or(offset);
                 return Err(LoadError::Truncated {
                     path: path.to_path_buf(),
-                    expected: want_end,
+                    expected: file_len,
                     actual,
                 });
             }
@@ -259,6 +307,48 @@ mod tests {
             gone_within(&weak, Duration::from_secs(10)),
             "the background thread unmapped it"
         );
+    }
+
+    #[test]
+    fn pread_past_the_end_reports_the_file_size_not_the_chunk_end() {
+        let (dir, file) = sparse_file(100);
+        let path = dir.path().join("sparse.bin");
+        let mut buf = vec![0u8; 50];
+        // A chunk 80..130 of a file whose header says 4096 bytes, found with 100.
+        match read_exact_at(&file, &mut buf, 80, &path, 4096) {
+            Err(LoadError::Truncated {
+                expected: 4096,
+                actual: 100,
+                ..
+            }) => {}
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn non_regular_files_are_refused_without_blocking() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("fifo.safetensors");
+        let c = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: mkfifo reads the NUL-terminated path it is given and nothing else.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        // With no writer, a blocking open would never return; the test would hang, not fail.
+        match open_regular(&fifo) {
+            Err(e @ LoadError::NotRegular { kind: "a FIFO", .. }) => {
+                assert!(e.to_string().contains("not a regular file"), "{e}")
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(
+            open_regular(dir.path()),
+            Err(LoadError::Io {
+                errno: Some(libc::EISDIR),
+                ..
+            })
+        ));
+        let (regular_dir, _) = sparse_file(8);
+        let (_, meta) = open_regular(&regular_dir.path().join("sparse.bin")).unwrap();
+        assert_eq!(meta.len(), 8);
     }
 
     #[test]

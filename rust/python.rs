@@ -59,7 +59,9 @@ fn to_py(py: Python<'_>, err: LoadError) -> PyErr {
             ..
         } => PyOSError::new_err((errno, message, path.to_string_lossy().into_owned())),
         LoadError::Io { .. } => PyOSError::new_err(message),
-        LoadError::Header { .. } => raise(py, "HeaderError", message),
+        LoadError::Header { .. } | LoadError::NotRegular { .. } => {
+            raise(py, "HeaderError", message)
+        }
         LoadError::Request { .. } => raise(py, "PlanError", message),
         LoadError::Truncated { .. } | LoadError::Changed { .. } => raise(py, "ReadError", message),
         LoadError::WorkerPanicked { .. } => raise(py, "HpFastloadError", message),
@@ -104,6 +106,16 @@ impl SafetensorsHeader {
         self.inner.data_start
     }
 
+    #[getter]
+    fn digest(&self) -> u64 {
+        self.inner.digest
+    }
+
+    /// Whether the file still has this header (identity, size and header bytes; see `_core.pyi`).
+    fn still_current(&self, py: Python<'_>) -> bool {
+        py.detach(|| self.inner.still_current())
+    }
+
     fn metadata<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
         let Some(meta) = &self.inner.metadata else {
             return Ok(None);
@@ -117,10 +129,6 @@ impl SafetensorsHeader {
 
     fn __len__(&self) -> usize {
         self.inner.tensors.len()
-    }
-
-    fn names(&self) -> Vec<String> {
-        self.inner.tensors.iter().map(|t| t.name.clone()).collect()
     }
 
     /// `{name: (position, dtype name, shape, begin, end)}` in file order, built here in one pass: the same
@@ -153,14 +161,6 @@ impl SafetensorsHeader {
         Ok(dict)
     }
 
-    fn sort_keys(&self) -> Vec<Option<String>> {
-        self.inner
-            .tensors
-            .iter()
-            .map(|t| crate::header::natural_sort_key(&t.name))
-            .collect()
-    }
-
     /// The natural order of every tensor of `headers` (several shards): positions into their names taken in
     /// order (each header's in file order), sorted, plus the positions of names whose order is Python's to
     /// decide (see [`crate::header::natural_order_key`]). Positions rather than names, so the caller orders
@@ -178,12 +178,6 @@ impl SafetensorsHeader {
                 .collect();
             crate::header::natural_order(&names)
         })
-    }
-
-    fn index(&self, name: &str) -> PyResult<usize> {
-        self.inner
-            .index(name)
-            .ok_or_else(|| pyo3::exceptions::PyKeyError::new_err(name.to_string()))
     }
 
     /// Drops the map of the file kept between reads (see `release_map` in `_core.pyi`).
@@ -243,9 +237,10 @@ fn plan_error(py: Python<'_>, message: String) -> PyErr {
     raise(py, "PlanError", message)
 }
 
-/// Reads a batch of strided boxes into caller memory; see `_core.pyi`.
+/// Reads a batch of strided boxes into caller memory, or (`direction="write"`) writes them from caller
+/// memory into the files; see `_core.pyi`.
 #[pyfunction]
-#[pyo3(signature = (headers, dests, items, threads=None, backend="auto", scales=None))]
+#[pyo3(signature = (headers, dests, items, threads=None, backend="auto", scales=None, direction="read"))]
 #[allow(clippy::too_many_arguments)]
 fn execute<'py>(
     py: Python<'py>,
@@ -255,7 +250,18 @@ fn execute<'py>(
     threads: Option<i64>,
     backend: &str,
     scales: Option<&[u8]>,
+    direction: &str,
 ) -> PyResult<Bound<'py, PyDict>> {
+    let write = match direction {
+        "read" => false,
+        "write" => true,
+        _ => {
+            return Err(plan_error(
+                py,
+                format!("unknown direction '{direction}' (expected read or write)"),
+            ))
+        }
+    };
     let files = shared(&headers);
     if dests.len() % 24 != 0 {
         return Err(plan_error(
@@ -359,6 +365,12 @@ fn execute<'py>(
             ))
         }
     };
+    if write && (!scales.is_empty() || items.iter().any(|item| item.scale != 0)) {
+        return Err(plan_error(
+            py,
+            "the write direction stores bytes as they are: items that dequantize (a scale) only read".into(),
+        ));
+    }
     let backend: Backend = backend.parse().map_err(|e| to_py(py, e))?;
     let opts = ExecOptions {
         threads,
@@ -368,7 +380,10 @@ fn execute<'py>(
     let stats = py
         .detach(move || {
             let dests = crate::dest::from_python(&triples);
-            execute_batch(&files, &dests, &items, &scales, &opts)
+            match write {
+                false => execute_batch(&files, &dests, &items, &scales, &opts),
+                true => crate::exec::execute_write(&files, &dests, &items, &opts),
+            }
         })
         .map_err(|e| to_py(py, e))?;
     let out = PyDict::new(py);

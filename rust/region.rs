@@ -25,6 +25,7 @@ use crate::dest::DestBuf;
 use crate::dtype::Dtype;
 use crate::error::LoadError;
 use crate::header::Header;
+use crate::overlap::Overlap;
 
 /// Most dimensions an item can have.
 pub const MAX_NDIM: usize = 8;
@@ -256,6 +257,26 @@ pub fn plan(
     dests: &[DestBuf<'_>],
     items: &[Item],
 ) -> Result<Vec<Run>, LoadError> {
+    plan_oriented(files, dests, items, false)
+}
+
+/// [`plan`] for the write direction ([`crate::exec::execute_write`]): the same checks, but each run is
+/// taken along the dimension that is contiguous in the file when there is one (then the one contiguous in
+/// memory), so that one repetition is one positioned write of adjacent file bytes.
+pub fn plan_file_major(
+    files: &[Arc<Header>],
+    dests: &[DestBuf<'_>],
+    items: &[Item],
+) -> Result<Vec<Run>, LoadError> {
+    plan_oriented(files, dests, items, true)
+}
+
+fn plan_oriented(
+    files: &[Arc<Header>],
+    dests: &[DestBuf<'_>],
+    items: &[Item],
+    file_major: bool,
+) -> Result<Vec<Run>, LoadError> {
     // Plan items in (file, first source element) order so that the runs of a batch whose items each read
     // forward come out already sorted by file offset, and the executor can skip its sort.
     let mut order: Vec<(i64, i64, usize)> = items
@@ -274,7 +295,7 @@ pub fn plan(
     order.sort_unstable();
     let mut runs = Vec::new();
     for &(_, _, k) in &order {
-        plan_item(k, &items[k], files, dests, &mut runs)?;
+        plan_item(k, &items[k], files, dests, file_major, &mut runs)?;
     }
     if !items_disjoint(items, dests) {
         check_disjoint(&runs, items, dests)?;
@@ -326,6 +347,7 @@ fn plan_item(
     item: &Item,
     files: &[Arc<Header>],
     dests: &[DestBuf<'_>],
+    file_major: bool,
     runs: &mut Vec<Run>,
 ) -> Result<(), LoadError> {
     let fi = index(item.file, files.len(), "file", k)?;
@@ -408,10 +430,12 @@ fn plan_item(
             _ => dims.push(dim),
         }
     }
-    let run_dim = dims
-        .iter()
-        .rposition(|d| d.2 == 1)
-        .or_else(|| dims.iter().rposition(|d| d.1 == 1))
+    // The run dimension: unit stride on the side that is written (memory for a read, the file for a
+    // write), else unit stride on the other side, else the innermost.
+    let unit_on = |side: usize| dims.iter().rposition(|d| [d.1, d.2][side] == 1);
+    let (first, second) = if file_major { (0, 1) } else { (1, 0) };
+    let run_dim = unit_on(first)
+        .or_else(|| unit_on(second))
         .or(dims.len().checked_sub(1));
     let (count, run_ss, run_ds) = match run_dim {
         Some(r) => dims.remove(r),
@@ -488,11 +512,25 @@ fn plan_item(
 /// The most destination elements expanded one by one to check strided runs for overlap.
 const MAX_EXPANDED: u64 = 1 << 26;
 
-/// Fails if two runs (or two repetitions of one run) write the same destination byte. Repeated runs are
-/// expanded into their repetitions first (this check only runs when the item-level proof fails). Dense
-/// runs are intervals; strided runs are compared by bounding interval first and, only when that is
-/// inconclusive, element by element.
+/// Fails if two runs (or two repetitions of one run) write the same destination byte (this check only runs
+/// when the item-level proof fails). Decided on the runs' descriptors by [`crate::overlap::check`], exactly
+/// and without expanding anything; only when its work budget runs out, by [`check_disjoint_expanded`].
 fn check_disjoint(runs: &[Run], items: &[Item], dests: &[DestBuf<'_>]) -> Result<(), LoadError> {
+    match crate::overlap::check(runs) {
+        Overlap::Disjoint => Ok(()),
+        Overlap::Clash(a, b) => Err(overlap_error(&runs[a], &runs[b], items, dests)),
+        Overlap::Undecided => check_disjoint_expanded(runs, items, dests),
+    }
+}
+
+/// [`check_disjoint`] by expansion: repeated runs become their repetitions; dense runs are intervals;
+/// strided runs are compared by bounding interval first and, only when that is inconclusive, element by
+/// element (at most [`MAX_EXPANDED`] elements).
+fn check_disjoint_expanded(
+    runs: &[Run],
+    items: &[Item],
+    dests: &[DestBuf<'_>],
+) -> Result<(), LoadError> {
     let flat: Vec<Run>;
     let runs = if runs.iter().any(|r| r.reps > 1) {
         let mut all = Vec::with_capacity(runs.iter().map(|r| r.reps as usize).sum());

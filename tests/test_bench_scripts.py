@@ -204,3 +204,16 @@ def test_quant_bench_quick(tmp_path: Path) -> None:
         if loader != "hp_load_bf16":
             assert r["verify"]["checked"] >= 3 and r["verify"]["mismatched"] == 0, (loader, world, r["verify"])
     assert "hp_load vs torch's quantized reader" in (out / "quant_bench.md").read_text()
+
+
+def test_save_bench_quick(tmp_path: Path) -> None:
+    """``benches/save_bench.py --quick`` on the MoE model, hp_fastload and the gather peer: both ranks report
+    their writes, each writes its half, and the two outputs hold the same tensors (the script's own check)."""
+    args = [str(BENCHES / "save_bench.py"), "--quick", "--out", str(tmp_path), "--models", "moe"]
+    _run([*args, "--methods", "hp_save", "gather_save_pretrained"], timeout=500)
+    (result,) = tmp_path.glob("hp_save_bench_*/save_bench.json")
+    rows = json.loads(result.read_text())
+    hp = next(r for r in rows if r.get("method") == "hp_save")
+    writes = [rank["wchar"] for rank in hp["ranks"]]
+    assert len(writes) == 2 and min(writes) > 0.4 * hp["output_bytes"] / 2
+    assert [r["ok"] for r in rows if "check" in r] == [True]

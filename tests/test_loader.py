@@ -211,8 +211,8 @@ def test_checkpointer_contract(checkpoint):
         ckpt.load("", {"model": model})
     with pytest.raises(TypeError, match=r"nn\.Module"):
         ckpt.load(root, {"model": model.state_dict()})
-    with pytest.raises(NotImplementedError, match="save_pretrained"):
-        ckpt.save(root, state)
+    with pytest.raises(TypeError, match=r"nn\.Module to export"):  # save exports a module (tests/test_save.py)
+        ckpt.save(root, {"model": model.state_dict()})
 
 
 def test_external_targets_and_claimed_sources(checkpoint):
@@ -356,6 +356,30 @@ def test_replacement_conversions_load_in_two_stages(replacement_checkpoint):
         assert len(model._hp_used_replacement_weight_conversions) == 2
         assert model._hp_used_base_weight_conversions == []
         assert len(model._weight_conversions) == 2
+
+
+@pytest.mark.parametrize("loader", ["dcp", "legacy"])
+def test_replacement_argument_equals_the_model_attributes(replacement_checkpoint, loader):
+    """``replacement=hf.Replacement(...)`` plans the same two stages as the attributes, and wins over them."""
+    root, _ = replacement_checkpoint
+    by_attributes, expected = load_replaced(root, loader)
+    model = Replaced()
+    mapping = replacement_rules()
+    replacement = hf.Replacement(rules=mapping, source_shapes=dict(SOURCE_SHAPES))
+    assert hf.plan(model, root, loader=loader, replacement=replacement).report == expected
+    report = hf.load(model, root, loader=loader, replacement=replacement)  # no weights_mapping needed
+    assert report == expected and report.region_targets == expected.region_targets
+    for name, value in by_attributes.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
+    assert len(model._hp_used_replacement_weight_conversions) == 2
+
+    # An explicit argument is taken over the attributes: a stage that cannot route fails to plan.
+    wrong = Replaced()
+    wrong._hp_replacement_weight_conversions = replacement_rules()  # type: ignore[assignment]
+    wrong._hp_checkpoint_source_shapes = dict(SOURCE_SHAPES)  # type: ignore[assignment]
+    stage = hf.Replacement(rules=replacement_rules(), source_shapes={"layers.0.norm.weight": (4,)})
+    with pytest.raises(RuntimeError, match="did not load"):
+        hf.load(wrong, root, loader=loader, replacement=stage)
 
 
 class Square(rules.ConversionOp):

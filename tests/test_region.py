@@ -30,7 +30,6 @@ from hp_fastload.region import (
     apply_post,
     materialize,
     post_dtype,
-    trace,
 )
 
 # ------------------------------------------------------------------------------------------------------------
@@ -98,7 +97,7 @@ def check(fn: Callable[..., Any], case: Case) -> Any:
 X = {"x": ((2, 3, 4), torch.float32)}
 
 # ------------------------------------------------------------------------------------------------------------
-# shape operations (research §9.2 case 1)
+# shape operations
 
 SHAPE_OPS: dict[str, Callable[[torch.Tensor], Any]] = {
     "reshape_3_8": lambda x: x.reshape(3, 8),
@@ -604,10 +603,8 @@ def test_leaf_and_queries() -> None:
 
 
 def test_rename_sources_copy_and_pickle() -> None:
-    out = trace(
-        lambda leaves: torch.cat([leaves["l0.q"], leaves["l0.k"]]).t() + 1,
-        {"l0.q": ((4, 3), torch.float32), "l0.k": ((2, 3), torch.float32)},
-    )
+    q0, k0 = RegionTensor.leaf("l0.q", (4, 3), torch.float32), RegionTensor.leaf("l0.k", (2, 3), torch.float32)
+    out = torch.cat([q0, k0]).t() + 1
     renamed = out.rename_sources({"l0.q": "l1.q", "l0.k": "l1.k"})
     assert renamed.sources == ("l1.q", "l1.k") and out.sources == ("l0.q", "l0.k")
     assert renamed.shape == out.shape and renamed.stride() == out.stride()

@@ -97,27 +97,6 @@ def test_natural_sort_key_sorts_like_transformers():
         assert (rules.natural_sort_key(a) == rules.natural_sort_key(b)) == same
 
 
-def test_header_sort_keys_equal_the_planners(tmp_path):
-    """The header parser's natural-order keys (Rust) are the planner's ``natural_sort_key`` (Python), exactly."""
-    import random
-
-    from safetensors.torch import save_file
-
-    from hp_fastload.engine import SafetensorsFile
-
-    rng = random.Random(1)
-    parts = ["a", "x1", "x01", "0", "00", "10", "007", "w_3", "w_", "", "layers", "9" * 30, "é2", "٣", "e²"]
-    names = {".".join(rng.choice(parts) for _ in range(rng.randint(1, 4))) for _ in range(2000)}
-    path = tmp_path / "names.safetensors"
-    save_file({n: torch.zeros(1) for n in names}, str(path))
-    f = SafetensorsFile(path)
-    from_header = f.header.sort_keys()
-    assert any(k is None for k in from_header) and sum(k is not None for k in from_header) > 300
-    for name, key in zip(f.keys(), from_header, strict=True):
-        assert key is None or key == rules.natural_sort_key(name), name
-    assert f.sort_keys() == {n: rules.natural_sort_key(n) for n in names}
-
-
 def test_checkpoint_index_keys_merge_shards_in_natural_order(tmp_path):
     """``SafetensorsHeader.natural_order`` over several shards, and the index built on it, order keys exactly as
     the planner's ``natural_sort_key`` does (ties by name); non-ASCII names are handed back to Python."""
@@ -130,8 +109,9 @@ def test_checkpoint_index_keys_merge_shards_in_natural_order(tmp_path):
     from hp_fastload.index import CheckpointIndex
 
     rng = random.Random(2)
-    parts = ["a", "x1", "x01", "0", "10", "2", "layers", "experts", "w_3", "9" * 30, "é2"]
-    names = sorted({".".join(rng.choice(parts) for _ in range(rng.randint(1, 5))) for _ in range(1500)})
+    parts = ["a", "x1", "x01", "0", "00", "007", "10", "2", "layers", "experts", "w_3", "w_", "", "9" * 30, "é2"]
+    parts += ["٣", "e²"]  # non-ASCII digits: Python's to order
+    names = sorted({".".join(rng.choice(parts) for _ in range(rng.randint(1, 5))) for _ in range(2000)})
     rng.shuffle(names)
     shards = [names[i::3] for i in range(3)]
     weight_map = {}

@@ -118,3 +118,88 @@ def tiny_model(family: str, seed: int = 0) -> Any:
         for p in model.parameters():
             p.copy_(torch.randn_like(p))
     return model.eval()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Architectures whose conversion rules transformers registers under the class name or model_type of the root
+# (``^embed_out.`` -> ``lm_head.``, the ``language_model.`` prefixes, ...): the rules a root wrapped by
+# ``fully_shard`` (class ``FSDP<Class>``) must still get. Built from transformers' own default configs, shrunk.
+
+#: model_type -> the transformers class that ``save_pretrained`` writes and ``from_pretrained`` reads
+ROOT_RULE_FAMILIES: dict[str, str] = {
+    "gpt_neox": "GPTNeoXForCausalLM",
+    "llava": "LlavaForConditionalGeneration",
+    "llava_next": "LlavaNextForConditionalGeneration",
+    "fuyu": "FuyuForCausalLM",
+    "mllama": "MllamaForConditionalGeneration",
+    "emu3": "Emu3ForConditionalGeneration",
+    "qwen2_vl": "Qwen2VLForConditionalGeneration",
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+    "bailing_hybrid": "BailingHybridForCausalLM",
+    "hy_v4": "HYV4ForCausalLM",
+    "inkling2_text": "Inkling2ForCausalLM",
+}
+
+_SHRINK: dict[str, Any] = dict(
+    hidden_size=16,
+    intermediate_size=24,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=64,
+    head_dim=4,
+    moe_intermediate_size=8,
+    num_experts=4,
+    num_experts_per_tok=2,
+    num_local_experts=4,
+    n_routed_experts=4,
+    shared_expert_intermediate_size=8,
+    depth=1,
+    embed_dim=16,
+    num_heads=2,
+    pad_token_id=0,
+    q_lora_rank=8,
+    kv_lora_rank=8,
+    qk_nope_head_dim=4,
+    qk_rope_head_dim=4,
+    v_head_dim=4,
+    index_head_dim=4,
+    index_n_heads=2,
+    index_topk=4,
+    codebook_size=64,
+    base_channels=32,
+    channel_multiplier=[1, 2],
+    num_res_blocks=1,
+    attn_resolutions=[],
+)
+
+
+def _shrink(config: Any) -> Any:
+    fields = config.to_dict()
+    for key, value in _SHRINK.items():
+        if key in fields:
+            setattr(config, key, value)
+    for key, value in fields.items():  # per-layer kind lists follow the layer count (first two kinds kept)
+        if key.endswith("layer_types") and isinstance(value, list) and value:
+            kinds = list(dict.fromkeys(value))[:2]
+            setattr(config, key, (kinds * 2)[:2])
+    if "vocabulary_map" in fields and fields["vocabulary_map"] is None:  # emu3 cannot build without one
+        config.vocabulary_map = {"<|extra_200|>": 60, "<image>": 61, "<|visual token 000000|>": 62}
+    for name in getattr(config, "sub_configs", {}):
+        sub = getattr(config, name, None)
+        if sub is not None:
+            _shrink(sub)
+    return config
+
+
+def root_rule_config(family: str) -> Any:
+    """A tiny config of a ``ROOT_RULE_FAMILIES`` architecture (transformers' defaults, every size shrunk)."""
+    from transformers import AutoConfig
+
+    return _shrink(AutoConfig.for_model(family))
+
+
+def root_rule_class(family: str) -> Any:
+    import transformers
+
+    return getattr(transformers, ROOT_RULE_FAMILIES[family])

@@ -1,4 +1,5 @@
-"""hp_fastload: load Hugging Face safetensors checkpoints straight into local shards of distributed models.
+"""hp_fastload: load Hugging Face safetensors checkpoints straight into local shards of distributed models,
+and save them back (``save``: every rank writes its own shards into the released layout).
 
 The Rust engine (``hp_fastload._core``) reads strided boxes of safetensors tensors into caller memory in
 parallel threads; the Python layer plans which boxes each rank needs, through the checkpoint's conversion
@@ -8,27 +9,44 @@ rules, and writes them into the local shards of the model's DTensors.
 from __future__ import annotations
 
 from .checkpointer import HF_LOADER_ENV, HuggingFaceCheckpointer, load, plan, resolve_hf_loader
-from .engine import SafetensorsFile, read_into, read_many
-from .errors import HeaderError, HpFastloadError, PlanError, ReadError, TargetError
-from .plan import ConversionError, LoadPlan, LoadReport
+from .engine import SafetensorsFile, clear_cache, read_into, read_many
+from .errors import (
+    CheckpointMismatchError,
+    HeaderError,
+    HpFastloadError,
+    MissingKeysError,
+    PlanError,
+    ReadError,
+    TargetError,
+)
+from .plan import ConversionError, LoadPlan, LoadReport, Replacement
+from .pretrained import from_pretrained
 from .quant import QuantizationError
+from .save import SaveReport, save
 
 __all__ = [
     "HF_LOADER_ENV",
+    "CheckpointMismatchError",
     "ConversionError",
     "HeaderError",
     "HpFastloadError",
     "HuggingFaceCheckpointer",
     "LoadPlan",
     "LoadReport",
+    "MissingKeysError",
     "PlanError",
     "QuantizationError",
     "ReadError",
+    "Replacement",
     "SafetensorsFile",
+    "SaveReport",
     "TargetError",
+    "clear_cache",
+    "from_pretrained",
     "load",
     "plan",
     "read_into",
     "read_many",
     "resolve_hf_loader",
+    "save",
 ]

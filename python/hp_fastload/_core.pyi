@@ -20,19 +20,21 @@ class SafetensorsHeader:
     def file_size(self) -> int: ...
     @property
     def data_start(self) -> int: ...
+    @property
+    def digest(self) -> int:
+        """A 64-bit digest of the header bytes (length prefix and JSON): equal headers, equal digests."""
+    def still_current(self) -> bool:
+        """Whether the file at ``path`` still has this header: same device, inode, size, mtime and ctime, and
+        the same header bytes (re-read). False on any error (the caller parses the file again)."""
     def metadata(self) -> dict[str, str] | None: ...
     def __len__(self) -> int: ...
-    def names(self) -> list[str]: ...
     def entry_dict(self) -> dict[str, tuple[int, str, tuple[int, ...], int, int]]:
         """name -> (position, safetensors dtype, shape, begin, end) in file order; begin/end relative to
         data_start."""
-    def sort_keys(self) -> list[str | None]:
-        """Per entry (file order), ``hp_fastload.rules.natural_sort_key(name)``; None for non-ASCII names."""
     @staticmethod
     def natural_order(headers: list[SafetensorsHeader]) -> tuple[list[int], list[int]]:
         """Over the names of all ``headers`` taken in order (each in file order): ``(positions in natural order,
         positions of names left to Python: non-ASCII, control characters, numbers over 24 digits)``."""
-    def index(self, name: str) -> int: ...
     def release_map(self) -> None:
         """Drop the file map kept between reads (frees its page tables; its pages become evictable). A large
         map that no running read uses is unmapped on a short-lived background thread."""
@@ -57,6 +59,7 @@ def execute(
     threads: int | None = None,
     backend: str = "auto",
     scales: bytes | None = None,
+    direction: str = "read",
 ) -> dict[str, int | str]:
     """Read a batch of strided boxes into caller memory, with the GIL released.
 
@@ -69,4 +72,8 @@ def execute(
     element becomes ``f32(q) * f32(scale[block])``, rounded once (fp8 sources into F16/BF16/F32/F64; scales
     F32/BF16/F16/F8_E8M0, or U8 holding e8m0 exponents). ``backend``: "auto", "mmap" or "pread". Returns the stats
     bytes_copied, bytes_read_from_files, runs, spans, backend, threads.
+
+    ``direction="write"``: the same items the other way: each box is copied from its buffer into its
+    tensor's bytes in the file (positioned writes; the files exist at their final size with their headers
+    written; dtypes must be equal). ``backend`` is ignored; bytes_copied counts bytes written.
     """

@@ -12,6 +12,7 @@ import json
 import math
 import os
 import sys
+import unicodedata
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -26,6 +27,28 @@ def _safetensors_paths(path: str) -> list[str]:
             raise FileNotFoundError(f"{path}: no *.safetensors files in this directory")
         return found
     return [path]
+
+
+def _printable(text: str) -> str:
+    """``text`` safe to print on a terminal: control characters (escape sequences, NUL), format characters
+    (bidi overrides such as RLO, zero-width marks), line/paragraph separators, surrogates and unassigned
+    code points are written as ``\\xNN`` / ``\\uNNNN`` / ``\\UNNNNNNNN``, and a backslash as ``\\\\`` (so
+    the output is unambiguous). Other characters, non-ASCII letters included, print as they are."""
+    if text.isprintable() and "\\" not in text:
+        return text
+    out = []
+    for ch in text:
+        if ch == "\\":
+            out.append("\\\\")
+        elif unicodedata.category(ch) in _UNPRINTABLE:
+            code = ord(ch)
+            out.append(f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}")
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
+_UNPRINTABLE = frozenset({"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"})
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -45,10 +68,11 @@ def _inspect(args: argparse.Namespace) -> int:
     for entry in report:
         data = sum(t["bytes"] for t in entry["tensors"])
         count, size = len(entry["tensors"]), entry["file_size"]
-        print(f"{entry['path']}: {count} tensors, {data} data bytes, file {size} bytes")
+        print(f"{_printable(entry['path'])}: {count} tensors, {data} data bytes, file {size} bytes")
         for t in entry["tensors"]:
             numel = math.prod(t["shape"])
-            print(f"  {t['name']}  {t['dtype']}  {t['shape']}  {t['bytes']} bytes  ({numel} elements)")
+            name = _printable(t["name"])
+            print(f"  {name}  {t['dtype']}  {t['shape']}  {t['bytes']} bytes  ({numel} elements)")
         total_tensors += len(entry["tensors"])
         total_bytes += data
     if len(report) > 1:
@@ -79,20 +103,86 @@ def _register_demo(subparsers: Any) -> None:
     p.set_defaults(func=_demo)
 
 
-def _plan(args: argparse.Namespace) -> int:
-    from .demo import plan_for_rank
+def _mesh(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(part) for part in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a mesh like 2x4") from None
+    if len(shape) != 2 or min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a mesh like 2x4 (two positive sizes)")
+    return shape
 
-    print(plan_for_rank(args.checkpoint, world=args.world, rank=args.rank))
+
+def _plan(args: argparse.Namespace) -> int:
+    from .layouts import plan_ranks
+
+    ranks = list(range(args.world)) if args.all_ranks else [args.rank]
+    description, plans, build_s = plan_ranks(
+        args.checkpoint, args.layout, args.world, ranks, args.mesh, args.auto_class
+    )
+    if args.json:
+        rows = [{k: v for k, v in vars(p).items() if k != "summary"} for p in plans]
+        json.dump({"layout": description, "world": args.world, "ranks": rows}, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    print(f"layout {args.layout}: {description}; model built on meta in {build_s:.2f} s")
+    if not args.all_ranks:
+        p = plans[0]
+        print(
+            f"rank {p.rank} of {args.world}: reads {p.bytes_needed:,} bytes from {len(p.files)} files, "
+            f"{p.region_targets} region targets, {len(p.deferred)} deferred groups, missing {p.missing}, "
+            f"unexpected {p.unexpected}; planned in {p.seconds:.3f} s"
+        )
+        print(p.summary)
+        return 0
+    print(f"{'rank':>6} {'bytes':>16} {'files':>6} {'deferred':>9} {'missing':>8}")
+    for p in plans:
+        print(f"{p.rank:>6} {p.bytes_needed:>16,} {len(p.files):>6} {len(p.deferred):>9} {p.missing:>8}")
+    per_node = args.ranks_per_node
+    print(f"per node ({per_node} ranks each):")
+    print(f"{'node':>6} {'bytes':>16} {'files':>6}")
+    for node in range(0, args.world, per_node):
+        group = plans[node : node + per_node]
+        files = {f for p in group for f in p.files}
+        print(f"{node // per_node:>6} {sum(p.bytes_needed for p in group):>16,} {len(files):>6}")
+    total = sum(p.bytes_needed for p in plans)
+    print(f"total storage traffic of the job: {total:,} bytes over {args.world} ranks")
     return 0
 
 
 def _register_plan(subparsers: Any) -> None:
+    from .layouts import LAYOUTS
+
     p = subparsers.add_parser(
-        "plan", help="what one rank of a (virtual) TP + FSDP layout reads from a transformers checkpoint"
+        "plan",
+        help="what each rank of a parallel layout reads from a transformers checkpoint (planned on this machine)",
+        description="Build the model on the meta device from the checkpoint's config.json, lay it out as "
+        "--layout over --world ranks under a fake process group, and plan the load of one rank (or all): bytes, "
+        "files touched, deferred groups. Reads headers only.",
     )
-    p.add_argument("checkpoint", help="a transformers causal-LM checkpoint directory")
-    p.add_argument("--world", type=int, default=8)
-    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("checkpoint", help="a transformers checkpoint directory (config.json + *.safetensors) or Hub id")
+    p.add_argument("--world", type=int, default=8, help="number of ranks of the job (default 8)")
+    p.add_argument("--rank", type=int, default=0, help="the rank to plan (default 0; ignored with --all-ranks)")
+    p.add_argument(
+        "--layout",
+        choices=list(LAYOUTS),
+        default="tp+fsdp",
+        help="fsdp: FSDP2 per layer and root; tp: tensor parallel linears and embedding; tp+fsdp: tensor-parallel "
+        "attention on the inner mesh dim, FSDP2 on the outer; ep: experts sharded by expert, the rest replicated; "
+        "2d: experts by expert on the inner dim and FSDP-like on the outer (default tp+fsdp)",
+    )
+    p.add_argument(
+        "--mesh",
+        type=_mesh,
+        default=None,
+        help="the 2-D mesh of tp+fsdp and 2d as OUTERxINNER, e.g. 2x4 (default WORLD/2 x 2)",
+    )
+    p.add_argument("--all-ranks", action="store_true", help="plan every rank: a per-rank and a per-node table")
+    p.add_argument(
+        "--ranks-per-node", type=int, default=8, help="ranks per node for the --all-ranks node table (default 8)"
+    )
+    p.add_argument("--auto-class", default=None, help="the transformers class to build (default AutoModelForCausalLM)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=_plan)
 
 
@@ -109,12 +199,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``hp-fastload``; returns the exit status."""
+    """Entry point of ``hp-fastload``; returns the exit status. Errors are one line on stderr; a reader that
+    stops early (``hp-fastload inspect ... | head``) ends the output quietly."""
     args = build_parser().parse_args(argv)
+    if getattr(args, "ranks_per_node", 1) < 1:
+        print(f"hp-fastload {args.command}: error: --ranks-per-node must be at least 1", file=sys.stderr)
+        return 2
     try:
         status: int = args.func(args)
-    except (HpFastloadError, OSError) as exc:
-        print(f"hp-fastload {args.command}: error: {exc}", file=sys.stderr)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # the reader went away: point stdout at /dev/null so the interpreter's final flush cannot fail again
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
+    except (HpFastloadError, OSError, ValueError, RuntimeError, ImportError) as exc:
+        text = " ".join(str(exc).split()) or type(exc).__name__
+        print(f"hp-fastload {args.command}: error: {text}", file=sys.stderr)
         return 1
     return status
 

@@ -28,20 +28,25 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.futures import Future
 
 from .engine import SafetensorsFile, open_file
-from .errors import HeaderError
+from .errors import HeaderError, shown_key
 from .execute import ExecStats, _Batch, _engine_casts
 from .quant import E2M1_VALUES, Dequant, QuantInfo, detect, read_quant_config
+from .region import row_major_strides
 
 __all__ = ["HuggingFaceStorageReader", "QuantizedHuggingFaceStorageReader"]
 
 _SHARDING_KEY = "DCP_SHARDING_INFO"
 
 
-def _row_major(shape: tuple[int, ...]) -> list[int]:
-    strides = [1] * len(shape)
-    for d in range(len(shape) - 2, -1, -1):
-        strides[d] = strides[d + 1] * shape[d + 1]
-    return strides
+def _check_inside(root: Path, path: str) -> None:
+    """Refuses a storage path that names a file outside the checkpoint directory ``root`` (metadata handed to
+    ``set_up_storage_reader`` says which file holds each chunk): it must be ``root``/a relative name with no
+    ``..`` component. Checked on the name, so symlinks inside the directory (a Hub snapshot) still work."""
+    name = os.path.relpath(path, root) if "\x00" not in path else ""
+    if "\x00" in path or os.path.isabs(name) or ".." in Path(name).parts or name in ("", "."):
+        raise HeaderError(
+            f"checkpoint storage path {path!r} is outside the checkpoint directory {root}; refusing to open it"
+        )
 
 
 def _copier(target: torch.Tensor, temp: torch.Tensor) -> Any:
@@ -71,6 +76,7 @@ class HuggingFaceStorageReader(FileSystemReader):
     def _file(self, path: str) -> SafetensorsFile:
         file = self._files.get(path)
         if file is None:
+            _check_inside(Path(str(self.path)), path)
             file = self._files[path] = open_file(path)
         return file
 
@@ -104,12 +110,16 @@ class HuggingFaceStorageReader(FileSystemReader):
                     )
                 else:
                     if md.properties.dtype != dtype:
-                        raise HeaderError(f"tensor {key!r} has chunks of dtypes {md.properties.dtype} and {dtype}")
+                        raise HeaderError(
+                            f"tensor {shown_key(key)} has chunks of dtypes {md.properties.dtype} and {dtype}"
+                        )
                     md.chunks.append(chunk)
                     md.size = torch.Size([max(a, o + s) for a, o, s in zip(md.size, offsets, shape, strict=True)])
                 index = MetadataIndex(fqn=key, offset=torch.Size(offsets))
                 if index in storage:
-                    raise HeaderError(f"tensor {key!r} at offsets {offsets} is stored in two files (one is {path})")
+                    raise HeaderError(
+                        f"tensor {shown_key(key)} at offsets {offsets} is stored in two files (one is {path})"
+                    )
                 storage[index] = path
         self._quant = detect(
             state, lambda k: state[k].properties.dtype, read_quant_config(root)
@@ -165,7 +175,7 @@ class HuggingFaceStorageReader(FileSystemReader):
         path = self.storage_data[req.storage_index]
         file = self._file(path)
         key = req.storage_index.fqn
-        strides = _row_major(tuple(file.shape(key)))
+        strides = row_major_strides(tuple(file.shape(key)))
         base = sum(o * s for o, s in zip(req.storage_offsets, strides, strict=True))
         lengths = tuple(req.lengths)
         src_dtype = file.torch_dtype(key)
@@ -280,7 +290,7 @@ class QuantizedHuggingFaceStorageReader(HuggingFaceStorageReader):
             self._add_mxfp4(batch, req, target)
             return
         file = self._file(self._paths[key])
-        strides = _row_major(tuple(file.shape(key)))
+        strides = row_major_strides(tuple(file.shape(key)))
         base = sum(o * s for o, s in zip(req.storage_offsets, strides, strict=True))
         lengths = tuple(req.lengths)
         direct = target.device.type == "cpu" and target.dtype == self.target_dtype
@@ -303,13 +313,13 @@ class QuantizedHuggingFaceStorageReader(HuggingFaceStorageReader):
         lead = list(zip(req.storage_offsets[:-1], req.lengths[:-1], strict=True))
         file = self._file(self._paths[key])
         blocks = torch.empty([n for _, n in lead] + [g1 - g0, width], dtype=torch.uint8)
-        bstrides = _row_major(shape)
+        bstrides = row_major_strides(shape)
         bbase = sum(o * s for (o, _), s in zip(lead, bstrides, strict=False)) + g0 * bstrides[-2]
         batch.add_from(file, key, bbase, bstrides, tuple(blocks.shape), blocks, (0,) * blocks.dim())
         sfile = self._file(self._paths[scale_key])
         sshape = tuple(sfile.shape(scale_key))
         scales = torch.empty([n for _, n in lead] + [g1 - g0], dtype=sfile.torch_dtype(scale_key))
-        sstrides = _row_major(sshape)
+        sstrides = row_major_strides(sshape)
         sbase = sum(o * s for (o, _), s in zip(lead, sstrides, strict=False)) + g0 * sstrides[-1]
         batch.add_from(sfile, scale_key, sbase, sstrides, tuple(scales.shape), scales, (0,) * scales.dim())
         batch.keep += [blocks, scales]

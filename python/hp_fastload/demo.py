@@ -2,15 +2,18 @@
 
 ``python -m hp_fastload.cli demo`` writes a small Mixtral checkpoint with transformers' own
 ``save_pretrained`` (per-expert tensors, so experts get stacked on load), starts ``world`` gloo ranks,
-builds the model on meta, parallelizes it (tensor parallel attention, FSDP2 elsewhere; a 2-D FSDP x TP
-mesh with 4 ranks), materializes it, loads it with ``hp_fastload.load``, and checks every local shard
-bit-exactly against ``distribute_tensor`` of a single-process ``from_pretrained`` reference.
+builds the model on meta (float32), parallelizes it (tensor parallel attention, FSDP2 elsewhere; a 2-D
+FSDP x TP mesh with 4 ranks), materializes it, loads it with ``hp_fastload.load`` (which also re-creates the
+non-persistent buffers ``to_empty`` left uninitialized), checks every local shard bit-exactly against
+``distribute_tensor`` of a single-process ``from_pretrained`` reference, and runs one training step on both:
+the loss, and the loss after an SGD step, must agree.
 ``--checkpoint PATH`` runs the same on a user's checkpoint (a transformers causal LM).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import tempfile
@@ -94,6 +97,19 @@ def parallelize(model: torch.nn.Module, world: int) -> dict[str, Any]:
     return {"mesh": "tp (attention) + fsdp (experts, embeddings)", "shape": (world,)}
 
 
+def _one_step(model: torch.nn.Module, ids: torch.Tensor) -> tuple[float, float]:
+    """The loss of a batch, one SGD step on it, and the loss after the step."""
+    model.train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, foreach=False)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    optimizer.step()
+    with torch.no_grad():
+        after = model(input_ids=ids, labels=ids).loss
+    full = [x.full_tensor() if hasattr(x, "full_tensor") else x for x in (loss, after)]
+    return float(full[0].detach()), float(full[1].detach())
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -111,13 +127,16 @@ def _rank_main(rank: int, world: int, port: int, checkpoint: str, out: str, load
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     result: dict[str, Any] = {"rank": rank}
     try:
+        # The prologue of a training script: build on meta, parallelize, materialize, load. float32 weights from
+        # the bf16 checkpoint (an exact cast), so the losses below differ from one process's only by the
+        # reduction order of the sharded matmuls.
         config = AutoConfig.from_pretrained(checkpoint)
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         layout = parallelize(model, world)
-        model.to_empty(device="cpu")
+        model.to_empty(device="cpu")  # parameters and non-persistent buffers (rotary inv_freq) are garbage now
         dist.barrier()
-        report = hp_fastload.load(model, checkpoint, loader=loader, progress=rank == 0)
+        report = hp_fastload.load(model, checkpoint, loader=loader, progress=rank == 0)  # + buffers re-created
         result.update(
             layout=layout,
             summary=report.summary(),
@@ -126,9 +145,11 @@ def _rank_main(rank: int, world: int, port: int, checkpoint: str, out: str, load
             seconds=report.seconds,
             missing=list(report.missing_keys),
             unexpected=list(report.unexpected_keys),
+            unfilled_buffers=list(report.unfilled_buffers),
         )
         # Reference: transformers' own single-process load, cut with torch's own distribute_tensor.
-        reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16).state_dict()
+        reference_model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+        reference = reference_model.state_dict()
         checked = mismatched = 0
         bad: list[str] = []
         for name, param in model.state_dict().items():
@@ -142,11 +163,14 @@ def _rank_main(rank: int, world: int, port: int, checkpoint: str, out: str, load
                 expected, local = full, param
             checked += 1
             if expected.shape != local.shape or not torch.equal(
-                expected.view(-1).view(torch.int16), local.reshape(-1).view(torch.int16)
+                expected.reshape(-1).view(torch.int32), local.reshape(-1).view(torch.int32)
             ):
                 mismatched += 1
                 bad.append(name)
         result.update(checked=checked, mismatched=mismatched, bad=bad[:5])
+        # One training step on each side: the loss, and the loss after an SGD step, must agree.
+        ids = torch.randint(0, config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+        result.update(losses=_one_step(model, ids), reference_losses=_one_step(reference_model, ids))
     except Exception as exc:  # report, then re-raise so the exit code says it
         result["error"] = f"{type(exc).__name__}: {exc}"
         raise
@@ -198,10 +222,22 @@ def run_demo(checkpoint: str | None = None, world: int = 2, loader: str = "dcp",
             f"{res['checked']} tensors checked against from_pretrained + distribute_tensor, "
             f"{res['mismatched']} mismatched {res['bad'] or ''}"
         )
+        (loss, after), (ref_loss, ref_after) = res["losses"], res["reference_losses"]
+        close = math.isclose(loss, ref_loss, rel_tol=2e-6) and math.isclose(after, ref_after, rel_tol=2e-5)
+        print(
+            f"rank {res['rank']}: training step: loss {loss:.6f}, after one SGD step {after:.6f}; single-process "
+            f"from_pretrained: {ref_loss:.6f}, {ref_after:.6f} ({'equal' if close else 'DIFFERENT'}); "
+            f"non-persistent buffers not re-created: {res['unfilled_buffers'] or 'none'}"
+        )
         ok = ok and res["mismatched"] == 0 and res["checked"] > 0 and not res["missing"]
+        ok = ok and close and not res["unfilled_buffers"]
     if results and "layout" in results[0]:
         print(f"layout: {results[0]['layout']}")
-    print("DEMO OK: every local shard is bit-identical to the reference" if ok else "DEMO FAILED")
+    print(
+        "DEMO OK: every local shard is bit-identical to the reference, buffers re-created, the training step agrees"
+        if ok
+        else "DEMO FAILED"
+    )
     return 0 if ok else 1
 
 

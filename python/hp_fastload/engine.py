@@ -30,6 +30,7 @@ import gc
 import math
 import os
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from itertools import chain, compress
@@ -39,7 +40,7 @@ import numpy as np
 import torch
 
 from . import _core
-from .errors import PlanError
+from .errors import PlanError, shown_key
 
 __all__ = [
     "COL_DEST",
@@ -59,6 +60,7 @@ __all__ = [
     "SUB_BYTE_BITS",
     "TORCH_TO_SAFETENSORS",
     "SafetensorsFile",
+    "clear_cache",
     "execute_items",
     "open_file",
     "read_into",
@@ -140,13 +142,12 @@ class SafetensorsFile:
         self.path = os.fspath(path)
         self.header = _core.SafetensorsHeader(self.path)
         self._entries: dict[str, tuple[int, str, tuple[int, ...], int, int]] = self.header.entry_dict()
-        self._sort_keys: dict[str, str] | None = None
 
     def _entry(self, key: str) -> tuple[int, str, tuple[int, ...], int, int]:
         try:
             return self._entries[key]
         except KeyError:
-            raise KeyError(f"{self.path}: no tensor named {key!r}") from None
+            raise KeyError(f"{self.path}: no tensor named {shown_key(key)}") from None
 
     def keys(self) -> list[str]:
         """Tensor names in file (data offset) order."""
@@ -168,7 +169,7 @@ class SafetensorsFile:
         try:
             return SAFETENSORS_TO_TORCH[name]
         except KeyError:
-            raise PlanError(f"{self.path}: tensor {key!r} has dtype {name}, which this torch lacks") from None
+            raise PlanError(f"{self.path}: tensor {shown_key(key)} has dtype {name}, which this torch lacks") from None
 
     def shape(self, key: str) -> tuple[int, ...]:
         """The shape of ``key``."""
@@ -179,18 +180,6 @@ class SafetensorsFile:
         _, _, _, begin, end = self._entry(key)
         start = self.header.data_start
         return start + begin, start + end
-
-    def sort_keys(self) -> dict[str, str]:
-        """Every key -> ``hp_fastload.rules.natural_sort_key(key)``, computed by the header parser."""
-        keys = self._sort_keys
-        if keys is None:
-            from .rules import natural_sort_key
-
-            keys = self._sort_keys = {
-                name: sort_key if sort_key is not None else natural_sort_key(name)
-                for name, sort_key in zip(self._entries, self.header.sort_keys(), strict=True)
-            }
-        return keys
 
     def tensor_index(self, key: str) -> int:
         """Position of ``key`` in the header (the ``COL_TENSOR`` value of an item)."""
@@ -215,14 +204,24 @@ class SafetensorsFile:
 
 
 _CACHE_SIZE = 256
-_cache: OrderedDict[str, tuple[tuple[int, int, int, int], SafetensorsFile]] = OrderedDict()
+#: (dev, inode, size, mtime, ctime) of a cached file when it was parsed, and whether that ctime was settled.
+_Stamp: TypeAlias = "tuple[int, int, int, int, int]"
+_cache: OrderedDict[str, tuple[_Stamp, bool, SafetensorsFile]] = OrderedDict()
 _cache_lock = threading.Lock()
+#: A ctime at least this old when a file is parsed is "settled": any later change of the file gives it a
+#: newer ctime even on file systems with coarse (up to 2 s) timestamps.
+SETTLED_NS = 3_000_000_000
 
 
 def clear_cache() -> None:
-    """Forget every cached header and release its file map (page tables freed, pages evictable again)."""
+    """Forget every cached header and release every kept file map (page tables freed, pages evictable again).
+
+    :func:`read_many` and :func:`read_into` release the maps of their files when they return (unless asked
+    to keep them), and :func:`hp_fastload.load` when it returns; this also drops maps kept with
+    ``keep_maps=True`` and the parsed headers, so a deleted checkpoint is no longer pinned.
+    """
     with _cache_lock:
-        cached = [opened for _, opened in _cache.values()]
+        cached = [opened for _, _, opened in _cache.values()]
         _cache.clear()
     for opened in cached:
         opened.header.release_map()
@@ -231,22 +230,31 @@ def clear_cache() -> None:
 def open_file(path_or_file: PathOrFile) -> SafetensorsFile:
     """A :class:`SafetensorsFile` for a path, reusing a cached one while the file is unchanged.
 
-    The cache is keyed by path and checked against (device, inode, size, mtime) on every call, so a file
-    that was rewritten is parsed again.
+    The cache is keyed by path and checked against (device, inode, size, mtime, ctime) on every call, so a
+    file that was rewritten is parsed again, also when its old mtime was restored (``cp -p``, ``touch -d``):
+    nothing sets a ctime back. A file whose ctime was recent when it was parsed (within :data:`SETTLED_NS`:
+    a rewrite within one tick of a coarse clock could keep it) has its header bytes re-read and compared
+    on every hit instead, until it is parsed with a settled ctime.
     """
     if isinstance(path_or_file, SafetensorsFile):
         return path_or_file
     path = os.fspath(path_or_file)
     st = os.stat(path)
-    stamp = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    stamp = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
     with _cache_lock:
         hit = _cache.get(path)
-        if hit is not None and hit[0] == stamp:
-            _cache.move_to_end(path)
-            return hit[1]
+    settled = time.time_ns() - st.st_ctime_ns >= SETTLED_NS
+    if hit is not None and hit[0] == stamp and (hit[1] or hit[2].header.still_current()):
+        with _cache_lock:
+            if _cache.get(path) is hit:
+                # Its header bytes were just found unchanged: once the ctime has settled, a later change
+                # shows in the stamp, and the bytes need not be compared again.
+                _cache[path] = (stamp, settled, hit[2]) if settled and not hit[1] else hit
+                _cache.move_to_end(path)
+        return hit[2]
     opened = SafetensorsFile(path)
     with _cache_lock:
-        _cache[path] = (stamp, opened)
+        _cache[path] = (stamp, settled, opened)
         _cache.move_to_end(path)
         while len(_cache) > _CACHE_SIZE:
             _cache.popitem(last=False)
@@ -257,7 +265,7 @@ def _ints(values: Sequence[int], what: str, key: str) -> list[int]:
     try:
         return [int(v) for v in values]
     except (TypeError, ValueError):
-        raise PlanError(f"tensor {key!r}: {what} must be a sequence of ints, got {values!r}") from None
+        raise PlanError(f"tensor {shown_key(key)}: {what} must be a sequence of ints, got {values!r}") from None
 
 
 def _fill_item(
@@ -270,9 +278,9 @@ def _fill_item(
 ) -> tuple[int, int, int]:
     """Validates one request and writes its item row; returns the destination triple."""
     if key not in f:
-        raise PlanError(f"{f.path}: no tensor named {key!r}")
+        raise PlanError(f"{f.path}: no tensor named {shown_key(key)}")
     _, name, shape, _, _ = f._entries[key]
-    where = f"{f.path}: tensor {key!r} (shape {list(shape)}, {name})"
+    where = f"{f.path}: tensor {shown_key(key)} (shape {list(shape)}, {name})"
     offs, lens = _ints(offsets, "offsets", key), _ints(lengths, "lengths", key)
     if len(offs) != len(shape) or len(lens) != len(shape):
         raise PlanError(
@@ -291,6 +299,8 @@ def _fill_item(
             f"{where}: out is on {out.device}; the engine writes CPU memory, so read into a CPU (pinned) "
             "tensor and copy it to the device"
         )
+    if out.requires_grad and torch.is_grad_enabled():
+        raise RuntimeError(f"{where}: {_grad_refusal(out)}")
     src_strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
     src_base = sum(o * s for o, s in zip(offs, src_strides, strict=True))
     storage = out.untyped_storage()
@@ -317,6 +327,20 @@ def _fill_item(
     row[COL_DST_BASE] = out.storage_offset()
     row[COL_DST_STRIDES : COL_DST_STRIDES + len(shape)] = list(out.stride())
     return storage.data_ptr(), storage.nbytes(), DTYPE_CODES[dst_name]
+
+
+def _grad_refusal(out: torch.Tensor) -> str:
+    """torch's words for an in-place write into ``out`` (which requires grad) while grad mode is on."""
+    if out.is_leaf:
+        what = "a leaf Variable that requires grad"
+    elif out._base is not None and out._base.is_leaf:
+        what = "a view of a leaf Variable that requires grad"
+    else:  # torch would record the copy in the graph; the engine writes memory behind autograd's back
+        what = "a tensor that requires grad (the engine's writes are not recorded by autograd)"
+    return (
+        f"{what} is being used in an in-place operation; read inside torch.no_grad() (as hp_fastload.load "
+        "does) or into a tensor that does not require grad"
+    )
 
 
 def threads_per_rank() -> int:
@@ -370,6 +394,8 @@ def read_many(
     requests: Sequence[Request],
     threads: int | None = None,
     backend: str | None = None,
+    *,
+    keep_maps: bool = False,
 ) -> dict[str, int | str]:
     """Reads many boxes in one engine call.
 
@@ -379,19 +405,30 @@ def read_many(
             tensor ``out`` of shape ``lengths`` (any strides, any view of a larger tensor), converted to
             ``out.dtype`` when both are floating types. Destinations must not overlap.
         threads: worker threads (default: available parallelism, at most 16).
-        backend: ``"auto"`` (default), ``"mmap"`` or ``"pread"``.
+        backend: ``"auto"`` (default), ``"mmap"`` or ``"pread"``. Use ``"pread"`` for files that may
+            change while they are read (network file systems): a mapped file truncated during a read
+            faults with SIGBUS, a positioned read reports :class:`~hp_fastload.ReadError`.
+        keep_maps: keep the files mapped after the call, for calls that read the same files again (the
+            maps are released by :func:`clear_cache`). By default they are released when the call
+            returns, so nothing stays mapped (or pins a deleted file) after a read.
 
     Returns:
         The engine's stats: bytes_copied, bytes_read_from_files, runs, spans, backend, threads.
 
     Raises:
+        RuntimeError: ``out`` requires grad while grad mode is on (like ``torch.Tensor.copy_``).
         PlanError: a request is malformed (unknown key, box outside the tensor, wrong ``out``, impossible
             cast, overlapping destinations); nothing has been written.
         ReadError: a file is shorter than its header says or changed since it was opened.
     """
     with gc_paused():
         files, dests, rows = _pack_requests(requests)
-    return execute_items(files, dests, rows, threads=threads, backend=backend)
+    try:
+        return execute_items(files, dests, rows, threads=threads, backend=backend)
+    finally:
+        if not keep_maps:
+            for f in files:
+                f.header.release_map()
 
 
 @contextlib.contextmanager
@@ -437,6 +474,7 @@ def _pack_requests(
     codes: dict[torch.dtype, int | None] = {}
     rows = np.zeros((n, ITEM_WIDTH), dtype=np.int64)
     slow: list[int] = []
+    grad = torch.is_grad_enabled()  # an out that requires grad is refused (per request) unless it is off
     # per rank: request indices and their fields
     by_rank: dict[int, list[tuple[Any, ...]]] = {}
     for k, request in enumerate(requests):
@@ -453,7 +491,7 @@ def _pack_requests(
         except Exception:  # malformed, unopenable, unhashable: the per-request path says what
             slow.append(k)
             continue
-        if entry is None or not isinstance(out, torch.Tensor) or not out.is_cpu:
+        if entry is None or not isinstance(out, torch.Tensor) or not out.is_cpu or (grad and out.requires_grad):
             slow.append(k)
             continue
         code = codes.get(out.dtype, -1)
@@ -550,6 +588,9 @@ def read_into(
     *,
     threads: int | None = None,
     backend: str | None = None,
+    keep_maps: bool = False,
 ) -> dict[str, int | str]:
     """Reads one box of one tensor into ``out``; see :func:`read_many`."""
-    return read_many([(path_or_file, key, offsets, lengths, out)], threads=threads, backend=backend)
+    return read_many(
+        [(path_or_file, key, offsets, lengths, out)], threads=threads, backend=backend, keep_maps=keep_maps
+    )

@@ -1,14 +1,37 @@
 """Exception hierarchy of hp_fastload.
 
-Every error the library raises on purpose derives from :class:`HpFastloadError`; each subclass also derives
-from the builtin class that callers of the seed API already catch (``ValueError`` for bad input, ``OSError``
-for failed reads). Missing and unreadable files raise the builtin ``FileNotFoundError`` / ``PermissionError``
-(with ``filename`` set), not a class from here. The Rust engine imports this module when it raises.
-"""
+What goes wrong with a checkpoint, a plan, a read or a model tensor raises a subclass of
+:class:`HpFastloadError`, and each subclass also derives from the builtin class that callers of the seed API
+already catch (``ValueError`` for bad input, ``OSError`` for failed reads). Two kinds of error stay builtin:
+the seed API's own argument checks (an unknown loader name or an empty path is a ``ValueError``, a model that
+is not an ``nn.Module`` a ``TypeError``), and missing or unreadable files (``FileNotFoundError`` /
+``PermissionError`` with ``filename`` set). The Rust engine imports this module when it raises."""
 
 from __future__ import annotations
 
-__all__ = ["HeaderError", "HpFastloadError", "PlanError", "ReadError", "TargetError"]
+from collections.abc import Sequence
+
+__all__ = [
+    "KEY_SHOWN",
+    "CheckpointMismatchError",
+    "HeaderError",
+    "HpFastloadError",
+    "MissingKeysError",
+    "PlanError",
+    "ReadError",
+    "TargetError",
+    "shown_key",
+]
+#: Most characters of a tensor name that a message or log line quotes (a checkpoint can hold a 50 MB name).
+KEY_SHOWN = 200
+
+
+def shown_key(key: object) -> str:
+    """``repr(key)`` for messages: control characters and bidi overrides escaped by ``repr``, and a name
+    longer than :data:`KEY_SHOWN` characters cut there, with its length."""
+    if isinstance(key, str) and len(key) > KEY_SHOWN:
+        return f"{key[:KEY_SHOWN]!r}... ({len(key)} characters)"
+    return repr(key)
 
 
 class HpFastloadError(Exception):
@@ -29,5 +52,21 @@ class ReadError(HpFastloadError, OSError):
     or changed since its header was read."""
 
 
+class CheckpointMismatchError(HpFastloadError, ValueError):
+    """The ranks of one load resolved their checkpoint arguments to different checkpoints (other files,
+    sizes or headers). Raised on every rank, naming each rank's location."""
+
+
 class TargetError(HpFastloadError, ValueError):
     """A model tensor cannot receive what the checkpoint holds (used by the loader)."""
+
+
+class MissingKeysError(HpFastloadError, RuntimeError):
+    """A strict load would leave model tensors unfilled (raised before any byte is read). A ``RuntimeError``, as
+    the seed's strict check was. ``missing_keys`` / ``unexpected_keys`` hold the names (empty when the error was
+    rebuilt on another rank from its message)."""
+
+    def __init__(self, message: str, missing_keys: Sequence[str] = (), unexpected_keys: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.missing_keys = tuple(missing_keys)
+        self.unexpected_keys = tuple(unexpected_keys)

@@ -18,6 +18,7 @@ from itertools import compress, repeat
 from operator import contains
 from typing import Any
 
+from .errors import shown_key
 from .rules import _Transform, is_converter, is_renaming
 
 if sys.version_info >= (3, 11):  # the regex parser, to derive a rule's literal prefilter
@@ -405,13 +406,14 @@ def build_groups(
             group = groups[target] = LoadGroup(target, converter)
         elif group.rule is not converter:
             raise ValueError(
-                f"checkpoint keys {group.keys[0]!r} and {key!r} both map to {target!r} "
+                f"checkpoint keys {shown_key(group.keys[0])} and {shown_key(key)} both map to {shown_key(target)} "
                 f"through different rules ({group.rule!r} and {converter!r})"
             )
         group.sources.append((pattern if pattern is not None else key, key))
     for group in groups.values():
         if group.rule is None and len(group.sources) > 1:
-            raise ValueError(f"checkpoint keys {', '.join(repr(k) for k in group.keys)} all map to {group.target!r}")
+            shown = ", ".join(map(shown_key, group.keys[:10])) + (", ..." if len(group.keys) > 10 else "")
+            raise ValueError(f"checkpoint keys {shown} all map to {shown_key(group.target)}")
     return list(groups.values()), unexpected
 
 

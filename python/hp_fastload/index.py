@@ -8,9 +8,11 @@ Only headers are read. It does not plan or read tensor bytes.
 
 from __future__ import annotations
 
+import errno
 import json
 import operator
 import os
+import stat
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -19,7 +21,7 @@ import torch
 
 from . import _core
 from .engine import SafetensorsFile, open_file
-from .errors import HeaderError
+from .errors import HeaderError, shown_key
 from .rules import dot_natural_key, natural_sort_key
 
 __all__ = ["CheckpointIndex", "TensorEntry", "resolve_checkpoint_location"]
@@ -38,12 +40,23 @@ class TensorEntry(NamedTuple):
     nbytes: int
 
 
-def _is_hub_id(text: str) -> bool:
+def _looks_local(text: str) -> bool:
+    """A path the user meant on this machine: absolute, ``./``, ``../``, ``~``, a Windows separator, more than
+    two components, a ``.safetensors`` name, or ``dir/name`` whose ``dir`` exists here (``checkpoints/lama``
+    with ``checkpoints/`` present is a mistyped path, not the Hub repo ``checkpoints/lama``)."""
+    if text.startswith((".", "/", "~")) or os.path.isabs(text) or "\\" in text:
+        return True
     parts = text.split("/")
-    return 1 <= len(parts) <= 2 and all(parts) and not text.startswith((".", "/", "~"))
+    return len(parts) > 2 or text.endswith(".safetensors") or (len(parts) == 2 and os.path.isdir(parts[0]))
 
 
-def _resolve_hub(repo_id: str, revision: str | None) -> Path:
+def _is_hub_id(text: str) -> bool:
+    """``name`` or ``owner/name`` that is not a local-looking path."""
+    parts = text.split("/")
+    return 1 <= len(parts) <= 2 and all(parts) and not _looks_local(text)
+
+
+def _resolve_hub(repo_id: str, revision: str | None, cache_first: bool = False) -> Path:
     try:
         from huggingface_hub import snapshot_download
     except ImportError as exc:  # pragma: no cover - depends on the environment
@@ -52,20 +65,39 @@ def _resolve_hub(repo_id: str, revision: str | None) -> Path:
             "to resolve it as a Hub repo id (pip install 'hp_fastload[hub]')"
         ) from exc
     offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in {"1", "true", "yes", "on"}
-    path = snapshot_download(
-        repo_id=repo_id,
-        revision=revision,
-        allow_patterns=["*.safetensors", "*.safetensors.index.json", "config.json"],
-        local_files_only=offline,
-    )
+    patterns = ["*.safetensors", "*.safetensors.index.json", "config.json"]
+    if cache_first and not offline:  # another rank has just fetched it: the local cache answers, no request
+        try:
+            return Path(
+                snapshot_download(repo_id=repo_id, revision=revision, allow_patterns=patterns, local_files_only=True)
+            )
+        except Exception:  # not in this node's cache (or another revision): ask the Hub as usual
+            pass
+    try:
+        path = snapshot_download(repo_id=repo_id, revision=revision, allow_patterns=patterns, local_files_only=offline)
+    except Exception as exc:  # huggingface_hub's errors: cache miss, unknown repo, gated, network
+        from huggingface_hub.errors import LocalEntryNotFoundError
+
+        where = f"{repo_id!r}{f' (revision {revision!r})' if revision else ''}"
+        if isinstance(exc, LocalEntryNotFoundError) and offline:
+            raise FileNotFoundError(
+                f"checkpoint {where} is not a local path, and it is not in the Hugging Face cache "
+                f"(HF_HUB_OFFLINE is set, so the Hub was not asked): download it first or pass a local directory"
+            ) from exc
+        raise FileNotFoundError(
+            f"checkpoint {where} is not a local path, and the Hub could not provide it: "
+            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        ) from exc
     return Path(path)
 
 
-def resolve_checkpoint_location(path: str | os.PathLike[str], *, revision: str | None = None) -> Path:
+def resolve_checkpoint_location(
+    path: str | os.PathLike[str], *, revision: str | None = None, cache_first: bool = False
+) -> Path:
     """A local file or directory for ``path``; Hub ids go through huggingface_hub (offline-aware).
 
-    In a distributed run, call it on one rank and broadcast (``checkpointer`` does), so the Hub cache is
-    touched once.
+    ``cache_first``: try the local Hub cache before asking the Hub (``load`` resolves on rank 0 first, then
+    on the other ranks with it, so a job does not send one request per rank).
     """
     text = os.fspath(path)
     if not text:
@@ -78,8 +110,11 @@ def resolve_checkpoint_location(path: str | os.PathLike[str], *, revision: str |
     if local.is_dir():
         return local
     if _is_hub_id(text):
-        return _resolve_hub(text, revision)
-    raise FileNotFoundError(f"checkpoint not found: {text} is not a file, a directory or a Hub repo id")
+        return _resolve_hub(text, revision, cache_first)
+    hub = "" if _looks_local(text) else ", nor a Hub repo id (owner/name)"
+    raise FileNotFoundError(
+        errno.ENOENT, f"checkpoint not found ({local.absolute()} is not a file or a directory{hub})", text
+    )
 
 
 class CheckpointIndex:
@@ -116,6 +151,10 @@ class CheckpointIndex:
         index_path = path / INDEX_NAME
         if index_path.is_file():
             return cls._from_index_json(path, index_path)
+        if index_path.exists():  # a FIFO or a device: reading it could block forever
+            raise HeaderError(
+                f"{index_path} is a FIFO, socket or device, not a regular file; a safetensors index must be one"
+            )
         single = path / SINGLE_NAME
         if single.is_file():
             file = open_file(single)
@@ -130,7 +169,9 @@ class CheckpointIndex:
             _refuse_torch_sharded(file)
             for key in file:
                 if key in key_files:
-                    raise HeaderError(f"tensor {key!r} is stored in two files: {key_files[key].path} and {file.path}")
+                    raise HeaderError(
+                        f"tensor {shown_key(key)} is stored in two files: {key_files[key].path} and {file.path}"
+                    )
                 key_files[key] = file
         return cls(files, key_files)
 
@@ -149,11 +190,11 @@ class CheckpointIndex:
         else:
             weight_map = _weight_map(index_path, text)
             names = sorted(set(weight_map.values()), key=str)
+        for name in names:  # every name is checked before any shard is opened
+            _check_shard_name(index_path, name, text)
         for name in names:
-            if not isinstance(name, str):
-                raise HeaderError(f"weight_map of {index_path} maps a key to {name!r}, not a file name")
             file_path = root / name
-            if not file_path.is_file():
+            if not file_path.exists():  # a FIFO or device exists: the header reader refuses it unopened
                 raise FileNotFoundError(f"safetensors shard named by {index_path} does not exist: {file_path}")
         opened = dict(zip(names, _open_all([root / name for name in names]), strict=True))
         for file in opened.values():
@@ -168,7 +209,7 @@ class CheckpointIndex:
         for key, name in weight_map.items():
             file = opened[name]
             if key not in file:
-                raise HeaderError(f"index {index_path} puts {key!r} in {name}, whose header does not have it")
+                raise HeaderError(f"index {index_path} puts {shown_key(key)} in {name}, whose header does not have it")
             key_files[key] = file
         return cls(list(opened.values()), key_files)
 
@@ -203,7 +244,7 @@ class CheckpointIndex:
     def _file_of(self, key: str) -> SafetensorsFile:
         file = self._files.get(key)
         if file is None:
-            raise KeyError(f"checkpoint key is not indexed: {key}")
+            raise KeyError(f"checkpoint key is not indexed: {shown_key(key)}")
         return file
 
     def facts_of(self, keys: list[str]) -> tuple[tuple[tuple[int, ...], str], ...]:
@@ -260,6 +301,24 @@ class CheckpointIndex:
         return sum(f.file_size - f.header.data_start for f in self.files)
 
 
+def _check_shard_name(index_path: Path, name: object, text: bytes) -> None:
+    """Refuses a ``weight_map`` file name that could leave the checkpoint directory: not a string, empty,
+    with a NUL, absolute, or with a ``..`` component. The check is on the name, not on where it leads: a
+    shard that is a symlink inside the directory (the Hub cache's ``snapshots/<sha>/x -> ../../blobs/<hash>``)
+    is fine. Raised before any shard is opened."""
+    if not isinstance(name, str):
+        raise HeaderError(f"weight_map of {index_path} maps a key to {shown_key(name)}, not a file name")
+    if name and "\x00" not in name and not os.path.isabs(name) and ".." not in name.split("/"):
+        return
+    keys = [k for k, v in _weight_map(index_path, text).items() if v == name][:1]
+    entry = f"{shown_key(keys[0])}: {shown_key(name)}" if keys else shown_key(name)
+    raise HeaderError(
+        f"index {index_path} has weight_map entry {entry}, a shard path outside the checkpoint directory "
+        f"{index_path.parent} (shard names must be relative paths inside it: not empty, no NUL, not absolute, "
+        "no '..' component); refusing to open it"
+    )
+
+
 def _weight_map(index_path: Path, text: bytes) -> dict[Any, Any]:
     """The ``weight_map`` of an index, parsed by Python's ``json`` (the route that names what is wrong)."""
     try:
@@ -282,11 +341,16 @@ PARALLEL_HEADER_BYTES = 1 << 20
 def _header_bytes(path: Path) -> int:
     """The header length a safetensors file declares in its first 8 bytes (0 when unreadable: the parse
     reports the error)."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(8)
+    try:  # non-blocking open, then fstat: a FIFO must not block here (the header reader refuses it)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError:
         return 0
+    try:
+        head = os.read(fd, 8) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
+    except OSError:
+        return 0
+    finally:
+        os.close(fd)
     return int.from_bytes(head, "little") if len(head) == 8 else 0
 
 
@@ -315,7 +379,7 @@ def _refuse_torch_sharded(file: SafetensorsFile) -> None:
         offsets = (record or {}).get("saved_offsets") or []
         if any(int(o) != 0 for o in offsets):
             raise HeaderError(
-                f"{file.path} is a torch-sharded export (DCP_SHARDING_INFO gives {key!r} offsets {offsets}): "
+                f"{file.path} is a torch-sharded export (DCP_SHARDING_INFO gives {shown_key(key)} offsets {offsets}): "
                 "load it with torch.distributed.checkpoint.load(..., "
                 "storage_reader=hp_fastload.dcp.HuggingFaceStorageReader(dir)) or consolidate it first "
                 "(torch.distributed.checkpoint consolidate_safetensors_files)"

@@ -23,15 +23,25 @@ import numpy as np
 import torch
 
 from .engine import SafetensorsFile, gc_paused
-from .errors import PlanError, TargetError
+from .errors import MissingKeysError, PlanError, TargetError, shown_key
 from .groups import LoadGroup, build_groups, masked_name, rename_key
 from .index import CheckpointIndex
 from .quant import Dequant, QuantInfo, detect_in_index
-from .region import Block, RegionTensor, UnsupportedRegionOp
+from .region import Block, RegionTensor, UnsupportedRegionOp, row_major_strides
 from .rules import is_converter, is_renaming, natural_sort_key
 from .targets import Target
 
-__all__ = ["ConversionError", "DeferredGroup", "LoadPlan", "LoadReport", "ReadItem", "TemplateReads", "plan_load"]
+__all__ = [
+    "ConversionError",
+    "DeferredGroup",
+    "LoadPlan",
+    "LoadReport",
+    "ReadItem",
+    "Replacement",
+    "TemplateReads",
+    "plan_load",
+    "replacement_of",
+]
 
 log = logging.getLogger("hp_fastload")
 
@@ -58,16 +68,30 @@ class LoadReport:
     region_targets: int = field(default=0, compare=False)
     deferred_targets: tuple[str, ...] = field(default=(), compare=False)
     loader: str = field(default="", compare=False)
+    #: tied weights that reached different tensors and were tied again before planning (``finalize.retie``)
+    retied_keys: tuple[str, ...] = field(default=(), compare=False)
+    #: non-persistent buffers nothing re-created after the load: after ``to_empty`` they hold garbage until
+    #: the caller sets them (``finalize.recreate_buffers`` recomputes those of transformers models)
+    unfilled_buffers: tuple[str, ...] = field(default=(), compare=False)
 
     def summary(self) -> str:
         rate = self.bytes_read / self.seconds / 1e9 if self.seconds > 0 else 0.0
-        return (
+        text = (
             f"{self.loader or 'hp_fastload'}: loaded {len(self.loaded_keys)} tensors, "
             f"missing {len(self.missing_keys)}, unexpected {len(self.unexpected_keys)}; "
             f"read {self.bytes_read / 1e6:.1f} MB of {self.checkpoint_bytes / 1e6:.1f} MB checkpoint "
             f"in {self.seconds:.3f} s ({rate:.2f} GB/s); {self.region_targets} region targets, "
             f"{len(self.deferred_targets)} deferred"
         )
+        if self.retied_keys:
+            text += f"; re-tied {len(self.retied_keys)} ({', '.join(self.retied_keys[:3])})"
+        if self.unfilled_buffers:
+            shown = ", ".join(self.unfilled_buffers[:3]) + (", ..." if len(self.unfilled_buffers) > 3 else "")
+            text += (
+                f"; {len(self.unfilled_buffers)} non-persistent buffers not re-created ({shown}): "
+                "set them yourself if the model was materialized with to_empty"
+            )
+        return text
 
 
 class ReadItem(NamedTuple):
@@ -404,7 +428,7 @@ class _Tracer:
         except Exception as exc:
             raise ConversionError(
                 f"Failed to convert checkpoint tensors for {group.target} "
-                f"(keys {', '.join(group.keys[:4])}{', ...' if len(group.keys) > 4 else ''}): "
+                f"(keys {', '.join(map(shown_key, group.keys[:4]))}{', ...' if len(group.keys) > 4 else ''}): "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
         return _CacheEntry(
@@ -429,13 +453,6 @@ def _placeholders(n: int) -> list[str]:
     while len(_PLACEHOLDERS) < n:
         _PLACEHOLDERS.append(f"#{len(_PLACEHOLDERS)}")
     return _PLACEHOLDERS[:n]
-
-
-def _row_major(shape: Sequence[int]) -> tuple[int, ...]:
-    strides = [1] * len(shape)
-    for d in range(len(shape) - 2, -1, -1):
-        strides[d] = strides[d + 1] * shape[d + 1]
-    return tuple(strides)
 
 
 #: Block lists at least this long are filtered against a rank's bounding box with numpy.
@@ -531,7 +548,7 @@ def _templates(blocks: Sequence[Block]) -> list[_Template]:
         src_shape = block.src_shape
         src_st = strides_by_shape.get(src_shape)
         if src_st is None:
-            src_st = strides_by_shape[src_shape] = _row_major(src_shape)
+            src_st = strides_by_shape[src_shape] = row_major_strides(src_shape)
         coeff = block.coeff
         strides = strides_by_map.get((src_shape, coeff))
         if strides is None:
@@ -723,6 +740,32 @@ class _Claims:
         self.add_deferred(pending)
 
 
+@dataclass(frozen=True)
+class Replacement:
+    """The second planning stage of a model whose modules were replaced (fused kernels, merged projections).
+
+    ``source_shapes`` are the pre-replacement model's tensor names and global shapes, taken before the
+    replacement: stage 1 normalizes the checkpoint to them with the base rules. ``rules`` are the replacement
+    modules' scoped converters (and renamings): stage 2 routes the normalized tensors into them, each converter
+    firing once all its expected inputs arrived. Rules in ``rules`` that also appear (by identity) in the load's
+    rule list are removed from stage 1. In the region loader the two stages compose into one set of region reads.
+    """
+
+    rules: Sequence[Any]
+    source_shapes: Mapping[str, Sequence[int]]
+
+
+def replacement_of(model: Any) -> Replacement | None:
+    """The model's replacement stage from the attributes hyper-parallel's module replacement sets
+    (``_hp_replacement_weight_conversions`` and ``_hp_checkpoint_source_shapes``), or None. ``load`` and
+    ``plan`` use it when no ``replacement`` argument is given."""
+    rules = list(getattr(model, "_hp_replacement_weight_conversions", None) or [])
+    shapes = getattr(model, "_hp_checkpoint_source_shapes", None)
+    if not rules or not shapes:
+        return None
+    return Replacement(rules, dict(shapes))
+
+
 @dataclass
 class _ReplacementState:
     """A scoped replacement converter waiting for its stage-1 inputs."""
@@ -829,14 +872,50 @@ def _plan_replacement_stage(
     claims.add_deferred(pending)
 
 
-def plan_load(*args: Any, **kwargs: Any) -> LoadPlan:
-    """Plan one rank's load (see ``_plan_load``), with the cyclic garbage collector paused.
+def _missing_keys_error(missing: Sequence[str], unexpected: Sequence[str]) -> MissingKeysError:
+    text = f"Checkpoint did not load {len(missing)} owned model tensors; first keys: {', '.join(missing[:10])}"
+    if unexpected:
+        text += (
+            f". The checkpoint also holds {len(unexpected)} tensors this model does not own (first: "
+            f"{', '.join(unexpected[:5])}): is it a checkpoint of another architecture, depth or size, or does it "
+            "need a weights_mapping / key_mapping?"
+        )
+    return MissingKeysError(text, missing, unexpected)
 
-    Planning a 100k-tensor checkpoint allocates a few hundred thousand small objects, which would trigger
-    several full collections of everything the process holds (a model, torch's modules) for nothing.
+
+def plan_load(
+    model: Any,
+    index: CheckpointIndex,
+    targets: dict[str, Target],
+    rules: Sequence[Any],
+    *,
+    strict: bool = True,
+    trace: bool = True,
+    claimed_source_keys: Collection[str] = frozenset(),
+    map_key: Callable[[str], str | None] | None = None,
+    loader: str = "dcp",
+    replacement: Replacement | None = None,
+) -> LoadPlan:
+    """Plan one rank's load. Raises (before any byte is read) on strict misses and bad targets.
+
+    ``trace=False`` plans every group as deferred (the legacy loader). ``replacement`` (default:
+    ``replacement_of(model)``) adds the replacement modules' second stage. The cyclic garbage collector is
+    paused: planning a 100k-tensor checkpoint allocates a few hundred thousand small objects, which would
+    trigger several full collections of everything the process holds (a model, torch's modules) for nothing.
     """
     with gc_paused():
-        return _plan_load(*args, **kwargs)
+        return _plan_load(
+            model,
+            index,
+            targets,
+            rules,
+            strict=strict,
+            trace=trace,
+            claimed_source_keys=claimed_source_keys,
+            map_key=map_key,
+            loader=loader,
+            replacement=replacement if replacement is not None else replacement_of(model),
+        )
 
 
 def _plan_load(
@@ -848,29 +927,22 @@ def _plan_load(
     strict: bool = True,
     trace: bool = True,
     claimed_source_keys: Collection[str] = frozenset(),
-    map_key: Callable[[str], str | None] | None = None,
-    loader: str = "dcp",
+    map_key: Callable[[str], str | None] | None,
+    loader: str,
+    replacement: Replacement | None,
 ) -> LoadPlan:
-    """Plan one rank's load. Raises (before any byte is read) on strict misses and bad targets.
-
-    A model carrying ``_hp_replacement_weight_conversions`` and ``_hp_checkpoint_source_shapes`` is planned in
-    two stages: the base rules normalize the checkpoint to the pre-replacement names and shapes, then the
-    scoped replacement converters consume those (each once all its inputs arrived). In the region loader the
-    two stages compose into one set of region reads.
-    """
+    """``plan_load`` with the GC already paused (see there)."""
     keys = [k for k in index if k not in claimed_source_keys]
     prefix = getattr(model, "base_model_prefix", None) or None
     quant = detect_in_index(index)
     claims = _Claims(index, targets, quant)
-    replacement = list(getattr(model, "_hp_replacement_weight_conversions", None) or [])
-    source_shapes = getattr(model, "_hp_checkpoint_source_shapes", None)
     used_replacements: list[Any] = []
-    if replacement and source_shapes:
-        base_rules = [r for r in rules if not any(r is x for x in replacement)]
-        view = SourceModelView(model, dict(source_shapes))
+    if replacement is not None and replacement.rules and replacement.source_shapes:
+        base_rules = [r for r in rules if not any(r is x for x in replacement.rules)]
+        view = SourceModelView(model, dict(replacement.source_shapes))
         groups, unexpected = build_groups(keys, view.shapes, base_rules, base_model_prefix=prefix, map_key=map_key)
         claims.unexpected.extend(unexpected)
-        routes = _replacement_routes(view.shapes, targets, replacement)
+        routes = _replacement_routes(view.shapes, targets, replacement.rules)
         tracer = _Tracer(index, view, view.shapes.get, trace)
         for group in groups:
             traced = tracer.run(group)
@@ -913,8 +985,7 @@ def _plan_load(
         consumed = quant.consumed()  # the scales of dequantized tensors are read with them
         claims.unexpected = [k for k in claims.unexpected if k not in consumed]
     if strict and missing:
-        shown = ", ".join(missing[:10])
-        raise RuntimeError(f"Checkpoint did not load {len(missing)} owned model tensors; first keys: {shown}")
+        raise _missing_keys_error(missing, index.natural_sorted(claims.unexpected))
     report = LoadReport(
         loaded_keys=tuple(sorted(claims.loaded, key=natural_sort_key)),
         missing_keys=tuple(missing),

@@ -54,8 +54,8 @@ __all__ = [
     "UnsupportedRegionOp",
     "apply_post",
     "materialize",
+    "row_major_strides",
     "post_dtype",
-    "trace",
 ]
 
 MAX_BLOCKS = 65536
@@ -232,12 +232,12 @@ class Block:
 
     def source_strides(self) -> Vec:
         """Element strides into a contiguous (row-major) source tensor, one per region dim."""
-        sstr = _contig_strides(self.src_shape)
+        sstr = row_major_strides(self.src_shape)
         return tuple(sum(c * s for c, s in zip(col, sstr, strict=True)) for col in _cols(self))
 
     def source_offset(self) -> int:
         """Flat element offset of ``base`` in a contiguous (row-major) source tensor."""
-        return sum(b * s for b, s in zip(self.base, _contig_strides(self.src_shape), strict=True))
+        return sum(b * s for b, s in zip(self.base, row_major_strides(self.src_shape), strict=True))
 
 
 def _check_block(b: Block) -> None:
@@ -326,7 +326,8 @@ def _rows(cols: Sequence[Vec], src_nd: int) -> tuple[Vec, ...]:
     return tuple(zip(*cols, strict=True))
 
 
-def _contig_strides(shape: Sequence[int]) -> Vec:
+def row_major_strides(shape: Sequence[int]) -> Vec:
+    """Element strides of a contiguous tensor of ``shape``, as torch gives them (a 0-sized dim counts as 1)."""
     strides = [1] * len(shape)
     acc = 1
     for i in range(len(shape) - 1, -1, -1):
@@ -791,7 +792,7 @@ def _decode_view(
     in_shape: tuple[int, ...], view: torch.Tensor
 ) -> tuple[list[int], list[tuple[int, int]], tuple[int, ...]]:
     """Returns (start index per input dim, (input dim or -1, step) per output dim, output shape)."""
-    strides = _contig_strides(in_shape)
+    strides = row_major_strides(in_shape)
     out_shape = tuple(view.shape)
     off = view.storage_offset()
     start = [int((off // s) % n) for s, n in zip(strides, in_shape, strict=True)]
@@ -1120,7 +1121,7 @@ def _reshape_blocks(r: RegionTensor, new_shape: tuple[int, ...]) -> list[Block]:
     new_s = [new_shape[j] for j in keep_new]
     groups = _match_groups(old_s, new_s)
     info = [
-        (old_s[i0:i1], _contig_strides(old_s[i0:i1]), new_s[j0:j1], _contig_strides(new_s[j0:j1]))
+        (old_s[i0:i1], row_major_strides(old_s[i0:i1]), new_s[j0:j1], row_major_strides(new_s[j0:j1]))
         for i0, i1, j0, j1 in groups
     ]
     new_nd = len(new_shape)
@@ -1500,11 +1501,3 @@ def materialize(region: RegionTensor, sources: Mapping[str, torch.Tensor]) -> to
                 raise AssertionError(f"block produces {view.dtype}, region is {out.dtype}")
             out[tuple(slice(o, o + n) for o, n in zip(b.offsets, b.lengths, strict=True))] = view
     return out
-
-
-def trace(fn: Callable[[dict[str, RegionTensor]], Any], inputs: Mapping[str, tuple[Sequence[int], torch.dtype]]) -> Any:
-    """Call ``fn`` on a dict of leaf RegionTensors and return what it returns.
-
-    ``inputs`` maps checkpoint keys to ``(shape, dtype)``; ``fn`` gets ``{key: RegionTensor.leaf(key, ...)}``.
-    """
-    return fn({name: RegionTensor.leaf(name, shape, dtype) for name, (shape, dtype) in inputs.items()})

@@ -17,6 +17,7 @@ It does not read tensors or decide regions: see ``groups`` and ``plan``.
 
 from __future__ import annotations
 
+import math
 import re
 import sys
 from collections import defaultdict
@@ -42,6 +43,7 @@ __all__ = [
     "is_converter",
     "is_renaming",
     "natural_sort_key",
+    "own_class",
     "resolve_mapping",
 ]
 
@@ -50,8 +52,14 @@ _NATURAL_PARTS: dict[str, tuple[Any, ...]] = {}
 
 
 def _natural_part(part: str) -> tuple[Any, ...]:
-    if part.isdigit():
-        value: tuple[Any, ...] = (0, int(part))
+    # isdecimal, not isdigit: int() refuses digits that are not decimal ("²" is a digit, and a shard named
+    # "².safetensors" crashed indexing); those sort as text.
+    if part.isdecimal():
+        try:
+            value: tuple[Any, ...] = (0, int(part))
+        except ValueError:  # more digits than int() converts (4300): after every smaller number, by value
+            digits = part.lstrip("0")
+            value = (0, math.inf, len(digits), digits)
     else:
         stem = part.rstrip("0123456789")
         digits = part[len(stem) :]
@@ -76,8 +84,9 @@ _SORT_PARTS: dict[str, str] = {}
 
 
 def _sort_part(part: str) -> str:
-    if part.isdigit():
-        value = "\x02" + part.lstrip("0").rjust(24, "0")
+    if part.isdecimal():  # as in _natural_part; other scripts' decimal digits compare by value there too
+        digits = part.lstrip("0") if part.isascii() or len(part) > 4000 else str(int(part)).lstrip("0")
+        value = "\x02" + digits.rjust(24, "0")
     else:
         stem = part.rstrip("0123456789")
         digits = part[len(stem) :]
@@ -88,11 +97,13 @@ def _sort_part(part: str) -> str:
 
 
 def natural_sort_key(name: str) -> str:
-    """A string that sorts exactly like ``dot_natural_key(name)`` but compares much faster.
+    r"""A string that sorts exactly like ``dot_natural_key(name)`` but compares much faster.
 
-    Digit parts become ``\x00`` + zero-padded digits (before any text part), a text part's trailing number
-    is padded after ``\x01``, and parts are joined with ``\x02`` (a name that is a prefix of another sorts
-    first). Used to sort 100k-key checkpoints, where comparing lists of tuples dominated planning.
+    Parts are joined with ``\x01`` (below every other character, so a name that is a prefix of another sorts
+    first); a digit part becomes ``\x02`` + its digits zero-padded to 24 (before any text part, which starts
+    higher), and a text part's trailing number is zero-padded after ``\x03``. ``rust/header.rs`` computes the
+    same key (``natural_sort_key``) for ASCII names. Used to sort 100k-key checkpoints, where comparing lists of
+    tuples dominated planning.
     """
     cache = _SORT_PARTS
     return "\x01".join([cache.get(part) or _sort_part(part) for part in name.split(".")])
@@ -505,6 +516,52 @@ def from_transformers(rule: Any) -> Any:
     return own
 
 
+def own_class(module: Any) -> type:
+    """The class ``module`` was built as, under any class-swapping wrapper.
+
+    ``fully_shard`` (FSDP2) and the composable ``replicate`` replace a module's class with a generated
+    ``type(f"FSDP{cls.__name__}", (FSDPModule, cls), ...)``. Such a class is recognized by its shape (two bases,
+    the first from ``torch.distributed``, its name the second's name behind a prefix) and peeled off, as many
+    times as the wrappers were stacked. Any other class is returned as it is.
+    """
+    cls = type(module)
+    while True:
+        bases = cls.__bases__
+        if len(bases) != 2:
+            return cls
+        wrapper, inner = bases
+        if not (
+            getattr(wrapper, "__module__", "").startswith("torch.distributed")
+            and cls.__name__ != inner.__name__
+            and cls.__name__.endswith(inner.__name__)
+        ):
+            return cls
+        cls = inner
+
+
+class _ModelView:
+    """What ``get_model_conversion_mapping`` reads of a model (``named_modules``, ``base_model_prefix``), with
+    every class-swapped ``PreTrainedModel`` seen as an instance of its own class. transformers looks the
+    conversion rules up by ``type(module).__name__`` and skips classes defined outside ``transformers.``; a
+    root wrapped by ``fully_shard`` is ``FSDP<Class>`` from ``torch.distributed`` and would lose every
+    class-level rule. The user's model is not touched: each wrapped submodule is stood in for by a bare,
+    uninitialized instance of its own class that carries only its ``config``."""
+
+    def __init__(self, model: Any, pretrained: Any) -> None:
+        self._model = model
+        self._pretrained = pretrained
+        self.base_model_prefix = getattr(own_class(model), "base_model_prefix", model.base_model_prefix)
+
+    def named_modules(self, *args: Any, **kwargs: Any) -> Iterable[tuple[str, Any]]:
+        for name, module in self._model.named_modules(*args, **kwargs):
+            cls: Any = own_class(module)
+            if cls is not type(module) and isinstance(module, self._pretrained):
+                stand_in: Any = cls.__new__(cls)
+                stand_in.__dict__["config"] = module.config  # no __init__ ran: only the instance dict
+                module = stand_in
+            yield name, module
+
+
 def _transformers_mapping(model: Any, key_mapping: Mapping[str, str] | None) -> list[Any] | None:
     if "transformers" not in sys.modules:  # a PreTrainedModel implies transformers is imported; don't pay 4-10 s
         return None
@@ -515,7 +572,8 @@ def _transformers_mapping(model: Any, key_mapping: Mapping[str, str] | None) -> 
         return None
     if not isinstance(model, PreTrainedModel):
         return None
-    return list(get_model_conversion_mapping(model, key_mapping=dict(key_mapping) if key_mapping else None))
+    view: Any = _ModelView(model, PreTrainedModel)
+    return list(get_model_conversion_mapping(view, key_mapping=dict(key_mapping) if key_mapping else None))
 
 
 def resolve_mapping(
@@ -526,7 +584,8 @@ def resolve_mapping(
     """The ordered rule list for ``model``.
 
     ``weights_mapping=None``: the model's transformers conversion mapping when transformers is installed
-    and ``model`` is a ``PreTrainedModel`` (``key_mapping`` first, as transformers does), else only the
+    and ``model`` is a ``PreTrainedModel`` (``key_mapping`` first, as transformers does), looked up by the
+    model's own classes whatever wraps them (``fully_shard``'s ``FSDP<Class>``, see ``own_class``), else only the
     ``key_mapping`` renamings. An explicit list: ``key_mapping`` renamings first, then the list. Rules
     that are neither a renaming nor a converter raise ``ValueError`` naming their types.
     """

@@ -1,0 +1,143 @@
+"""``hp_fastload.from_pretrained``: a training script's whole prologue in one call.
+
+Owns the sequence a trainer writes by hand before its first step: read the checkpoint's config, build the
+transformers model on the meta device (under transformers' own ``from_pretrained`` init contexts), parallelize
+it (the caller's ``parallelize(model)``, or transformers' own ``DistributedConfig`` through the same
+``prepare_distribute_model`` / ``maybe_distribute_model`` that transformers applies to its meta model),
+materialize it with ``to_empty``, fill it with :func:`hp_fastload.load` (which re-ties tied weights and
+recomputes the non-persistent buffers, see ``finalize``) and put it in eval mode, as transformers does. Every
+rank calls it with the same arguments.
+
+It does not read tensors itself, decide regions, or apply conversion rules: ``load`` does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .checkpointer import _dist_active, _resolve_location_each, load
+from .plan import LoadReport
+
+__all__ = ["from_pretrained"]
+
+
+def _model_class(auto_class: Any) -> Any:
+    import transformers
+
+    if auto_class is None:
+        return transformers.AutoModelForCausalLM
+    if isinstance(auto_class, str):
+        found = getattr(transformers, auto_class, None)
+        if found is None:
+            raise ValueError(f"auto_class={auto_class!r} is not a class of transformers")
+        return found
+    return auto_class
+
+
+def _dtype(dtype: Any, config: Any) -> torch.dtype:
+    """``None`` or ``"auto"``: the config's dtype (float32 when it names none), as transformers v5 does."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is None or dtype == "auto":
+        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        if dtype is None:
+            return torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    value = getattr(torch, str(dtype).removeprefix("torch."), None)
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"dtype={dtype!r} is not a torch dtype")
+    return value
+
+
+def _init_contexts(dtype: torch.dtype) -> list[Any]:
+    """transformers' own model-init contexts of ``from_pretrained``: meta device, ``dtype`` as the default, and
+    ties deferred until the weights are loaded (a tied lm_head would hide from the tp plan's parameter names)."""
+    from transformers import PreTrainedModel
+
+    return list(PreTrainedModel.get_init_context(dtype, False, False, None))
+
+
+def _default_device(bound: Any) -> torch.device:
+    if bound is not None:
+        return torch.device(bound)
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) if _dist_active() else 0)
+    return torch.device("cpu")
+
+
+def _read_config(location: Path, config_overrides: dict[str, Any]) -> Any:
+    from transformers import AutoConfig
+
+    folder = location if location.is_dir() else location.parent
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{folder / 'config.json'}: from_pretrained builds the model from the checkpoint's config.json, and "
+            "there is none; build the model yourself and call hp_fastload.load(model, path)"
+        )
+    return AutoConfig.from_pretrained(folder, **config_overrides)
+
+
+def from_pretrained(
+    path_or_hub_id: str | os.PathLike[str],
+    *,
+    parallelize: Callable[[nn.Module], Any] | None = None,
+    distributed_config: Any = None,
+    device: str | torch.device | None = None,
+    dtype: Any = None,
+    auto_class: Any = None,
+    revision: str | None = None,
+    strict: bool = True,
+    output_loading_info: bool = False,
+    **config_overrides: Any,
+) -> Any:
+    """A parallelized transformers model filled from ``path_or_hub_id``; ``(model, report)`` with
+    ``output_loading_info=True``.
+
+    Steps, on every rank: the checkpoint's ``config.json`` (``config_overrides`` applied, as
+    ``AutoConfig.from_pretrained`` takes them) → ``auto_class`` (default ``AutoModelForCausalLM``; a class or
+    its name) built on the meta device in ``dtype`` (default: the config's, else float32) → parallelized by
+    ``parallelize(model)`` (FSDP2 / TP / EP, anything that turns parameters into DTensors in place; a returned
+    module replaces the model) or by transformers' ``DistributedConfig`` (tp, fsdp, ep plans of the model) →
+    ``to_empty(device)`` (default: the device transformers bound this rank to, else ``cuda:LOCAL_RANK``, else
+    CPU) → :func:`hp_fastload.load` with ``strict`` (tied weights re-tied, non-persistent buffers recomputed
+    through the model's own init) → ``eval()``.
+
+    Not covered: quantized checkpoints, ``device_map`` offloading, remote code, adapters; build such a model
+    yourself and call ``hp_fastload.load`` on it.
+    """
+    if parallelize is not None and distributed_config is not None:
+        raise ValueError("pass either parallelize or distributed_config, not both")
+    if parallelize is not None and not callable(parallelize):
+        raise TypeError(f"parallelize must be a callable taking the model, got {type(parallelize).__name__}")
+    location = _resolve_location_each(path_or_hub_id, revision)
+    config = _read_config(location, config_overrides)
+    cls = _model_class(auto_class)
+    torch_dtype = _dtype(dtype, config)
+    with contextlib.ExitStack() as stack:
+        for context in _init_contexts(torch_dtype):
+            stack.enter_context(context)
+        if hasattr(cls, "from_config"):
+            model = cls.from_config(config, dtype=torch_dtype)
+        else:
+            model = cls._from_config(config, dtype=torch_dtype)
+    bound = None
+    if distributed_config is not None:
+        distributed_config, bound, mesh_manager = type(model).prepare_distribute_model(distributed_config)
+        model = type(model).maybe_distribute_model(model, distributed_config, mesh_manager)
+    elif parallelize is not None:
+        model.tie_weights()  # the user's layout sees tied weights as one parameter (FSDP2 cannot tie later)
+        returned = parallelize(model)
+        if isinstance(returned, nn.Module):
+            model = returned
+    model.to_empty(device=device if device is not None else _default_device(bound))
+    report: LoadReport = load(model, location, strict=strict)
+    model.eval()
+    return (model, report) if output_loading_info else model
