@@ -12,7 +12,10 @@ events); a Llama-3-8B-shaped bf16 checkpoint (``--size-gb``, default 16, 4 shard
 computed at generation); the storage anchors (sequential and parallel cold buffered reads, 0 resident pages
 checked with mincore first); then every loader in a fresh process, cold (``posix_fadvise(DONTNEED)`` per file,
 0 resident pages verified) and warm, filling plain CUDA tensors (hp_fastload stages CUDA targets through
-pinned buffers), each checked against the generation checksums. Prints GB/s and fractions of the ceilings:
+pinned buffers), each checked against the generation checksums. ``hp_fastload_fp8`` loads the same model
+shapes (``--fp8-gb``) from an FP8 checkpoint (e4m3 weights, fp32 128x128 ``weight_scale_inv``) into bf16 CUDA
+tensors, dequantized in the engine's copy into the pinned staging, each tensor checked against DeepSeek's
+``weight_dequant`` formula computed with torch. Prints GB/s and fractions of the ceilings:
 warm results against the pinned H2D ceiling, cold results against the parallel cold-read anchor.
 Writes ``<out>/gpu_check.json`` and ``<out>/gpu_check.md`` (``<out>``: ``$OUT`` when set, else bench-out/gpu).
 
@@ -42,7 +45,7 @@ sys.path.insert(0, str(HERE))
 
 import _peers  # noqa: E402  (stdlib-only helpers: mincore, evict, warm, /proc/self/io, cold reads)
 
-LOADERS = ("hp_fastload", "hp_fastload_r8", "st_cuda", "st_mmap_copy", "fastsafetensors", "runai")
+LOADERS = ("hp_fastload", "hp_fastload_r8", "hp_fastload_fp8", "st_cuda", "st_mmap_copy", "fastsafetensors", "runai")
 
 # ---------------------------------------------------------------------------------------------------------
 # Checkpoint: Llama-3-8B shapes, written by hand in the safetensors format
@@ -114,6 +117,91 @@ def write_checkpoint(path: Path, keys: list[tuple[str, tuple[int, ...]]], shards
     out = {"sums": sums, "shapes": {k: list(s) for k, s in keys}, "files": files}
     meta_path.write_text(json.dumps({"stamp": stamp, "files": out}))
     return out
+
+
+def write_fp8_checkpoint(path: Path, keys: list[tuple[str, tuple[int, ...]]], shards: int) -> dict[str, Any]:
+    """The same model as FP8 (issue 13): every 2-d projection an F8_E4M3 weight with an F32
+    ``weight_scale_inv`` per 128x128 block (ceil-sized grid), embeddings and norms BF16, and the
+    ``quantization_config`` DeepSeek-V3 ships; ``shapes`` lists the model tensors (not the scales)."""
+    stamp = json.dumps({"keys": len(keys), "shape0": keys[0][1], "shards": shards, "v": "fp8-1"})
+    meta_path = path / "checksums.json"
+    if meta_path.is_file():
+        meta = json.loads(meta_path.read_text())
+        if meta.get("stamp") == stamp:
+            return dict(meta["files"], _cached=True)
+    import torch
+
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    entries: list[tuple[str, tuple[int, ...], str]] = []
+    for key, shape in keys:
+        if len(shape) == 2 and "embed" not in key and "lm_head" not in key:
+            entries.append((key, shape, "F8_E4M3"))
+            entries.append((key + "_scale_inv", (-(-shape[0] // 128), -(-shape[1] // 128)), "F32"))
+        else:
+            entries.append((key, shape, "BF16"))
+    size = {"F8_E4M3": 1, "BF16": 2, "F32": 4}
+    sizes = [math.prod(sh) * size[d] for _, sh, d in entries]
+    gen = torch.Generator().manual_seed(0)
+    files: dict[str, list[str]] = {}
+    for g, idx in enumerate(_peers.shard_groups(sizes, shards)):
+        name = f"model-{g + 1:05d}-of-{shards:05d}.safetensors"
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        off = 0
+        for i in idx:
+            key, shape, dt = entries[i]
+            header[key] = {"dtype": dt, "shape": list(shape), "data_offsets": [off, off + sizes[i]]}
+            off += sizes[i]
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        with open(path / name, "wb") as f:
+            f.write(len(raw).to_bytes(8, "little"))
+            f.write(raw)
+            for i in idx:
+                key, shape, dt = entries[i]
+                if dt == "F8_E4M3":
+                    t = torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen)
+                    t[(t & 0x7F) == 0x7F] = 0  # no NaN codes
+                elif dt == "F32":
+                    t = torch.rand(shape, generator=gen) * 1e-2 + 1e-4
+                else:
+                    t = torch.randint(-(2**15), 2**15, shape, dtype=torch.int16, generator=gen) & ~0x4000
+                f.write(memoryview(t.contiguous().numpy()).cast("B"))
+            f.flush()
+            os.fsync(f.fileno())
+        files[name] = [entries[i][0] for i in idx]
+    config = {"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}}
+    (path / "config.json").write_text(json.dumps(config))
+    out = {"sums": {}, "shapes": {k: list(sh) for k, sh in keys}, "files": files, "fp8": True}
+    meta_path.write_text(json.dumps({"stamp": stamp, "files": out}))
+    return out
+
+
+def _read_whole(ckpt: Path, meta: dict[str, Any], key: str) -> Any:
+    """A whole tensor read with plain file I/O (no loader involved), as stored (uint8 for F8_E4M3)."""
+    import torch
+
+    name = next(n for n, ks in meta["files"].items() if key in ks)
+    with open(ckpt / name, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        entry = json.loads(f.read(n))[key]
+        a, b = entry["data_offsets"]
+        f.seek(8 + n + a)
+        data = bytearray(f.read(b - a))
+    dtype = {"F8_E4M3": torch.uint8, "F32": torch.float32, "BF16": torch.bfloat16}[entry["dtype"]]
+    return torch.frombuffer(data, dtype=dtype).reshape(entry["shape"]), entry["dtype"]
+
+
+def _fp8_reference(ckpt: Path, meta: dict[str, Any], key: str) -> Any:
+    """DeepSeek's ``weight_dequant`` with torch ops (fp32 product, rounded once to bf16)."""
+    import torch
+
+    t, dtype = _read_whole(ckpt, meta, key)
+    if dtype != "F8_E4M3":
+        return t
+    s, _ = _read_whole(ckpt, meta, key + "_scale_inv")
+    s = s.repeat_interleave(128, 0)[: t.shape[0]].repeat_interleave(128, 1)[:, : t.shape[1]]
+    return (t.view(torch.float8_e4m3fn).float() * s).to(torch.bfloat16)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -314,7 +402,10 @@ def _child(cfg: dict[str, Any]) -> dict[str, Any]:
     bad: list[str] = []
     for key, t in params.items():
         dim, n = boxes[key]
-        if dim is None:
+        if meta.get("fp8"):
+            if not torch.equal(t.cpu(), _fp8_reference(ckpt, meta, key)):
+                bad.append(key)
+        elif dim is None:
             if checksum(t) != meta["sums"][key]:
                 bad.append(key)
         else:
@@ -372,6 +463,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--regimes", default="cold,warm")
     ap.add_argument("--budget-s", type=float, default=450.0, help="skip remaining loads past this (default 450)")
     ap.add_argument("--keep-data", action="store_true", help="keep the checkpoint afterwards")
+    ap.add_argument("--fp8-gb", type=float, default=4.0, help="bf16-equivalent size of the FP8 model (default 4)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -427,6 +519,18 @@ def main(argv: list[str] | None = None) -> int:
     seq_gbps, par_gbps = log["storage"]["cold_seq"]["gbps"], log["storage"]["cold_par"]["gbps"]
     print(f"storage: cold sequential {seq_gbps:.2f} GB/s, parallel {par_gbps:.2f} GB/s", flush=True)
     _peers.warm(files)
+    fp8_data = data.parent / (data.name + "_fp8")
+    fp8_files: list[str] = []
+    if "hp_fastload_fp8" in args.loaders.split(","):
+        t = time.perf_counter()
+        fmeta = write_fp8_checkpoint(fp8_data, llama8b_keys(min(size, args.fp8_gb), args.quick), 2 if args.quick else 4)
+        fp8_files = sorted(str(fp8_data / n) for n in fmeta["files"])
+        log["fp8_checkpoint"] = {
+            "path": str(fp8_data),
+            "bytes": sum(os.path.getsize(p) for p in fp8_files),
+            "write_seconds": time.perf_counter() - t,
+        }
+        print(f"fp8 checkpoint {json.dumps(log['fp8_checkpoint'])}", flush=True)
     results: list[dict[str, Any]] = []
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "python"), os.environ.get("PYTHONPATH", "")]))
     for regime in [r for r in args.regimes.split(",") if r]:
@@ -439,7 +543,7 @@ def main(argv: list[str] | None = None) -> int:
                 results.append({"loader": loader, "regime": regime, "skipped": "time budget spent"})
                 continue
             if regime == "warm":
-                _peers.warm(files)
+                _peers.warm(fp8_files if loader == "hp_fastload_fp8" else files)
             cenv = dict(env)
             if loader == "fastsafetensors" and regime == "warm":
                 cenv["FASTSAFETENSORS_ODIRECT"] = "0"
@@ -447,7 +551,8 @@ def main(argv: list[str] | None = None) -> int:
                 cenv["RUNAI_STREAMER_CONCURRENCY"] = str(min(16, _peers.CORES))
                 if regime == "warm":
                     cenv["RUNAI_STREAMER_FS_STRATEGY"] = "sync_buffered"
-            cfg = {"ckpt": str(data), "loader": loader, "regime": regime, "device": device}
+            ckpt = fp8_data if loader == "hp_fastload_fp8" else data
+            cfg = {"ckpt": str(ckpt), "loader": loader, "regime": regime, "device": device}
             try:
                 proc = subprocess.run(
                     [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(cfg)],
@@ -476,6 +581,7 @@ def main(argv: list[str] | None = None) -> int:
     print(md)
     if not args.keep_data and not args.quick:
         shutil.rmtree(data, ignore_errors=True)
+        shutil.rmtree(fp8_data, ignore_errors=True)
     bad = [r for r in results if r.get("error") or r.get("verify", {}).get("mismatched")]
     return 1 if bad else 0
 

@@ -18,7 +18,9 @@
 
 use std::marker::PhantomData;
 
-use crate::dtype::{cast_dense, cast_strided, Dtype, ElemSink};
+use crate::dtype::{
+    cast_dense, cast_scaled, cast_scaled_dense, cast_strided, Dtype, ElemSink, ScaleMap,
+};
 use crate::region::Run;
 
 /// Caller memory that a batch of reads writes into, interpreted as elements of `dtype`.
@@ -212,6 +214,69 @@ pub(crate) fn write_run(run: &Run, src: &[u8]) {
                     stride: run.dst_stride,
                 };
                 cast_strided(sd, dd, rep_src(r), src_stride, count, &mut sink);
+            }
+        }
+    }
+}
+
+/// Writes every repetition of a run of a dequantized item from `src` (as [`write_run`]): each element is
+/// multiplied by its scale from `map` before the cast. `begin` is the absolute file offset of the quantized
+/// tensor's first byte, which turns the run's source offsets into the tensor's flat element indices.
+pub(crate) fn write_run_scaled(run: &Run, src: &[u8], map: &ScaleMap<'_>, begin: u64) {
+    let (sd, dd) = (run.src_dtype, run.dst_dtype);
+    let count = run.count as usize;
+    let extent = run.run_extent() as usize;
+    let size = run
+        .src_dtype
+        .byte_size()
+        .expect("dequantized sources are byte-sized") as u64;
+    let src_stride = run.src_stride as usize;
+    let step = match count {
+        1 => 0,
+        _ => run.src_stride / size,
+    };
+    let stride_bytes = if count == 1 {
+        size as usize
+    } else {
+        src_stride
+    };
+    for r in 0..run.reps {
+        let off = r * run.rep_src_stride;
+        let flat0 = (run.src_off + off - begin) / size;
+        let rep = &src[off as usize..][..extent];
+        match run.dst_is_dense() {
+            true if step == 1 => with_dense_rep(run, r, |out| {
+                cast_scaled_dense((sd, dd), rep, out, map, flat0)
+            }),
+            true => with_dense_rep(run, r, |out| {
+                let mut sink = SliceSink {
+                    out,
+                    size: run.dst_elem_size(),
+                };
+                cast_scaled(
+                    (sd, dd),
+                    rep,
+                    stride_bytes,
+                    count,
+                    map,
+                    (flat0, step),
+                    &mut sink,
+                );
+            }),
+            false => {
+                let mut sink = StridedSink {
+                    addr: run.dst_addr + r as usize * run.rep_dst_stride,
+                    stride: run.dst_stride,
+                };
+                cast_scaled(
+                    (sd, dd),
+                    rep,
+                    stride_bytes,
+                    count,
+                    map,
+                    (flat0, step),
+                    &mut sink,
+                );
             }
         }
     }

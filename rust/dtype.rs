@@ -170,7 +170,8 @@ impl Dtype {
         (!self.is_sub_byte()).then(|| (self.bits() / 8) as usize)
     }
 
-    fn is_castable_float(self) -> bool {
+    /// Whether the engine casts this dtype to and from the other castable floats.
+    pub fn is_castable_float(self) -> bool {
         matches!(
             self,
             Dtype::F16
@@ -517,6 +518,166 @@ fn dense_with_dst<S: FloatCodec>(dd: Dtype, src: &[u8], dst: &mut [u8]) {
         Dtype::F8_E8M0 => float_kernel_dense::<S, CE8M0>(src, dst),
         _ => unreachable!("cast pairs are validated before any copy"),
     }
+}
+
+/// Where each element of a quantized tensor finds its scale: the tensor's storage shape, the block shape
+/// (ragged last blocks allowed) and the scale grid's row-major strides (`ceil(shape / block)`), over the
+/// scale values already decoded to `f32`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ScaleMap<'a> {
+    pub values: &'a [f32],
+    pub ndim: usize,
+    pub shape: [u64; crate::region::MAX_NDIM],
+    pub block: [u64; crate::region::MAX_NDIM],
+    pub grid_strides: [u64; crate::region::MAX_NDIM],
+}
+
+impl ScaleMap<'_> {
+    /// The scale of flat element `flat`, and the first flat index past `flat` whose scale may differ (the
+    /// end of its block along the last dim): every index in between shares the block.
+    #[inline]
+    pub(crate) fn at(&self, flat: u64) -> (f32, u64) {
+        let (mut rem, mut idx, mut last) = (flat, 0u64, 0u64);
+        for d in (0..self.ndim).rev() {
+            let c = rem % self.shape[d];
+            rem /= self.shape[d];
+            idx += c / self.block[d] * self.grid_strides[d];
+            if d + 1 == self.ndim {
+                last = c;
+            }
+        }
+        let until = match self.ndim {
+            0 => u64::MAX,
+            n => {
+                let b = self.block[n - 1];
+                flat + ((last / b + 1) * b).min(self.shape[n - 1]) - last
+            }
+        };
+        (self.values[idx as usize], until)
+    }
+}
+
+#[inline(always)]
+fn scaled_kernel<S: FloatCodec, D: FloatCodec, W: ElemSink>(
+    src: &[u8],
+    src_stride: usize,
+    count: usize,
+    map: &ScaleMap<'_>,
+    (flat0, step): (u64, u64),
+    sink: &mut W,
+) {
+    let mut buf = [0u8; 8];
+    let (mut scale, mut until, mut flat) = (0f32, 0u64, flat0);
+    for i in 0..count {
+        if flat >= until {
+            (scale, until) = map.at(flat);
+        }
+        let at = i * src_stride;
+        D::store_f32(S::to_f32(&src[at..at + S::SIZE]) * scale, &mut buf);
+        sink.put(i, &buf[..D::SIZE]);
+        flat += step;
+    }
+}
+
+fn scaled_with_dst<S: FloatCodec, W: ElemSink>(
+    dd: Dtype,
+    src: &[u8],
+    ss: usize,
+    n: usize,
+    map: &ScaleMap<'_>,
+    at: (u64, u64),
+    w: &mut W,
+) {
+    match dd {
+        Dtype::F16 => scaled_kernel::<S, CF16, W>(src, ss, n, map, at, w),
+        Dtype::BF16 => scaled_kernel::<S, CBF16, W>(src, ss, n, map, at, w),
+        Dtype::F32 => scaled_kernel::<S, CF32, W>(src, ss, n, map, at, w),
+        Dtype::F64 => scaled_kernel::<S, CF64, W>(src, ss, n, map, at, w),
+        _ => unreachable!("dequantized items are validated before any copy"),
+    }
+}
+
+/// Whether the engine dequantizes `sd` elements into `dd` (an 8-bit float into a wider float).
+pub(crate) fn can_dequantize(sd: Dtype, dd: Dtype) -> bool {
+    matches!(sd, Dtype::F8_E4M3 | Dtype::F8_E5M2)
+        && matches!(dd, Dtype::F16 | Dtype::BF16 | Dtype::F32 | Dtype::F64)
+}
+
+/// Like [`cast_strided`], each element multiplied (in `f32`) by its scale before the one rounding into
+/// `dd`: element `i` is flat element `flat0 + i * step` of the quantized tensor (`at = (flat0, step)`).
+pub(crate) fn cast_scaled<W: ElemSink>(
+    (sd, dd): (Dtype, Dtype),
+    src: &[u8],
+    src_stride: usize,
+    count: usize,
+    map: &ScaleMap<'_>,
+    at: (u64, u64),
+    sink: &mut W,
+) {
+    match sd {
+        Dtype::F8_E4M3 => scaled_with_dst::<CE4M3, W>(dd, src, src_stride, count, map, at, sink),
+        Dtype::F8_E5M2 => scaled_with_dst::<CE5M2, W>(dd, src, src_stride, count, map, at, sink),
+        _ => unreachable!("dequantized items are validated before any copy"),
+    }
+}
+
+/// The `f32` value of every code of an 8-bit float (exact), built once per dtype.
+fn fp8_table(sd: Dtype) -> &'static [f32; 256] {
+    static E4M3: std::sync::OnceLock<[f32; 256]> = std::sync::OnceLock::new();
+    static E5M2: std::sync::OnceLock<[f32; 256]> = std::sync::OnceLock::new();
+    let (cell, decode): (_, fn(u8) -> f32) = match sd {
+        Dtype::F8_E4M3 => (&E4M3, e4m3fn_to_f32),
+        Dtype::F8_E5M2 => (&E5M2, e5m2_to_f32),
+        _ => unreachable!("dequantized items are validated before any copy"),
+    };
+    cell.get_or_init(|| std::array::from_fn(|v| decode(v as u8)))
+}
+
+#[inline(always)]
+fn scaled_segment<D: FloatCodec>(table: &[f32; 256], scale: f32, src: &[u8], dst: &mut [u8]) {
+    for (s, d) in src.iter().zip(dst.chunks_exact_mut(D::SIZE)) {
+        D::store_f32(table[*s as usize] * scale, d);
+    }
+}
+
+/// The dense case of [`cast_scaled`] (adjacent source and destination elements, flat indices
+/// `flat0..flat0 + src.len()`): one scale lookup per block segment, a table decode and a multiply per element.
+pub(crate) fn cast_scaled_dense(
+    (sd, dd): (Dtype, Dtype),
+    src: &[u8],
+    dst: &mut [u8],
+    map: &ScaleMap<'_>,
+    flat0: u64,
+) {
+    let table = fp8_table(sd);
+    let (n, mut i, mut flat) = (src.len(), 0usize, flat0);
+    while i < n {
+        let (scale, until) = map.at(flat);
+        let seg = usize::try_from(until - flat).map_or(n - i, |s| s.min(n - i));
+        let (a, b) = (i, i + seg);
+        match dd {
+            Dtype::F16 => scaled_segment::<CF16>(table, scale, &src[a..b], &mut dst[a * 2..b * 2]),
+            Dtype::BF16 => {
+                scaled_segment::<CBF16>(table, scale, &src[a..b], &mut dst[a * 2..b * 2])
+            }
+            Dtype::F32 => scaled_segment::<CF32>(table, scale, &src[a..b], &mut dst[a * 4..b * 4]),
+            Dtype::F64 => scaled_segment::<CF64>(table, scale, &src[a..b], &mut dst[a * 8..b * 8]),
+            _ => unreachable!("dequantized items are validated before any copy"),
+        }
+        i = b;
+        flat += seg as u64;
+    }
+}
+
+/// Decodes scale elements stored as `dtype` (`U8` holds e8m0 exponents, as MXFP8 checkpoints ship them).
+pub(crate) fn decode_scales(dtype: Dtype, bytes: &[u8]) -> Option<Vec<f32>> {
+    Some(match dtype {
+        Dtype::F32 => bytes.chunks_exact(4).map(CF32::to_f32).collect(),
+        Dtype::BF16 => bytes.chunks_exact(2).map(CBF16::to_f32).collect(),
+        Dtype::F16 => bytes.chunks_exact(2).map(CF16::to_f32).collect(),
+        Dtype::F8_E8M0 | Dtype::U8 => bytes.iter().map(|&b| e8m0_to_f32(b)).collect(),
+        _ => return None,
+    })
 }
 
 /// Converts `count` elements of `sd` read from `src` (element `i` at byte `i * src_stride`) into `dd`,

@@ -49,6 +49,6 @@ pub mod region;
 pub use dest::DestBuf;
 pub use dtype::Dtype;
 pub use error::LoadError;
-pub use exec::{execute, Backend, ExecOptions, ExecStats};
+pub use exec::{execute, execute_scaled, Backend, ExecOptions, ExecStats, Scale};
 pub use header::{Header, TensorInfo};
 pub use region::{Item, MAX_NDIM};

@@ -17,13 +17,16 @@ use pyo3::types::{PyDict, PyString, PyTuple};
 
 use crate::dtype::{Dtype, ALL_DTYPES};
 use crate::error::LoadError;
-use crate::exec::{execute as execute_batch, Backend, ExecOptions};
+use crate::exec::{execute_scaled as execute_batch, Backend, ExecOptions, Scale};
 use crate::header::Header;
 use crate::region::{Item, MAX_NDIM};
 
 /// int64 fields per packed item: file, tensor, src_base, dest, dst_base, ndim, then lengths, source
-/// strides and destination strides, `MAX_NDIM` each.
-const ITEM_WIDTH: usize = 6 + 3 * MAX_NDIM;
+/// strides and destination strides, `MAX_NDIM` each, then the scale (0: none, `k`: scales entry `k - 1`).
+const ITEM_WIDTH: usize = 7 + 3 * MAX_NDIM;
+/// int64 fields per packed scale: file, tensor, ndim, then the quantized tensor's shape and the block
+/// shape, `MAX_NDIM` each.
+const SCALE_WIDTH: usize = 3 + 2 * MAX_NDIM;
 
 fn raise(py: Python<'_>, class: &str, message: String) -> PyErr {
     let made = py
@@ -237,7 +240,7 @@ fn plan_error(py: Python<'_>, message: String) -> PyErr {
 /// Reads a batch of strided boxes into caller memory, or (`direction="write"`) writes them from caller
 /// memory into the files; see `_core.pyi`.
 #[pyfunction]
-#[pyo3(signature = (headers, dests, items, threads=None, backend="auto", direction="read"))]
+#[pyo3(signature = (headers, dests, items, threads=None, backend="auto", scales=None, direction="read"))]
 #[allow(clippy::too_many_arguments)]
 fn execute<'py>(
     py: Python<'py>,
@@ -246,6 +249,7 @@ fn execute<'py>(
     items: &[u8],
     threads: Option<i64>,
     backend: &str,
+    scales: Option<&[u8]>,
     direction: &str,
 ) -> PyResult<Bound<'py, PyDict>> {
     let write = match direction {
@@ -319,7 +323,36 @@ fn execute<'py>(
                 .copy_from_slice(&v[6 + MAX_NDIM..6 + 2 * MAX_NDIM]);
             item.dst_strides
                 .copy_from_slice(&v[6 + 2 * MAX_NDIM..6 + 3 * MAX_NDIM]);
+            item.scale = v[6 + 3 * MAX_NDIM];
             item
+        })
+        .collect();
+    let scales = scales.unwrap_or_default();
+    if scales.len() % (SCALE_WIDTH * 8) != 0 {
+        return Err(plan_error(
+            py,
+            format!(
+                "scales has {} bytes, not a multiple of {} ({SCALE_WIDTH} int64 each)",
+                scales.len(),
+                SCALE_WIDTH * 8
+            ),
+        ));
+    }
+    let values: Vec<i64> = int64s(scales).collect();
+    let scales: Vec<Scale> = values
+        .chunks_exact(SCALE_WIDTH)
+        .map(|v| {
+            let mut scale = Scale {
+                file: v[0],
+                tensor: v[1],
+                ndim: v[2],
+                ..Scale::default()
+            };
+            scale.shape.copy_from_slice(&v[3..3 + MAX_NDIM]);
+            scale
+                .block
+                .copy_from_slice(&v[3 + MAX_NDIM..3 + 2 * MAX_NDIM]);
+            scale
         })
         .collect();
     let threads = match threads {
@@ -332,6 +365,12 @@ fn execute<'py>(
             ))
         }
     };
+    if write && (!scales.is_empty() || items.iter().any(|item| item.scale != 0)) {
+        return Err(plan_error(
+            py,
+            "the write direction stores bytes as they are: items that dequantize (a scale) only read".into(),
+        ));
+    }
     let backend: Backend = backend.parse().map_err(|e| to_py(py, e))?;
     let opts = ExecOptions {
         threads,
@@ -342,7 +381,7 @@ fn execute<'py>(
         .detach(move || {
             let dests = crate::dest::from_python(&triples);
             match write {
-                false => execute_batch(&files, &dests, &items, &opts),
+                false => execute_batch(&files, &dests, &items, &scales, &opts),
                 true => crate::exec::execute_write(&files, &dests, &items, &opts),
             }
         })
@@ -365,6 +404,13 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(execute, m)?)?;
     m.add("MAX_NDIM", MAX_NDIM)?;
     m.add("ITEM_WIDTH", ITEM_WIDTH)?;
+    m.add("SCALE_WIDTH", SCALE_WIDTH)?;
+    let floats: Vec<&str> = ALL_DTYPES
+        .iter()
+        .filter(|d| d.is_castable_float())
+        .map(|d| d.name())
+        .collect();
+    m.add("CAST_FLOATS", PyTuple::new(m.py(), floats)?)?;
     let codes = PyDict::new(m.py());
     for d in ALL_DTYPES {
         codes.set_item(d.name(), d.code())?;

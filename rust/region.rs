@@ -53,6 +53,9 @@ pub struct Item {
     pub src_strides: [i64; MAX_NDIM],
     /// Destination stride per dimension.
     pub dst_strides: [i64; MAX_NDIM],
+    /// 0: a plain copy (cast fused). `k > 0`: dequantize with scale `k - 1` of the batch
+    /// ([`crate::exec::Scale`]): each element becomes `f32(q) * f32(scale[block])`, rounded once.
+    pub scale: i64,
 }
 
 /// A 1-d strided copy, repeated: for `r` in `0..reps`, `count` elements from the file at

@@ -120,7 +120,7 @@ def test_gpu_check_cpu_path(tmp_path: Path) -> None:
             "--data",
             str(tmp_path / "ckpt"),
             "--loaders",
-            "hp_fastload,hp_fastload_r8,st_mmap_copy",
+            "hp_fastload,hp_fastload_r8,hp_fastload_fp8,st_mmap_copy",
         ],
         timeout=480,
     )
@@ -129,7 +129,7 @@ def test_gpu_check_cpu_path(tmp_path: Path) -> None:
     assert doc["ceilings"]["pageable_gbps"] > 0
     assert doc["storage"]["cold_seq"]["resident_pages_before"] == 0
     got = {(r["loader"], r["regime"]): r for r in doc["results"]}
-    for loader in ("hp_fastload", "hp_fastload_r8", "st_mmap_copy"):
+    for loader in ("hp_fastload", "hp_fastload_r8", "hp_fastload_fp8", "st_mmap_copy"):
         for regime in ("cold", "warm"):
             r = got[(loader, regime)]
             assert "error" not in r, r
@@ -189,6 +189,21 @@ def test_cold_rounds_merge_into_one_result_per_configuration() -> None:
     assert a["verify"]["mismatched"] == 1 and a["peak_rss_bytes"] == 20 and a["process_seconds"] == 3.0
     assert a["anon_added_bytes"] == 2 and "round" not in a
     assert b["error"] == "boom"
+
+
+def test_quant_bench_quick(tmp_path: Path) -> None:
+    """benches/quant_bench.py --quick: every loader ran, timed, and its sample equals the formula."""
+    out = tmp_path / "out"
+    _run([str(BENCHES / "quant_bench.py"), "--quick", "--out", str(out), "--data", str(tmp_path / "data")], 480)
+    doc = json.loads((out / "quant_bench.json").read_text())
+    got = {(r["loader"], r["checkpoint"], r["world"]): r for r in doc["results"]}
+    assert len(got) == 11
+    for (loader, _, world), r in got.items():
+        assert "error" not in r, (loader, world, r.get("error"))
+        assert r["seconds"] > 0 and r["output_bytes"] > 0
+        if loader != "hp_load_bf16":
+            assert r["verify"]["checked"] >= 3 and r["verify"]["mismatched"] == 0, (loader, world, r["verify"])
+    assert "hp_load vs torch's quantized reader" in (out / "quant_bench.md").read_text()
 
 
 def test_save_bench_quick(tmp_path: Path) -> None:

@@ -419,7 +419,9 @@ def test_open_file_cache_reuses_and_invalidates(tmp_path):
 
 def test_core_constants():
     assert _core.MAX_NDIM == 8
-    assert _core.ITEM_WIDTH == 6 + 3 * 8
+    assert _core.ITEM_WIDTH == 7 + 3 * 8 == engine.COL_SCALE + 1
+    assert _core.SCALE_WIDTH == 3 + 2 * 8
+    assert set(_core.CAST_FLOATS) == {"F16", "BF16", "F32", "F64", "F8_E4M3", "F8_E5M2", "F8_E8M0"}
     assert set(engine.SAFETENSORS_TO_TORCH) <= set(_core.DTYPE_CODES)
     assert len(set(_core.DTYPE_CODES.values())) == len(_core.DTYPE_CODES)
 

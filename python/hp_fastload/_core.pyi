@@ -5,6 +5,8 @@ from typing import Final
 
 MAX_NDIM: Final[int]
 ITEM_WIDTH: Final[int]
+SCALE_WIDTH: Final[int]
+CAST_FLOATS: Final[tuple[str, ...]]
 DTYPE_CODES: Final[dict[str, int]]
 DEFAULT_THREADS: Final[int]
 
@@ -56,6 +58,7 @@ def execute(
     items: bytes,
     threads: int | None = None,
     backend: str = "auto",
+    scales: bytes | None = None,
     direction: str = "read",
 ) -> dict[str, int | str]:
     """Read a batch of strided boxes into caller memory, with the GIL released.
@@ -63,7 +66,11 @@ def execute(
     ``dests``: little-endian int64 triples (address, nbytes, dtype code); the memory must stay valid and
     untouched until the call returns. ``items``: int64 records of ``ITEM_WIDTH`` fields
     [file, tensor, src_base, dest, dst_base, ndim, lengths x MAX_NDIM, src_strides x MAX_NDIM,
-    dst_strides x MAX_NDIM], in elements. ``backend``: "auto", "mmap" or "pread". Returns the stats
+    dst_strides x MAX_NDIM, scale], in elements. ``scale`` 0 copies (cast fused); ``k`` dequantizes with
+    entry ``k - 1`` of ``scales``: int64 records of ``SCALE_WIDTH`` fields [file, tensor, ndim, shape x
+    MAX_NDIM, block x MAX_NDIM] naming the scale tensor and the quantized tensor's shape and block shape; each
+    element becomes ``f32(q) * f32(scale[block])``, rounded once (fp8 sources into F16/BF16/F32/F64; scales
+    F32/BF16/F16/F8_E8M0, or U8 holding e8m0 exponents). ``backend``: "auto", "mmap" or "pread". Returns the stats
     bytes_copied, bytes_read_from_files, runs, spans, backend, threads.
 
     ``direction="write"``: the same items the other way: each box is copied from its buffer into its

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -30,9 +30,10 @@ from torch.futures import Future
 from .engine import SafetensorsFile, open_file
 from .errors import HeaderError, shown_key
 from .execute import ExecStats, _Batch, _engine_casts
-from .quant import QuantInfo, detect, read_quant_config
+from .quant import E2M1_VALUES, Dequant, QuantInfo, detect, read_quant_config
+from .region import row_major_strides
 
-__all__ = ["HuggingFaceStorageReader"]
+__all__ = ["HuggingFaceStorageReader", "QuantizedHuggingFaceStorageReader"]
 
 _SHARDING_KEY = "DCP_SHARDING_INFO"
 
@@ -135,35 +136,22 @@ class HuggingFaceStorageReader(FileSystemReader):
             raise HeaderError("checkpoint metadata has no storage data")
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        batch = _Batch(None)
+        batch = self._batch()
         commits: list[tuple[Any, torch.Tensor]] = []
         quant = self._quant if self._quant is not None else self._detect_quant()
         if quant:  # every request is checked before the engine reads anything
             for req in plan.items:
                 key = req.storage_index.fqn
+                if self._dequantizes(key):
+                    continue
                 file = self._file(self.storage_data[req.storage_index])
                 quant.check_claim(key, planner.resolve_tensor(req).dtype, [key], lambda k, f=file: f.torch_dtype(k))
         for req in plan.items:
-            path = self.storage_data[req.storage_index]
-            file = self._file(path)
-            key = req.storage_index.fqn
-            shape = tuple(file.shape(key))
-            strides = [1] * len(shape)
-            for d in range(len(shape) - 2, -1, -1):
-                strides[d] = strides[d + 1] * shape[d + 1]
-            base = sum(o * s for o, s in zip(req.storage_offsets, strides, strict=True))
             target = planner.resolve_tensor(req).detach()
             lengths = tuple(req.lengths)
             if tuple(target.shape) != lengths:
                 raise AssertionError(f"req {req.storage_index} mismatch sizes {tuple(target.shape)} vs {lengths}")
-            src_dtype = file.torch_dtype(key)
-            if target.device.type == "cpu" and _engine_casts(src_dtype, target.dtype):
-                batch.add_from(file, key, base, strides, lengths, target, (0,) * len(lengths))
-            else:
-                temp = torch.empty(lengths, dtype=src_dtype)
-                batch.add_from(file, key, base, strides, lengths, temp, (0,) * len(lengths))
-                batch.keep.append(temp)
-                batch.after.append(_copier(target, temp))
+            self._add_request(batch, req, target)
             commits.append((req, target))
         stats = ExecStats()
         batch.run(self.thread_count, self.backend, stats)
@@ -173,6 +161,31 @@ class HuggingFaceStorageReader(FileSystemReader):
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
+
+    def _batch(self) -> _Batch:
+        return _Batch(None)
+
+    def _dequantizes(self, key: str) -> bool:
+        """Whether this reader dequantizes ``key`` itself (the quantized reader does)."""
+        return False
+
+    def _add_request(self, batch: _Batch, req: Any, target: torch.Tensor) -> None:
+        """One read item of the plan: the box of the stored tensor into ``target`` (through a temporary when
+        the engine cannot write it: another device or a cast it does not do)."""
+        path = self.storage_data[req.storage_index]
+        file = self._file(path)
+        key = req.storage_index.fqn
+        strides = row_major_strides(tuple(file.shape(key)))
+        base = sum(o * s for o, s in zip(req.storage_offsets, strides, strict=True))
+        lengths = tuple(req.lengths)
+        src_dtype = file.torch_dtype(key)
+        if target.device.type == "cpu" and _engine_casts(src_dtype, target.dtype):
+            batch.add_from(file, key, base, strides, lengths, target, (0,) * len(lengths))
+        else:
+            temp = torch.empty(lengths, dtype=src_dtype)
+            batch.add_from(file, key, base, strides, lengths, temp, (0,) * len(lengths))
+            batch.keep.append(temp)
+            batch.after.append(_copier(target, temp))
 
     def _detect_quant(self) -> QuantInfo:
         """The quantized tensors of the checkpoint, for a reader whose metadata came from elsewhere."""
@@ -187,3 +200,148 @@ class HuggingFaceStorageReader(FileSystemReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return Path(checkpoint_id).is_dir()
+
+
+class _Located:
+    """The ``locate`` a batch needs for the scales of a quantized reader (key -> file, position, dtype)."""
+
+    def __init__(self, reader: QuantizedHuggingFaceStorageReader) -> None:
+        self.reader = reader
+
+    def locate(self, key: str) -> tuple[SafetensorsFile, int, torch.dtype]:
+        file = self.reader._file(self.reader._paths[key])
+        return file, file.tensor_index(key), file.torch_dtype(key)
+
+
+class QuantizedHuggingFaceStorageReader(HuggingFaceStorageReader):
+    """A drop-in for torch's ``QuantizedHuggingFaceStorageReader`` (same arguments, same values).
+
+    fp8 ``X.weight`` with ``X.weight_scale_inv`` (fixed ``block_size`` blocks, ragged last ones) is dequantized
+    by the engine in the copy pass: each rank reads only the weight bytes of its boxes (and the scale
+    tensors), computes ``f32(q) * scale`` and rounds into ``target_dtype`` (then, like torch, copies into the
+    state dict's tensor). MXFP4 ``X_blocks`` + ``X_scales`` are served as ``X_blocks`` of the dequantized
+    shape ``[..., G * 32]`` (torch's layout, not transposed): the box's groups are read by the engine and
+    decoded with torch's own ops.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        thread_count: int | None = None,
+        target_dtype: torch.dtype = torch.float32,
+        block_size: int = 128,
+        backend: str = "auto",
+    ) -> None:
+        super().__init__(path, thread_count=thread_count, backend=backend)
+        self.target_dtype = target_dtype
+        self.block_size = block_size
+        self._scales: dict[str, str] = {}  # quantized key -> its scale key
+        self._paths: dict[str, str] = {}  # key -> file path
+        self._packed_shapes: dict[str, tuple[int, ...]] = {}  # MXFP4 blocks key -> its stored shape
+
+    def _index_files(self) -> None:
+        if self._paths:
+            return
+        for path in sorted(str(p) for p in Path(str(self.path)).glob("*.safetensors")):
+            for key in self._file(path):
+                self._paths.setdefault(key, path)
+        for key in self._paths:
+            if key.endswith(".weight_scale_inv") and key.replace(".weight_scale_inv", ".weight") in self._paths:
+                self._scales[key.replace(".weight_scale_inv", ".weight")] = key
+            elif key.endswith("_scales") and key.replace("_scales", "_blocks") in self._paths:
+                blocks = key.replace("_scales", "_blocks")
+                self._scales[blocks] = key
+                self._packed_shapes[blocks] = tuple(self._file(self._paths[blocks]).shape(blocks))
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        metadata = super().read_metadata(*args, **kwargs)
+        self._index_files()
+        for key, shape in self._packed_shapes.items():
+            md = metadata.state_dict_metadata.get(key)
+            if isinstance(md, TensorStorageMetadata):
+                size = torch.Size([*shape[:-2], shape[-2] * shape[-1] * 2])
+                md.size = size
+                # the chunk too (torch's reader keeps the packed 4-d chunk, and its planner then asks for
+                # one value of every 32)
+                md.chunks = [ChunkStorageMetadata(offsets=torch.Size([0] * len(size)), sizes=size)]
+        return metadata
+
+    def _dequantizes(self, key: str) -> bool:
+        self._index_files()
+        return key in self._scales
+
+    def _batch(self) -> _Batch:
+        self._index_files()
+        dequant = {}
+        for key, scale in self._scales.items():
+            if key in self._packed_shapes:
+                continue
+            shape = tuple(self._file(self._paths[key]).shape(key))
+            block = (self.block_size,) * min(2, len(shape))
+            dequant[key] = Dequant(scale, shape, (1,) * (len(shape) - len(block)) + block)
+        return _Batch(cast(Any, _Located(self)), dequant)
+
+    def _add_request(self, batch: _Batch, req: Any, target: torch.Tensor) -> None:
+        key = req.storage_index.fqn
+        if key not in self._scales:
+            super()._add_request(batch, req, target)
+            return
+        if key in self._packed_shapes:
+            self._add_mxfp4(batch, req, target)
+            return
+        file = self._file(self._paths[key])
+        strides = row_major_strides(tuple(file.shape(key)))
+        base = sum(o * s for o, s in zip(req.storage_offsets, strides, strict=True))
+        lengths = tuple(req.lengths)
+        direct = target.device.type == "cpu" and target.dtype == self.target_dtype
+        dest = target if direct else torch.empty(lengths, dtype=self.target_dtype)
+        batch.add_from(file, key, base, strides, lengths, dest, (0,) * len(lengths))
+        if not direct:
+            batch.keep.append(dest)
+            batch.after.append(_copier(target, dest))
+
+    def _add_mxfp4(self, batch: _Batch, req: Any, target: torch.Tensor) -> None:
+        key = req.storage_index.fqn
+        scale_key = self._scales[key]
+        shape = self._packed_shapes[key]
+        *prefix, _groups, width = shape
+        if len(req.lengths) != len(prefix) + 1:
+            raise HeaderError(f"{key}: a request of {len(req.lengths)} dims on MXFP4 blocks {shape}")
+        per_group = width * 2
+        g0 = req.storage_offsets[-1] // per_group
+        g1 = -(-(req.storage_offsets[-1] + req.lengths[-1]) // per_group)
+        lead = list(zip(req.storage_offsets[:-1], req.lengths[:-1], strict=True))
+        file = self._file(self._paths[key])
+        blocks = torch.empty([n for _, n in lead] + [g1 - g0, width], dtype=torch.uint8)
+        bstrides = row_major_strides(shape)
+        bbase = sum(o * s for (o, _), s in zip(lead, bstrides, strict=False)) + g0 * bstrides[-2]
+        batch.add_from(file, key, bbase, bstrides, tuple(blocks.shape), blocks, (0,) * blocks.dim())
+        sfile = self._file(self._paths[scale_key])
+        sshape = tuple(sfile.shape(scale_key))
+        scales = torch.empty([n for _, n in lead] + [g1 - g0], dtype=sfile.torch_dtype(scale_key))
+        sstrides = row_major_strides(sshape)
+        sbase = sum(o * s for (o, _), s in zip(lead, sstrides, strict=False)) + g0 * sstrides[-1]
+        batch.add_from(sfile, scale_key, sbase, sstrides, tuple(scales.shape), scales, (0,) * scales.dim())
+        batch.keep += [blocks, scales]
+        skip = req.storage_offsets[-1] - g0 * per_group
+        length = req.lengths[-1]
+        dtype = self.target_dtype
+
+        def finish() -> None:
+            target.copy_(_mxfp4_like_torch(blocks, scales, dtype)[..., skip : skip + length])
+
+        batch.after.append(finish)
+
+
+def _mxfp4_like_torch(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Decodes MXFP4 boxes with the ops torch's reader uses (LUT and ``ldexp`` in ``dtype``), so the values
+    are torch's bit for bit: ``[..., G, 16]`` blocks and ``[..., G]`` exponents -> ``[..., G * 32]``."""
+    lut = torch.tensor(E2M1_VALUES, dtype=dtype)
+    *prefix, groups, width = blocks.shape
+    rows = blocks.reshape(-1, width)
+    exps = scales.view(torch.uint8).to(torch.int32).reshape(-1, 1) - 127
+    out = torch.empty(rows.shape[0], width * 2, dtype=dtype)
+    out[:, 0::2] = lut[(rows & 0x0F).long()]
+    out[:, 1::2] = lut[(rows >> 4).long()]
+    torch.ldexp(out, exps, out=out)
+    return out.reshape(*prefix, groups * width * 2)

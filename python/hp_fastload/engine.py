@@ -16,6 +16,7 @@ Item array layout (``int64``, shape ``[n, ITEM_WIDTH]``; all numbers in elements
     COL_LENGTHS .. +MAX_NDIM       box extent per dim
     COL_SRC_STRIDES .. +MAX_NDIM   source stride per dim
     COL_DST_STRIDES .. +MAX_NDIM   destination stride per dim (unused slots 0)
+    COL_SCALE      0: a plain copy; k: dequantize with entry k-1 of the call's scales (``quant.pack_scale``)
 
 Sub-byte dtypes (``F4``, ``F6_E2M3``, ``F6_E3M2``) have no torch dtype here: they are read only into a
 contiguous ``torch.uint8`` tensor holding exactly the box's bytes, and only boxes whose rows start and end on
@@ -48,6 +49,7 @@ __all__ = [
     "COL_FILE",
     "COL_LENGTHS",
     "COL_NDIM",
+    "COL_SCALE",
     "COL_SRC_BASE",
     "COL_SRC_STRIDES",
     "COL_TENSOR",
@@ -77,6 +79,8 @@ COL_NDIM = 5
 COL_LENGTHS = 6
 COL_SRC_STRIDES = COL_LENGTHS + MAX_NDIM
 COL_DST_STRIDES = COL_SRC_STRIDES + MAX_NDIM
+COL_SCALE = COL_DST_STRIDES + MAX_NDIM
+assert COL_SCALE + 1 == ITEM_WIDTH, "the item layout differs from the engine's (rust/python.rs ITEM_WIDTH)"
 
 #: safetensors dtype name -> the engine's integer code.
 DTYPE_CODES: dict[str, int] = dict(_core.DTYPE_CODES)

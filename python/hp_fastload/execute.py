@@ -9,7 +9,7 @@ the legacy loader, cut with ``distribute_tensor``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Any
@@ -25,30 +25,27 @@ from .engine import (
     COL_FILE,
     COL_LENGTHS,
     COL_NDIM,
+    COL_SCALE,
     COL_SRC_BASE,
     COL_SRC_STRIDES,
     COL_TENSOR,
     ITEM_WIDTH,
+    SAFETENSORS_TO_TORCH,
     SafetensorsFile,
     safetensors_dtype_name,
 )
 from .errors import PlanError
 from .index import CheckpointIndex
 from .plan import DeferredGroup, LoadPlan, ReadItem, TemplateReads
+from .quant import Dequant
 from .region import apply_post
 from .targets import Target
 
 __all__ = ["ExecStats", "execute_plan", "read_whole"]
 
 MAX_NDIM: int = _core.MAX_NDIM
-_ENGINE_FLOATS = {
-    torch.float16,
-    torch.bfloat16,
-    torch.float32,
-    torch.float64,
-    torch.float8_e4m3fn,
-    torch.float8_e5m2,
-}
+#: The float dtypes the engine casts between while copying (its own table, ``_core.CAST_FLOATS``).
+_ENGINE_FLOATS = frozenset(SAFETENSORS_TO_TORCH[n] for n in _core.CAST_FLOATS if n in SAFETENSORS_TO_TORCH)
 DEFAULT_BATCH_BYTES = 1 << 30
 DEFAULT_STAGING_BYTES = 512 << 20
 
@@ -68,8 +65,11 @@ class ExecStats:
 class _Batch:
     """Items of one engine call: headers, destination buffers and the packed item array."""
 
-    def __init__(self, index: CheckpointIndex | None) -> None:
+    def __init__(self, index: CheckpointIndex | None, dequant: Mapping[str, Dequant] | None = None) -> None:
         self.index = index
+        self.dequant = dequant or {}  # key -> its scale: items of these keys are dequantized by the engine
+        self.scales: list[int] = []  # packed scale records (quant.Dequant -> the engine's SCALE_WIDTH fields)
+        self._scale_pos: dict[str, int] = {}
         self.headers: list[Any] = []
         self._header_pos: dict[int, int] = {}
         self.dests: list[int] = []
@@ -86,6 +86,24 @@ class _Batch:
         if pos is None:
             pos = self._header_pos[id(header)] = len(self.headers)
             self.headers.append(header)
+        return pos
+
+    def _scale(self, key: str) -> int:
+        """The ``COL_SCALE`` value of items of ``key``: 0 for a plain read, else its scale record + 1."""
+        spec = self.dequant.get(key)
+        if spec is None:
+            return 0
+        pos = self._scale_pos.get(key)
+        if pos is None:
+            assert self.index is not None
+            file, tensor, _ = self.index.locate(spec.scale)
+            ndim = len(spec.shape)
+            if ndim > MAX_NDIM:
+                raise PlanError(f"{key}: a quantized tensor of {ndim} dims exceeds the engine's {MAX_NDIM}")
+            record = [self._file(file), tensor, ndim]
+            record += list(spec.shape) + [1] * (MAX_NDIM - ndim) + list(spec.block) + [1] * (MAX_NDIM - ndim)
+            self.scales.extend(record)
+            pos = self._scale_pos[key] = len(self._scale_pos) + 1
         return pos
 
     def _dest(self, tensor: torch.Tensor) -> int:
@@ -202,6 +220,9 @@ class _Batch:
         records[:, COL_LENGTHS : COL_LENGTHS + ndim] = lengths
         records[:, COL_SRC_STRIDES : COL_SRC_STRIDES + ndim] = storage_strides
         records[:, COL_DST_STRIDES : COL_DST_STRIDES + ndim] = dest_strides
+        if self.dequant:
+            keys = items.keys if isinstance(items, TemplateReads) else [item.source for item in items]
+            records[:, COL_SCALE] = [self._scale(key) for key in keys]
         numel = lengths.prod(axis=1)
         kinds = set(dtypes)
         if len(kinds) == 1:
@@ -219,6 +240,7 @@ class _Batch:
                 b"".join(records.tobytes() for records in self.items),
                 threads=threads,
                 backend=backend or "auto",
+                scales=np.array(self.scales, dtype=np.int64).tobytes() if self.scales else None,
             )
             stats.engine_calls += 1
             stats.items += self.count
@@ -381,7 +403,8 @@ def _add_target_items(
             direct.append(item)
             direct_located.append(where)
             continue
-        temp = torch.empty(item.lengths, dtype=src_dtype)
+        # a dequantized source is read as float32 (the engine applies its scale), then post-ops, then cast
+        temp = torch.empty(item.lengths, dtype=torch.float32 if item.source in batch.dequant else src_dtype)
         batch.add(item.source, item.storage_base, item.storage_strides, item.lengths, temp, (0,) * len(item.lengths))
         batch.keep.append(temp)
         view = _box_view(dest, item.dest_offsets, item.lengths)
@@ -396,16 +419,22 @@ def _add_target_items(
 
 
 def read_whole(
-    index: CheckpointIndex, keys: Sequence[str], threads: int | None, backend: str | None, stats: ExecStats
+    index: CheckpointIndex,
+    keys: Sequence[str],
+    threads: int | None,
+    backend: str | None,
+    stats: ExecStats,
+    dequant: Mapping[str, Dequant] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Whole checkpoint tensors as fresh CPU tensors, in one engine call."""
-    batch = _Batch(index)
+    """Whole checkpoint tensors as fresh CPU tensors, in one engine call; the ``dequant`` keys dequantized
+    into float32 (the converter's layout ops then run on exact values, rounded once into the target)."""
+    batch = _Batch(index, dequant)
     out: dict[str, torch.Tensor] = {}
     for key in keys:
         if key in out:
             continue
         entry = index.entry(key)
-        tensor = torch.empty(entry.shape, dtype=entry.dtype)
+        tensor = torch.empty(entry.shape, dtype=torch.float32 if key in batch.dequant else entry.dtype)
         out[key] = tensor
         strides = tuple(tensor.stride())
         batch.add(key, 0, strides, entry.shape, tensor, (0,) * len(entry.shape))
@@ -438,8 +467,9 @@ def _run_deferred(
     threads: int | None,
     backend: str | None,
     stats: ExecStats,
+    dequant: Mapping[str, Dequant] | None = None,
 ) -> None:
-    sources = read_whole(index, deferred.keys, threads, backend, stats)
+    sources = read_whole(index, deferred.keys, threads, backend, stats, dequant)
     outputs = deferred.compute(sources)
     for name, target in deferred.claims.items():
         with torch.no_grad():
@@ -468,7 +498,7 @@ def execute_plan(
     index = plan.index
     staged = stage_all or any(t.local().device.type == "cuda" for t, _ in plan.region_reads.values())
     stager = _Stager(staging_bytes) if staged else None
-    batch = _Batch(index)
+    batch = _Batch(index, plan.dequant)
 
     def flush() -> None:
         nonlocal batch
@@ -478,7 +508,7 @@ def execute_plan(
             stager.flip()
         if progress and done:
             progress(done)
-        batch = _Batch(index)
+        batch = _Batch(index, plan.dequant)
 
     with torch.no_grad():
         for name, (target, items) in plan.region_reads.items():
@@ -501,7 +531,7 @@ def execute_plan(
             stats.extra["staging_bytes"] = stager.allocated
         for deferred in plan.deferred:
             before = stats.bytes_read
-            _run_deferred(deferred, index, legacy, threads, backend, stats)
+            _run_deferred(deferred, index, legacy, threads, backend, stats, plan.dequant)
             if progress:
                 progress(stats.bytes_read - before)
     if stager is not None:

@@ -26,7 +26,7 @@ from .engine import SafetensorsFile, gc_paused
 from .errors import MissingKeysError, PlanError, TargetError, shown_key
 from .groups import LoadGroup, build_groups, masked_name, rename_key
 from .index import CheckpointIndex
-from .quant import QuantInfo, detect_in_index
+from .quant import Dequant, QuantInfo, detect_in_index
 from .region import Block, RegionTensor, UnsupportedRegionOp, row_major_strides
 from .rules import is_converter, is_renaming, natural_sort_key
 from .targets import Target
@@ -219,6 +219,7 @@ class LoadPlan:
     model: Any = None
     used_base_rules: list[Any] = field(default_factory=list)
     used_replacement_rules: list[Any] = field(default_factory=list)
+    dequant: dict[str, Dequant] = field(default_factory=dict)  # quantized keys read dequantized (quant.py)
 
     def read_bytes_by_file(self) -> dict[str, int]:
         """Bytes of source data this rank's region reads need, per checkpoint file."""
@@ -967,9 +968,22 @@ def _plan_load(
         tracer = _Tracer(index, model, lambda n: targets[n].global_shape if n in targets else None, trace)
         for group in groups:
             claims.direct(group, tracer.run(group), model)
+    if quant:  # formats dequantized with torch on whole tensors (MXFP4): deferred groups of their own
+        unloaded = set(targets) - claims.loaded
+        fallbacks = quant.fallbacks(
+            unloaded, claims.unexpected, lambda n: targets[n].dtype, lambda k: index.entry(k).shape
+        )
+        for name, keys, compute, shape in fallbacks:
+            pending = DeferredGroup(name, keys, compute, reason="MXFP4 dequantized with torch (whole tensors)")
+            target = claims.claim(name, shape)
+            if target is not None:
+                pending.claims[name] = target
+            claims.add_deferred(pending)
     missing = sorted(set(targets) - claims.loaded, key=natural_sort_key)
     if quant:
         quant.check_missing(missing, claims.unexpected)
+        consumed = quant.consumed()  # the scales of dequantized tensors are read with them
+        claims.unexpected = [k for k in claims.unexpected if k not in consumed]
     if strict and missing:
         raise _missing_keys_error(missing, index.natural_sorted(claims.unexpected))
     report = LoadReport(
@@ -992,6 +1006,7 @@ def _plan_load(
         model,
         used_base_rules=used,
         used_replacement_rules=used_replacements,
+        dequant=dict(quant.dequantized),
     )
     log.debug(
         "planned %d model tensors as region reads and %d through %d deferred conversions",

@@ -13,34 +13,67 @@ checkpoint's dtype, its scales as parameters or buffers) loads them raw. Plannin
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 import re
-from collections.abc import Callable, Collection, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from .errors import PlanError
 
-__all__ = ["QuantInfo", "QuantTensor", "QuantizationError", "detect", "read_quant_config"]
+__all__ = ["Dequant", "QuantInfo", "QuantTensor", "QuantizationError", "detect", "detect_in_index", "read_quant_config"]
 
-#: What a float target can receive from a quantized checkpoint today.
+#: What a float target can receive from a quantized checkpoint.
 SUPPORTED = (
-    "a model that keeps the quantized tensors (parameters of the checkpoint's dtype, with their scales as "
-    "parameters or buffers) loads them raw; dequantizing into a float model is not supported for this format"
+    "dequantized into float16/bfloat16/float32/float64 targets: fp8 (e4m3, e5m2) weights with per-block "
+    "weight_scale_inv (block from quantization_config.weight_block_size, default 128x128; ragged last blocks), "
+    "per-tensor or per-channel weight_scale; scales fp32, bf16, fp16 or e8m0. A model that keeps the quantized "
+    "tensors (parameters of the checkpoint's dtype, its scales as parameters or buffers) loads them raw"
 )
 
-_FLOATS = frozenset(
-    d
-    for d in (
-        torch.float16,
-        torch.bfloat16,
-        torch.float32,
-        torch.float64,
-    )
-)
+_FLOATS = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
+_FP8 = frozenset((torch.float8_e4m3fn, torch.float8_e5m2))
+_SCALE_DTYPES = frozenset((torch.float32, torch.bfloat16, torch.float16, torch.uint8, torch.float8_e8m0fnu))
+DEFAULT_BLOCK = (128, 128)
+MXFP4_FORMAT = "MXFP4 (e2m1 blocks, e8m0 scales)"
+#: the e2m1 value of each 4-bit code (OCP MX spec)
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def _mxfp4_group(name: str, blocks: str, scales: str, sources: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: mxfp4_dequantize(sources[blocks], sources[scales])}
+
+
+def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """MXFP4 ``*_blocks`` ``[..., Y, G, 16]`` (two e2m1 codes a byte, low nibble first) and e8m0 ``*_scales``
+    ``[..., Y, G]`` -> float32 ``[..., G * 32, Y]``: each value ``e2m1 * 2^(e - 127)`` (exact in float32),
+    laid out as transformers' ``convert_moe_packed_tensors`` does (groups joined along the last dim, then
+    dims 1 and 2 swapped)."""
+    if blocks.dtype != torch.uint8 or scales.dtype not in (torch.uint8, torch.float8_e8m0fnu):
+        raise QuantizationError(f"MXFP4 needs uint8 blocks and e8m0 scales, got {blocks.dtype} and {scales.dtype}")
+    if tuple(blocks.shape[:-1]) != tuple(scales.shape) or blocks.dim() < 3:
+        raise QuantizationError(f"MXFP4 blocks {tuple(blocks.shape)} do not fit scales {tuple(scales.shape)}")
+    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+    values = torch.stack([lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]], dim=-1)
+    values = values.reshape(*blocks.shape[:-1], blocks.shape[-1] * 2)
+    exponents = scales.view(torch.uint8).to(torch.int32) - 127
+    values = torch.ldexp(values, exponents.unsqueeze(-1))
+    *prefix, groups, width = values.shape
+    return values.reshape(*prefix, groups * width).transpose(1, 2).contiguous()
+
+
+class Dequant(NamedTuple):
+    """How the engine dequantizes one checkpoint tensor: the scale tensor, the quantized tensor's storage
+    shape and the block of elements each scale covers (the grid is ``ceil(shape / block)``)."""
+
+    scale: str
+    shape: tuple[int, ...]
+    block: tuple[int, ...]
 
 
 class QuantizationError(PlanError):
@@ -58,6 +91,8 @@ class QuantTensor:
     fmt: str
     companions: tuple[str, ...]
     dequantized: str
+    dequant: Dequant | None = None  # None: not dequantized by hp_fastload
+    why: str = ""  # why not, when dequant is None
 
 
 @dataclass
@@ -72,18 +107,66 @@ class QuantInfo:
     def __bool__(self) -> bool:
         return bool(self.tensors)
 
+    dequantized: dict[str, Dequant] = field(default_factory=dict)  # keys planned as dequantizing reads
+    fallback_keys: set[str] = field(default_factory=set)  # sources of the torch-dequantized groups
+
     def refuse(self, q: QuantTensor, why: str) -> QuantizationError:
+        detail = f" ({q.why})" if q.why else ""
         return QuantizationError(
             f"{q.key} is quantized ({q.method}, {q.fmt}; companions: {', '.join(q.companions) or 'none'}) "
-            f"and {why}; it is never cast raw into a float tensor. Supported: {SUPPORTED}"
+            f"and {why}{detail}; it is never cast raw into a float tensor. Supported: {SUPPORTED}"
         )
 
     def check_claim(self, target_name: str, target_dtype: torch.dtype, sources: Iterable[str], dtype_of: Any) -> None:
-        """Raise when a quantized source would be converted into ``target_name`` of another dtype."""
+        """A quantized source converted into ``target_name``: the same dtype loads raw, a float target of a
+        supported format is dequantized (recorded in ``dequantized``), anything else raises."""
         for key in sources:
             q = self.tensors.get(key)
-            if q is not None and dtype_of(key) != target_dtype:
-                raise self.refuse(q, f"would be converted into {target_name} ({target_dtype})")
+            if q is None or dtype_of(key) == target_dtype:
+                continue
+            if q.dequant is not None and target_dtype in _FLOATS:
+                self.dequantized[key] = q.dequant
+                continue
+            raise self.refuse(q, f"would be converted into {target_name} ({target_dtype})")
+
+    def consumed(self) -> set[str]:
+        """The companions of the dequantized tensors (read with them, so not unexpected)."""
+        return {c for k in self.dequantized for c in self.tensors[k].companions} | self.fallback_keys
+
+    def _missing_target(self, q: QuantTensor, missing: Collection[str]) -> str | None:
+        for name in missing:
+            if name == q.dequantized or name.endswith("." + q.dequantized) or q.dequantized.endswith("." + name):
+                return name
+        return None
+
+    def fallbacks(
+        self,
+        missing: Collection[str],
+        unclaimed: Collection[str],
+        dtype_of_target: Callable[[str], torch.dtype],
+        shape_of: Callable[[str], Sequence[int]],
+    ) -> list[tuple[str, list[str], Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]], tuple[int, ...]]]:
+        """Formats dequantized with torch on whole tensors (MXFP4 ``*_blocks`` + ``*_scales`` into a float
+        model tensor of the dequantized name): ``(target name, source keys, compute, output shape)`` for each,
+        to plan as a deferred group. The sources are then consumed (see ``consumed``)."""
+        out: list[
+            tuple[str, list[str], Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]], tuple[int, ...]]
+        ] = []
+        for key in unclaimed:
+            q = self.tensors.get(key)
+            if q is None or q.fmt != MXFP4_FORMAT or len(q.companions) != 1:
+                continue
+            name = self._missing_target(q, missing)
+            if name is None or dtype_of_target(name) not in _FLOATS:
+                continue
+            blocks, scales = q.key, q.companions[0]
+            compute = functools.partial(_mxfp4_group, name, blocks, scales)
+            shape = tuple(int(n) for n in shape_of(blocks))
+            if len(shape) < 4:
+                raise self.refuse(q, f"its blocks have shape {shape}, not [..., rows, groups, 16]")
+            out.append((name, [blocks, scales], compute, (*shape[:-3], shape[-2] * shape[-1] * 2, shape[-3])))
+            self.fallback_keys.update((blocks, scales))
+        return out
 
     def check_missing(self, missing: Collection[str], unclaimed: Collection[str]) -> None:
         """Raise when a quantized tensor was not claimed and a model tensor of its dequantized name is missing
@@ -94,9 +177,9 @@ class QuantInfo:
             q = self.tensors.get(key)
             if q is None:
                 continue
-            for name in missing:
-                if name == q.dequantized or name.endswith("." + q.dequantized) or q.dequantized.endswith("." + name):
-                    raise self.refuse(q, f"the model expects it as {name}")
+            name = self._missing_target(q, missing)
+            if name is not None:
+                raise self.refuse(q, f"the model expects it as {name}")
 
 
 def read_quant_config(directory: str | Path) -> dict[str, Any] | None:
@@ -146,8 +229,14 @@ def _module(key: str) -> str:
     return key.rpartition(".")[0]
 
 
-def detect(keys: Iterable[str], dtype_of: Callable[[str], torch.dtype], config: Mapping[str, Any] | None) -> QuantInfo:
-    """The quantized tensors among ``keys`` (``dtype_of(key)`` gives a key's stored dtype)."""
+def detect(
+    keys: Iterable[str],
+    dtype_of: Callable[[str], torch.dtype],
+    config: Mapping[str, Any] | None,
+    shape_of: Callable[[str], Sequence[int]] | None = None,
+) -> QuantInfo:
+    """The quantized tensors among ``keys`` (``dtype_of(key)`` / ``shape_of(key)`` give a key's stored dtype
+    and shape; without ``shape_of`` nothing is dequantized)."""
     keys = list(keys)
     present = set(keys)
     method_of_config = str(config.get("quant_method") or config.get("format") or "") if config else ""
@@ -155,23 +244,66 @@ def detect(keys: Iterable[str], dtype_of: Callable[[str], torch.dtype], config: 
     tensors: dict[str, QuantTensor] = {}
     companions: set[str] = set()
 
-    def add(key: str, default_method: str, fmt: str, comps: Iterable[str], dequantized: str | None = None) -> None:
+    def add(
+        key: str,
+        default_method: str,
+        fmt: str,
+        comps: Iterable[str],
+        dequantized: str | None = None,
+        spec: tuple[Dequant | None, str] = (None, ""),
+    ) -> None:
         comps = tuple(c for c in comps if c in present)
-        if key in tensors:
+        how, why = spec
+        if key in tensors:  # a second companion: the format is not one the engine dequantizes
             comps = tuple(dict.fromkeys(tensors[key].companions + comps))
             fmt = tensors[key].fmt
-        tensors[key] = QuantTensor(key, method or default_method, fmt, comps, dequantized or key)
+            how, why = None, f"{key} has several scale companions"
+        if how is None and not why:
+            why = "not dequantized by hp_fastload"
+        tensors[key] = QuantTensor(key, method or default_method, fmt, comps, dequantized or key, how, why)
         companions.update(comps)
+
+    shapes = shape_of
+    block_size = config.get("weight_block_size") if config else None
+
+    def spec(value: str, scale: str, kind: str) -> tuple[Dequant | None, str]:
+        """The engine's dequantization of ``value`` by ``scale`` (``kind``: block, tensor or channel)."""
+        if shapes is None:
+            return None, "shapes unknown"
+        if dtype_of(value) not in _FP8:
+            return None, f"{value} is {dtype_of(value)}, not an fp8 dtype"
+        if dtype_of(scale) not in _SCALE_DTYPES:
+            return None, f"{scale} is {dtype_of(scale)}"
+        shape, sshape = tuple(int(n) for n in shapes(value)), tuple(int(n) for n in shapes(scale))
+        if kind == "block":
+            if len(shape) < 1:
+                return None, f"{value} is 0-d"
+            raw = block_size if block_size is not None else DEFAULT_BLOCK
+            if not isinstance(raw, (list, tuple)) or not all(isinstance(b, int) and b > 0 for b in raw):
+                return None, f"weight_block_size {raw!r} is not a list of positive ints"
+            tail = tuple(int(b) for b in raw)[-len(shape) :]
+            block = (1,) * (len(shape) - len(tail)) + tail
+            grid = tuple(-(-n // b) for n, b in zip(shape, block, strict=True))
+            if tuple(sshape) != grid:
+                return None, f"{scale} has shape {sshape}, not the grid {grid} of blocks {block} over {shape}"
+            return Dequant(scale, shape, block), ""
+        if math.prod(sshape) == 1:  # per tensor
+            return Dequant(scale, shape, shape or ()), ""
+        if len(shape) == 2 and sshape in ((shape[0], 1), (shape[0],)):  # per output channel
+            return Dequant(scale, shape, (1, shape[1])), ""
+        if block_size is not None:
+            return spec(value, scale, "block")
+        return None, f"{scale} has shape {sshape}: neither per-tensor nor per-channel over {shape}"
 
     for key in keys:
         if key.endswith("_scale_inv"):
             value = key[: -len("_scale_inv")]
             if value in present:
-                add(value, "fp8", "block-scaled fp8 (weight_scale_inv)", [key])
+                add(value, "fp8", "block-scaled fp8 (weight_scale_inv)", [key], spec=spec(value, key, "block"))
         elif key.endswith("_blocks"):
             stem = key[: -len("_blocks")]
             if stem + "_scales" in present:
-                add(key, "mxfp4", "MXFP4 (e2m1 blocks, e8m0 scales)", [stem + "_scales"], stem)
+                add(key, "mxfp4", MXFP4_FORMAT, [stem + "_scales"], stem, (None, "dequantized with torch, whole"))
         elif key.endswith(".weight_scale"):
             module = _module(key)
             if module + ".weight_packed" in present:
@@ -187,7 +319,8 @@ def detect(keys: Iterable[str], dtype_of: Callable[[str], torch.dtype], config: 
                 if dtype_of(value) == torch.uint8 or module + ".weight_scale_2" in present:
                     add(value, "modelopt", "NVFP4 (weight_scale, weight_scale_2)", [key, module + ".weight_scale_2"])
                 else:
-                    add(value, "fp8", "fp8 with a per-tensor or per-channel weight_scale", [key])
+                    how = spec(value, key, "scale")
+                    add(value, "fp8", "fp8 with a per-tensor or per-channel weight_scale", [key], spec=how)
         elif key.endswith(".qweight"):
             module = _module(key)
             add(
@@ -220,4 +353,4 @@ def detect(keys: Iterable[str], dtype_of: Callable[[str], torch.dtype], config: 
 def detect_in_index(index: Any) -> QuantInfo:
     """:func:`detect` over a ``CheckpointIndex``, with the ``config.json`` next to its first file."""
     config = read_quant_config(Path(index.files[0].path).parent) if index.files else None
-    return detect(index, lambda k: index.source(k)[1], config)
+    return detect(index, lambda k: index.source(k)[1], config, lambda k: index.entry(k).shape)

@@ -1,0 +1,248 @@
+"""Quantized checkpoints dequantized exactly into float models, on one process (issue 13, items 2-3).
+
+References, never the code under test: transformers' own CPU ``from_pretrained`` of the quantized checkpoint
+with ``FineGrainedFP8Config(dequantize=True)`` wherever the weight dims are multiples of the block; elsewhere
+(ragged last blocks: transformers derives the block from the scale grid) and for per-channel / per-tensor
+scales, transformers' ``from_pretrained`` of a float checkpoint holding the published formula's values
+(``quant_checkpoints.weight_dequant``: DeepSeek's ``weight_dequant`` with torch ops, fp32, rounded once).
+Every model tensor must be bit-identical to the reference, on both loaders. A mutation that drops the scale
+multiply in the engine fails every case.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import hp_fastload as hf
+from hp_fastload.checkpointer import _plan_at
+from hp_fastload.execute import execute_plan
+
+from . import quant_checkpoints as qc
+from .tiny_models import model_class
+
+LOADERS = ["dcp", "legacy"]
+
+
+def _zeroed(model: Any) -> Any:
+    m = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.zero_()
+    return m
+
+
+def _assert_equal(model: Any, reference: Any) -> None:
+    got, want = model.state_dict(), reference.state_dict()
+    assert set(got) == set(want)
+    bad = [k for k in want if not torch.equal(got[k], want[k].to(got[k].dtype))]
+    assert not bad, f"{len(bad)} tensors differ from the reference, first {bad[:4]}"
+
+
+def _formula_reference(
+    family: str, model: Any, tensors: dict[str, torch.Tensor], dequant: Callable[[str], torch.Tensor | None], tmp: Path
+) -> Any:
+    """transformers' ``from_pretrained`` of a float checkpoint holding each quantized tensor's formula value."""
+    root = tmp / "reference"
+    model.save_pretrained(root)
+    out = {}
+    for key, value in tensors.items():
+        if key.endswith(("_scale_inv", ".weight_scale")):
+            continue
+        deq = dequant(key)
+        out[key] = deq if deq is not None else value
+    save_file(out, str(root / "model.safetensors"), metadata={"format": "pt"})
+    return model_class(family).from_pretrained(root, dtype=next(model.parameters()).dtype)
+
+
+def _fp8_block(family: str, block: tuple[int, int], tmp: Path, **overrides: Any) -> tuple[Any, dict[str, torch.Tensor]]:
+    model = qc.build_model(family, **overrides)
+    tensors = qc.quantize_fp8_block(qc.released(model, tmp), block)
+    qc.rewrite(tmp, tensors, dict(qc.FP8_CONFIG, weight_block_size=list(block)))
+    return model, tensors
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Against transformers' own dequantizing load (dims multiples of the block)
+
+TRANSFORMERS_CASES = {
+    "qwen3_moe_stacked_experts": ("qwen3_moe", (4, 8), {}),
+    "deepseek_v3_multiple": ("deepseek_v3", (4, 8), {}),
+    "llama_128_blocks": ("llama", (128, 128), dict(hidden_size=256, intermediate_size=384, num_hidden_layers=1)),
+}
+
+
+@pytest.mark.parametrize("loader", LOADERS)
+@pytest.mark.parametrize("case", sorted(TRANSFORMERS_CASES))
+def test_fp8_block_matches_transformers_dequantizing_load(tmp_path, case, loader):
+    from transformers import FineGrainedFP8Config
+
+    family, block, overrides = TRANSFORMERS_CASES[case]
+    model, _ = _fp8_block(family, block, tmp_path, **overrides)
+    reference = model_class(family).from_pretrained(
+        tmp_path,
+        dtype=torch.bfloat16,
+        quantization_config=FineGrainedFP8Config(weight_block_size=block, dequantize=True),
+    )
+    target = _zeroed(model)
+    report = hf.load(target, tmp_path, loader=loader)
+    assert not report.missing_keys and not report.unexpected_keys  # the scales are consumed, not unexpected
+    _assert_equal(target, reference)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Against the published formula
+
+
+@pytest.mark.parametrize("loader", LOADERS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_ragged_blocks_match_deepseek_weight_dequant(tmp_path, loader, dtype):
+    """kv_a_proj_with_mqa has 12 rows over blocks of 8 (a ragged 2-row grid, like 576 over 128 in
+    DeepSeek-V3); o_proj / q_b_proj are whole blocks; experts are stacked by transformers' mapping."""
+    block = (8, 8)
+    model, tensors = _fp8_block("deepseek_v3", block, tmp_path, dtype=dtype)
+    assert tensors["model.layers.0.self_attn.kv_a_proj_with_mqa.weight_scale_inv"].shape == (2, 2)
+
+    def dequant(key: str) -> torch.Tensor | None:
+        scale = tensors.get(key + "_scale_inv")
+        return None if scale is None else qc.weight_dequant(tensors[key], scale, block, dtype)
+
+    reference = _formula_reference("deepseek_v3", model, tensors, dequant, tmp_path)
+    target = _zeroed(model)
+    report = hf.load(target, tmp_path, loader=loader)
+    assert not report.unexpected_keys
+    _assert_equal(target, reference)
+
+
+SCALE_CASES: dict[str, tuple[Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]], dict[str, Any] | None]] = {
+    "per_channel_compressed_tensors": (qc.fp8_channel_quantize, qc.COMPRESSED_FP8_CONFIG),
+    "per_channel_fbgemm": (qc.fp8_channel_quantize, qc.FBGEMM_CONFIG),
+    "per_tensor_no_config": (qc.fp8_tensor_quantize, None),
+}
+
+
+@pytest.mark.parametrize("loader", LOADERS)
+@pytest.mark.parametrize("case", sorted(SCALE_CASES))
+def test_weight_scale_fp8_llama_matches_formula(tmp_path, case, loader):
+    quantize, config = SCALE_CASES[case]
+    model = qc.build_model("llama")
+    tensors = qc.quantize_with(qc.released(model, tmp_path), quantize)
+    qc.rewrite(tmp_path, tensors, config)
+
+    def dequant(key: str) -> torch.Tensor | None:
+        scale = tensors.get(key[: -len("weight")] + "weight_scale")
+        return None if scale is None else (tensors[key].float() * scale.float()).to(torch.bfloat16)
+
+    reference = _formula_reference("llama", model, tensors, dequant, tmp_path)
+    target = _zeroed(model)
+    hf.load(target, tmp_path, loader=loader)
+    _assert_equal(target, reference)
+
+
+@pytest.mark.parametrize("loader", LOADERS)
+def test_e5m2_with_e8m0_and_bf16_scales(tmp_path, loader):
+    """e5m2 weights, MXFP8-style uint8 e8m0 exponents per [1, 8] block and bf16 block scales in one
+    checkpoint; the reference decodes e8m0 as 2^(e-127) with torch."""
+    model = qc.build_model("llama")
+    released = qc.released(model, tmp_path)
+    tensors: dict[str, torch.Tensor] = {}
+    expected: dict[str, torch.Tensor] = {}
+    for i, (key, t) in enumerate(sorted(released.items())):
+        if not qc.is_linear_weight(key, t):
+            tensors[key] = t
+            continue
+        rows, cols = t.shape
+        if i % 2:  # e8m0 exponents stored as uint8, one per 8 columns
+            exps = torch.randint(120, 130, (rows, cols // 8), dtype=torch.uint8)
+            scale = torch.exp2(exps.float() - 127).repeat_interleave(8, 1)
+            tensors[key + "_scale_inv"] = exps
+        else:  # bf16 scales
+            sc = torch.rand(rows, cols // 8).to(torch.bfloat16) + 0.5
+            scale = sc.float().repeat_interleave(8, 1)
+            tensors[key + "_scale_inv"] = sc
+        q = (t.float() / scale).to(torch.float8_e5m2)
+        tensors[key] = q
+        expected[key] = (q.float() * scale).to(torch.bfloat16)
+    qc.rewrite(tmp_path, tensors, dict(qc.FP8_CONFIG, fmt="e5m2", weight_block_size=[1, 8]))
+    reference = _formula_reference("llama", model, tensors, expected.get, tmp_path)
+    target = _zeroed(model)
+    hf.load(target, tmp_path, loader=loader)
+    _assert_equal(target, reference)
+
+
+@pytest.mark.parametrize("loader", LOADERS)
+def test_mxfp4_gpt_oss_matches_transformers_dequantizing_load(tmp_path, loader):
+    """gpt-oss experts as MXFP4 ``*_blocks`` + ``*_scales`` (written by the torch quantizer in
+    quant_checkpoints) into the bf16 model: equal to transformers' ``Mxfp4Config(dequantize=True)`` load."""
+    from transformers import Mxfp4Config
+
+    model = qc.build_model("gpt_oss", hidden_size=32, intermediate_size=32)
+    tensors = {}
+    for key, value in qc.released(model, tmp_path).items():
+        if key.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            tensors[key + "_blocks"], tensors[key + "_scales"] = qc.mxfp4_quantize(value)
+        else:
+            tensors[key] = value
+    qc.rewrite(tmp_path, tensors, qc.MXFP4_CONFIG)
+    reference = model_class("gpt_oss").from_pretrained(
+        tmp_path, dtype=torch.bfloat16, quantization_config=Mxfp4Config(dequantize=True)
+    )
+    key = "model.layers.1.mlp.experts.gate_up_proj"
+    formula = qc.mxfp4_dequant(tensors[key + "_blocks"], tensors[key + "_scales"], torch.bfloat16)
+    assert torch.equal(reference.state_dict()[key], formula)  # the reference is the published formula
+    target = _zeroed(model)
+    report = hf.load(target, tmp_path, loader=loader)
+    assert not report.missing_keys and not report.unexpected_keys
+    assert key in report.deferred_targets  # the torch path (not the region path) serves MXFP4
+    _assert_equal(target, reference)
+
+
+def test_staged_reads_dequantize_in_row_blocks(tmp_path):
+    """The staging path (CUDA targets; here forced on CPU) cuts targets into row blocks of a small slab:
+    the scale of each element still comes from its row in the checkpoint."""
+    from transformers import FineGrainedFP8Config
+
+    model, _ = _fp8_block("qwen3_moe", (4, 8), tmp_path)
+    reference = model_class("qwen3_moe").from_pretrained(
+        tmp_path,
+        dtype=torch.bfloat16,
+        quantization_config=FineGrainedFP8Config(weight_block_size=(4, 8), dequantize=True),
+    )
+    target = _zeroed(model)
+    plan = _plan_at(
+        target,
+        tmp_path,
+        "dcp",
+        weights_mapping=None,
+        key_mapping=None,
+        strict=True,
+        external_target_fqns=frozenset(),
+        claimed_source_keys=frozenset(),
+    )
+    assert plan.dequant
+    stats = execute_plan(plan, stage_all=True, staging_bytes=512)
+    assert stats.engine_calls > 1
+    _assert_equal(target, reference)
+
+
+def test_plan_names_the_dequantized_keys(tmp_path):
+    model, tensors = _fp8_block("deepseek_v3", (8, 8), tmp_path)
+    plan = hf.plan(copy.deepcopy(model), tmp_path)
+    assert set(plan.dequant) == {k for k in tensors if k + "_scale_inv" in tensors}
+    spec = plan.dequant["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"]
+    assert spec.shape == (12, 16) and spec.block == (8, 8)
+    assert not plan.report.unexpected_keys
+
+
+def test_block_size_that_does_not_fit_the_grid_is_refused(tmp_path):
+    """A config whose weight_block_size does not give the scale grid the checkpoint holds: refused."""
+    model, _ = _fp8_block("deepseek_v3", (8, 8), tmp_path)
+    qc.write_config(tmp_path, dict(qc.FP8_CONFIG, weight_block_size=[4, 4]))
+    with pytest.raises(hf.QuantizationError, match="not the grid"):
+        hf.load(_zeroed(model), tmp_path)
