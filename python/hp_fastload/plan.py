@@ -883,6 +883,7 @@ def _missing_keys_error(missing: Sequence[str], unexpected: Sequence[str]) -> Mi
     return MissingKeysError(text, missing, unexpected)
 
 
+@gc_paused()
 def plan_load(
     model: Any,
     index: CheckpointIndex,
@@ -903,35 +904,8 @@ def plan_load(
     paused: planning a 100k-tensor checkpoint allocates a few hundred thousand small objects, which would
     trigger several full collections of everything the process holds (a model, torch's modules) for nothing.
     """
-    with gc_paused():
-        return _plan_load(
-            model,
-            index,
-            targets,
-            rules,
-            strict=strict,
-            trace=trace,
-            claimed_source_keys=claimed_source_keys,
-            map_key=map_key,
-            loader=loader,
-            replacement=replacement if replacement is not None else replacement_of(model),
-        )
-
-
-def _plan_load(
-    model: Any,
-    index: CheckpointIndex,
-    targets: dict[str, Target],
-    rules: Sequence[Any],
-    *,
-    strict: bool = True,
-    trace: bool = True,
-    claimed_source_keys: Collection[str] = frozenset(),
-    map_key: Callable[[str], str | None] | None,
-    loader: str,
-    replacement: Replacement | None,
-) -> LoadPlan:
-    """``plan_load`` with the GC already paused (see there)."""
+    if replacement is None:
+        replacement = replacement_of(model)
     keys = [k for k in index if k not in claimed_source_keys]
     prefix = getattr(model, "base_model_prefix", None) or None
     quant = detect_in_index(index)
