@@ -185,15 +185,16 @@ def deepseek_config(quick: bool) -> dict[str, Any]:
     )
 
 
-def deepseek_keys(c: dict[str, Any]) -> list[tuple[str, tuple[int, ...], str]]:
-    """DeepSeek-V3's checkpoint layout (per-expert tensors, an F32 ``weight_scale_inv`` per FP8 linear)."""
+def deepseek_keys(c: dict[str, Any], weight_dtype: str = "BF16") -> list[tuple[str, tuple[int, ...], str]]:
+    """DeepSeek-V3's checkpoint layout (per-expert tensors, an F32 ``weight_scale_inv`` over 128x128 blocks per
+    linear, whose weight is ``weight_dtype``: "F8_E4M3" as released, "BF16" for the planning benchmark)."""
     h, e, mi, inter = c["hidden_size"], c["n_routed_experts"], c["moe_intermediate_size"], c["intermediate_size"]
     heads, ql, kvl = c["num_attention_heads"], c["q_lora_rank"], c["kv_lora_rank"]
     nope, rope, vd = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
     keys: list[tuple[str, tuple[int, ...], str]] = [("model.embed_tokens.weight", (c["vocab_size"], h), "BF16")]
 
     def linear(name: str, out: int, inp: int) -> None:
-        keys.append((name + ".weight", (out, inp), "BF16"))
+        keys.append((name + ".weight", (out, inp), weight_dtype))
         keys.append((name + ".weight_scale_inv", (-(-out // 128), -(-inp // 128)), "F32"))
 
     for i in range(c["num_hidden_layers"]):

@@ -42,6 +42,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
 import _peers  # noqa: E402
+import compare  # noqa: E402
 
 EP_WORLD, EP_RANK = 8, 3
 
@@ -83,41 +84,7 @@ def config(quick: bool, kv_lora_rank: int | None = None) -> dict[str, Any]:
 
 def keys(c: dict[str, Any]) -> list[tuple[str, tuple[int, ...], str]]:
     """DeepSeek-V3's FP8 checkpoint layout: every linear an F8_E4M3 weight plus its F32 scale grid."""
-    h, e, mi, inter = c["hidden_size"], c["n_routed_experts"], c["moe_intermediate_size"], c["intermediate_size"]
-    heads, ql, kvl = c["num_attention_heads"], c["q_lora_rank"], c["kv_lora_rank"]
-    nope, rope, vd = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
-    out: list[tuple[str, tuple[int, ...], str]] = [("model.embed_tokens.weight", (c["vocab_size"], h), "BF16")]
-
-    def linear(name: str, rows: int, cols: int) -> None:
-        out.append((name + ".weight", (rows, cols), "F8_E4M3"))
-        out.append((name + ".weight_scale_inv", (-(-rows // 128), -(-cols // 128)), "F32"))
-
-    for i in range(c["num_hidden_layers"]):
-        p = f"model.layers.{i}"
-        out += [(f"{p}.input_layernorm.weight", (h,), "BF16"), (f"{p}.post_attention_layernorm.weight", (h,), "BF16")]
-        linear(f"{p}.self_attn.q_a_proj", ql, h)
-        out.append((f"{p}.self_attn.q_a_layernorm.weight", (ql,), "BF16"))
-        linear(f"{p}.self_attn.q_b_proj", heads * (nope + rope), ql)
-        linear(f"{p}.self_attn.kv_a_proj_with_mqa", kvl + rope, h)
-        out.append((f"{p}.self_attn.kv_a_layernorm.weight", (kvl,), "BF16"))
-        linear(f"{p}.self_attn.kv_b_proj", heads * (nope + vd), kvl)
-        linear(f"{p}.self_attn.o_proj", h, heads * vd)
-        if i < c["first_k_dense_replace"]:
-            linear(f"{p}.mlp.gate_proj", inter, h)
-            linear(f"{p}.mlp.up_proj", inter, h)
-            linear(f"{p}.mlp.down_proj", h, inter)
-            continue
-        out.append((f"{p}.mlp.gate.weight", (e, h), "BF16"))
-        out.append((f"{p}.mlp.gate.e_score_correction_bias", (e,), "F32"))
-        for x in range(e):
-            linear(f"{p}.mlp.experts.{x}.gate_proj", mi, h)
-            linear(f"{p}.mlp.experts.{x}.up_proj", mi, h)
-            linear(f"{p}.mlp.experts.{x}.down_proj", h, mi)
-        linear(f"{p}.mlp.shared_experts.gate_proj", mi, h)
-        linear(f"{p}.mlp.shared_experts.up_proj", mi, h)
-        linear(f"{p}.mlp.shared_experts.down_proj", h, mi)
-    out += [("model.norm.weight", (h,), "BF16"), ("lm_head.weight", (c["vocab_size"], h), "BF16")]
-    return out
+    return compare.deepseek_keys(c, weight_dtype="F8_E4M3")
 
 
 def write(path: Path, c: dict[str, Any], quantized: bool, shards: int = 4, seed: int = 0) -> Path:
