@@ -72,14 +72,22 @@ def checksum(t: Any) -> list[int]:
     return [plain, weighted]
 
 
-def write_checkpoint(path: Path, keys: list[tuple[str, tuple[int, ...]]], shards: int, device: str) -> dict[str, Any]:
-    """Random bf16 (finite) tensors; generated on ``device`` (fast on a GPU), written with one header per file."""
-    stamp = json.dumps({"keys": len(keys), "shape0": keys[0][1], "shards": shards, "v": 1})
-    meta_path = path / "checksums.json"
+def _cached(meta_path: Path, stamp: str) -> dict[str, Any] | None:
+    """The checksums of a checkpoint written earlier with the same ``stamp``, or None."""
     if meta_path.is_file():
         meta = json.loads(meta_path.read_text())
         if meta.get("stamp") == stamp:
             return dict(meta["files"], _cached=True)
+    return None
+
+
+def write_checkpoint(path: Path, keys: list[tuple[str, tuple[int, ...]]], shards: int, device: str) -> dict[str, Any]:
+    """Random bf16 (finite) tensors; generated on ``device`` (fast on a GPU), written with one header per file."""
+    stamp = json.dumps({"keys": len(keys), "shape0": keys[0][1], "shards": shards, "v": 1})
+    meta_path = path / "checksums.json"
+    cached = _cached(meta_path, stamp)
+    if cached is not None:
+        return cached
     import torch
 
     shutil.rmtree(path, ignore_errors=True)
@@ -125,10 +133,9 @@ def write_fp8_checkpoint(path: Path, keys: list[tuple[str, tuple[int, ...]]], sh
     ``quantization_config`` DeepSeek-V3 ships; ``shapes`` lists the model tensors (not the scales)."""
     stamp = json.dumps({"keys": len(keys), "shape0": keys[0][1], "shards": shards, "v": "fp8-1"})
     meta_path = path / "checksums.json"
-    if meta_path.is_file():
-        meta = json.loads(meta_path.read_text())
-        if meta.get("stamp") == stamp:
-            return dict(meta["files"], _cached=True)
+    cached = _cached(meta_path, stamp)
+    if cached is not None:
+        return cached
     import torch
 
     shutil.rmtree(path, ignore_errors=True)
