@@ -133,7 +133,7 @@ def _plan(args: argparse.Namespace) -> int:
             f"{p.region_targets} region targets, {len(p.deferred)} deferred groups, missing {p.missing}, "
             f"unexpected {p.unexpected}; planned in {p.seconds:.3f} s"
         )
-        print(p.summary)
+        print("\n".join(map(_printable, p.summary.splitlines())))
         return 0
     print(f"{'rank':>6} {'bytes':>16} {'files':>6} {'deferred':>9} {'missing':>8}")
     for p in plans:
@@ -214,7 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(devnull, sys.stdout.fileno())
         return 0
     except (HpFastloadError, OSError, ValueError, RuntimeError, ImportError) as exc:
-        text = " ".join(str(exc).split()) or type(exc).__name__
+        text = _printable(" ".join(str(exc).split()) or type(exc).__name__)  # names from a file: escaped
         print(f"hp-fastload {args.command}: error: {text}", file=sys.stderr)
         return 1
     return status

@@ -14,6 +14,8 @@ It does not read tensors itself, decide regions, or apply conversion rules: ``lo
 from __future__ import annotations
 
 import contextlib
+import errno
+import hashlib
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -22,7 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .checkpointer import _dist_active, _resolve_location_each, load
+from .checkpointer import _agree, _dist_active, _resolve_location_each, load
+from .errors import CheckpointMismatchError
 from .plan import LoadReport
 
 __all__ = ["from_pretrained"]
@@ -74,14 +77,25 @@ def _default_device(bound: Any) -> torch.device:
 
 
 def _read_config(location: Path, config_overrides: dict[str, Any]) -> Any:
-    from transformers import AutoConfig
-
+    """The checkpoint's ``config.json`` through ``AutoConfig`` (``config_overrides`` applied); refused unopened
+    when it is missing or not a regular file (a FIFO or a device would block the read)."""
     folder = location if location.is_dir() else location.parent
-    if not (folder / "config.json").is_file():
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        what = "is a FIFO, socket or device, not a regular file" if config_path.exists() else "does not exist"
         raise FileNotFoundError(
-            f"{folder / 'config.json'}: from_pretrained builds the model from the checkpoint's config.json, and "
-            "there is none; build the model yourself and call hp_fastload.load(model, path)"
+            errno.ENOENT,
+            f"{config_path} {what}: the model is built from the checkpoint's config.json; build the model "
+            "yourself and call hp_fastload.load(model, path)",
+            str(config_path),
         )
+    try:
+        from transformers import AutoConfig
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "building the model from a checkpoint's config.json needs transformers (pip install transformers); "
+            "without it, build the model yourself and call hp_fastload.load(model, path)"
+        ) from exc
     return AutoConfig.from_pretrained(folder, **config_overrides)
 
 
@@ -118,7 +132,45 @@ def from_pretrained(
     if parallelize is not None and not callable(parallelize):
         raise TypeError(f"parallelize must be a callable taking the model, got {type(parallelize).__name__}")
     location = _resolve_location_each(path_or_hub_id, revision)
-    config = _read_config(location, config_overrides)
+    # Each step that can fail on one rank alone is agreed on: the others raise too instead of waiting in
+    # load's first collective.
+    config = _agree("Reading the checkpoint's config.json", lambda: _read_config(location, config_overrides))
+    _agree_config(config)
+    model = _agree(
+        "Building and parallelizing the model",
+        lambda: _build(config, auto_class, dtype, parallelize, distributed_config, device),
+    )
+    report: LoadReport = load(model, location, strict=strict)
+    model.eval()
+    return (model, report) if output_loading_info else model
+
+
+def _agree_config(config: Any) -> None:
+    """Every rank raises :class:`~hp_fastload.CheckpointMismatchError` unless the ranks read the same config
+    (``load`` compares the safetensors files, not ``config.json``; node-local copies can differ in it)."""
+    if not _dist_active() or torch.distributed.get_world_size() == 1:
+        return
+    mine = hashlib.blake2b(config.to_json_string(use_diff=False).encode(), digest_size=16).hexdigest()
+    gathered: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, mine)
+    differing = [rank for rank, digest in enumerate(gathered) if digest != gathered[0]]
+    if differing:
+        more = f" (and {len(differing) - 1} more ranks)" if len(differing) > 1 else ""
+        raise CheckpointMismatchError(
+            "the ranks read different configs from the checkpoint's config.json (with config_overrides): rank "
+            f"{differing[0]}'s differs from rank 0's{more}. Pass every rank the same checkpoint and the same overrides"
+        )
+
+
+def _build(
+    config: Any,
+    auto_class: Any,
+    dtype: Any,
+    parallelize: Callable[[nn.Module], Any] | None,
+    distributed_config: Any,
+    device: str | torch.device | None,
+) -> nn.Module:
+    """The model on meta, parallelized, materialized on ``device`` (not yet filled)."""
     cls = _model_class(auto_class)
     torch_dtype = _dtype(dtype, config)
     with contextlib.ExitStack() as stack:
@@ -138,6 +190,4 @@ def from_pretrained(
         if isinstance(returned, nn.Module):
             model = returned
     model.to_empty(device=device if device is not None else _default_device(bound))
-    report: LoadReport = load(model, location, strict=strict)
-    model.eval()
-    return (model, report) if output_loading_info else model
+    return model

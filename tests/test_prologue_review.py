@@ -1,0 +1,203 @@
+"""Review of the training prologue and the hardening (issues 15 and 16): the cases that slipped through.
+
+- ``load`` into a model wrapped by ``torch.compile`` (``_orig_mod.``) or ``DistributedDataParallel``
+  (``module.``): the wrapped module's names and default rules (gpt_neox's ``embed_out`` -> ``lm_head``), values
+  equal to transformers' own ``from_pretrained``.
+- ``from_pretrained`` on 2 gloo ranks: a rank whose directory has no ``config.json`` makes every rank raise
+  ``FileNotFoundError`` naming it (before, the other rank waited in ``load``'s first collective); ranks whose
+  ``config.json`` differ (same safetensors) all raise ``CheckpointMismatchError``.
+- ``hp-fastload plan`` with a FIFO ``config.json`` ends with a one-line error instead of blocking; a checkpoint
+  path that is a FIFO is refused as such, not looked up on the Hub; a ``weight_map`` shard name with terminal
+  escapes is neither echoed raw by the CLI nor by the error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import hp_fastload as hf
+from hp_fastload.index import CheckpointIndex, resolve_checkpoint_location
+
+from .dist_utils import run_distributed, run_subchecks, subcheck_values
+from .test_hardening import _child, _sharded
+from .tiny_models import root_rule_class, root_rule_config
+
+ROOT_ENV = "HPF_PROLOGUE_REVIEW_ROOT"
+
+
+def _meta_built() -> Any:
+    with torch.device("meta"):
+        model = root_rule_class("gpt_neox")(root_rule_config("gpt_neox"))
+    model.to_empty(device="cpu")
+    return model.float()
+
+
+def _state(model: Any) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def neox(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A gpt_neox checkpoint (class-level rename ``embed_out`` -> ``lm_head``) and from_pretrained's values."""
+    path = tmp_path_factory.mktemp("neox")
+    torch.manual_seed(0)
+    model = root_rule_class("gpt_neox")(root_rule_config("gpt_neox")).float()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p))
+    model.save_pretrained(path)
+    return path, _state(root_rule_class("gpt_neox").from_pretrained(path, dtype=torch.float32))
+
+
+def test_load_into_a_torch_compiled_model(neox):
+    path, expected = neox
+    model = _meta_built()
+    report = hf.load(torch.compile(model), path)  # never called: nothing is compiled
+    assert report.missing_keys == () and report.unexpected_keys == ()
+    got = _state(model)
+    assert sorted(got) == sorted(expected)
+    for key, value in expected.items():
+        assert torch.equal(got[key], value), key
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 2 gloo ranks
+
+
+def _root() -> Path:
+    return Path(os.environ[ROOT_ENV])
+
+
+def check_ddp_load(rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = _meta_built()
+    report = hf.load(DistributedDataParallel(model), _root() / "neox")
+    assert report.missing_keys == (), report.missing_keys
+    return _state(model)
+
+
+def check_config_missing_on_one_rank(rank: int, world_size: int) -> list[str]:
+    path = _root() / ("neox" if rank == 0 else "neox_no_config")
+    try:
+        hf.from_pretrained(path, parallelize=lambda m: m)
+    except Exception as exc:
+        return [type(exc).__name__, str(exc)]
+    return ["no error", ""]
+
+
+def check_configs_differ(rank: int, world_size: int) -> list[str]:
+    path = _root() / ("neox" if rank == 0 else "neox_other_config")
+    try:
+        hf.from_pretrained(path)
+    except Exception as exc:
+        return [type(exc).__name__, str(exc)]
+    return ["no error", ""]
+
+
+CHECKS = [check_ddp_load, check_configs_differ, check_config_missing_on_one_rank]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(neox, tmp_path_factory) -> list[Any]:
+    path, _ = neox
+    root = tmp_path_factory.mktemp("ranks")
+    shutil.copytree(path, root / "neox")
+    shutil.copytree(path, root / "neox_no_config")
+    (root / "neox_no_config" / "config.json").unlink()
+    shutil.copytree(path, root / "neox_other_config")
+    config = json.loads((path / "config.json").read_text())
+    config["layer_norm_eps"] = 1e-3  # same tensors, another model
+    (root / "neox_other_config" / "config.json").write_text(json.dumps(config))
+    os.environ[ROOT_ENV] = str(root)
+    try:
+        return run_distributed(run_subchecks, 2, checks=CHECKS, timeout=240)
+    finally:
+        os.environ.pop(ROOT_ENV, None)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_load_into_a_ddp_wrapped_model(two_ranks, neox):
+    _, expected = neox
+    for got in subcheck_values(two_ranks, "check_ddp_load"):
+        assert sorted(got) == sorted(expected)
+        for key, value in expected.items():
+            assert torch.equal(got[key], value), key
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_from_pretrained_config_missing_on_one_rank_raises_on_every_rank(two_ranks):
+    outcomes = subcheck_values(two_ranks, "check_config_missing_on_one_rank")
+    for rank, (kind, message) in enumerate(outcomes):
+        assert kind == "FileNotFoundError", (rank, kind, message)
+        assert "neox_no_config/config.json does not exist" in message, (rank, message)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_from_pretrained_ranks_with_different_configs_all_raise(two_ranks):
+    for kind, message in subcheck_values(two_ranks, "check_configs_differ"):
+        assert kind == "CheckpointMismatchError", (kind, message)
+        assert "rank 1's differs from rank 0's" in message
+
+
+# ---------------------------------------------------------------------------------------------------------
+# FIFOs and escapes
+
+
+def test_plan_with_a_fifo_config_ends_with_one_line(neox, tmp_path):
+    path, _ = neox
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(path, ckpt)
+    (ckpt / "config.json").unlink()
+    os.mkfifo(ckpt / "config.json")
+    done = _child(
+        f"""
+        import sys
+        from hp_fastload.cli import main
+        sys.exit(main(["plan", {str(ckpt)!r}, "--world", "2", "--layout", "fsdp"]))
+        """,
+        timeout=120,
+    )
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "config.json is a FIFO, socket or device" in lines[0], done.stderr
+
+
+def test_a_fifo_checkpoint_path_is_refused_as_such(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    os.mkfifo("ckpt")  # a bare name: would otherwise be taken for a Hub repo id
+    with pytest.raises(FileNotFoundError, match="is a FIFO, socket or device"):
+        resolve_checkpoint_location("ckpt")
+
+
+def test_escapes_in_a_missing_shard_name_are_not_echoed(tmp_path):
+    name = "\x1b]0;owned\x07\x1b[2J.safetensors"
+    ckpt = _sharded(tmp_path / "ckpt", bias_file=name)
+    with pytest.raises(FileNotFoundError) as caught:
+        CheckpointIndex.open(ckpt)
+    assert "\x1b" not in str(caught.value) and "\\x1b" in str(caught.value)
+
+
+def test_cli_errors_escape_what_comes_from_the_files(tmp_path):
+    bad = tmp_path / "\x1b]0;owned\x07\x1b[2J.safetensors"
+    bad.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{\x1b[31m}")  # a header that is no JSON
+    done = _child(
+        f"""
+        import sys
+        from hp_fastload.cli import main
+        sys.exit(main(["inspect", {str(tmp_path)!r}]))
+        """
+    )
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    assert "\x1b" not in done.stderr and "\x07" not in done.stderr, done.stderr
+    assert "\\x1b]0;owned\\x07" in done.stderr, done.stderr
