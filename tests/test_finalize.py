@@ -16,23 +16,13 @@ from torch import nn
 import hp_fastload
 from hp_fastload.finalize import non_persistent_buffers
 
-LLAMA = dict(
-    vocab_size=64,
-    hidden_size=16,
-    intermediate_size=24,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=4,
-    max_position_embeddings=64,
-    tie_word_embeddings=True,
-)
+from .tiny_models import TINY_DECODER, config_of, randomized
+
+LLAMA = dict(TINY_DECODER, tie_word_embeddings=True)
 
 
 def _config():
-    from transformers import AutoConfig
-
-    return AutoConfig.for_model("llama", **LLAMA)
+    return config_of("llama", **LLAMA)
 
 
 @pytest.fixture(scope="module")
@@ -40,10 +30,7 @@ def tied_llama(tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(_config())
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn_like(p) * 0.5)
+    model = randomized(AutoModelForCausalLM.from_config(_config()), 0.5)
     path = tmp_path_factory.mktemp("tied_llama")
     model.save_pretrained(path)
     return path

@@ -27,7 +27,7 @@ from hp_fastload.index import CheckpointIndex, resolve_checkpoint_location
 
 from .dist_utils import run_distributed, run_subchecks, subcheck_values
 from .test_hardening import _child, _sharded
-from .tiny_models import root_rule_class, root_rule_config
+from .tiny_models import randomized, root_rule_class, root_rule_config
 
 ROOT_ENV = "HPF_PROLOGUE_REVIEW_ROOT"
 
@@ -48,11 +48,7 @@ def neox(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
     """A gpt_neox checkpoint (class-level rename ``embed_out`` -> ``lm_head``) and from_pretrained's values."""
     path = tmp_path_factory.mktemp("neox")
     torch.manual_seed(0)
-    model = root_rule_class("gpt_neox")(root_rule_config("gpt_neox")).float()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn_like(p))
-    model.save_pretrained(path)
+    randomized(root_rule_class("gpt_neox")(root_rule_config("gpt_neox")).float()).save_pretrained(path)
     return path, _state(root_rule_class("gpt_neox").from_pretrained(path, dtype=torch.float32))
 
 
