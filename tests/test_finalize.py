@@ -16,7 +16,7 @@ from torch import nn
 import hp_fastload
 from hp_fastload.finalize import non_persistent_buffers
 
-from .tiny_models import TINY_DECODER, config_of, randomized
+from .tiny_models import TINY_DECODER, config_of, randomized, sgd_step_losses
 
 LLAMA = dict(TINY_DECODER, tie_word_embeddings=True)
 
@@ -52,13 +52,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def _step_losses(model: nn.Module) -> tuple[float, float]:
     torch.manual_seed(1)
     ids = torch.randint(0, LLAMA["vocab_size"], (2, 9))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    model.train()
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    optimizer.step()
-    with torch.no_grad():
-        after = model(input_ids=ids, labels=ids).loss
+    loss, after = sgd_step_losses(model, ids, lr=0.1)
     return loss.item(), after.item()
 
 

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from .dist_utils import run_distributed, run_subchecks, subcheck_values
-from .tiny_models import TINY_DECODER, config_of, randomized
+from .tiny_models import TINY_DECODER, config_of, randomized, sgd_step_losses
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
@@ -64,14 +64,7 @@ def _observe(model: nn.Module, family: str) -> dict[str, Any]:
     if family in TIED:
         a, b = TIED[family]
         ties[a] = model.get_parameter(a) is model.get_parameter(b)
-    ids = _batch()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    model.train()
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    optimizer.step()
-    with torch.no_grad():
-        after = model(input_ids=ids, labels=ids).loss
+    loss, after = sgd_step_losses(model, _batch(), lr=0.5)
     if family in TIED:
         a, b = TIED[family]
         ties[a + " after the step"] = model.get_parameter(a) is model.get_parameter(b)

@@ -197,3 +197,27 @@ def test_cli_errors_escape_what_comes_from_the_files(tmp_path):
     assert done.returncode == 1, (done.stdout, done.stderr)
     assert "\x1b" not in done.stderr and "\x07" not in done.stderr, done.stderr
     assert "\\x1b]0;owned\\x07" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"num_attention_heads": 0}, {"hidden_size": "x"}],
+    ids=["zero_heads", "str_size"],
+)
+def test_plan_with_a_bad_config_ends_with_one_line(neox, tmp_path, fields):
+    path, _ = neox
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(path, ckpt)
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**config, **fields}))
+    done = _child(
+        f"""
+        import sys
+        from hp_fastload.cli import main
+        sys.exit(main(["plan", {str(ckpt)!r}, "--world", "2", "--layout", "fsdp"]))
+        """,
+        timeout=120,
+    )
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("hp-fastload plan: error: "), done.stderr

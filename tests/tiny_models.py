@@ -108,6 +108,21 @@ def tiny_config(family: str) -> Any:
     return config_of(family, **FAMILIES[family])
 
 
+def sgd_step_losses(model: Any, ids: Any, lr: float) -> tuple[Any, Any]:
+    """The language-model loss of ``ids`` (as its own labels) before and after one SGD step of ``lr``, in train
+    mode: what a loaded model and transformers' own must agree on."""
+    import torch
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    model.train()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    optimizer.step()
+    with torch.no_grad():
+        after = model(input_ids=ids, labels=ids).loss
+    return loss, after
+
+
 def randomized(model: Any, scale: float = 1.0) -> Any:
     """``model`` with every parameter drawn from ``randn * scale`` (init may leave norms at exactly 1 and
     biases at 0, which would hide a value put in the wrong place)."""
