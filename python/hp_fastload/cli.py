@@ -213,9 +213,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 0
-    except (HpFastloadError, OSError, ValueError, RuntimeError, ImportError) as exc:
-        text = _printable(" ".join(str(exc).split()) or type(exc).__name__)  # names from a file: escaped
-        print(f"hp-fastload {args.command}: error: {text}", file=sys.stderr)
+    except Exception as exc:  # a bad checkpoint or config (transformers raises many types): one line, no traceback
+        text = " ".join(str(exc).split()) or type(exc).__name__
+        if not isinstance(exc, (HpFastloadError, OSError, ValueError, RuntimeError, ImportError)):
+            text = f"{type(exc).__name__}: {text}"  # an unusual type says what it is
+        print(f"hp-fastload {args.command}: error: {_printable(text)}", file=sys.stderr)  # names from files: escaped
         return 1
     return status
 
