@@ -3,6 +3,9 @@
 - ``load`` into a model wrapped by ``torch.compile`` (``_orig_mod.``) or ``DistributedDataParallel``
   (``module.``): the wrapped module's names and default rules (gpt_neox's ``embed_out`` -> ``lm_head``), values
   equal to transformers' own ``from_pretrained``.
+- blocks wrapped as torchtitan does (activation checkpointing, ``torch.compile``, ``fully_shard`` per block):
+  target names without ``_checkpoint_wrapped_module`` / ``_orig_mod``, values and buffers equal to
+  ``from_pretrained``'s, on one process and on 2 gloo ranks.
 - ``from_pretrained`` on 2 gloo ranks: a rank whose directory has no ``config.json`` makes every rank raise
   ``FileNotFoundError`` naming it (before, the other rank waited in ``load``'s first collective); ranks whose
   ``config.json`` differ (same safetensors) all raise ``CheckpointMismatchError``.
@@ -63,6 +66,64 @@ def test_load_into_a_torch_compiled_model(neox):
         assert torch.equal(got[key], value), key
 
 
+def _wrap_blocks(model: Any, shard: bool = False) -> Any:
+    """torchtitan's order on every decoder block: activation checkpointing, then ``torch.compile`` (never run
+    here, so nothing is compiled), then ``fully_shard`` with ``shard``; the root last."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    layers = model.gpt_neox.layers
+    for i, layer in enumerate(layers):
+        block = torch.compile(checkpoint_wrapper(layer))
+        if shard:
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(block)
+        layers.register_module(str(i), block)
+    if shard:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model)
+    return model
+
+
+def _buffers(model: Any) -> dict[str, torch.Tensor]:
+    from hp_fastload.finalize import non_persistent_buffers
+
+    return {name: b.detach().clone() for name, b in non_persistent_buffers(model)}
+
+
+def _full_state(model: Any) -> dict[str, torch.Tensor]:
+    from hp_fastload.targets import build_targets
+
+    out = {}
+    for name, target in build_targets(model).items():
+        t = target.tensor.detach()
+        out[name] = (t.full_tensor() if hasattr(t, "full_tensor") else t).clone()
+    return out
+
+
+@pytest.fixture(scope="module")
+def neox_buffers(neox) -> dict[str, torch.Tensor]:
+    return _buffers(root_rule_class("gpt_neox").from_pretrained(neox[0], dtype=torch.float32))
+
+
+def test_load_into_compiled_and_checkpointed_blocks(neox, neox_buffers):
+    path, expected = neox
+    with torch.device("meta"):
+        model = _wrap_blocks(root_rule_class("gpt_neox")(root_rule_config("gpt_neox")).float())
+    model.to_empty(device="cpu")
+    report = hf.load(model, path)
+    assert report.missing_keys == () and report.unfilled_buffers == ()
+    got = _full_state(model)
+    assert sorted(got) == sorted(expected)
+    for key, value in expected.items():
+        assert torch.equal(got[key], value), key
+    buffers = _buffers(model)
+    assert sorted(buffers) == sorted(neox_buffers)
+    for key, value in neox_buffers.items():
+        assert torch.equal(buffers[key], value), key
+
+
 # ---------------------------------------------------------------------------------------------------------
 # 2 gloo ranks
 
@@ -78,6 +139,17 @@ def check_ddp_load(rank: int, world_size: int) -> dict[str, torch.Tensor]:
     report = hf.load(DistributedDataParallel(model), _root() / "neox")
     assert report.missing_keys == (), report.missing_keys
     return _state(model)
+
+
+def check_torchtitan_style_blocks(
+    rank: int, world_size: int
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    with torch.device("meta"):
+        model = _wrap_blocks(root_rule_class("gpt_neox")(root_rule_config("gpt_neox")).float(), shard=True)
+    model.to_empty(device="cpu")
+    report = hf.load(model, _root() / "neox")
+    assert report.missing_keys == () and report.unfilled_buffers == (), report.summary()
+    return _full_state(model), _buffers(model)
 
 
 def check_config_missing_on_one_rank(rank: int, world_size: int) -> list[str]:
@@ -98,7 +170,7 @@ def check_configs_differ(rank: int, world_size: int) -> list[str]:
     return ["no error", ""]
 
 
-CHECKS = [check_ddp_load, check_configs_differ, check_config_missing_on_one_rank]
+CHECKS = [check_ddp_load, check_torchtitan_style_blocks, check_configs_differ, check_config_missing_on_one_rank]
 
 
 @pytest.fixture(scope="module")
@@ -127,6 +199,19 @@ def test_load_into_a_ddp_wrapped_model(two_ranks, neox):
         assert sorted(got) == sorted(expected)
         for key, value in expected.items():
             assert torch.equal(got[key], value), key
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_load_into_fsdp2_compiled_and_checkpointed_blocks(two_ranks, neox, neox_buffers):
+    _, expected = neox
+    for got, buffers in subcheck_values(two_ranks, "check_torchtitan_style_blocks"):
+        assert sorted(got) == sorted(expected)
+        for key, value in expected.items():
+            assert torch.equal(got[key], value), key
+        assert sorted(buffers) == sorted(neox_buffers)
+        for key, value in neox_buffers.items():
+            assert torch.equal(buffers[key], value), key
 
 
 @pytest.mark.distributed

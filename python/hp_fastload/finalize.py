@@ -139,7 +139,9 @@ def recreate_buffers(model: nn.Module) -> list[str]:
         if not _flagged(tensor):
             setattr(tensor, _FLAG, True)
             marked.append(tensor)
-    modules_before = {id(m) for m in model.modules() if getattr(m, _FLAG, False)}
+    # A module's own flag, in its own __dict__: a forwarding wrapper (activation checkpointing's
+    # CheckpointWrapper, torch.compile's OptimizedModule) answers getattr with its inner module's.
+    modules_before = {id(m) for m in model.modules() if m.__dict__.get(_FLAG, False)}
     try:
         model.initialize_weights()  # type: ignore[operator]
     except Exception as exc:  # an init that cannot run on this layout (a buffer made a DTensor...)
@@ -148,7 +150,7 @@ def recreate_buffers(model: nn.Module) -> list[str]:
         for tensor in marked:
             delattr(tensor, _FLAG)
         for module in model.modules():  # leave a later initialize_weights() of the user's free to run
-            if id(module) not in modules_before and getattr(module, _FLAG, False):
+            if id(module) not in modules_before and _FLAG in module.__dict__:
                 delattr(module, _FLAG)
     live = dict(non_persistent_buffers(model))
     return [name for name, b in buffers if live.get(name) is b and b._version == versions[id(b)]]
