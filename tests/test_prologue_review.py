@@ -306,3 +306,28 @@ def test_plan_with_a_bad_config_ends_with_one_line(neox, tmp_path, fields):
     assert done.returncode == 1, (done.stdout, done.stderr)
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("hp-fastload plan: error: "), done.stderr
+
+
+@pytest.mark.parametrize("field", ["dtype", "torch_dtype", None])
+def test_from_pretrained_dtype_is_transformers_auto(tmp_path, field):
+    """A config that names no dtype: transformers takes the weights' (bf16 here), not float32."""
+    from transformers import AutoModelForCausalLM
+
+    from .tiny_models import TINY_DECODER, config_of
+
+    torch.manual_seed(0)
+    randomized(AutoModelForCausalLM.from_config(config_of("llama", **TINY_DECODER))).to(torch.bfloat16).save_pretrained(
+        tmp_path
+    )
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.pop("dtype", None)
+    if field is not None:
+        config[field] = "bfloat16"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path)
+    model = hf.from_pretrained(tmp_path)
+    assert reference.dtype == model.dtype == torch.bfloat16
+    expected, got = reference.state_dict(), model.state_dict()
+    assert sorted(got) == sorted(expected)
+    for key, value in expected.items():
+        assert got[key].dtype == value.dtype and torch.equal(got[key], value), key

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -44,20 +45,46 @@ def _model_class(auto_class: Any) -> Any:
     return auto_class
 
 
-def _dtype(dtype: Any, config: Any) -> torch.dtype:
-    """``None`` or ``"auto"``: the config's dtype (float32 when it names none), as transformers v5 does."""
+def _dtype(dtype: Any, config: Any, location: Path) -> torch.dtype:
+    """``None`` or ``"auto"``: the config's dtype, else the checkpoint's (:func:`_checkpoint_dtype`), as
+    transformers v5's ``from_pretrained`` (whose default is ``"auto"``) chooses."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype is None or dtype == "auto":
         dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
         if dtype is None:
-            return torch.float32
+            return _checkpoint_dtype(location)
     if isinstance(dtype, torch.dtype):
         return dtype
     value = getattr(torch, str(dtype).removeprefix("torch."), None)
     if not isinstance(value, torch.dtype):
         raise ValueError(f"dtype={dtype!r} is not a torch dtype")
     return value
+
+
+def _checkpoint_dtype(location: Path) -> torch.dtype:
+    """transformers' choice for a config without a dtype: the index's ``metadata.dtype``, else the first
+    floating dtype (float8/float4 skipped) among the tensors of the first shard in name order (in key order),
+    else that shard's first tensor's dtype; float32 for an empty checkpoint. Headers only."""
+    from .index import INDEX_NAME, CheckpointIndex
+
+    folder = location if location.is_dir() else location.parent
+    index_path = folder / INDEX_NAME
+    if location.is_dir() and index_path.is_file():
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            named = json.loads(index_path.read_bytes()).get("metadata", {}).get("dtype")
+            value = getattr(torch, str(named).removeprefix("torch."), None) if named else None
+            if isinstance(value, torch.dtype):
+                return value
+    index = CheckpointIndex.open(location)
+    if not index.files:
+        return torch.float32
+    first = min(index.files, key=lambda f: os.path.relpath(f.path, folder))
+    dtypes = [first.torch_dtype(key) for key in sorted(first.keys())]
+    for value in dtypes:
+        if value.is_floating_point and "float8_" not in str(value) and "float4_" not in str(value):
+            return value
+    return dtypes[0] if dtypes else torch.float32
 
 
 def _init_contexts(dtype: torch.dtype) -> list[Any]:
@@ -117,9 +144,10 @@ def from_pretrained(
 
     Steps, on every rank: the checkpoint's ``config.json`` (``config_overrides`` applied, as
     ``AutoConfig.from_pretrained`` takes them) → ``auto_class`` (default ``AutoModelForCausalLM``; a class or
-    its name) built on the meta device in ``dtype`` (default: the config's, else float32) → parallelized by
-    ``parallelize(model)`` (FSDP2 / TP / EP, anything that turns parameters into DTensors in place; a returned
-    module replaces the model) or by transformers' ``DistributedConfig`` (tp, fsdp, ep plans of the model) →
+    its name) built on the meta device in ``dtype`` (default ``"auto"``: the config's, else the checkpoint's,
+    as transformers chooses) → parallelized by ``parallelize(model)`` (FSDP2 / TP / EP, anything that turns
+    parameters into DTensors in place; a returned module replaces the model) or by transformers'
+    ``DistributedConfig`` (tp, fsdp, ep plans of the model) →
     ``to_empty(device)`` (default: the device transformers bound this rank to, else ``cuda:LOCAL_RANK``, else
     CPU) → :func:`hp_fastload.load` with ``strict`` (tied weights re-tied, non-persistent buffers recomputed
     through the model's own init) → ``eval()``.
@@ -138,7 +166,7 @@ def from_pretrained(
     _agree_config(config)
     model = _agree(
         "Building and parallelizing the model",
-        lambda: _build(config, auto_class, dtype, parallelize, distributed_config, device),
+        lambda: _build(location, config, auto_class, dtype, parallelize, distributed_config, device),
     )
     report: LoadReport = load(model, location, strict=strict)
     model.eval()
@@ -163,6 +191,7 @@ def _agree_config(config: Any) -> None:
 
 
 def _build(
+    location: Path,
     config: Any,
     auto_class: Any,
     dtype: Any,
@@ -172,7 +201,7 @@ def _build(
 ) -> nn.Module:
     """The model on meta, parallelized, materialized on ``device`` (not yet filled)."""
     cls = _model_class(auto_class)
-    torch_dtype = _dtype(dtype, config)
+    torch_dtype = _dtype(dtype, config, location)
     with contextlib.ExitStack() as stack:
         for context in _init_contexts(torch_dtype):
             stack.enter_context(context)
