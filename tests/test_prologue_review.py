@@ -331,3 +331,30 @@ def test_from_pretrained_dtype_is_transformers_auto(tmp_path, field):
     assert sorted(got) == sorted(expected)
     for key, value in expected.items():
         assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
+
+
+def test_symlinks_inside_a_checkpoint_are_followed_to_regular_files_only(tmp_path):
+    """The documented rule (design notes): a shard reached through a symlinked directory loads; a name that
+    leads to a device through a link is refused unopened (it would read forever)."""
+    outside = _sharded(tmp_path / "outside")
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "shards").symlink_to(outside, target_is_directory=True)
+    index = json.loads((outside / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {k: f"shards/{v}" for k, v in index["weight_map"].items()}
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert sorted(CheckpointIndex.open(ckpt).keys()) == ["lin.bias", "lin.weight"]
+    (ckpt / "zero.safetensors").symlink_to("/dev/zero")
+    index["weight_map"]["lin.bias"] = "zero.safetensors"
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
+    done = _child(
+        f"""
+        from hp_fastload.index import CheckpointIndex
+        try:
+            CheckpointIndex.open({str(ckpt)!r})
+        except Exception as exc:
+            print(type(exc).__name__, exc)
+        """,
+        timeout=60,
+    )
+    assert done.stdout.startswith("HeaderError") and "not a regular file" in done.stdout, (done.stdout, done.stderr)
