@@ -358,3 +358,24 @@ def test_symlinks_inside_a_checkpoint_are_followed_to_regular_files_only(tmp_pat
         timeout=60,
     )
     assert done.stdout.startswith("HeaderError") and "not a regular file" in done.stdout, (done.stdout, done.stderr)
+
+
+def test_from_pretrained_strict_false_initializes_what_the_checkpoint_lacks(tmp_path):
+    """transformers initializes a missing key through the model's init (an RMSNorm weight: ones); a model
+    fresh from to_empty must not keep the allocator's bytes there."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from .tiny_models import TINY_DECODER, config_of
+
+    model = randomized(AutoModelForCausalLM.from_config(config_of("llama", **TINY_DECODER)))
+    model.config.save_pretrained(tmp_path)
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "model.norm.weight"}
+    save_file(state, tmp_path / "model.safetensors")
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path)
+    loaded, report = hf.from_pretrained(tmp_path, strict=False, output_loading_info=True)
+    assert report.missing_keys == ("model.norm.weight",)
+    assert torch.equal(loaded.model.norm.weight, reference.model.norm.weight)
+    assert torch.equal(loaded.model.norm.weight, torch.ones(16))
+    for key, value in state.items():  # what the checkpoint held is untouched
+        assert torch.equal(loaded.state_dict()[key], value), key

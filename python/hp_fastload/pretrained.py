@@ -27,7 +27,9 @@ from torch import nn
 
 from .checkpointer import _agree, _dist_active, _resolve_location_each, load
 from .errors import CheckpointMismatchError
+from .finalize import initialize_missing
 from .plan import LoadReport
+from .rules import unwrapped
 
 __all__ = ["from_pretrained"]
 
@@ -150,7 +152,8 @@ def from_pretrained(
     ``DistributedConfig`` (tp, fsdp, ep plans of the model) →
     ``to_empty(device)`` (default: the device transformers bound this rank to, else ``cuda:LOCAL_RANK``, else
     CPU) → :func:`hp_fastload.load` with ``strict`` (tied weights re-tied, non-persistent buffers recomputed
-    through the model's own init) → ``eval()``.
+    through the model's own init; with ``strict=False``, what the checkpoint lacks initialized by the model's own
+    ``initialize_weights()``, as transformers does) → ``eval()``.
 
     Not covered: quantized checkpoints, ``device_map`` offloading, remote code, adapters; build such a model
     yourself and call ``hp_fastload.load`` on it.
@@ -169,6 +172,12 @@ def from_pretrained(
         lambda: _build(location, config, auto_class, dtype, parallelize, distributed_config, device),
     )
     report: LoadReport = load(model, location, strict=strict)
+    # strict=False: what the checkpoint does not hold is fresh from to_empty (whatever the allocator left there);
+    # transformers initializes it. Agreed on every rank (the collective does not depend on the report).
+    _agree(
+        "Initializing the tensors the checkpoint does not hold",
+        lambda: initialize_missing(unwrapped(model)) if report.missing_keys else None,
+    )
     model.eval()
     return (model, report) if output_loading_info else model
 
