@@ -378,3 +378,11 @@ def test_from_pretrained_strict_false_initializes_what_the_checkpoint_lacks(tmp_
     assert torch.equal(loaded.model.norm.weight, torch.ones(16))
     for key, value in state.items():  # what the checkpoint held is untouched
         assert torch.equal(loaded.state_dict()[key], value), key
+
+
+def test_a_huge_shard_name_is_cut_in_the_error(tmp_path):
+    ckpt = _sharded(tmp_path / "ckpt", bias_file="\x1b[2J" + "b" * 100_000 + ".safetensors")
+    with pytest.raises(hf.HeaderError) as caught:
+        CheckpointIndex.open(ckpt)
+    message = str(caught.value)
+    assert len(message) < 1000 and "(100016 characters)" in message and "\x1b" not in message, message[:300]

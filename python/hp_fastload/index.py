@@ -198,7 +198,14 @@ class CheckpointIndex:
             _check_shard_name(index_path, name, text)
         for name in names:
             file_path = root / name
-            if not file_path.exists():  # a FIFO or device exists: the header reader refuses it unopened
+            try:
+                present = file_path.exists()
+            except OSError as exc:  # ENAMETOOLONG...: the message would quote the whole (huge) name
+                raise HeaderError(
+                    f"index {index_path} names shard {shown_key(name)}, which cannot be looked up under {root}: "
+                    f"{exc.strerror}"
+                ) from None
+            if not present:  # a FIFO or device exists: the header reader refuses it unopened
                 raise FileNotFoundError(
                     f"safetensors shard {shown_key(name)} named by {index_path} does not exist under {root}"
                 )
