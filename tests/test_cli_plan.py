@@ -20,18 +20,11 @@ import pytest
 import torch
 
 from .dist_utils import run_distributed
+from .tiny_models import TINY_DECODER, config_of
 
 ROOT_ENV = "HPF_CLI_PLAN_ROOT"
-_SIZES: dict[str, Any] = dict(  # odd vocabulary and expert counts: the two ranks' shards differ in size
-    vocab_size=65,
-    hidden_size=16,
-    intermediate_size=24,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=4,
-    max_position_embeddings=64,
-)
+#: Odd vocabulary and expert counts: the two ranks' shards differ in size.
+_SIZES: dict[str, Any] = dict(TINY_DECODER, vocab_size=65)
 CONFIGS: dict[str, dict[str, Any]] = {
     "llama": dict(_SIZES, tie_word_embeddings=True),
     "qwen3_moe": dict(_SIZES, num_experts=3, num_experts_per_tok=2, moe_intermediate_size=8),
@@ -89,12 +82,12 @@ def check_real_plans(rank: int, world: int) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> Path:
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     root = tmp_path_factory.mktemp("cli_plan")
     for family, sizes in CONFIGS.items():
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **sizes)).to(torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(config_of(family, **sizes)).to(torch.bfloat16)
         model.save_pretrained(root / family, max_shard_size="20KB")  # several files: files touched differ by rank
     return root
 

@@ -16,23 +16,13 @@ from torch import nn
 import hp_fastload
 from hp_fastload.finalize import non_persistent_buffers
 
-LLAMA = dict(
-    vocab_size=64,
-    hidden_size=16,
-    intermediate_size=24,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=4,
-    max_position_embeddings=64,
-    tie_word_embeddings=True,
-)
+from .tiny_models import TINY_DECODER, config_of, randomized, sgd_step_losses
+
+LLAMA = dict(TINY_DECODER, tie_word_embeddings=True)
 
 
 def _config():
-    from transformers import AutoConfig
-
-    return AutoConfig.for_model("llama", **LLAMA)
+    return config_of("llama", **LLAMA)
 
 
 @pytest.fixture(scope="module")
@@ -40,10 +30,7 @@ def tied_llama(tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(_config())
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn_like(p) * 0.5)
+    model = randomized(AutoModelForCausalLM.from_config(_config()), 0.5)
     path = tmp_path_factory.mktemp("tied_llama")
     model.save_pretrained(path)
     return path
@@ -65,13 +52,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def _step_losses(model: nn.Module) -> tuple[float, float]:
     torch.manual_seed(1)
     ids = torch.randint(0, LLAMA["vocab_size"], (2, 9))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    model.train()
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    optimizer.step()
-    with torch.no_grad():
-        after = model(input_ids=ids, labels=ids).loss
+    loss, after = sgd_step_losses(model, ids, lr=0.1)
     return loss.item(), after.item()
 
 

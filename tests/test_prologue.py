@@ -25,20 +25,12 @@ import torch
 from torch import nn
 
 from .dist_utils import run_distributed, run_subchecks, subcheck_values
+from .tiny_models import TINY_DECODER, config_of, randomized, sgd_step_losses
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
 ROOT_ENV = "HPF_PROLOGUE_ROOT"
-_SIZES: dict[str, Any] = dict(
-    vocab_size=64,
-    hidden_size=16,
-    intermediate_size=24,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=4,
-    max_position_embeddings=64,
-)
+_SIZES: dict[str, Any] = TINY_DECODER
 CONFIGS: dict[str, dict[str, Any]] = {
     "llama": dict(_SIZES, tie_word_embeddings=True),
     "qwen3_moe": dict(_SIZES, tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8),
@@ -47,9 +39,7 @@ TIED = {"llama": ("lm_head.weight", "model.embed_tokens.weight")}
 
 
 def _config(family: str) -> Any:
-    from transformers import AutoConfig
-
-    return AutoConfig.for_model(family, **CONFIGS[family])
+    return config_of(family, **CONFIGS[family])
 
 
 def _path(family: str) -> Path:
@@ -74,14 +64,7 @@ def _observe(model: nn.Module, family: str) -> dict[str, Any]:
     if family in TIED:
         a, b = TIED[family]
         ties[a] = model.get_parameter(a) is model.get_parameter(b)
-    ids = _batch()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    model.train()
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    optimizer.step()
-    with torch.no_grad():
-        after = model(input_ids=ids, labels=ids).loss
+    loss, after = sgd_step_losses(model, _batch(), lr=0.5)
     if family in TIED:
         a, b = TIED[family]
         ties[a + " after the step"] = model.get_parameter(a) is model.get_parameter(b)
@@ -218,10 +201,7 @@ def prologue(tmp_path_factory) -> tuple[dict[str, dict[str, Any]], list[dict[str
     references = {}
     for family in CONFIGS:
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(_config(family))
-        with torch.no_grad():
-            for p in model.parameters():
-                p.copy_(torch.randn_like(p) * 0.5)
+        model = randomized(AutoModelForCausalLM.from_config(_config(family)), 0.5)
         model.save_pretrained(root / family)
         reference = AutoModelForCausalLM.from_pretrained(root / family, dtype=torch.float32)
         os.environ[ROOT_ENV] = str(root)

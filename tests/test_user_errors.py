@@ -120,7 +120,9 @@ def test_from_pretrained_refuses_two_layouts_and_a_checkpoint_without_config(lla
     with pytest.raises(ValueError, match="either parallelize or distributed_config"):
         hp_fastload.from_pretrained(llama2, parallelize=lambda m: None, distributed_config=object())
     save_file({"w": torch.ones(2)}, tmp_path / "model.safetensors")
-    with pytest.raises(FileNotFoundError, match=r"config\.json: from_pretrained builds the model from"):
+    with pytest.raises(
+        FileNotFoundError, match=r"config\.json does not exist: the model is built from the checkpoint's config\.json"
+    ):
         hp_fastload.from_pretrained(tmp_path)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-_COMMON: dict[str, Any] = dict(
+_SIZES: dict[str, Any] = dict(
     vocab_size=64,
     hidden_size=16,
     intermediate_size=24,
@@ -12,8 +12,12 @@ _COMMON: dict[str, Any] = dict(
     num_attention_heads=4,
     num_key_value_heads=2,
     max_position_embeddings=64,
-    tie_word_embeddings=False,
 )
+_COMMON: dict[str, Any] = dict(_SIZES, tie_word_embeddings=False)
+
+#: A tiny decoder's sizes (4 heads of 4, 2 KV heads): the prologue, finalize and CLI-plan tests add their own
+#: tie, vocabulary and expert fields.
+TINY_DECODER: dict[str, Any] = dict(_SIZES, head_dim=4)
 
 _MOE: dict[str, Any] = dict(num_local_experts=4, num_experts_per_tok=2)
 
@@ -93,10 +97,41 @@ MODEL_CLASSES: dict[str, str] = {
 }
 
 
-def tiny_config(family: str) -> Any:
+def config_of(family: str, **fields: Any) -> Any:
+    """transformers' config of ``family`` with ``fields`` set."""
     from transformers import AutoConfig
 
-    return AutoConfig.for_model(family, **FAMILIES[family])
+    return AutoConfig.for_model(family, **fields)
+
+
+def tiny_config(family: str) -> Any:
+    return config_of(family, **FAMILIES[family])
+
+
+def sgd_step_losses(model: Any, ids: Any, lr: float) -> tuple[Any, Any]:
+    """The language-model loss of ``ids`` (as its own labels) before and after one SGD step of ``lr``, in train
+    mode: what a loaded model and transformers' own must agree on."""
+    import torch
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    model.train()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    optimizer.step()
+    with torch.no_grad():
+        after = model(input_ids=ids, labels=ids).loss
+    return loss, after
+
+
+def randomized(model: Any, scale: float = 1.0) -> Any:
+    """``model`` with every parameter drawn from ``randn * scale`` (init may leave norms at exactly 1 and
+    biases at 0, which would hide a value put in the wrong place)."""
+    import torch
+
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * scale)
+    return model
 
 
 def model_class(family: str) -> Any:
@@ -113,11 +148,7 @@ def tiny_model(family: str, seed: int = 0) -> Any:
     cls = model_class(family)
     config = tiny_config(family)
     model = cls.from_config(config) if cls.__name__.startswith("Auto") else cls(config)
-    # give every tensor distinct values (init may leave norms at exactly 1 and biases at 0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn_like(p))
-    return model.eval()
+    return randomized(model).eval()
 
 
 # ---------------------------------------------------------------------------------------------------------

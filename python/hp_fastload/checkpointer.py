@@ -29,7 +29,7 @@ from .finalize import non_persistent_buffers, recreate_buffers, retie
 from .index import CheckpointIndex, resolve_checkpoint_location
 from .plan import LoadPlan, LoadReport, Replacement, gc_paused, plan_load
 from .quant import QuantizationError
-from .rules import resolve_mapping
+from .rules import resolve_mapping, unwrapped
 from .targets import build_targets
 
 __all__ = ["HF_LOADER_ENV", "LOADERS", "HuggingFaceCheckpointer", "load", "plan", "resolve_hf_loader"]
@@ -275,7 +275,7 @@ def plan(
     The arguments are ``load``'s.
     """
     return _plan_at(
-        model,
+        unwrapped(model),
         resolve_checkpoint_location(path, revision=revision),
         resolve_hf_loader(loader),
         weights_mapping=weights_mapping,
@@ -393,9 +393,13 @@ def load(
     ``tie_weights()``), and non-persistent buffers (rotary ``inv_freq``...) are recomputed after reading
     through the model's own ``initialize_weights()``, as ``from_pretrained`` does; buffers nothing re-created
     are listed in ``LoadReport.unfilled_buffers``.
+
+    A model wrapped by ``torch.compile`` or ``DistributedDataParallel`` is loaded through the module it wraps
+    (``rules.unwrapped``): the same tensors, under the checkpoint's names.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"load() needs a live nn.Module to write into, got {type(model).__name__}")
+    model = unwrapped(model)  # torch.compile / DDP: the wrapped module's names and rules (same tensors)
     name = resolve_hf_loader(loader)
     start = time.perf_counter()
     if threads is None:

@@ -133,7 +133,7 @@ def _plan(args: argparse.Namespace) -> int:
             f"{p.region_targets} region targets, {len(p.deferred)} deferred groups, missing {p.missing}, "
             f"unexpected {p.unexpected}; planned in {p.seconds:.3f} s"
         )
-        print(p.summary)
+        print("\n".join(map(_printable, p.summary.splitlines())))
         return 0
     print(f"{'rank':>6} {'bytes':>16} {'files':>6} {'deferred':>9} {'missing':>8}")
     for p in plans:
@@ -213,9 +213,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 0
-    except (HpFastloadError, OSError, ValueError, RuntimeError, ImportError) as exc:
+    except Exception as exc:  # a bad checkpoint or config (transformers raises many types): one line, no traceback
         text = " ".join(str(exc).split()) or type(exc).__name__
-        print(f"hp-fastload {args.command}: error: {text}", file=sys.stderr)
+        if not isinstance(exc, (HpFastloadError, OSError, ValueError, RuntimeError, ImportError)):
+            text = f"{type(exc).__name__}: {text}"  # an unusual type says what it is
+        print(f"hp-fastload {args.command}: error: {_printable(text)}", file=sys.stderr)  # names from files: escaped
         return 1
     return status
 

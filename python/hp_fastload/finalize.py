@@ -32,7 +32,7 @@ from torch import nn
 
 from .errors import TargetError
 
-__all__ = ["non_persistent_buffers", "recreate_buffers", "retie"]
+__all__ = ["initialize_missing", "non_persistent_buffers", "recreate_buffers", "retie"]
 
 log = logging.getLogger("hp_fastload")
 
@@ -139,7 +139,9 @@ def recreate_buffers(model: nn.Module) -> list[str]:
         if not _flagged(tensor):
             setattr(tensor, _FLAG, True)
             marked.append(tensor)
-    modules_before = {id(m) for m in model.modules() if getattr(m, _FLAG, False)}
+    # A module's own flag, in its own __dict__: a forwarding wrapper (activation checkpointing's
+    # CheckpointWrapper, torch.compile's OptimizedModule) answers getattr with its inner module's.
+    modules_before = {id(m) for m in model.modules() if m.__dict__.get(_FLAG, False)}
     try:
         model.initialize_weights()  # type: ignore[operator]
     except Exception as exc:  # an init that cannot run on this layout (a buffer made a DTensor...)
@@ -148,7 +150,25 @@ def recreate_buffers(model: nn.Module) -> list[str]:
         for tensor in marked:
             delattr(tensor, _FLAG)
         for module in model.modules():  # leave a later initialize_weights() of the user's free to run
-            if id(module) not in modules_before and getattr(module, _FLAG, False):
+            if id(module) not in modules_before and _FLAG in module.__dict__:
                 delattr(module, _FLAG)
     live = dict(non_persistent_buffers(model))
     return [name for name, b in buffers if live.get(name) is b and b._version == versions[id(b)]]
+
+
+@torch.no_grad()
+def initialize_missing(model: nn.Module) -> None:
+    """Initialize what no load filled in a model that nobody else initialized (``from_pretrained``'s, fresh from
+    ``to_empty``): the model's own ``initialize_weights()`` writes every parameter and buffer without the
+    ``_is_hf_initialized`` flag that ``load`` sets on what it filled, as transformers' ``from_pretrained``
+    initializes its missing keys. The flags it leaves on modules are removed (a later call of the user's runs
+    in full). Not for ``load`` into a user's model: what the user holds there is theirs."""
+    if not is_transformers_model(model) or not hasattr(model, "initialize_weights"):
+        return
+    before = {id(m) for m in model.modules() if m.__dict__.get(_FLAG, False)}
+    try:
+        model.initialize_weights()  # type: ignore[operator]
+    finally:
+        for module in model.modules():
+            if id(module) not in before and _FLAG in module.__dict__:
+                delattr(module, _FLAG)

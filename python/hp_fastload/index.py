@@ -109,6 +109,10 @@ def resolve_checkpoint_location(
         return local
     if local.is_dir():
         return local
+    if local.exists():  # a FIFO, socket or device: not a checkpoint, and not a Hub id either
+        raise FileNotFoundError(
+            errno.ENOENT, f"checkpoint {local.absolute()} is a FIFO, socket or device, not a file or a directory", text
+        )
     if _is_hub_id(text):
         return _resolve_hub(text, revision, cache_first)
     hub = "" if _looks_local(text) else ", nor a Hub repo id (owner/name)"
@@ -194,8 +198,17 @@ class CheckpointIndex:
             _check_shard_name(index_path, name, text)
         for name in names:
             file_path = root / name
-            if not file_path.exists():  # a FIFO or device exists: the header reader refuses it unopened
-                raise FileNotFoundError(f"safetensors shard named by {index_path} does not exist: {file_path}")
+            try:
+                present = file_path.exists()
+            except OSError as exc:  # ENAMETOOLONG...: the message would quote the whole (huge) name
+                raise HeaderError(
+                    f"index {index_path} names shard {shown_key(name)}, which cannot be looked up under {root}: "
+                    f"{exc.strerror}"
+                ) from None
+            if not present:  # a FIFO or device exists: the header reader refuses it unopened
+                raise FileNotFoundError(
+                    f"safetensors shard {shown_key(name)} named by {index_path} does not exist under {root}"
+                )
         opened = dict(zip(names, _open_all([root / name for name in names]), strict=True))
         for file in opened.values():
             _refuse_torch_sharded(file)

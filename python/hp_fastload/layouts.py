@@ -26,6 +26,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -218,9 +219,10 @@ class RankPlan:
 
 def _meta_model(checkpoint: str, auto_class: str | None) -> nn.Module:
     import transformers
-    from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(checkpoint)
+    from .pretrained import _read_config
+
+    config = _read_config(Path(checkpoint), {})  # a regular config.json (a FIFO would block the read)
     cls = getattr(transformers, auto_class or "AutoModelForCausalLM", None)
     if cls is None:
         raise ValueError(f"--auto-class {auto_class!r} is not a class of transformers")

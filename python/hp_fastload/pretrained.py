@@ -14,6 +14,9 @@ It does not read tensors itself, decide regions, or apply conversion rules: ``lo
 from __future__ import annotations
 
 import contextlib
+import errno
+import hashlib
+import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -22,8 +25,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from .checkpointer import _dist_active, _resolve_location_each, load
+from .checkpointer import _agree, _dist_active, _resolve_location_each, load
+from .errors import CheckpointMismatchError
+from .finalize import initialize_missing
 from .plan import LoadReport
+from .rules import unwrapped
 
 __all__ = ["from_pretrained"]
 
@@ -41,20 +47,46 @@ def _model_class(auto_class: Any) -> Any:
     return auto_class
 
 
-def _dtype(dtype: Any, config: Any) -> torch.dtype:
-    """``None`` or ``"auto"``: the config's dtype (float32 when it names none), as transformers v5 does."""
+def _dtype(dtype: Any, config: Any, location: Path) -> torch.dtype:
+    """``None`` or ``"auto"``: the config's dtype, else the checkpoint's (:func:`_checkpoint_dtype`), as
+    transformers v5's ``from_pretrained`` (whose default is ``"auto"``) chooses."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype is None or dtype == "auto":
         dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
         if dtype is None:
-            return torch.float32
+            return _checkpoint_dtype(location)
     if isinstance(dtype, torch.dtype):
         return dtype
     value = getattr(torch, str(dtype).removeprefix("torch."), None)
     if not isinstance(value, torch.dtype):
         raise ValueError(f"dtype={dtype!r} is not a torch dtype")
     return value
+
+
+def _checkpoint_dtype(location: Path) -> torch.dtype:
+    """transformers' choice for a config without a dtype: the index's ``metadata.dtype``, else the first
+    floating dtype (float8/float4 skipped) among the tensors of the first shard in name order (in key order),
+    else that shard's first tensor's dtype; float32 for an empty checkpoint. Headers only."""
+    from .index import INDEX_NAME, CheckpointIndex
+
+    folder = location if location.is_dir() else location.parent
+    index_path = folder / INDEX_NAME
+    if location.is_dir() and index_path.is_file():
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            named = json.loads(index_path.read_bytes()).get("metadata", {}).get("dtype")
+            value = getattr(torch, str(named).removeprefix("torch."), None) if named else None
+            if isinstance(value, torch.dtype):
+                return value
+    index = CheckpointIndex.open(location)
+    if not index.files:
+        return torch.float32
+    first = min(index.files, key=lambda f: os.path.relpath(f.path, folder))
+    dtypes = [first.torch_dtype(key) for key in sorted(first.keys())]
+    for value in dtypes:
+        if value.is_floating_point and "float8_" not in str(value) and "float4_" not in str(value):
+            return value
+    return dtypes[0] if dtypes else torch.float32
 
 
 def _init_contexts(dtype: torch.dtype) -> list[Any]:
@@ -74,14 +106,25 @@ def _default_device(bound: Any) -> torch.device:
 
 
 def _read_config(location: Path, config_overrides: dict[str, Any]) -> Any:
-    from transformers import AutoConfig
-
+    """The checkpoint's ``config.json`` through ``AutoConfig`` (``config_overrides`` applied); refused unopened
+    when it is missing or not a regular file (a FIFO or a device would block the read)."""
     folder = location if location.is_dir() else location.parent
-    if not (folder / "config.json").is_file():
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        what = "is a FIFO, socket or device, not a regular file" if config_path.exists() else "does not exist"
         raise FileNotFoundError(
-            f"{folder / 'config.json'}: from_pretrained builds the model from the checkpoint's config.json, and "
-            "there is none; build the model yourself and call hp_fastload.load(model, path)"
+            errno.ENOENT,
+            f"{config_path} {what}: the model is built from the checkpoint's config.json; build the model "
+            "yourself and call hp_fastload.load(model, path)",
+            str(config_path),
         )
+    try:
+        from transformers import AutoConfig
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "building the model from a checkpoint's config.json needs transformers (pip install transformers); "
+            "without it, build the model yourself and call hp_fastload.load(model, path)"
+        ) from exc
     return AutoConfig.from_pretrained(folder, **config_overrides)
 
 
@@ -103,12 +146,14 @@ def from_pretrained(
 
     Steps, on every rank: the checkpoint's ``config.json`` (``config_overrides`` applied, as
     ``AutoConfig.from_pretrained`` takes them) → ``auto_class`` (default ``AutoModelForCausalLM``; a class or
-    its name) built on the meta device in ``dtype`` (default: the config's, else float32) → parallelized by
-    ``parallelize(model)`` (FSDP2 / TP / EP, anything that turns parameters into DTensors in place; a returned
-    module replaces the model) or by transformers' ``DistributedConfig`` (tp, fsdp, ep plans of the model) →
+    its name) built on the meta device in ``dtype`` (default ``"auto"``: the config's, else the checkpoint's,
+    as transformers chooses) → parallelized by ``parallelize(model)`` (FSDP2 / TP / EP, anything that turns
+    parameters into DTensors in place; a returned module replaces the model) or by transformers'
+    ``DistributedConfig`` (tp, fsdp, ep plans of the model) →
     ``to_empty(device)`` (default: the device transformers bound this rank to, else ``cuda:LOCAL_RANK``, else
     CPU) → :func:`hp_fastload.load` with ``strict`` (tied weights re-tied, non-persistent buffers recomputed
-    through the model's own init) → ``eval()``.
+    through the model's own init; with ``strict=False``, what the checkpoint lacks initialized by the model's own
+    ``initialize_weights()``, as transformers does) → ``eval()``.
 
     Not covered: quantized checkpoints, ``device_map`` offloading, remote code, adapters; build such a model
     yourself and call ``hp_fastload.load`` on it.
@@ -118,9 +163,54 @@ def from_pretrained(
     if parallelize is not None and not callable(parallelize):
         raise TypeError(f"parallelize must be a callable taking the model, got {type(parallelize).__name__}")
     location = _resolve_location_each(path_or_hub_id, revision)
-    config = _read_config(location, config_overrides)
+    # Each step that can fail on one rank alone is agreed on: the others raise too instead of waiting in
+    # load's first collective.
+    config = _agree("Reading the checkpoint's config.json", lambda: _read_config(location, config_overrides))
+    _agree_config(config)
+    model = _agree(
+        "Building and parallelizing the model",
+        lambda: _build(location, config, auto_class, dtype, parallelize, distributed_config, device),
+    )
+    report: LoadReport = load(model, location, strict=strict)
+    # strict=False: what the checkpoint does not hold is fresh from to_empty (whatever the allocator left there);
+    # transformers initializes it. Agreed on every rank (the collective does not depend on the report).
+    _agree(
+        "Initializing the tensors the checkpoint does not hold",
+        lambda: initialize_missing(unwrapped(model)) if report.missing_keys else None,
+    )
+    model.eval()
+    return (model, report) if output_loading_info else model
+
+
+def _agree_config(config: Any) -> None:
+    """Every rank raises :class:`~hp_fastload.CheckpointMismatchError` unless the ranks read the same config
+    (``load`` compares the safetensors files, not ``config.json``; node-local copies can differ in it)."""
+    if not _dist_active() or torch.distributed.get_world_size() == 1:
+        return
+    mine = hashlib.blake2b(config.to_json_string(use_diff=False).encode(), digest_size=16).hexdigest()
+    gathered: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, mine)
+    differing = [rank for rank, digest in enumerate(gathered) if digest != gathered[0]]
+    if differing:
+        more = f" (and {len(differing) - 1} more ranks)" if len(differing) > 1 else ""
+        raise CheckpointMismatchError(
+            "the ranks read different configs from the checkpoint's config.json (with config_overrides): rank "
+            f"{differing[0]}'s differs from rank 0's{more}. Pass every rank the same checkpoint and the same overrides"
+        )
+
+
+def _build(
+    location: Path,
+    config: Any,
+    auto_class: Any,
+    dtype: Any,
+    parallelize: Callable[[nn.Module], Any] | None,
+    distributed_config: Any,
+    device: str | torch.device | None,
+) -> nn.Module:
+    """The model on meta, parallelized, materialized on ``device`` (not yet filled)."""
     cls = _model_class(auto_class)
-    torch_dtype = _dtype(dtype, config)
+    torch_dtype = _dtype(dtype, config, location)
     with contextlib.ExitStack() as stack:
         for context in _init_contexts(torch_dtype):
             stack.enter_context(context)
@@ -138,6 +228,4 @@ def from_pretrained(
         if isinstance(returned, nn.Module):
             model = returned
     model.to_empty(device=device if device is not None else _default_device(bound))
-    report: LoadReport = load(model, location, strict=strict)
-    model.eval()
-    return (model, report) if output_loading_info else model
+    return model

@@ -45,6 +45,7 @@ __all__ = [
     "natural_sort_key",
     "own_class",
     "resolve_mapping",
+    "unwrapped",
 ]
 
 
@@ -537,6 +538,25 @@ def own_class(module: Any) -> type:
         ):
             return cls
         cls = inner
+
+
+def unwrapped(model: Any) -> Any:
+    """The module a forwarding wrapper holds, under any number of them: ``torch.compile``'s ``OptimizedModule``
+    (``_orig_mod``) and ``DistributedDataParallel`` (``module``). Their parameters are the inner module's own
+    tensors under a prefix (``_orig_mod.``, ``module.``) that no checkpoint has, and the inner module is what
+    the conversion rules are looked up on; loading into it writes the same tensors. Class-swapping wrappers
+    (``fully_shard``) keep the names and are handled by :func:`own_class`."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # never imported: nothing was compiled
+    compiled: Any = getattr(eval_frame, "OptimizedModule", None)
+    while True:
+        if isinstance(model, DistributedDataParallel):
+            model = model.module
+        elif compiled is not None and isinstance(model, compiled) and isinstance(model._orig_mod, torch.nn.Module):
+            model = model._orig_mod
+        else:
+            return model
 
 
 class _ModelView:

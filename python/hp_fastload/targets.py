@@ -587,6 +587,13 @@ def _make_target(names: list[str], tensor: torch.Tensor, resolver: _LayoutResolv
     return target
 
 
+#: Child names of forwarding wrappers that no checkpoint has, dropped from target names as torch's own
+#: ``get_model_state_dict`` drops them: ``torch.compile``'s ``_orig_mod`` (torchtitan compiles each block) and
+#: activation checkpointing's ``_checkpoint_wrapped_module``. Both wrappers forward attribute lookups, so
+#: ``model.get_parameter`` of the name without them still reaches the tensor.
+WRAPPED_CHILDREN = frozenset({"_orig_mod", "_checkpoint_wrapped_module"})
+
+
 def build_targets(
     model: nn.Module,
     *,
@@ -596,7 +603,8 @@ def build_targets(
     """Map every load-target name of ``model`` to its :class:`Target` (aliases share one object).
 
     Targets are parameters and persistent buffers, found through ``named_modules(remove_duplicate=False)``
-    so that shared modules and tied tensors appear under every path; names reaching the same tensor object
+    so that shared modules and tied tensors appear under every path (without the wrapper components of
+    :data:`WRAPPED_CHILDREN`); names reaching the same tensor object
     are one target, ``names`` in registration order. The dict is in traversal order (module by module, root
     first; within a module parameters, then buffers).
 
@@ -614,8 +622,13 @@ def build_targets(
     """
     by_id: dict[int, tuple[torch.Tensor, list[str]]] = {}
     order: list[tuple[str, int]] = []
+    canonical: dict[str, str] = {"": ""}
     for module_name, module in model.named_modules(remove_duplicate=False):
-        prefix = f"{module_name}." if module_name else ""
+        if module_name:
+            parent, _, leaf = module_name.rpartition(".")
+            above = canonical[parent]
+            canonical[module_name] = above if leaf in WRAPPED_CHILDREN else f"{above}.{leaf}" if above else leaf
+        prefix = f"{canonical[module_name]}." if canonical[module_name] else ""
         for key, param in module._parameters.items():
             if param is not None:
                 by_id.setdefault(id(param), (param, []))[1].append(prefix + key)
