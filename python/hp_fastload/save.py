@@ -363,14 +363,6 @@ def _first_instance(mesh: Any) -> bool:
     return int(root.mesh.min()) in set(mesh.mesh.flatten().tolist())
 
 
-def _full(target: Target) -> torch.Tensor:
-    """The whole tensor on CPU (a collective for DTensors: every rank must call it, in the same order)."""
-    tensor: Any = target.tensor
-    with torch.no_grad():
-        full = tensor.full_tensor() if target.is_dtensor else tensor.detach()
-    return full.cpu()
-
-
 class _WriteBatch(_Batch):
     """One engine call in the write direction: the load packer's records, executed the other way."""
 
@@ -577,26 +569,34 @@ def _run_fallbacks(
     stats: _Stats,
 ) -> list[str]:
     """Gathers each fallback group's targets (every rank, same order), reverts them with transformers on rank
-    0 and writes the checkpoint tensors whole there. Returns the keys written this way."""
+    0 and writes the checkpoint tensors whole there. Returns the keys written this way (on every rank).
+
+    One agreement per group: the gathers of a group are collectives, so a rank whose revert or write of a
+    group failed must not go on to the next group's gathers while the others wait in the agreement (the
+    ranks would sit in different collectives: gloo aborts the process, NCCL hangs)."""
     from transformers.core_model_loading import revert_weight_conversion
 
-    rank0 = not _dist_active() or torch.distributed.get_rank() == 0
-    written: list[str] = []
-    for keys, targets in groups:
-        state = {}
-        for target in targets:
-            full = _full(target)
-            for alias in target.names:
-                state[alias] = full
+    rank0 = _rank0()
+
+    def one_group(keys: list[str], targets: list[Target]) -> list[str]:
+        with torch.no_grad():  # every collective of the group first, then the local work that may fail
+            gathered = [t.tensor.full_tensor() if t.is_dtensor else t.tensor.detach() for t in targets]  # type: ignore[attr-defined]
         if not rank0:
-            continue
+            return []
+        state = {alias: full.cpu() for target, full in zip(targets, gathered, strict=True) for alias in target.names}
         with _conversions(model, rules):
             reverted = revert_weight_conversion(cast(Any, model), state)
         missing = [key for key in keys if key not in reverted]
         if missing:
             raise PlanError(f"the reverse conversion of {', '.join(t.name for t in targets)} did not give {missing}")
         _write_whole(save_plan, {key: reverted[key] for key in keys}, threads, stats)
-        written.extend(keys)
+        return keys
+
+    written: list[str] = []
+    for keys, targets in groups:
+        written.extend(
+            _agree(f"Writing {keys[0]} (converted with torch)", lambda k=keys, t=targets: one_group(k, t))  # type: ignore[misc]
+        )
     return written
 
 
@@ -752,11 +752,7 @@ def save(
             planned = _gather(_agree("Planning the writers", lambda: _planned_bytes(save_plan, fallback, groups)))
             _check_writers(planned, layout)  # the same list on every rank: all raise or none
             _agree("Writing the checkpoint", lambda: _write_regions(save_plan, fallback, threads, batch_bytes, stats))
-            fallbacks = _agree(
-                "Writing tensors converted with torch",
-                lambda: _run_fallbacks(model, rules, save_plan, groups, threads, stats),
-            )
-            fallbacks = _broadcast(fallbacks)
+            fallbacks = _broadcast(_run_fallbacks(model, rules, save_plan, groups, threads, stats))
             _agree("Syncing the written files", lambda: _sync_written(save_plan, stats.files, tmp))
         finally:
             for file in save_plan.index.files:

@@ -1,0 +1,125 @@
+"""``hp_fastload.save`` failure paths on real gloo ranks and around the final rename.
+
+Multi-rank: a failure on one rank inside the torch fallback (the only stage that runs collectives other than
+the agreement: ``full_tensor`` per fallback group) must make every rank raise, not leave the ranks in
+different collectives. One process: the publish step over an existing directory must never leave ``path``
+without the user's directory, must make the new directory durable before the old one is deleted, and must
+not report a failure once the new checkpoint is in place.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from .dist_utils import run_distributed, run_subchecks, subcheck_values
+from .tiny_models import tiny_model
+
+save_mod = importlib.import_module("hp_fastload.save")  # the module (hp_fastload.save is the function)
+
+ROOT_ENV = "HPF_SAVE_FAULTS_ROOT"
+
+
+def _scale_mapping(keys: list[str]) -> list[Any]:
+    """A value-changing conversion (times 4, exact both ways) on each of ``keys``: torch fallbacks on save."""
+    from transformers.core_model_loading import ConversionOps, WeightConverter
+
+    class Scale(ConversionOps):
+        def __init__(self, factor: float) -> None:
+            self.factor = factor
+
+        def convert(
+            self, input_dict: dict[str, Any], source_patterns: list[str], target_patterns: list[str], **kw: Any
+        ) -> dict[str, Any]:
+            (values,) = input_dict.values()
+            tensor = values[0] if isinstance(values, list) else values
+            return {target_patterns[0]: tensor * self.factor}
+
+        @property
+        def reverse_op(self) -> ConversionOps:
+            return Scale(1.0 / self.factor)
+
+    return [WeightConverter(key, key, [Scale(4.0)]) for key in keys]
+
+
+FALLBACK_KEYS = ["model.layers.0.input_layernorm.weight", "model.norm.weight"]
+
+
+def check_fallback_fault_on_rank0(rank: int, world: int) -> str:
+    """FSDP2 llama with two fallback groups; rank 0's write of the first one fails (disk full)."""
+    import hp_fastload as hf
+
+    from .test_parity import _torch_fsdp
+
+    model = tiny_model("llama")
+    _torch_fsdp(model, world)
+    out = Path(os.environ[ROOT_ENV]) / "fallback-fault"
+    real = save_mod._write_whole
+
+    def failing(*args: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    if rank == 0:
+        save_mod._write_whole = failing
+    try:
+        hf.save(model, out, weights_mapping=_scale_mapping(FALLBACK_KEYS))
+    except OSError as exc:
+        return str(exc)
+    finally:
+        save_mod._write_whole = real
+    return "no error"
+
+
+def check_fallbacks_on_two_ranks(rank: int, world: int) -> list[str]:
+    """The same two fallback groups without a fault: both written (by rank 0), reported on every rank."""
+    import hp_fastload as hf
+
+    from .test_parity import _torch_fsdp
+
+    model = tiny_model("llama")
+    _torch_fsdp(model, world)
+    out = Path(os.environ[ROOT_ENV]) / "fallback-ok"
+    return list(hf.save(model, out, weights_mapping=_scale_mapping(FALLBACK_KEYS)).fallbacks)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("save_faults")
+    os.environ[ROOT_ENV] = str(path)  # spawned ranks inherit the environment
+    return path
+
+
+@pytest.fixture(scope="module")
+def world2(root: Path) -> list[dict[str, Any]]:
+    checks = [check_fallback_fault_on_rank0, check_fallbacks_on_two_ranks]
+    return run_distributed(run_subchecks, 2, checks, timeout=150)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_fallback_fault_on_one_rank_raises_everywhere(root: Path, world2: list[dict[str, Any]]) -> None:
+    messages = subcheck_values(world2, "check_fallback_fault_on_rank0")
+    assert "No space left on device" in messages[0]
+    assert "rank 0" in messages[1] and "No space left on device" in messages[1]
+    assert not (root / "fallback-fault").exists()
+    assert [p.name for p in root.iterdir() if p.name.startswith(".fallback-fault")] == []
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_fallbacks_on_two_ranks(root: Path, world2: list[dict[str, Any]]) -> None:
+    from safetensors.torch import load_file
+
+    assert subcheck_values(world2, "check_fallbacks_on_two_ranks") == [sorted(FALLBACK_KEYS)] * 2
+    model = tiny_model("llama")
+    out = root / "fallback-ok"
+    saved: dict[str, torch.Tensor] = {}
+    for file in out.glob("*.safetensors"):
+        saved.update(load_file(file))
+    for key in FALLBACK_KEYS:
+        assert torch.equal(saved[key], model.get_parameter(key).detach() / 4.0)
