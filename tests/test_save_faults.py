@@ -123,3 +123,95 @@ def test_fallbacks_on_two_ranks(root: Path, world2: list[dict[str, Any]]) -> Non
         saved.update(load_file(file))
     for key in FALLBACK_KEYS:
         assert torch.equal(saved[key], model.get_parameter(key).detach() / 4.0)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Publishing over an existing directory (one process)
+
+
+def _existing(tmp_path: Path) -> Path:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    return out
+
+
+def _siblings(path: Path) -> list[str]:
+    return sorted(p.name for p in path.parent.iterdir() if p.name.startswith(f".{path.name}."))
+
+
+def test_failed_second_rename_puts_the_old_directory_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without RENAME_EXCHANGE the old directory is moved aside first; if moving the new one in fails, the
+    user's directory is back at ``path`` (not left under a hidden name) and nothing else remains."""
+    import hp_fastload as hf
+
+    out = _existing(tmp_path)
+    real = os.rename
+
+    def rename(src: Any, dst: Any) -> None:
+        if ".hp_save-" in os.fspath(src):
+            raise OSError(5, "Input/output error")
+        real(src, dst)
+
+    monkeypatch.setattr(save_mod, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(OSError, match="Input/output"):
+        hf.save(tiny_model("llama"), out, overwrite=True)
+    monkeypatch.undo()
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
+    assert (out / "keep.txt").read_text() == "mine"
+    assert _siblings(out) == []
+
+
+@pytest.mark.parametrize("exchange", [True, False])
+def test_new_directory_is_durable_before_the_old_one_is_deleted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exchange: bool
+) -> None:
+    import hp_fastload as hf
+
+    out = _existing(tmp_path)
+    events: list[tuple[str, str]] = []
+    real_fsync_dir, real_rmtree = save_mod._fsync_dir, save_mod.shutil.rmtree
+
+    def fsync_dir(path: Path) -> None:
+        events.append(("fsync", os.fspath(path)))
+        real_fsync_dir(path)
+
+    def rmtree(path: Any, *args: Any, **kwargs: Any) -> None:
+        events.append(("rmtree", os.fspath(path)))
+        real_rmtree(path, *args, **kwargs)
+
+    if not exchange:
+        monkeypatch.setattr(save_mod, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(save_mod, "_fsync_dir", fsync_dir)
+    monkeypatch.setattr(save_mod.shutil, "rmtree", rmtree)
+    hf.save(tiny_model("llama"), out, overwrite=True)
+    monkeypatch.undo()
+    parent = events.index(("fsync", os.fspath(tmp_path)))
+    removed = [i for i, (what, where) in enumerate(events) if what == "rmtree" and Path(where).parent == tmp_path]
+    assert removed and all(parent < i for i in removed), events
+    assert (out / "model.safetensors").exists() and _siblings(out) == []
+
+
+def test_old_directory_that_cannot_be_removed_does_not_fail_the_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once the new checkpoint is at ``path`` the save has succeeded: a previous directory that cannot be
+    deleted is reported with a warning naming where it is, not raised (which would say nothing was saved)."""
+    import hp_fastload as hf
+
+    out = _existing(tmp_path)
+    real = save_mod.shutil.rmtree
+
+    def rmtree(path: Any, *args: Any, **kwargs: Any) -> None:
+        if (Path(path) / "keep.txt").exists():
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        real(path, *args, **kwargs)
+
+    monkeypatch.setattr(save_mod.shutil, "rmtree", rmtree)
+    with pytest.warns(UserWarning, match="previous directory"):
+        report = hf.save(tiny_model("llama"), out, overwrite=True)
+    monkeypatch.undo()
+    assert report.files == ["model.safetensors"] and (out / "model.safetensors").exists()
+    (left,) = _siblings(out)
+    assert (tmp_path / left / "keep.txt").read_text() == "mine"

@@ -19,6 +19,7 @@ import os
 import secrets
 import shutil
 import time
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -309,20 +310,37 @@ def _exchange(a: Path, b: Path) -> bool:
 
 def _publish(tmp: Path, path: Path, overwrite: bool) -> None:
     """Moves the finished ``tmp`` to ``path``: a plain rename, or, over an existing directory, an atomic
-    exchange (the old directory is removed only once the new one is in place)."""
+    exchange (the old directory is removed only once the new one is in place and its entry synced).
+
+    Without ``RENAME_EXCHANGE`` the old directory is moved aside first; if moving the new one in then fails,
+    the old one is put back before the error propagates. Once the new directory is at ``path`` the save has
+    succeeded: an old directory that cannot be removed is left (hidden, next to ``path``) with a warning."""
     _check_destination(path, overwrite)  # again: something may have appeared there while the ranks wrote
     if path.is_dir() and not any(path.iterdir()):
         path.rmdir()
     if not path.exists():
         os.rename(tmp, path)
-    elif _exchange(tmp, path):
-        shutil.rmtree(tmp)  # tmp now holds the previous directory
+        _fsync_dir(path.parent)
+        return
+    if _exchange(tmp, path):
+        old = tmp  # tmp now holds the previous directory
     else:
         old = path.with_name(f".{path.name}.hp_old-{secrets.token_hex(4)}")
         os.rename(path, old)
-        os.rename(tmp, path)
+        try:
+            os.rename(tmp, path)
+        except BaseException:
+            os.rename(old, path)  # the user's directory back at path
+            raise
+    _fsync_dir(path.parent)  # the new entry durable before the previous directory goes
+    try:
         shutil.rmtree(old)
-    _fsync_dir(path.parent)
+    except OSError as exc:
+        warnings.warn(
+            f"hp_fastload.save: the checkpoint is at {path}, but its previous directory could not be removed "
+            f"and is left at {old} ({exc})",
+            stacklevel=3,
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------
