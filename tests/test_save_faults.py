@@ -87,6 +87,28 @@ def check_fallbacks_on_two_ranks(rank: int, world: int) -> list[str]:
     return list(hf.save(model, out, weights_mapping=_scale_mapping(FALLBACK_KEYS)).fallbacks)
 
 
+def check_relative_path_per_cwd(rank: int, world: int) -> str:
+    """Each rank in its own working directory, one relative ``path``: the ranks name different directories;
+    every rank must raise (rank 0 created its files where rank 1 cannot see them) and leave nothing behind."""
+    import hp_fastload as hf
+
+    from .test_parity import _torch_fsdp
+
+    model = tiny_model("llama")
+    _torch_fsdp(model, world)
+    cwd = Path(os.environ[ROOT_ENV]) / f"cwd{rank}"
+    cwd.mkdir()
+    here = os.getcwd()
+    os.chdir(cwd)
+    try:
+        hf.save(model, "out")
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        os.chdir(here)
+    return "no error"
+
+
 @pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("save_faults")
@@ -96,7 +118,7 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def world2(root: Path) -> list[dict[str, Any]]:
-    checks = [check_fallback_fault_on_rank0, check_fallbacks_on_two_ranks]
+    checks = [check_fallback_fault_on_rank0, check_fallbacks_on_two_ranks, check_relative_path_per_cwd]
     return run_distributed(run_subchecks, 2, checks, timeout=150)
 
 
@@ -123,6 +145,15 @@ def test_fallbacks_on_two_ranks(root: Path, world2: list[dict[str, Any]]) -> Non
         saved.update(load_file(file))
     for key in FALLBACK_KEYS:
         assert torch.equal(saved[key], model.get_parameter(key).detach() / 4.0)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_relative_path_in_different_working_directories(root: Path, world2: list[dict[str, Any]]) -> None:
+    messages = subcheck_values(world2, "check_relative_path_per_cwd")
+    assert all("working directory" in m and str(root / "cwd0" / "out") in m for m in messages), messages
+    assert "rank 1" in messages[0]
+    assert [sorted(p.name for p in (root / f"cwd{r}").iterdir()) for r in range(2)] == [[], []]
 
 
 # ---------------------------------------------------------------------------------------------------------

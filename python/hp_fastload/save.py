@@ -668,6 +668,17 @@ def _create_files(tmp: Path, layout: _Layout) -> None:
             f.truncate(file.size)
 
 
+def _check_visible(tmp: Path, path: Path, first_path: str) -> None:
+    """Each rank must see the temporary directory rank 0 created: else the ranks name different directories
+    (a relative ``path`` resolved against different working directories) or do not share a file system."""
+    if not tmp.is_dir():
+        raise FileNotFoundError(
+            f"{tmp} (the temporary directory for {path}) does not exist on this rank: rank 0 created it for "
+            f"{first_path}. Every rank must name the same directory on a file system they all see (a relative "
+            "path resolves against each rank's own working directory)"
+        )
+
+
 def _finish_files(tmp: Path, layout: _Layout, model: nn.Module) -> None:
     """Rank 0, after every rank wrote: index, config files, fsync of every file and the directory."""
     if layout.index is not None:
@@ -745,12 +756,14 @@ def save(
     rules = _forward_rules(model, weights_mapping)
     _agree("Checking the save destination", lambda: _check_destination(path, overwrite))
     layout: _Layout = _agree("Planning the save layout", lambda: _layout(model, rules, max_shard_size))
-    tmp = path.with_name(f".{path.name}.hp_save-{_broadcast(secrets.token_hex(6))}")
+    token, first_path = _broadcast((secrets.token_hex(6), str(path)))
+    tmp = path.with_name(f".{path.name}.hp_save-{token}")
     stats = _Stats()
     created = done = False
     try:
         created = True
         _agree("Creating the output files", lambda: _create_files(tmp, layout) if _rank0() else None)
+        _agree("Finding the output files", lambda: _check_visible(tmp, path, first_path))
         save_plan: LoadPlan = _agree(
             "Planning the save",
             lambda: _plan_at(
