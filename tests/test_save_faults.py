@@ -109,6 +109,33 @@ def check_relative_path_per_cwd(rank: int, world: int) -> str:
     return "no error"
 
 
+class Plain(torch.nn.Module):
+    """Not a transformers model: a tied head, a persistent and a non-persistent buffer, no config."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(12, 8)
+        self.block = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 12, bias=False)
+        self.head.weight = self.emb.weight
+        self.register_buffer("steps", torch.arange(3))
+        self.register_buffer("scratch", torch.ones(2), persistent=False)
+
+
+def check_plain_module_fsdp(rank: int, world: int) -> list[int]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import hp_fastload as hf
+
+    model = Plain()
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    out = Path(os.environ[ROOT_ENV]) / "plain"
+    report = hf.save(model, out)
+    return list(report.bytes_written_by_rank)
+
+
 @pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("save_faults")
@@ -118,7 +145,12 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def world2(root: Path) -> list[dict[str, Any]]:
-    checks = [check_fallback_fault_on_rank0, check_fallbacks_on_two_ranks, check_relative_path_per_cwd]
+    checks = [
+        check_fallback_fault_on_rank0,
+        check_fallbacks_on_two_ranks,
+        check_relative_path_per_cwd,
+        check_plain_module_fsdp,
+    ]
     return run_distributed(run_subchecks, 2, checks, timeout=150)
 
 
@@ -246,3 +278,60 @@ def test_old_directory_that_cannot_be_removed_does_not_fail_the_save(
     assert report.files == ["model.safetensors"] and (out / "model.safetensors").exists()
     (left,) = _siblings(out)
     assert (tmp_path / left / "keep.txt").read_text() == "mine"
+
+
+def test_a_symlink_at_path_is_refused_and_its_target_kept(tmp_path: Path) -> None:
+    """A link to a directory is refused even with ``overwrite=True`` (the swap would replace the link, and the
+    old "directory" to delete would be the link), with a message that says it is a link and where it points."""
+    import hp_fastload as hf
+
+    real = _existing(tmp_path)
+    link = tmp_path / "link"
+    link.symlink_to(real, target_is_directory=True)
+    with pytest.raises(FileExistsError, match=r"symbolic link \(to .*out\).*points to"):
+        hf.save(tiny_model("llama"), link, overwrite=True)
+    assert link.is_symlink() and sorted(p.name for p in real.iterdir()) == ["keep.txt"]
+    assert _siblings(link) == [] and _siblings(real) == []
+
+
+def _plain_reference(tmp_path: Path) -> dict[str, torch.Tensor]:
+    """What safetensors' own ``save_model`` keeps of :class:`Plain` (aliases dropped), read back."""
+    from safetensors.torch import load_file, save_model
+
+    save_model(Plain(), str(tmp_path / "ref.safetensors"))
+    return load_file(tmp_path / "ref.safetensors")
+
+
+def _assert_plain_export(out: Path, ref: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import load_file
+
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]  # no config: none to write
+    got = load_file(out / "model.safetensors")
+    assert sorted(got) == sorted(ref) == ["block.bias", "block.weight", "emb.weight", "steps"]
+    assert all(got[k].dtype == ref[k].dtype and torch.equal(got[k], ref[k]) for k in ref)
+
+
+def test_plain_module_saves_what_save_model_keeps(tmp_path: Path) -> None:
+    """A module that is not a transformers model: its persistent state dict, one name per tied tensor (the
+    one safetensors' ``save_model`` keeps), no config files; ``load`` restores it with the tie kept."""
+    import hp_fastload as hf
+
+    ref = _plain_reference(tmp_path)
+    hf.save(Plain(), tmp_path / "out")
+    _assert_plain_export(tmp_path / "out", ref)
+    fresh = Plain()
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.zero_()
+    hf.load(fresh, tmp_path / "out")
+    assert torch.equal(fresh.emb.weight, ref["emb.weight"]) and fresh.head.weight is fresh.emb.weight
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_plain_module_under_fsdp2(root: Path, world2: list[dict[str, Any]], tmp_path: Path) -> None:
+    by_rank = subcheck_values(world2, "check_plain_module_fsdp")
+    ref = _plain_reference(tmp_path)
+    assert by_rank[0] == by_rank[1] and min(by_rank[0]) > 0, by_rank  # FSDP2 shards: both ranks write
+    assert sum(by_rank[0]) == sum(t.numel() * t.element_size() for t in ref.values())
+    _assert_plain_export(root / "plain", ref)

@@ -281,7 +281,12 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _check_destination(path: Path, overwrite: bool) -> None:
-    if path.is_symlink() or (path.exists() and not path.is_dir()):
+    if path.is_symlink():  # the swap would replace the link, not what it points to
+        raise FileExistsError(
+            f"{path} is a symbolic link (to {os.readlink(path)}); refusing to replace it: pass the directory it "
+            "points to"
+        )
+    if path.exists() and not path.is_dir():
         raise FileExistsError(f"{path} exists and is not a directory; refusing to replace it")
     if path.is_dir() and any(path.iterdir()) and not overwrite:
         raise FileExistsError(f"{path} is a non-empty directory; pass overwrite=True to replace it")
