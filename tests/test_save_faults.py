@@ -25,6 +25,10 @@ save_mod = importlib.import_module("hp_fastload.save")  # the module (hp_fastloa
 ROOT_ENV = "HPF_SAVE_FAULTS_ROOT"
 
 
+def _siblings(path: Path) -> list[str]:
+    return sorted(p.name for p in path.parent.iterdir() if p.name.startswith(f".{path.name}."))
+
+
 def _scale_mapping(keys: list[str]) -> list[Any]:
     """A value-changing conversion (times 4, exact both ways) on each of ``keys``: torch fallbacks on save."""
     from transformers.core_model_loading import ConversionOps, WeightConverter
@@ -188,6 +192,28 @@ def test_relative_path_in_different_working_directories(root: Path, world2: list
     assert [sorted(p.name for p in (root / f"cwd{r}").iterdir()) for r in range(2)] == [[], []]
 
 
+def _rank_skips_save(rank: int, world: int, path: str) -> str:
+    import hp_fastload as hf
+
+    if rank == 1:
+        return "rank 1 went on without calling save"
+    try:
+        hf.save(tiny_model("llama"), path)
+    except RuntimeError as exc:
+        return str(exc)
+    return "save returned"
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_a_rank_that_does_not_call_save_is_named_as_such(tmp_path: Path) -> None:
+    """The waiting rank's error names save (it named load, which the ranks were not in)."""
+    results = run_distributed(_rank_skips_save, 2, str(tmp_path / "out"), timeout=60)
+    assert "rank 0 of 2 waited for the other ranks" in results[0], results[0]
+    assert "must call hp_fastload.save together" in results[0] and "hp_fastload.load" not in results[0], results[0]
+    assert not (tmp_path / "out").exists() and _siblings(tmp_path / "out") == []
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Publishing over an existing directory (one process)
 
@@ -197,10 +223,6 @@ def _existing(tmp_path: Path) -> Path:
     out.mkdir()
     (out / "keep.txt").write_text("mine")
     return out
-
-
-def _siblings(path: Path) -> list[str]:
-    return sorted(p.name for p in path.parent.iterdir() if p.name.startswith(f".{path.name}."))
 
 
 def test_failed_second_rename_puts_the_old_directory_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -30,7 +30,8 @@ import torch
 from torch import nn
 
 from . import _core
-from .checkpointer import _agree, _dist_active, _plan_at
+from .checkpointer import _agree as _agree_as
+from .checkpointer import _dist_active, _plan_at
 from .errors import PlanError, TargetError
 from .execute import _Batch, _staging_chunks
 from .plan import LoadPlan, ReadItem, TemplateReads, gc_paused
@@ -617,9 +618,7 @@ def _run_fallbacks(
 
     written: list[str] = []
     for keys, targets in groups:
-        written.extend(
-            _agree(f"Writing {keys[0]} (converted with torch)", lambda k=keys, t=targets: one_group(k, t))  # type: ignore[misc]
-        )
+        written.extend(_agree(f"Writing {keys[0]} (converted with torch)", lambda k=keys, t=targets: one_group(k, t)))
     return written
 
 
@@ -639,6 +638,11 @@ def _check_coverage(save_plan: LoadPlan) -> None:
 
 # ---------------------------------------------------------------------------------------------------------
 # Collectives (small metadata only)
+
+
+def _agree(stage: str, fn: Any) -> Any:
+    """``checkpointer._agree`` for save: a peer that is not in ``save`` is named as such."""
+    return _agree_as(stage, fn, "hp_fastload.save")
 
 
 def _broadcast(value: Any) -> Any:
