@@ -357,3 +357,23 @@ def test_plain_module_under_fsdp2(root: Path, world2: list[dict[str, Any]], tmp_
     assert by_rank[0] == by_rank[1] and min(by_rank[0]) > 0, by_rank  # FSDP2 shards: both ranks write
     assert sum(by_rank[0]) == sum(t.numel() * t.element_size() for t in ref.values())
     _assert_plain_export(root / "plain", ref)
+
+
+def test_every_safetensors_dtype_is_saved_as_safetensors_saves_it(tmp_path: Path) -> None:
+    """Buffers of every dtype safetensors' torch API writes (unsigned, complex and fnuz float8 included):
+    the file equals safetensors' own ``save_file`` with ``{"format": "pt"}`` metadata byte for byte (header
+    order is by dtype, so a dtype missing from save's order table misplaces data)."""
+    from safetensors.torch import save_file
+
+    import hp_fastload as hf
+
+    names = ["bool", "uint8", "int8", "float8_e5m2", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2fnuz"]
+    names += ["int16", "uint16", "float16", "bfloat16", "int32", "uint32", "float32", "complex64", "float64"]
+    names += ["int64", "uint64"]
+    module = torch.nn.Module()
+    for i, name in enumerate(names):
+        raw = torch.arange(8 * (i + 1), dtype=torch.uint8).reshape(-1)[: 8 * 2]
+        module.register_buffer(f"b_{i:02d}", raw.view(getattr(torch, name))[: 16 // getattr(torch, name).itemsize])
+    hf.save(module, tmp_path / "out")
+    save_file(dict(module.state_dict()), str(tmp_path / "ref.safetensors"), metadata={"format": "pt"})
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()

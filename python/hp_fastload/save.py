@@ -32,6 +32,7 @@ from torch import nn
 from . import _core
 from .checkpointer import _agree as _agree_as
 from .checkpointer import _dist_active, _plan_at
+from .engine import TORCH_TO_SAFETENSORS
 from .errors import PlanError, TargetError
 from .execute import _Batch, _staging_chunks
 from .plan import LoadPlan, ReadItem, TemplateReads, gc_paused
@@ -56,6 +57,8 @@ _SAFETENSORS_DTYPE_ORDER = (
     "F8_E5M2",
     "F8_E4M3",
     "F8_E8M0",
+    "F8_E4M3FNUZ",
+    "F8_E5M2FNUZ",
     "I16",
     "U16",
     "F16",
@@ -69,22 +72,8 @@ _SAFETENSORS_DTYPE_ORDER = (
     "U64",
 )
 _DTYPE_RANK = {name: i for i, name in enumerate(_SAFETENSORS_DTYPE_ORDER)}
-_TORCH_TO_ST = {
-    torch.bool: "BOOL",
-    torch.uint8: "U8",
-    torch.int8: "I8",
-    torch.float8_e5m2: "F8_E5M2",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.int16: "I16",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int32: "I32",
-    torch.float32: "F32",
-    torch.float64: "F64",
-    torch.int64: "I64",
-}
-if hasattr(torch, "float8_e8m0fnu"):
-    _TORCH_TO_ST[torch.float8_e8m0fnu] = "F8_E8M0"
+# every dtype the engine knows a safetensors name for (unsigned, complex and fnuz float8 included)
+_TORCH_TO_ST = {dtype: name for dtype, name in TORCH_TO_SAFETENSORS.items() if name in _DTYPE_RANK}
 
 
 @dataclass
