@@ -582,7 +582,7 @@ def _run_fallbacks(
     stats: _Stats,
 ) -> list[str]:
     """Gathers each fallback group's targets (every rank, same order), reverts them with transformers on rank
-    0 and writes the checkpoint tensors whole there. Returns the keys written this way (on every rank).
+    0 and writes the checkpoint tensors whole there. Returns the keys written this way (on rank 0; [] on the others).
 
     One agreement per group: the gathers of a group are collectives, so a rank whose revert or write of a
     group failed must not go on to the next group's gathers while the others wait in the agreement (the
