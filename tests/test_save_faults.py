@@ -248,6 +248,30 @@ def test_failed_second_rename_puts_the_old_directory_back(tmp_path: Path, monkey
     assert _siblings(out) == []
 
 
+def test_failed_rename_over_an_empty_directory_keeps_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An empty directory at ``path`` is replaced by the rename itself, not removed first: a rename that
+    fails leaves it (with its mode) where it was."""
+    import hp_fastload as hf
+
+    out = tmp_path / "out"
+    out.mkdir(mode=0o750)
+    real = os.rename
+
+    def rename(src: Any, dst: Any) -> None:
+        if ".hp_save-" in os.fspath(src):
+            raise OSError(5, "Input/output error")
+        real(src, dst)
+
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(OSError, match="Input/output"):
+        hf.save(tiny_model("llama"), out)
+    monkeypatch.undo()
+    assert out.is_dir() and list(out.iterdir()) == [] and out.stat().st_mode & 0o777 == 0o750
+    assert _siblings(out) == []
+    hf.save(tiny_model("llama"), out)
+    assert (out / "model.safetensors").exists() and _siblings(out) == []
+
+
 @pytest.mark.parametrize("exchange", [True, False])
 def test_new_directory_is_durable_before_the_old_one_is_deleted(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exchange: bool

@@ -311,10 +311,8 @@ def _publish(tmp: Path, path: Path, overwrite: bool) -> None:
     the old one is put back before the error propagates. Once the new directory is at ``path`` the save has
     succeeded: an old directory that cannot be removed is left (hidden, next to ``path``) with a warning."""
     _check_destination(path, overwrite)  # again: something may have appeared there while the ranks wrote
-    if path.is_dir() and not any(path.iterdir()):
-        path.rmdir()
-    if not path.exists():
-        os.rename(tmp, path)
+    if not path.exists() or not any(path.iterdir()):
+        os.rename(tmp, path)  # over an empty directory too: rename(2) replaces it atomically
         _fsync_dir(path.parent)
         return
     if _exchange(tmp, path):
