@@ -79,6 +79,33 @@ def check_fallback_fault_on_rank0(rank: int, world: int) -> str:
     return "no error"
 
 
+def check_fallback_groups_differ(rank: int, world: int) -> str:
+    """Rank 1 plans one fallback group more than rank 0 (as a rank whose plan differs would): both raise
+    before writing, instead of rank 1 waiting in a gather rank 0 never joins."""
+    import hp_fastload as hf
+
+    from .test_parity import _torch_fsdp
+
+    model = tiny_model("llama")
+    _torch_fsdp(model, world)
+    out = Path(os.environ[ROOT_ENV]) / "fallback-differ"
+    real = save_mod._fallback_groups
+
+    def more(save_plan: Any) -> Any:
+        groups, names = real(save_plan)
+        return groups + groups[:1], names
+
+    if rank == 1:
+        save_mod._fallback_groups = more
+    try:
+        hf.save(model, out, weights_mapping=_scale_mapping(FALLBACK_KEYS))
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        save_mod._fallback_groups = real
+    return "no error"
+
+
 def check_fallbacks_on_two_ranks(rank: int, world: int) -> list[str]:
     """The same two fallback groups without a fault: both written (by rank 0), reported on every rank."""
     import hp_fastload as hf
@@ -151,6 +178,7 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def world2(root: Path) -> list[dict[str, Any]]:
     checks = [
         check_fallback_fault_on_rank0,
+        check_fallback_groups_differ,
         check_fallbacks_on_two_ranks,
         check_relative_path_per_cwd,
         check_plain_module_fsdp,
@@ -166,6 +194,15 @@ def test_fallback_fault_on_one_rank_raises_everywhere(root: Path, world2: list[d
     assert "rank 0" in messages[1] and "No space left on device" in messages[1]
     assert not (root / "fallback-fault").exists()
     assert [p.name for p in root.iterdir() if p.name.startswith(".fallback-fault")] == []
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_ranks_planning_different_fallbacks_raise_before_writing(root: Path, world2: list[dict[str, Any]]) -> None:
+    messages = subcheck_values(world2, "check_fallback_groups_differ")
+    assert all(m.startswith("PlanError") and "different tensors to convert with torch" in m for m in messages)
+    assert not (root / "fallback-differ").exists()
+    assert [p.name for p in root.iterdir() if p.name.startswith(".fallback-differ")] == []
 
 
 @pytest.mark.distributed

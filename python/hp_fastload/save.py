@@ -428,6 +428,17 @@ def _check_writers(planned: list[int], layout: _Layout) -> None:
         )
 
 
+def _check_fallbacks_agree(by_rank: list[list[list[str]]]) -> None:
+    """Every rank runs the fallback groups' gathers in the same order: the ranks must have planned the same
+    groups, else they would sit in different collectives (checked before any byte is written)."""
+    differing = [rank for rank, groups in enumerate(by_rank) if groups != by_rank[0]]
+    if differing:
+        raise PlanError(
+            f"the ranks planned different tensors to convert with torch: rank 0 {by_rank[0]}, rank "
+            f"{differing[0]} {by_rank[differing[0]]}; every rank must save the same model with the same rules"
+        )
+
+
 class _D2HStager:
     """Host staging for device shards: two reusable slabs of ``budget // 2`` bytes (pinned when CUDA is there).
 
@@ -778,6 +789,7 @@ def save(
             groups, fallback = _fallback_groups(save_plan)
             planned = _gather(_agree("Planning the writers", lambda: _planned_bytes(save_plan, fallback, groups)))
             _check_writers(planned, layout)  # the same list on every rank: all raise or none
+            _check_fallbacks_agree(_gather([keys for keys, _ in groups]))  # likewise
             _agree("Writing the checkpoint", lambda: _write_regions(save_plan, fallback, threads, batch_bytes, stats))
             fallbacks = _broadcast(_run_fallbacks(model, rules, save_plan, groups, threads, stats))
             _agree("Syncing the written files", lambda: _sync_written(save_plan, stats.files, tmp))
