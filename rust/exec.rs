@@ -489,19 +489,23 @@ pub fn execute_write(
             outs.push(None);
             continue;
         }
-        let file = std::fs::OpenOptions::new()
-            .write(true)
-            .open(&h.path)
-            .map_err(|e| LoadError::io(&h.path, &e))?;
-        let len = file
-            .metadata()
-            .map_err(|e| LoadError::io(&h.path, &e))?
-            .len();
-        if len < h.file_len {
+        // A regular file, opened without blocking, and the file the header was read from: the writes land
+        // at the header's offsets, so a path replaced by another file since (its inode differs) is refused
+        // before any byte is written. Only the inode is compared: earlier writes changed the times.
+        let (file, meta) = crate::mmap::open_regular_for_write(&h.path)?;
+        if meta.len() < h.file_len {
             return Err(LoadError::Truncated {
                 path: h.path.clone(),
                 expected: h.file_len,
-                actual: len,
+                actual: meta.len(),
+            });
+        }
+        let now = FileIdentity::of(&meta);
+        if h.identity
+            .is_some_and(|id| (id.dev, id.ino) != (now.dev, now.ino))
+        {
+            return Err(LoadError::Changed {
+                path: h.path.clone(),
             });
         }
         outs.push(Some(file));
@@ -1306,6 +1310,58 @@ mod tests {
             &ExecOptions::default(),
         );
         assert!(matches!(err, Err(LoadError::Truncated { .. })), "{err:?}");
+    }
+
+    /// The write direction writes only into the file its header was read from: a path replaced by another
+    /// file since, or by a FIFO (whose open for writing would block until a reader came), is refused before
+    /// a byte is written; a file merely written since (new times, same inode) is written again.
+    #[test]
+    fn write_refuses_a_replaced_file_or_a_fifo() {
+        let dir = tempfile::tempdir().unwrap();
+        let h = write_file(
+            dir.path(),
+            "w.safetensors",
+            &[("t", Dtype::BF16, vec![4], vec![0; 8])],
+        );
+        let mut item = Item {
+            ndim: 1,
+            ..Item::default()
+        };
+        item.lengths[0] = 4;
+        item.src_strides[0] = 1;
+        item.dst_strides[0] = 1;
+        let mut mem = vec![7u8; 8];
+        let bufs = [DestBuf::from_mut_slice(&mut mem, Dtype::BF16)];
+        let write = || {
+            execute_write(
+                std::slice::from_ref(&h),
+                &bufs,
+                &[item],
+                &ExecOptions::default(),
+            )
+        };
+        write().unwrap();
+        write().unwrap(); // the first write changed mtime and ctime: still the same file
+        assert_eq!(
+            std::fs::read(&h.path).unwrap()[h.file_len as usize - 8..],
+            [7u8; 8]
+        );
+        // Another file renamed over the path (as a second save of the same name would).
+        let other = dir.path().join("other");
+        std::fs::write(&other, vec![1u8; h.file_len as usize + 64]).unwrap();
+        std::fs::rename(&other, &h.path).unwrap();
+        let err = write();
+        assert!(matches!(err, Err(LoadError::Changed { .. })), "{err:?}");
+        assert_eq!(
+            std::fs::read(&h.path).unwrap(),
+            vec![1u8; h.file_len as usize + 64]
+        );
+        // A FIFO without a reader: refused, not waited on.
+        std::fs::remove_file(&h.path).unwrap();
+        let made = std::process::Command::new("mkfifo").arg(&h.path).status();
+        assert!(made.is_ok_and(|s| s.success()));
+        let err = write();
+        assert!(err.is_err(), "{err:?}");
     }
 
     /// Column slices (repeated runs) of row-major tensors whose rows are far apart (expanded for a map

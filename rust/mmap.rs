@@ -198,6 +198,16 @@ fn non_regular_kind(meta: &Metadata) -> Option<&'static str> {
 /// the two is refused by the `fstat` that follows instead of blocking the open until a writer comes.
 /// `O_NONBLOCK` changes nothing for reads of a regular file.
 pub(crate) fn open_regular(path: &Path) -> Result<(File, Metadata), LoadError> {
+    open_regular_as(path, false)
+}
+
+/// [`open_regular`] for writing (the write direction): the same checks, `O_WRONLY | O_NONBLOCK`, never
+/// created or truncated. A FIFO with no reader fails the open (`ENXIO`) instead of blocking it.
+pub(crate) fn open_regular_for_write(path: &Path) -> Result<(File, Metadata), LoadError> {
+    open_regular_as(path, true)
+}
+
+fn open_regular_as(path: &Path, write: bool) -> Result<(File, Metadata), LoadError> {
     let check = |meta: &Metadata| -> Result<(), LoadError> {
         if meta.is_dir() {
             return Err(LoadError::Io {
@@ -217,7 +227,8 @@ pub(crate) fn open_regular(path: &Path) -> Result<(File, Metadata), LoadError> {
     };
     check(&std::fs::metadata(path).map_err(|e| LoadError::io(path, &e))?)?;
     let file = std::fs::OpenOptions::new()
-        .read(true)
+        .read(!write)
+        .write(write)
         .custom_flags(libc::O_NONBLOCK)
         .open(path)
         .map_err(|e| LoadError::io(path, &e))?;

@@ -84,8 +84,9 @@ _REBUILDABLE: dict[str, type[BaseException]] = {
 }
 
 
-def _agree(stage: str, fn: Callable[[], Any]) -> Any:
-    """Run ``fn`` on every rank; if it fails on any rank, every rank raises (same type where possible)."""
+def _agree(stage: str, fn: Callable[[], Any], call: str = "hp_fastload.load (or from_pretrained)") -> Any:
+    """Run ``fn`` on every rank; if it fails on any rank, every rank raises (same type where possible).
+    ``call``: the entry point every rank must be in, for the message when a peer is absent."""
     result = None
     failure: BaseException | None = None
     try:
@@ -98,7 +99,7 @@ def _agree(stage: str, fn: Callable[[], Any]) -> Any:
         return result
     payload = None if failure is None else (type(failure).__name__, str(failure))
     gathered: list[Any] = [None] * torch.distributed.get_world_size()
-    _waiting(stage, lambda: torch.distributed.all_gather_object(gathered, payload))
+    _waiting(stage, lambda: torch.distributed.all_gather_object(gathered, payload), call)
     if failure is not None:
         raise failure
     for rank, item in enumerate(gathered):
@@ -115,7 +116,7 @@ def _agree(stage: str, fn: Callable[[], Any]) -> Any:
 _COLLECTIVE_FAILURES = ("gloo", "nccl", "connection closed", "connection reset", "timed out", "timeout", "processgroup")
 
 
-def _waiting(stage: str, collective: Callable[[], Any]) -> Any:
+def _waiting(stage: str, collective: Callable[[], Any], call: str = "hp_fastload.load (or from_pretrained)") -> Any:
     """Run a collective of ``load``; when it fails because another rank is not there, say so.
 
     Every rank of the default process group must call ``load`` together: a rank that skipped the call, failed
@@ -130,10 +131,10 @@ def _waiting(stage: str, collective: Callable[[], Any]) -> Any:
             raise
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
         raise RuntimeError(
-            f"hp_fastload.load: rank {rank} of {world} waited for the other ranks while {stage.lower()} and the "
-            f"collective failed ({str(exc).splitlines()[0][:300]}). Every rank of the default process group "
-            "must call hp_fastload.load (or from_pretrained) together; a rank that skipped the call, failed "
-            "before it or exited makes the others wait until the process group's timeout"
+            f"{call.split()[0]}: rank {rank} of {world} waited for the other ranks while {stage.lower()} and "
+            f"the collective failed ({str(exc).splitlines()[0][:300]}). Every rank of the default process group "
+            f"must call {call} together; a rank that skipped the call, failed before it or exited makes the "
+            "others wait until the process group's timeout"
         ) from exc
 
 

@@ -19,6 +19,7 @@ import os
 import secrets
 import shutil
 import time
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +30,9 @@ import torch
 from torch import nn
 
 from . import _core
-from .checkpointer import _agree, _dist_active, _plan_at
+from .checkpointer import _agree as _agree_as
+from .checkpointer import _dist_active, _plan_at
+from .engine import TORCH_TO_SAFETENSORS
 from .errors import PlanError, TargetError
 from .execute import _Batch, _staging_chunks
 from .plan import LoadPlan, ReadItem, TemplateReads, gc_paused
@@ -54,6 +57,8 @@ _SAFETENSORS_DTYPE_ORDER = (
     "F8_E5M2",
     "F8_E4M3",
     "F8_E8M0",
+    "F8_E4M3FNUZ",
+    "F8_E5M2FNUZ",
     "I16",
     "U16",
     "F16",
@@ -67,22 +72,8 @@ _SAFETENSORS_DTYPE_ORDER = (
     "U64",
 )
 _DTYPE_RANK = {name: i for i, name in enumerate(_SAFETENSORS_DTYPE_ORDER)}
-_TORCH_TO_ST = {
-    torch.bool: "BOOL",
-    torch.uint8: "U8",
-    torch.int8: "I8",
-    torch.float8_e5m2: "F8_E5M2",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.int16: "I16",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int32: "I32",
-    torch.float32: "F32",
-    torch.float64: "F64",
-    torch.int64: "I64",
-}
-if hasattr(torch, "float8_e8m0fnu"):
-    _TORCH_TO_ST[torch.float8_e8m0fnu] = "F8_E8M0"
+# every dtype the engine knows a safetensors name for (unsigned, complex and fnuz float8 included)
+_TORCH_TO_ST = {dtype: name for dtype, name in TORCH_TO_SAFETENSORS.items() if name in _DTYPE_RANK}
 
 
 @dataclass
@@ -280,7 +271,12 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _check_destination(path: Path, overwrite: bool) -> None:
-    if path.is_symlink() or (path.exists() and not path.is_dir()):
+    if path.is_symlink():  # the swap would replace the link, not what it points to
+        raise FileExistsError(
+            f"{path} is a symbolic link (to {os.readlink(path)}); refusing to replace it: pass the directory it "
+            "points to"
+        )
+    if path.exists() and not path.is_dir():
         raise FileExistsError(f"{path} exists and is not a directory; refusing to replace it")
     if path.is_dir() and any(path.iterdir()) and not overwrite:
         raise FileExistsError(f"{path} is a non-empty directory; pass overwrite=True to replace it")
@@ -309,20 +305,35 @@ def _exchange(a: Path, b: Path) -> bool:
 
 def _publish(tmp: Path, path: Path, overwrite: bool) -> None:
     """Moves the finished ``tmp`` to ``path``: a plain rename, or, over an existing directory, an atomic
-    exchange (the old directory is removed only once the new one is in place)."""
+    exchange (the old directory is removed only once the new one is in place and its entry synced).
+
+    Without ``RENAME_EXCHANGE`` the old directory is moved aside first; if moving the new one in then fails,
+    the old one is put back before the error propagates. Once the new directory is at ``path`` the save has
+    succeeded: an old directory that cannot be removed is left (hidden, next to ``path``) with a warning."""
     _check_destination(path, overwrite)  # again: something may have appeared there while the ranks wrote
-    if path.is_dir() and not any(path.iterdir()):
-        path.rmdir()
-    if not path.exists():
-        os.rename(tmp, path)
-    elif _exchange(tmp, path):
-        shutil.rmtree(tmp)  # tmp now holds the previous directory
+    if not path.exists() or not any(path.iterdir()):
+        os.rename(tmp, path)  # over an empty directory too: rename(2) replaces it atomically
+        _fsync_dir(path.parent)
+        return
+    if _exchange(tmp, path):
+        old = tmp  # tmp now holds the previous directory
     else:
         old = path.with_name(f".{path.name}.hp_old-{secrets.token_hex(4)}")
         os.rename(path, old)
-        os.rename(tmp, path)
+        try:
+            os.rename(tmp, path)
+        except BaseException:
+            os.rename(old, path)  # the user's directory back at path
+            raise
+    _fsync_dir(path.parent)  # the new entry durable before the previous directory goes
+    try:
         shutil.rmtree(old)
-    _fsync_dir(path.parent)
+    except OSError as exc:
+        warnings.warn(
+            f"hp_fastload.save: the checkpoint is at {path}, but its previous directory could not be removed "
+            f"and is left at {old} ({exc})",
+            stacklevel=3,
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -361,14 +372,6 @@ def _first_instance(mesh: Any) -> bool:
     if root is None or root is mesh:
         return True
     return int(root.mesh.min()) in set(mesh.mesh.flatten().tolist())
-
-
-def _full(target: Target) -> torch.Tensor:
-    """The whole tensor on CPU (a collective for DTensors: every rank must call it, in the same order)."""
-    tensor: Any = target.tensor
-    with torch.no_grad():
-        full = tensor.full_tensor() if target.is_dtensor else tensor.detach()
-    return full.cpu()
 
 
 class _WriteBatch(_Batch):
@@ -422,6 +425,17 @@ def _check_writers(planned: list[int], layout: _Layout) -> None:
         raise PlanError(
             f"the ranks would write {sum(planned)} bytes ({planned} by rank) of {data} bytes of tensor data: some "
             "region has no writer or several (replicas this rank cannot tell apart from its mesh)"
+        )
+
+
+def _check_fallbacks_agree(by_rank: list[list[list[str]]]) -> None:
+    """Every rank runs the fallback groups' gathers in the same order: the ranks must have planned the same
+    groups, else they would sit in different collectives (checked before any byte is written)."""
+    differing = [rank for rank, groups in enumerate(by_rank) if groups != by_rank[0]]
+    if differing:
+        raise PlanError(
+            f"the ranks planned different tensors to convert with torch: rank 0 {by_rank[0]}, rank "
+            f"{differing[0]} {by_rank[differing[0]]}; every rank must save the same model with the same rules"
         )
 
 
@@ -577,26 +591,32 @@ def _run_fallbacks(
     stats: _Stats,
 ) -> list[str]:
     """Gathers each fallback group's targets (every rank, same order), reverts them with transformers on rank
-    0 and writes the checkpoint tensors whole there. Returns the keys written this way."""
+    0 and writes the checkpoint tensors whole there. Returns the keys written this way (on rank 0; [] on the others).
+
+    One agreement per group: the gathers of a group are collectives, so a rank whose revert or write of a
+    group failed must not go on to the next group's gathers while the others wait in the agreement (the
+    ranks would sit in different collectives: gloo aborts the process, NCCL hangs)."""
     from transformers.core_model_loading import revert_weight_conversion
 
-    rank0 = not _dist_active() or torch.distributed.get_rank() == 0
-    written: list[str] = []
-    for keys, targets in groups:
-        state = {}
-        for target in targets:
-            full = _full(target)
-            for alias in target.names:
-                state[alias] = full
+    rank0 = _rank0()
+
+    def one_group(keys: list[str], targets: list[Target]) -> list[str]:
+        with torch.no_grad():  # every collective of the group first, then the local work that may fail
+            gathered = [t.tensor.full_tensor() if t.is_dtensor else t.tensor.detach() for t in targets]  # type: ignore[attr-defined]
         if not rank0:
-            continue
+            return []
+        state = {alias: full.cpu() for target, full in zip(targets, gathered, strict=True) for alias in target.names}
         with _conversions(model, rules):
             reverted = revert_weight_conversion(cast(Any, model), state)
         missing = [key for key in keys if key not in reverted]
         if missing:
             raise PlanError(f"the reverse conversion of {', '.join(t.name for t in targets)} did not give {missing}")
         _write_whole(save_plan, {key: reverted[key] for key in keys}, threads, stats)
-        written.extend(keys)
+        return keys
+
+    written: list[str] = []
+    for keys, targets in groups:
+        written.extend(_agree(f"Writing {keys[0]} (converted with torch)", lambda k=keys, t=targets: one_group(k, t)))
     return written
 
 
@@ -616,6 +636,11 @@ def _check_coverage(save_plan: LoadPlan) -> None:
 
 # ---------------------------------------------------------------------------------------------------------
 # Collectives (small metadata only)
+
+
+def _agree(stage: str, fn: Any) -> Any:
+    """``checkpointer._agree`` for save: a peer that is not in ``save`` is named as such."""
+    return _agree_as(stage, fn, "hp_fastload.save")
 
 
 def _broadcast(value: Any) -> Any:
@@ -648,6 +673,17 @@ def _create_files(tmp: Path, layout: _Layout) -> None:
         with open(tmp / file.name, "wb") as f:
             f.write(file.header)
             f.truncate(file.size)
+
+
+def _check_visible(tmp: Path, path: Path, first_path: str) -> None:
+    """Each rank must see the temporary directory rank 0 created: else the ranks name different directories
+    (a relative ``path`` resolved against different working directories) or do not share a file system."""
+    if not tmp.is_dir():
+        raise FileNotFoundError(
+            f"{tmp} (the temporary directory for {path}) does not exist on this rank: rank 0 created it for "
+            f"{first_path}. Every rank must name the same directory on a file system they all see (a relative "
+            "path resolves against each rank's own working directory)"
+        )
 
 
 def _finish_files(tmp: Path, layout: _Layout, model: nn.Module) -> None:
@@ -727,12 +763,14 @@ def save(
     rules = _forward_rules(model, weights_mapping)
     _agree("Checking the save destination", lambda: _check_destination(path, overwrite))
     layout: _Layout = _agree("Planning the save layout", lambda: _layout(model, rules, max_shard_size))
-    tmp = path.with_name(f".{path.name}.hp_save-{_broadcast(secrets.token_hex(6))}")
+    token, first_path = _broadcast((secrets.token_hex(6), str(path)))
+    tmp = path.with_name(f".{path.name}.hp_save-{token}")
     stats = _Stats()
     created = done = False
     try:
         created = True
         _agree("Creating the output files", lambda: _create_files(tmp, layout) if _rank0() else None)
+        _agree("Finding the output files", lambda: _check_visible(tmp, path, first_path))
         save_plan: LoadPlan = _agree(
             "Planning the save",
             lambda: _plan_at(
@@ -751,12 +789,9 @@ def save(
             groups, fallback = _fallback_groups(save_plan)
             planned = _gather(_agree("Planning the writers", lambda: _planned_bytes(save_plan, fallback, groups)))
             _check_writers(planned, layout)  # the same list on every rank: all raise or none
+            _check_fallbacks_agree(_gather([keys for keys, _ in groups]))  # likewise
             _agree("Writing the checkpoint", lambda: _write_regions(save_plan, fallback, threads, batch_bytes, stats))
-            fallbacks = _agree(
-                "Writing tensors converted with torch",
-                lambda: _run_fallbacks(model, rules, save_plan, groups, threads, stats),
-            )
-            fallbacks = _broadcast(fallbacks)
+            fallbacks = _broadcast(_run_fallbacks(model, rules, save_plan, groups, threads, stats))
             _agree("Syncing the written files", lambda: _sync_written(save_plan, stats.files, tmp))
         finally:
             for file in save_plan.index.files:
