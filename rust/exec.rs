@@ -518,9 +518,6 @@ pub fn execute_write(
     stats.bytes_copied = pieces.iter().map(|r| r.reps * r.dst_bytes() as u64).sum();
     stats.spans = pieces.len();
     stats.threads = threads.min(pieces.len());
-    let next = AtomicUsize::new(0);
-    let failed = AtomicBool::new(false);
-    let first_error: Mutex<Option<LoadError>> = Mutex::new(None);
     let write_piece = |p: &Run, buf: &mut Vec<u8>| -> Result<(), LoadError> {
         let file = outs[p.file].as_ref().expect("every file with runs is open");
         let path = &files[p.file].path;
@@ -561,49 +558,9 @@ pub fn execute_write(
         }
         Ok(())
     };
-    let worker = || {
-        let mut buf: Vec<u8> = Vec::new();
-        while !failed.load(Ordering::Relaxed) {
-            let i = next.fetch_add(1, Ordering::Relaxed);
-            let Some(p) = pieces.get(i) else { break };
-            if let Err(e) = write_piece(p, &mut buf) {
-                failed.store(true, Ordering::Relaxed);
-                first_error
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .get_or_insert(e);
-            }
-        }
-    };
-    let guarded =
-        || catch_unwind(AssertUnwindSafe(worker)).map_err(|payload| panic_error(payload.as_ref()));
-    let mut panicked = None;
-    std::thread::scope(|scope| {
-        let helpers: Vec<_> = (1..stats.threads)
-            .filter_map(|_| {
-                std::thread::Builder::new()
-                    .spawn_scoped(scope, guarded)
-                    .ok()
-            })
-            .collect();
-        if let Err(e) = guarded() {
-            panicked.get_or_insert(e);
-        }
-        for h in helpers {
-            match h.join() {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => {
-                    panicked.get_or_insert(e);
-                }
-                Err(payload) => {
-                    panicked.get_or_insert(panic_error(payload.as_ref()));
-                }
-            }
-        }
-    });
-    if let Some(e) = panicked.or(first_error.into_inner().unwrap_or_else(|p| p.into_inner())) {
-        return Err(e);
-    }
+    run_workers(stats.threads, pieces.len(), |i, buf| {
+        write_piece(&pieces[i], buf)
+    })?;
     Ok(stats)
 }
 
@@ -835,9 +792,6 @@ fn run_tasks(
     threads: usize,
     scaled: &Scaled<'_>,
 ) -> Result<u64, LoadError> {
-    let next = AtomicUsize::new(0);
-    let failed = AtomicBool::new(false);
-    let first_error: Mutex<Option<LoadError>> = Mutex::new(None);
     let bytes_read = AtomicU64::new(0);
     // pread tasks ask the kernel to read ahead: the first `lookahead` now, then one more per task taken.
     let lookahead = 2 * threads;
@@ -855,29 +809,46 @@ fn run_tasks(
         }
     };
     (0..lookahead).for_each(prefetch_task);
+    run_workers(threads, tasks.len(), |i, buf| {
+        let task = &tasks[i];
+        prefetch_task(i + lookahead);
+        let result = run_task(task, pieces, sources, files, buf, scaled);
+        if task.mode != Mode::Mmap {
+            if let Some(source) = &sources[task.file] {
+                source.finish();
+            }
+        }
+        bytes_read.fetch_add(result?, Ordering::Relaxed);
+        Ok(())
+    })?;
+    Ok(bytes_read.into_inner())
+}
+
+/// Runs `work(i, buffer)` for every task `i` in `0..tasks` on `threads` scoped workers (the calling thread is
+/// one of them; no pool outlives the call), each taking the next task until they run out or one fails, with a
+/// scratch buffer of its own. Returns a worker's panic (as [`LoadError::WorkerPanicked`]) before the first
+/// task error; after a failure the workers take no new task.
+fn run_workers(
+    threads: usize,
+    tasks: usize,
+    work: impl Fn(usize, &mut Vec<u8>) -> Result<(), LoadError> + Sync,
+) -> Result<(), LoadError> {
+    let next = AtomicUsize::new(0);
+    let failed = AtomicBool::new(false);
+    let first_error: Mutex<Option<LoadError>> = Mutex::new(None);
     let worker = || {
         let mut buf: Vec<u8> = Vec::new();
         while !failed.load(Ordering::Relaxed) {
             let i = next.fetch_add(1, Ordering::Relaxed);
-            let Some(task) = tasks.get(i) else { break };
-            prefetch_task(i + lookahead);
-            let result = run_task(task, pieces, sources, files, &mut buf, scaled);
-            if task.mode != Mode::Mmap {
-                if let Some(source) = &sources[task.file] {
-                    source.finish();
-                }
+            if i >= tasks {
+                break;
             }
-            match result {
-                Ok(n) => {
-                    bytes_read.fetch_add(n, Ordering::Relaxed);
-                }
-                Err(e) => {
-                    failed.store(true, Ordering::Relaxed);
-                    first_error
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .get_or_insert(e);
-                }
+            if let Err(e) = work(i, &mut buf) {
+                failed.store(true, Ordering::Relaxed);
+                first_error
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .get_or_insert(e);
             }
         }
     };
@@ -907,13 +878,13 @@ fn run_tasks(
             }
         }
     });
-    if let Some(e) = panicked {
-        return Err(e);
+    match panicked {
+        Some(e) => Err(e),
+        None => first_error
+            .into_inner()
+            .unwrap_or_else(|p| p.into_inner())
+            .map_or(Ok(()), Err),
     }
-    if let Some(e) = first_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
-        return Err(e);
-    }
-    Ok(bytes_read.into_inner())
 }
 
 fn panic_error(payload: &(dyn std::any::Any + Send)) -> LoadError {
