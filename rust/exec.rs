@@ -8,7 +8,8 @@
 //! `threads` scoped threads that take the next task from an atomic counter (no global pool, so nothing to
 //! re-create after `fork`). A worker panic becomes [`LoadError::WorkerPanicked`].
 //!
-//! Backends: `mmap` copies from a read-only map made for this call; `pread` reads each task's byte span
+//! Backends: `mmap` copies from a read-only map of the file (the header's kept map when its file passes the
+//! identity check, else a new one it then keeps); `pread` reads each task's byte span
 //! into a per-thread buffer (reading through gaps of up to [`ExecOptions::pread_gap`] bytes) and then
 //! scatters it, or, for a large same-dtype dense run, reads straight into the destination. `auto` uses
 //! `mmap` for a file when at least [`AUTO_MMAP_RESIDENT`] of the pages it needs are in the page cache,

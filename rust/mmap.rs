@@ -2,9 +2,9 @@
 //!
 //! This is the only module that maps files (and so the only one with `unsafe` besides `dest`). The memory
 //! map contract: the file must not be truncated or rewritten while it is mapped. [`crate::execute`] checks
-//! the file size with `fstat` right before mapping (a shorter file is reported as truncated instead of
-//! faulting with SIGBUS later) and drops every map before it returns; a file that shrinks *during* a call
-//! is outside the contract (use the `pread` backend for files that may change).
+//! the file size and identity with `fstat` before mapping or reusing a kept map ([`MapSlot`]; a shorter
+//! file is reported as truncated instead of faulting with SIGBUS later); a file that shrinks *during* a
+//! call is outside the contract (use the `pread` backend for files that may change).
 
 #![allow(unsafe_code)]
 
