@@ -110,7 +110,7 @@ pub struct Header {
 
 impl Header {
     /// Opens `path` and parses its header.
-    /// A FIFO, socket or device is refused before it is opened ([`crate::mmap::open_regular`]).
+    /// A FIFO, socket or device is refused before it is opened (`mmap::open_regular`).
     pub fn read(path: &Path) -> Result<Header, LoadError> {
         let (mut file, meta) = open_regular(path)?;
         let file_len = meta.len();
@@ -484,7 +484,7 @@ fn natural_order_key(name: &str, out: &mut Vec<u8>) -> bool {
 }
 
 /// Sorts `names` naturally: `(positions in natural order, positions left to the caller)`. The first list
-/// orders by [`natural_sort_key`], ties by name; the second holds the names [`natural_order_key`] refuses.
+/// orders by [`natural_sort_key`], ties by name; the second holds the names `natural_order_key` refuses.
 pub fn natural_order(names: &[&str]) -> (Vec<usize>, Vec<usize>) {
     let mut buf: Vec<u8> = Vec::with_capacity(names.iter().map(|n| n.len() / 2 + 8).sum());
     let mut spans: Vec<(usize, usize, usize)> = Vec::with_capacity(names.len()); // (start, end, position)
