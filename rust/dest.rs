@@ -253,29 +253,6 @@ fn dequantize_dense(
     cast_scaled_dense(pair, src, dst, map, flat0);
 }
 
-/// Dequantizes into a dense destination of at least [`STREAM_MIN`] bytes in pieces of [`STAGE_BYTES`]: each
-/// piece converted into a buffer that stays in L1, then streamed out ([`stream_copy`]) so that the destination
-/// lines are not read before being overwritten.
-fn dequantize_streamed(
-    pair: (Dtype, Dtype),
-    src: &[u8],
-    dst: &mut [u8],
-    map: &ScaleMap<'_>,
-    flat0: u64,
-) {
-    let size = dst.len() / src.len().max(1);
-    let mut stage = [0u8; STAGE_BYTES];
-    let per = STAGE_BYTES / size.max(1);
-    for (k, (s, d)) in src.chunks(per).zip(dst.chunks_mut(per * size)).enumerate() {
-        let buf = &mut stage[..d.len()];
-        dequantize_dense(pair, s, buf, map, flat0 + (k * per) as u64);
-        stream_copy(d, buf);
-    }
-}
-
-/// The staging buffer of [`dequantize_streamed`].
-const STAGE_BYTES: usize = 8192;
-
 /// Writes every repetition of a run of a dequantized item from `src` (as [`write_run`]): each element is
 /// multiplied by its scale from `map` before the cast. `begin` is the absolute file offset of the quantized
 /// tensor's first byte, which turns the run's source offsets into the tensor's flat element indices.
@@ -302,9 +279,10 @@ pub(crate) fn write_run_scaled(run: &Run, src: &[u8], map: &ScaleMap<'_>, begin:
         let flat0 = (run.src_off + off - begin) / size;
         let rep = &src[off as usize..][..extent];
         match run.dst_is_dense() {
-            true if step == 1 => with_dense_rep(run, r, |out| match out.len() >= STREAM_MIN {
-                true => dequantize_streamed((sd, dd), rep, out, map, flat0),
-                false => dequantize_dense((sd, dd), rep, out, map, flat0),
+            // Streaming stores through an L1 staging buffer (as `write_run` does for plain copies) measured
+            // slower here: docs/perf-notes.md, "Session 6: dequantization kernel".
+            true if step == 1 => with_dense_rep(run, r, |out| {
+                dequantize_dense((sd, dd), rep, out, map, flat0)
             }),
             true => with_dense_rep(run, r, |out| {
                 let mut sink = SliceSink {
@@ -458,8 +436,7 @@ mod tests {
     }
 
     proptest! {
-        /// The dense dequantizing kernel (the SSE2 build, the dispatched AVX2 one, and the staged streaming
-        /// form) equals the generic
+        /// The dense dequantizing kernel (the SSE2 build and the dispatched AVX2 one) equals the generic
         /// per-element kernel (into dense and strided destinations) and the formula, bit for bit: random
         /// codes (NaN, subnormal, every code), scales of every class, ragged blocks, runs that start and
         /// end anywhere and cross rows, every source and target dtype. The one allowed difference: when
@@ -507,8 +484,6 @@ mod tests {
             cast_scaled_dense((sd, dd), src, &mut sse2, &map, a);
             let mut fast = vec![0u8; n * size];
             dequantize_dense((sd, dd), src, &mut fast, &map, a);
-            let mut streamed = vec![0u8; n * size];
-            dequantize_streamed((sd, dd), src, &mut streamed, &map, a);
             let mut strided = VecSink { out: vec![0u8; (n * dst_stride + 1) * size], size, stride: dst_stride, offset: 1 };
             cast_scaled((sd, dd), src, 1, n, &map, (a, 1), &mut strided);
             for i in 0..n {
@@ -517,7 +492,7 @@ mod tests {
                 let scale = values[((r / brow) * gcols + c / bcol) as usize];
                 let want = formula(sd, dd, src[i], scale);
                 let generic = &strided.out[(1 + i * dst_stride) * size..][..size];
-                for (name, got) in [("sse2", &sse2[i * size..][..size]), ("dispatched", &fast[i * size..][..size]), ("streamed", &streamed[i * size..][..size]), ("generic", generic)] {
+                for (name, got) in [("sse2", &sse2[i * size..][..size]), ("dispatched", &fast[i * size..][..size]), ("generic", generic)] {
                     let both_nan = scale.is_nan() && (match sd { Dtype::F8_E4M3 => e4m3fn_to_f32(src[i]), _ => e5m2_to_f32(src[i]) }).is_nan();
                     if both_nan {
                         prop_assert!(is_nan(dd, got), "{} at {}: not NaN", name, flat);
