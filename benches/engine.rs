@@ -2,6 +2,10 @@
 //! bf16 tensor, same dtype and bf16→f32, mmap vs pread, against a plain memcpy of the same number of bytes.
 //! The file is generated once per run in a temporary directory and is warm in the page cache.
 //!
+//! The `dequant` group: a 4096x4096 F8_E4M3 tensor with fp32 128x128 block scales dequantized into bf16, whole
+//! and as a rank-of-4's columns (the strided-source case), against the bf16 -> bf16 copy of the same output
+//! bytes (one thread, mmap).
+//!
 //! Run: `cargo bench --bench engine` (short by default; `-- --measurement-time 10` for steadier numbers).
 
 use std::hint::black_box;
@@ -10,7 +14,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use hp_fastload::{execute, Backend, DestBuf, Dtype, ExecOptions, Header, Item};
+use hp_fastload::{
+    execute, execute_scaled, Backend, DestBuf, Dtype, ExecOptions, Header, Item, Scale,
+};
 
 const ROWS: u64 = 8192;
 const COLS: u64 = 16384;
@@ -111,5 +117,94 @@ fn bench(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, bench);
+const QN: u64 = 4096;
+
+/// `q`: F8_E4M3 [QN, QN] (random codes, no NaN), `q_scale_inv`: F32 [QN/128, QN/128], `b`: BF16 [QN, QN].
+fn write_quantized(dir: &std::path::Path) -> Arc<Header> {
+    let path = dir.join("quant.safetensors");
+    let (q, s, b) = (QN * QN, (QN / 128) * (QN / 128) * 4, QN * QN * 2);
+    let g = QN / 128;
+    let json = format!(
+        r#"{{"q":{{"dtype":"F8_E4M3","shape":[{QN},{QN}],"data_offsets":[0,{q}]}},"q_scale_inv":{{"dtype":"F32","shape":[{g},{g}],"data_offsets":[{q},{}]}},"b":{{"dtype":"BF16","shape":[{QN},{QN}],"data_offsets":[{},{}]}}}}"#,
+        q + s,
+        q + s,
+        q + s + b
+    );
+    let mut f = std::io::BufWriter::new(std::fs::File::create(&path).unwrap());
+    f.write_all(&(json.len() as u64).to_le_bytes()).unwrap();
+    f.write_all(json.as_bytes()).unwrap();
+    let mut state = 0x9e37_79b9_7f4a_7c15_u64;
+    let mut next = || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let codes: Vec<u8> = (0..q)
+        .map(|_| match next() as u8 {
+            c if c & 0x7f == 0x7f => 0,
+            c => c,
+        })
+        .collect();
+    f.write_all(&codes).unwrap();
+    for i in 0..g * g {
+        f.write_all(&(1e-3f32 * (1.0 + i as f32 / 64.0)).to_le_bytes())
+            .unwrap();
+    }
+    let bf: Vec<u8> = (0..b).map(|i| (i * 7 % 251) as u8 & 0x3f).collect();
+    f.write_all(&bf).unwrap();
+    f.flush().unwrap();
+    drop(f);
+    Arc::new(Header::read(&path).unwrap())
+}
+
+fn bench_dequant(c: &mut Criterion) {
+    let dir = tempfile::tempdir().unwrap();
+    let header = write_quantized(dir.path());
+    let (tq, tb) = (header.index("q").unwrap(), header.index("b").unwrap());
+    let scale = Scale {
+        file: 0,
+        tensor: header.index("q_scale_inv").unwrap() as i64,
+        ndim: 2,
+        shape: [QN as i64, QN as i64, 0, 0, 0, 0, 0, 0],
+        block: [128, 128, 1, 1, 1, 1, 1, 1],
+    };
+    let files = [header];
+    let opts = ExecOptions {
+        backend: Backend::Mmap,
+        threads: Some(1),
+        ..ExecOptions::default()
+    };
+    let mut group = c.benchmark_group("dequant");
+    group
+        .sample_size(10)
+        .warm_up_time(Duration::from_secs(1))
+        .measurement_time(Duration::from_secs(3));
+    for (layout, cols) in [("whole", QN), ("cols", QN / 4)] {
+        let numel = QN * cols;
+        group.throughput(Throughput::Bytes(numel * 2));
+        let mut out = vec![0u8; (numel * 2) as usize];
+        for (name, tensor, sc) in [("fp8->bf16", tq, 1), ("bf16->bf16", tb, 0)] {
+            let mut item = Item {
+                ndim: 2,
+                tensor: tensor as i64,
+                scale: sc,
+                ..Item::default()
+            };
+            item.lengths[..2].copy_from_slice(&[QN as i64, cols as i64]);
+            item.src_strides[..2].copy_from_slice(&[QN as i64, 1]);
+            item.dst_strides[..2].copy_from_slice(&[cols as i64, 1]);
+            group.bench_function(format!("{layout}/{name}"), |b| {
+                b.iter(|| {
+                    let dest = [DestBuf::from_mut_slice(&mut out, Dtype::BF16)];
+                    let r = execute_scaled(&files, &dest, &[item], &[scale], &opts);
+                    black_box(r.unwrap())
+                })
+            });
+        }
+    }
+    group.finish();
+}
+
+criterion_group!(benches, bench, bench_dequant);
 criterion_main!(benches);

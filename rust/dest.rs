@@ -219,6 +219,40 @@ pub(crate) fn write_run(run: &Run, src: &[u8]) {
     }
 }
 
+/// [`cast_scaled_dense`] compiled for AVX2 (8 lanes and byte-to-dword loads in the vectorized block loop; the
+/// same scalar semantics, no fused multiply-add, so the values are bit for bit those of the SSE2 build).
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn cast_scaled_dense_avx2(
+    pair: (Dtype, Dtype),
+    src: &[u8],
+    dst: &mut [u8],
+    map: &ScaleMap<'_>,
+    flat0: u64,
+) {
+    cast_scaled_dense(pair, src, dst, map, flat0);
+}
+
+/// [`cast_scaled_dense`] through the widest vector code this CPU runs.
+fn dequantize_dense(
+    pair: (Dtype, Dtype),
+    src: &[u8],
+    dst: &mut [u8],
+    map: &ScaleMap<'_>,
+    flat0: u64,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: AVX2 support was just detected on this CPU.
+        unsafe { cast_scaled_dense_avx2(pair, src, dst, map, flat0) };
+        return;
+    }
+    cast_scaled_dense(pair, src, dst, map, flat0);
+}
+
 /// Writes every repetition of a run of a dequantized item from `src` (as [`write_run`]): each element is
 /// multiplied by its scale from `map` before the cast. `begin` is the absolute file offset of the quantized
 /// tensor's first byte, which turns the run's source offsets into the tensor's flat element indices.
@@ -245,8 +279,10 @@ pub(crate) fn write_run_scaled(run: &Run, src: &[u8], map: &ScaleMap<'_>, begin:
         let flat0 = (run.src_off + off - begin) / size;
         let rep = &src[off as usize..][..extent];
         match run.dst_is_dense() {
+            // Streaming stores through an L1 staging buffer (as `write_run` does for plain copies) measured
+            // slower here: docs/perf-notes.md, "Session 6: dequantization kernel".
             true if step == 1 => with_dense_rep(run, r, |out| {
-                cast_scaled_dense((sd, dd), rep, out, map, flat0)
+                dequantize_dense((sd, dd), rep, out, map, flat0)
             }),
             true => with_dense_rep(run, r, |out| {
                 let mut sink = SliceSink {
@@ -341,7 +377,168 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
+    use crate::dtype::{
+        bf16_to_f32, e4m3fn_to_f32, e5m2_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16,
+    };
+
+    /// A sink writing element `i` at element `offset + i * stride` of a buffer of `size`-byte elements.
+    struct VecSink {
+        out: Vec<u8>,
+        size: usize,
+        stride: usize,
+        offset: usize,
+    }
+
+    impl ElemSink for VecSink {
+        fn put(&mut self, i: usize, bytes: &[u8]) {
+            let at = (self.offset + i * self.stride) * self.size;
+            self.out[at..at + self.size].copy_from_slice(bytes);
+        }
+    }
+
+    /// Scales that exercise every class: ordinary, NaN, infinities, zero, subnormal, huge, any bits.
+    fn scale_value() -> impl Strategy<Value = f32> {
+        prop_oneof![
+            4 => 1e-6f32..1e3f32,
+            1 => Just(f32::NAN),
+            1 => Just(f32::INFINITY),
+            1 => Just(f32::NEG_INFINITY),
+            1 => Just(0.0f32),
+            1 => (1u32..0x80_0000).prop_map(f32::from_bits),
+            1 => (0x7e00_0000u32..0x7f80_0000).prop_map(f32::from_bits),
+            2 => any::<u32>().prop_map(f32::from_bits),
+        ]
+    }
+
+    /// The textbook formula for one element, from the reference scalar conversions: the bits of
+    /// `dd(f32(q) * scale)` (`f64` from the `f32` product, as torch does).
+    fn formula(sd: Dtype, dd: Dtype, q: u8, scale: f32) -> Vec<u8> {
+        let x = match sd {
+            Dtype::F8_E4M3 => e4m3fn_to_f32(q),
+            _ => e5m2_to_f32(q),
+        } * scale;
+        match dd {
+            Dtype::BF16 => f32_to_bf16(x).to_le_bytes().to_vec(),
+            Dtype::F16 => f32_to_f16(x).to_le_bytes().to_vec(),
+            Dtype::F32 => x.to_le_bytes().to_vec(),
+            _ => f64::from(x).to_le_bytes().to_vec(),
+        }
+    }
+
+    /// Whether element bytes of `dd` hold a NaN.
+    fn is_nan(dd: Dtype, b: &[u8]) -> bool {
+        match dd {
+            Dtype::BF16 => bf16_to_f32(u16::from_le_bytes([b[0], b[1]])).is_nan(),
+            Dtype::F16 => f16_to_f32(u16::from_le_bytes([b[0], b[1]])).is_nan(),
+            Dtype::F32 => f32::from_le_bytes(b.try_into().unwrap()).is_nan(),
+            _ => f64::from_le_bytes(b.try_into().unwrap()).is_nan(),
+        }
+    }
+
     proptest! {
+        /// The dense dequantizing kernel (the SSE2 build and the dispatched AVX2 one) equals the generic
+        /// per-element kernel (into dense and strided destinations) and the formula, bit for bit: random
+        /// codes (NaN, subnormal, every code), scales of every class, ragged blocks, runs that start and
+        /// end anywhere and cross rows, every source and target dtype. The one allowed difference: when
+        /// both the code and its scale are NaN, which NaN the multiply returns is not specified.
+        #[test]
+        fn dense_dequantize_equals_generic_and_formula(
+            rows in 1u64..24,
+            cols in 1u64..300,
+            brow in 1u64..8,
+            bcol in 1u64..160,
+            seed in any::<u64>(),
+            scales_seed in proptest::collection::vec(scale_value(), 1..64),
+            span in (0.0f64..1.0, 0.0f64..1.0),
+            sd in prop_oneof![Just(Dtype::F8_E4M3), Just(Dtype::F8_E5M2)],
+            dd in prop_oneof![Just(Dtype::BF16), Just(Dtype::F16), Just(Dtype::F32), Just(Dtype::F64)],
+            dst_stride in 1usize..4,
+        ) {
+            let numel = rows * cols;
+            let (grows, gcols) = (rows.div_ceil(brow), cols.div_ceil(bcol));
+            let values: Vec<f32> = (0..grows * gcols)
+                .map(|i| scales_seed[i as usize % scales_seed.len()])
+                .collect();
+            let mut state = seed | 1;
+            let q: Vec<u8> = (0..numel)
+                .map(|_| {
+                    state ^= state << 13;
+                    state ^= state >> 7;
+                    state ^= state << 17;
+                    (state >> 24) as u8
+                })
+                .collect();
+            let mut shape = [1u64; crate::region::MAX_NDIM];
+            let mut block = [1u64; crate::region::MAX_NDIM];
+            let mut grid_strides = [0u64; crate::region::MAX_NDIM];
+            shape[..2].copy_from_slice(&[rows, cols]);
+            block[..2].copy_from_slice(&[brow, bcol]);
+            grid_strides[..2].copy_from_slice(&[gcols, 1]);
+            let map = ScaleMap { values: &values, ndim: 2, shape, block, grid_strides };
+            let a = ((span.0 * numel as f64) as u64).min(numel - 1);
+            let b = a + 1 + ((span.1 * (numel - a - 1) as f64) as u64);
+            let src = &q[a as usize..b as usize];
+            let n = src.len();
+            let size = dd.byte_size().unwrap();
+            let mut sse2 = vec![0u8; n * size];
+            cast_scaled_dense((sd, dd), src, &mut sse2, &map, a);
+            let mut fast = vec![0u8; n * size];
+            dequantize_dense((sd, dd), src, &mut fast, &map, a);
+            let mut strided = VecSink { out: vec![0u8; (n * dst_stride + 1) * size], size, stride: dst_stride, offset: 1 };
+            cast_scaled((sd, dd), src, 1, n, &map, (a, 1), &mut strided);
+            for i in 0..n {
+                let flat = a + i as u64;
+                let (r, c) = (flat / cols, flat % cols);
+                let scale = values[((r / brow) * gcols + c / bcol) as usize];
+                let want = formula(sd, dd, src[i], scale);
+                let generic = &strided.out[(1 + i * dst_stride) * size..][..size];
+                for (name, got) in [("sse2", &sse2[i * size..][..size]), ("dispatched", &fast[i * size..][..size]), ("generic", generic)] {
+                    let both_nan = scale.is_nan() && (match sd { Dtype::F8_E4M3 => e4m3fn_to_f32(src[i]), _ => e5m2_to_f32(src[i]) }).is_nan();
+                    if both_nan {
+                        prop_assert!(is_nan(dd, got), "{} at {}: not NaN", name, flat);
+                    } else {
+                        prop_assert_eq!(got, &want[..], "{} at flat {} (q {:#x}, scale {:e} = {:#x})", name, flat, src[i], scale, scale.to_bits());
+                    }
+                }
+            }
+        }
+
+        /// A strided source (a column of the tensor, step = cols) through the generic kernel equals the
+        /// formula (the layout the dense kernel does not take).
+        #[test]
+        fn strided_source_dequantize_equals_formula(
+            rows in 1u64..40,
+            cols in 1u64..20,
+            brow in 1u64..16,
+            col in 0u64..20,
+            codes in proptest::collection::vec(any::<u8>(), 800),
+            scales_seed in proptest::collection::vec(scale_value(), 1..16),
+        ) {
+            let col = col % cols;
+            let (grows, gcols) = (rows.div_ceil(brow), 1);
+            let values: Vec<f32> = (0..grows).map(|i| scales_seed[i as usize % scales_seed.len()]).collect();
+            let mut shape = [1u64; crate::region::MAX_NDIM];
+            let mut block = [1u64; crate::region::MAX_NDIM];
+            let mut grid_strides = [0u64; crate::region::MAX_NDIM];
+            shape[..2].copy_from_slice(&[rows, cols]);
+            block[..2].copy_from_slice(&[brow, cols]);
+            grid_strides[..2].copy_from_slice(&[gcols, 1]);
+            let map = ScaleMap { values: &values, ndim: 2, shape, block, grid_strides };
+            let q = &codes[..(rows * cols) as usize];
+            let mut sink = VecSink { out: vec![0u8; rows as usize * 2], size: 2, stride: 1, offset: 0 };
+            cast_scaled((Dtype::F8_E4M3, Dtype::BF16), &q[col as usize..], cols as usize, rows as usize, &map, (col, cols), &mut sink);
+            for r in 0..rows as usize {
+                let scale = values[r / brow as usize];
+                let qv = q[r * cols as usize + col as usize];
+                let got = &sink.out[r * 2..r * 2 + 2];
+                if scale.is_nan() && e4m3fn_to_f32(qv).is_nan() {
+                    prop_assert!(is_nan(Dtype::BF16, got));
+                } else {
+                    prop_assert_eq!(got, &formula(Dtype::F8_E4M3, Dtype::BF16, qv, scale)[..], "row {}", r);
+                }
+            }
+        }
+
         /// Streaming copies equal plain copies for every length and both alignments, and write nothing
         /// outside the destination slice.
         #[test]
