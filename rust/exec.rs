@@ -1075,9 +1075,74 @@ mod tests {
             )
     }
 
+    /// A case's box as an engine item: the source row-major, its dims taken in `perm` order; the other side's
+    /// dims laid out in `dst_order` (innermost last) with padding, from element 3 of a buffer of `dst_len`.
+    struct Layout {
+        item: Item,
+        dst_len: usize,
+    }
+
+    impl Layout {
+        /// `(source element, destination element)` of every element of the box, in row-major box order.
+        fn elements(&self) -> Vec<(u64, u64)> {
+            let it = &self.item;
+            let ndim = it.ndim as usize;
+            let lengths: Vec<u64> = it.lengths[..ndim].iter().map(|&n| n as u64).collect();
+            let total: u64 = lengths.iter().product();
+            (0..total)
+                .map(|flat| {
+                    let (mut rem, mut se, mut de) = (flat, it.src_base as u64, it.dst_base as u64);
+                    for d in (0..ndim).rev() {
+                        let i = rem % lengths[d];
+                        rem /= lengths[d];
+                        se += i * it.src_strides[d] as u64;
+                        de += i * it.dst_strides[d] as u64;
+                    }
+                    (se, de)
+                })
+                .collect()
+        }
+    }
+
+    impl Case {
+        fn layout(&self, tensor: i64) -> Layout {
+            let ndim = self.shape.len();
+            let mut sstr = vec![1u64; ndim];
+            for d in (0..ndim.saturating_sub(1)).rev() {
+                sstr[d] = sstr[d + 1] * self.shape[d + 1];
+            }
+            let src_base: u64 = self.offsets.iter().zip(&sstr).map(|(o, s)| o * s).sum();
+            let lengths: Vec<u64> = self.perm.iter().map(|&d| self.lengths[d]).collect();
+            let mut ds = vec![0u64; ndim];
+            let mut acc = 1u64;
+            for &d in self.dst_order.iter().rev() {
+                ds[d] = acc;
+                acc *= lengths[d] + self.pad[d];
+            }
+            let dst_base = 3u64;
+            let mut item = Item {
+                file: 0,
+                tensor,
+                src_base: src_base as i64,
+                dest: 0,
+                dst_base: dst_base as i64,
+                ndim: ndim as i64,
+                ..Item::default()
+            };
+            for d in 0..ndim {
+                item.lengths[d] = lengths[d] as i64;
+                item.src_strides[d] = sstr[self.perm[d]] as i64;
+                item.dst_strides[d] = ds[d] as i64;
+            }
+            Layout {
+                item,
+                dst_len: (dst_base + acc + 2) as usize,
+            }
+        }
+    }
+
     fn check(c: &Case) {
         let (sd, dd) = PAIRS[c.pair];
-        let ndim = c.shape.len();
         let numel: u64 = c.shape.iter().product();
         let ssize = sd.byte_size().unwrap();
         let dsize = dd.byte_size().unwrap();
@@ -1092,56 +1157,18 @@ mod tests {
                 ("t", sd, c.shape.clone(), data.clone()),
             ],
         );
-        // Row-major source strides; the box is read in the permuted dim order `perm`.
-        let mut sstr = vec![1u64; ndim];
-        for d in (0..ndim.saturating_sub(1)).rev() {
-            sstr[d] = sstr[d + 1] * c.shape[d + 1];
-        }
-        let src_base: u64 = c.offsets.iter().zip(&sstr).map(|(o, s)| o * s).sum();
-        let lengths: Vec<u64> = c.perm.iter().map(|&d| c.lengths[d]).collect();
-        let ss: Vec<u64> = c.perm.iter().map(|&d| sstr[d]).collect();
-        // Destination: dims laid out in `dst_order` (innermost last) with padding.
-        let mut ds = vec![0u64; ndim];
-        let mut acc = 1u64;
-        for &d in c.dst_order.iter().rev() {
-            ds[d] = acc;
-            acc *= lengths[d] + c.pad[d];
-        }
-        let dst_base = 3u64;
-        let dst_len = (dst_base + acc + 2) as usize;
-        let mut out = vec![0xeeu8; dst_len * dsize];
-        let mut item = Item {
-            file: 0,
-            tensor: h.index("t").unwrap() as i64,
-            src_base: src_base as i64,
-            dest: 0,
-            dst_base: dst_base as i64,
-            ndim: ndim as i64,
-            ..Item::default()
-        };
-        for d in 0..ndim {
-            item.lengths[d] = lengths[d] as i64;
-            item.src_strides[d] = ss[d] as i64;
-            item.dst_strides[d] = ds[d] as i64;
-        }
+        let layout = c.layout(h.index("t").unwrap() as i64);
+        let mut out = vec![0xeeu8; layout.dst_len * dsize];
         let opts = ExecOptions {
             threads: Some(c.threads),
             backend: c.backend,
             pread_gap: c.gap,
         };
         let dest = [DestBuf::from_mut_slice(&mut out, dd)];
-        execute(&[h], &dest, &[item], &opts).unwrap();
+        execute(&[h], &dest, &[layout.item], &opts).unwrap();
         // Naive element-by-element reference.
-        let mut want = vec![0xeeu8; dst_len * dsize];
-        let total: u64 = lengths.iter().product();
-        for flat in 0..total {
-            let (mut rem, mut se, mut de) = (flat, src_base, dst_base);
-            for d in (0..ndim).rev() {
-                let i = rem % lengths[d];
-                rem /= lengths[d];
-                se += i * ss[d];
-                de += i * ds[d];
-            }
+        let mut want = vec![0xeeu8; layout.dst_len * dsize];
+        for (se, de) in layout.elements() {
             let (se, de) = (se as usize * ssize, de as usize * dsize);
             cast_dense(sd, dd, &data[se..se + ssize], &mut want[de..de + dsize]);
         }
@@ -1161,7 +1188,6 @@ mod tests {
     /// byte of the file as it was.
     fn check_write(c: &Case) {
         let dt = PAIRS[c.pair].0;
-        let ndim = c.shape.len();
         let numel: u64 = c.shape.iter().product();
         let size = dt.byte_size().unwrap();
         let dir = tempfile::tempdir().unwrap();
@@ -1175,54 +1201,20 @@ mod tests {
             ],
         );
         let original = std::fs::read(&h.path).unwrap();
-        let mut sstr = vec![1u64; ndim];
-        for d in (0..ndim.saturating_sub(1)).rev() {
-            sstr[d] = sstr[d + 1] * c.shape[d + 1];
-        }
-        let src_base: u64 = c.offsets.iter().zip(&sstr).map(|(o, s)| o * s).sum();
-        let lengths: Vec<u64> = c.perm.iter().map(|&d| c.lengths[d]).collect();
-        let ss: Vec<u64> = c.perm.iter().map(|&d| sstr[d]).collect();
-        let mut ds = vec![0u64; ndim];
-        let mut acc = 1u64;
-        for &d in c.dst_order.iter().rev() {
-            ds[d] = acc;
-            acc *= lengths[d] + c.pad[d];
-        }
-        let dst_base = 3u64;
-        let mut mem = random_bytes((dst_base + acc + 2) as usize * size, c.seed ^ 99);
-        let mut item = Item {
-            file: 0,
-            tensor: h.index("t").unwrap() as i64,
-            src_base: src_base as i64,
-            dest: 0,
-            dst_base: dst_base as i64,
-            ndim: ndim as i64,
-            ..Item::default()
-        };
-        for d in 0..ndim {
-            item.lengths[d] = lengths[d] as i64;
-            item.src_strides[d] = ss[d] as i64;
-            item.dst_strides[d] = ds[d] as i64;
-        }
+        let layout = c.layout(h.index("t").unwrap() as i64);
+        let mut mem = random_bytes(layout.dst_len * size, c.seed ^ 99);
         let opts = ExecOptions {
             threads: Some(c.threads),
             ..ExecOptions::default()
         };
         let want_mem = mem.clone();
         let bufs = [DestBuf::from_mut_slice(&mut mem, dt)];
-        let stats = execute_write(std::slice::from_ref(&h), &bufs, &[item], &opts).unwrap();
-        let total: u64 = lengths.iter().product();
-        assert_eq!(stats.bytes_copied, total * size as u64);
+        let stats = execute_write(std::slice::from_ref(&h), &bufs, &[layout.item], &opts).unwrap();
+        let elements = layout.elements();
+        assert_eq!(stats.bytes_copied, elements.len() as u64 * size as u64);
         let mut want = original.clone();
         let data = (h.data_start + h.tensors[h.index("t").unwrap()].begin) as usize;
-        for flat in 0..total {
-            let (mut rem, mut se, mut de) = (flat, src_base, dst_base);
-            for d in (0..ndim).rev() {
-                let i = rem % lengths[d];
-                rem /= lengths[d];
-                se += i * ss[d];
-                de += i * ds[d];
-            }
+        for (se, de) in elements {
             let (se, de) = (data + se as usize * size, de as usize * size);
             want[se..se + size].copy_from_slice(&want_mem[de..de + size]);
         }
