@@ -256,15 +256,10 @@ def _box_view(tensor: torch.Tensor, offsets: Sequence[int], lengths: Sequence[in
     return view
 
 
-class _Stager:
-    """Host staging for device targets: two reusable slabs of ``budget // 2`` bytes (pinned when CUDA is there).
-
-    Each engine batch reads into one slab; its host-to-device copies are then queued on a side stream and the
-    next batch reads into the other slab while they run (double buffering). A slab is reused only after the
-    copies out of it have finished, so staging memory stays at ``budget`` however large the checkpoint. A target
-    larger than a slab is staged in row blocks that fit one (``_staging_chunks``); only a single row larger than
-    a slab gets a slab of its own size.
-    """
+class _Slabs:
+    """Two reusable host slabs of ``budget // 2`` bytes (pinned when CUDA is there) and a side stream: the
+    double buffering that staging uses in both directions (``_Stager`` for loads, ``save._D2HStager`` for
+    exports). Only a request larger than a slab gets a slab of its own size."""
 
     ALIGN = 64
 
@@ -273,11 +268,12 @@ class _Stager:
         self.pin = torch.cuda.is_available()
         self.stream = torch.cuda.Stream() if self.pin else None
         self.slabs: list[torch.Tensor | None] = [None, None]
-        self.events: list[Any] = [None, None]
         self.current = 0
         self.used = 0
 
     def _slab(self, nbytes: int) -> torch.Tensor:
+        """The current slab, replaced by a larger one when it holds fewer than ``nbytes`` bytes (views handed
+        out of the previous one keep it alive)."""
         slab = self.slabs[self.current]
         if slab is None or slab.numel() < nbytes:
             slab = torch.empty(max(nbytes, self.slab_bytes), dtype=torch.uint8, pin_memory=self.pin)
@@ -288,6 +284,21 @@ class _Stager:
         """Whether ``local`` still fits the current slab (an empty slab takes anything)."""
         nbytes = local.numel() * local.element_size()
         return self.used == 0 or self.used + nbytes <= self.slab_bytes
+
+
+class _Stager(_Slabs):
+    """Host staging for device targets: two reusable slabs of ``budget // 2`` bytes (pinned when CUDA is there).
+
+    Each engine batch reads into one slab; its host-to-device copies are then queued on a side stream and the
+    next batch reads into the other slab while they run (double buffering). A slab is reused only after the
+    copies out of it have finished, so staging memory stays at ``budget`` however large the checkpoint. A target
+    larger than a slab is staged in row blocks that fit one (``_staging_chunks``); only a single row larger than
+    a slab gets a slab of its own size.
+    """
+
+    def __init__(self, budget: int) -> None:
+        super().__init__(budget)
+        self.events: list[Any] = [None, None]
 
     def staging_for(self, local: torch.Tensor) -> torch.Tensor:
         """A host tensor shaped like ``local``, carved from the current slab."""

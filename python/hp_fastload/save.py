@@ -34,7 +34,7 @@ from .checkpointer import _agree as _agree_as
 from .checkpointer import _dist_active, _plan_at
 from .engine import TORCH_TO_SAFETENSORS
 from .errors import PlanError, TargetError
-from .execute import _Batch, _staging_chunks
+from .execute import _Batch, _Slabs, _staging_chunks
 from .plan import LoadPlan, ReadItem, TemplateReads, gc_paused
 from .targets import Target
 
@@ -439,7 +439,7 @@ def _check_fallbacks_agree(by_rank: list[list[list[str]]]) -> None:
         )
 
 
-class _D2HStager:
+class _D2HStager(_Slabs):
     """Host staging for device shards: two reusable slabs of ``budget // 2`` bytes (pinned when CUDA is there).
 
     A shard's rows are copied into the current slab on a side stream (non-blocking); when a slab is full its
@@ -448,26 +448,10 @@ class _D2HStager:
     larger than a slab gets a slab of its own size); rows are cut as the load's staging cuts them.
     """
 
-    ALIGN = 64
-
-    def __init__(self, budget: int) -> None:
-        self.slab_bytes = max(budget // 2, self.ALIGN)
-        self.pin = torch.cuda.is_available()
-        self.stream = torch.cuda.Stream() if self.pin else None
-        self.slabs: list[torch.Tensor | None] = [None, None]
-        self.current = 0
-        self.used = 0
-
-    def fits(self, rows: torch.Tensor) -> bool:
-        return self.used == 0 or self.used + rows.numel() * rows.element_size() <= self.slab_bytes
-
     def stage(self, rows: torch.Tensor) -> torch.Tensor:
         """A host copy of ``rows`` in the current slab (queued, not finished: see ``event``)."""
         nbytes = rows.numel() * rows.element_size()
-        slab = self.slabs[self.current]
-        if slab is None or slab.numel() < self.used + nbytes:
-            slab = torch.empty(max(self.used + nbytes, self.slab_bytes), dtype=torch.uint8, pin_memory=self.pin)
-            self.slabs[self.current] = slab  # views already handed out keep the previous one alive
+        slab = self._slab(self.used + nbytes)
         view = slab[self.used : self.used + nbytes].view(rows.dtype).view(rows.shape)
         if self.stream is not None and rows.device.type == "cuda":
             self.stream.wait_stream(torch.cuda.current_stream(rows.device))
