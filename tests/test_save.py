@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 import hp_fastload as hf
 from hp_fastload.errors import TargetError
 
-from .tiny_models import model_class, tiny_config, tiny_model
+from .tiny_models import model_class, scale_mapping, tiny_config, tiny_model
 
 save_mod = importlib.import_module("hp_fastload.save")  # the module (hp_fastload.save is the function)
 
@@ -194,34 +194,11 @@ def test_meta_parameter_is_named(tmp_path: Path) -> None:
     assert _siblings(tmp_path / "out") == []
 
 
-def _scale_mapping() -> list[Any]:
-    from transformers.core_model_loading import ConversionOps, WeightConverter
-
-    class Scale(ConversionOps):
-        """Multiplies by a power of two (exact both ways): value-changing, so not a region copy."""
-
-        def __init__(self, factor: float) -> None:
-            self.factor = factor
-
-        def convert(
-            self, input_dict: dict[str, Any], source_patterns: list[str], target_patterns: list[str], **kw: Any
-        ):
-            (values,) = input_dict.values()
-            tensor = values[0] if isinstance(values, list) else values
-            return {target_patterns[0]: tensor * self.factor}
-
-        @property
-        def reverse_op(self) -> ConversionOps:
-            return Scale(1.0 / self.factor)
-
-    return [WeightConverter("model.norm.weight", "model.norm.weight", [Scale(4.0)])]
-
-
 def test_value_changing_conversion_falls_back_to_torch(tmp_path: Path) -> None:
     """A conversion without a region inverse: the tensor is computed with torch (transformers' reverse op),
     reported, and the files equal save_pretrained's under the same rules."""
     model = tiny_model("llama")
-    mapping = _scale_mapping()
+    mapping = scale_mapping(["model.norm.weight"])
     report = hf.save(model, tmp_path / "out", max_shard_size=SHARD, weights_mapping=mapping)
     assert report.fallbacks == ["model.norm.weight"]
     model._weight_conversions = mapping

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from .dist_utils import run_distributed, run_subchecks, subcheck_values
-from .tiny_models import tiny_model
+from .tiny_models import scale_mapping, tiny_model
 
 save_mod = importlib.import_module("hp_fastload.save")  # the module (hp_fastload.save is the function)
 
@@ -27,28 +27,6 @@ ROOT_ENV = "HPF_SAVE_FAULTS_ROOT"
 
 def _siblings(path: Path) -> list[str]:
     return sorted(p.name for p in path.parent.iterdir() if p.name.startswith(f".{path.name}."))
-
-
-def _scale_mapping(keys: list[str]) -> list[Any]:
-    """A value-changing conversion (times 4, exact both ways) on each of ``keys``: torch fallbacks on save."""
-    from transformers.core_model_loading import ConversionOps, WeightConverter
-
-    class Scale(ConversionOps):
-        def __init__(self, factor: float) -> None:
-            self.factor = factor
-
-        def convert(
-            self, input_dict: dict[str, Any], source_patterns: list[str], target_patterns: list[str], **kw: Any
-        ) -> dict[str, Any]:
-            (values,) = input_dict.values()
-            tensor = values[0] if isinstance(values, list) else values
-            return {target_patterns[0]: tensor * self.factor}
-
-        @property
-        def reverse_op(self) -> ConversionOps:
-            return Scale(1.0 / self.factor)
-
-    return [WeightConverter(key, key, [Scale(4.0)]) for key in keys]
 
 
 FALLBACK_KEYS = ["model.layers.0.input_layernorm.weight", "model.norm.weight"]
@@ -71,7 +49,7 @@ def check_fallback_fault_on_rank0(rank: int, world: int) -> str:
     if rank == 0:
         save_mod._write_whole = failing
     try:
-        hf.save(model, out, weights_mapping=_scale_mapping(FALLBACK_KEYS))
+        hf.save(model, out, weights_mapping=scale_mapping(FALLBACK_KEYS))
     except OSError as exc:
         return str(exc)
     finally:
@@ -98,7 +76,7 @@ def check_fallback_groups_differ(rank: int, world: int) -> str:
     if rank == 1:
         save_mod._fallback_groups = more
     try:
-        hf.save(model, out, weights_mapping=_scale_mapping(FALLBACK_KEYS))
+        hf.save(model, out, weights_mapping=scale_mapping(FALLBACK_KEYS))
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"
     finally:
@@ -115,7 +93,7 @@ def check_fallbacks_on_two_ranks(rank: int, world: int) -> list[str]:
     model = tiny_model("llama")
     _torch_fsdp(model, world)
     out = Path(os.environ[ROOT_ENV]) / "fallback-ok"
-    return list(hf.save(model, out, weights_mapping=_scale_mapping(FALLBACK_KEYS)).fallbacks)
+    return list(hf.save(model, out, weights_mapping=scale_mapping(FALLBACK_KEYS)).fallbacks)
 
 
 def check_relative_path_per_cwd(rank: int, world: int) -> str:

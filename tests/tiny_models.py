@@ -234,3 +234,25 @@ def root_rule_class(family: str) -> Any:
     import transformers
 
     return getattr(transformers, ROOT_RULE_FAMILIES[family])
+
+
+def scale_mapping(keys: list[str]) -> list[Any]:
+    """A value-changing conversion (times 4, exact both ways) on each of ``keys``: torch fallbacks on save."""
+    from transformers.core_model_loading import ConversionOps, WeightConverter
+
+    class Scale(ConversionOps):
+        def __init__(self, factor: float) -> None:
+            self.factor = factor
+
+        def convert(
+            self, input_dict: dict[str, Any], source_patterns: list[str], target_patterns: list[str], **kw: Any
+        ) -> dict[str, Any]:
+            (values,) = input_dict.values()
+            tensor = values[0] if isinstance(values, list) else values
+            return {target_patterns[0]: tensor * self.factor}
+
+        @property
+        def reverse_op(self) -> ConversionOps:
+            return Scale(1.0 / self.factor)
+
+    return [WeightConverter(key, key, [Scale(4.0)]) for key in keys]
