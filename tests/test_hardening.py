@@ -226,6 +226,7 @@ _FIFO_CASES = [
     "cli_inspect",
     "dcp_reader",
     "load_fifo_path",
+    "load_fifo_config",
 ]
 
 
@@ -242,6 +243,10 @@ def fifo_outcomes(tmp_path_factory) -> dict[str, list[str]]:
     fifo_index = _sharded(root / "fifo_index")
     (fifo_index / INDEX_NAME).unlink()
     os.mkfifo(fifo_index / INDEX_NAME)
+    fifo_config = root / "fifo_config"  # config.json is read for its quantization_config by every plan
+    fifo_config.mkdir()
+    save_file(_tensors(1), str(fifo_config / "model.safetensors"))
+    os.mkfifo(fifo_config / "config.json")
     code = f"""
         import contextlib, io, json, warnings
         import hp_fastload as hf
@@ -260,6 +265,7 @@ def fifo_outcomes(tmp_path_factory) -> dict[str, list[str]]:
             "open_file": lambda: open_file({str(fifo)!r}),
             "dcp_reader": lambda: HuggingFaceStorageReader({str(by_glob)!r}).read_metadata(),
             "load_fifo_path": lambda: _load({str(fifo)!r}),
+            "load_fifo_config": lambda: _load({str(fifo_config)!r}),
         }}
         out = {{}}
         for name, case in cases.items():
@@ -286,6 +292,8 @@ def test_fifo_is_refused_without_blocking(fifo_outcomes, case):
         assert kind == "1" and "a FIFO, not a regular file" in message
     elif case == "load_fifo_path":  # not a file, not a directory: the location is refused as not found
         assert kind in {"FileNotFoundError", "HeaderError"}, (kind, message)
+    elif case == "load_fifo_config":
+        assert kind == "HeaderError" and "config.json" in message and "not a regular file" in message, message
     else:
         assert kind == "HeaderError", (kind, message)
         assert "FIFO" in message and "not a regular file" in message and "safetensors" in message

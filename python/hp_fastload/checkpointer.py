@@ -26,7 +26,7 @@ from . import errors
 from .engine import threads_per_rank
 from .execute import execute_plan
 from .finalize import non_persistent_buffers, recreate_buffers, retie
-from .index import CheckpointIndex, resolve_checkpoint_location
+from .index import CheckpointIndex, read_regular_file, resolve_checkpoint_location
 from .plan import LoadPlan, LoadReport, Replacement, gc_paused, plan_load
 from .quant import QuantizationError
 from .rules import resolve_mapping, unwrapped
@@ -339,11 +339,14 @@ def _config_mismatch(model: nn.Module, location: Path) -> str:
     """Where the checkpoint's ``config.json`` and the model's config disagree (architecture, depth, size)."""
     config_path = (location if location.is_dir() else location.parent) / "config.json"
     config = getattr(model, "config", None)
-    if config is None or not config_path.is_file():
+    if config is None:
         return ""
     try:
-        saved = json.loads(config_path.read_text())
-    except (OSError, ValueError):
+        raw = read_regular_file(config_path)
+        saved = json.loads(raw) if raw is not None else None
+    except (OSError, ValueError):  # a FIFO there (HeaderError) only loses the hint
+        return ""
+    if not isinstance(saved, dict):
         return ""
     ours = config.to_dict() if hasattr(config, "to_dict") else vars(config)
     text_saved, text_ours = saved.get("text_config") or {}, ours.get("text_config") or {}

@@ -351,6 +351,25 @@ _SHAPE_AND_DTYPE = operator.itemgetter(2, 1)
 PARALLEL_HEADER_BYTES = 1 << 20
 
 
+def read_regular_file(path: Path) -> bytes | None:
+    """The bytes of a checkpoint's side file (``config.json``), None when there is none. A FIFO, socket or
+    device there is a :class:`HeaderError`: it is checked after a non-blocking open, so reading it can never
+    block (and a regular file swapped for a FIFO after a ``stat`` is refused too)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise HeaderError(f"{path} is a FIFO, socket or device, not a regular file; refusing to read it")
+        chunks = []
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
 def _header_bytes(path: Path) -> int:
     """The header length a safetensors file declares in its first 8 bytes (0 when unreadable: the parse
     reports the error)."""

@@ -184,13 +184,16 @@ class QuantInfo:
 
 def read_quant_config(directory: str | Path) -> dict[str, Any] | None:
     """The ``quantization_config`` of ``directory/config.json`` (or its ``compression_config``), or None."""
-    path = Path(directory) / "config.json"
+    from .index import read_regular_file
+
     try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError):
+        raw = read_regular_file(Path(directory) / "config.json")  # a FIFO there is refused, never read
+    except OSError:
+        return None
+    if raw is None:
         return None
     try:
-        config = json.loads(text)
+        config = json.loads(raw)
     except ValueError:
         return None
     if not isinstance(config, dict):
