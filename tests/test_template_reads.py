@@ -17,11 +17,11 @@ from safetensors.torch import load_file, save_file
 
 from hp_fastload.execute import ExecStats, _add_target_items, _Batch
 from hp_fastload.index import CheckpointIndex
-from hp_fastload.plan import _VECTOR_BLOCKS, LoadPlan, LoadReport, TemplateReads, _BlockCache, region_items
+from hp_fastload.plan import VECTOR_BLOCKS, BlockCache, LoadPlan, LoadReport, TemplateReads, region_items
 from hp_fastload.region import RegionTensor
 from hp_fastload.targets import LocalRegion, Target
 
-EXPERTS = 40  # above plan._VECTOR_BLOCKS, so the partial regions take the array test too
+EXPERTS = 40  # above plan.VECTOR_BLOCKS, so the partial regions take the array test too
 ROWS, COLS = 3, 5
 
 
@@ -90,12 +90,12 @@ def test_template_reads_equal_the_intersection_and_load_the_right_bytes(
     shape = tuple(traced.shape)
     for label, (region, kind) in _regions(shape).items():
         target = _target("w", region)
-        cache = _BlockCache()
+        cache = BlockCache()
         items = region_items(target, traced.blocks, index, None, cache)
         assert isinstance(items, kind), label
         with monkeypatch.context() as m:
-            m.setattr(_BlockCache, "columns", lambda self, blocks: None)
-            general = region_items(target, traced.blocks, index, None, _BlockCache())
+            m.setattr(BlockCache, "columns", lambda self, blocks: None)
+            general = region_items(target, traced.blocks, index, None, BlockCache())
         assert isinstance(general, list)
         assert list(items) == general, label
         assert len(items) == len(general) and (not general or items[-1] == general[-1])
@@ -121,7 +121,7 @@ def test_template_reads_index_like_a_list(ckpt: Path) -> None:
     leaves = _leaves(index)
     traced = _convert(leaves, CONVERSIONS["stack-cat"])
     region = LocalRegion(tuple(traced.shape), (((8, 16),), ((0, 2 * ROWS),), ((0, COLS),)))
-    items = region_items(_target("w", region), traced.blocks, index, None, _BlockCache())
+    items = region_items(_target("w", region), traced.blocks, index, None, BlockCache())
     assert isinstance(items, TemplateReads)
     as_list = list(items)
     assert len(as_list) == len(items) == 16  # 8 experts x (gate, up)
@@ -140,7 +140,7 @@ def test_post_ops_keep_the_general_items(ckpt: Path) -> None:
     traced = _convert(leaves, lambda gate, up: gate * 2)
     items = region_items(_target("w", LocalRegion.full(tuple(traced.shape))), traced.blocks, index, None)
     assert isinstance(items, list) and all(i.post for i in items)
-    assert _VECTOR_BLOCKS < EXPERTS
+    assert VECTOR_BLOCKS < EXPERTS
 
 
 def test_template_reads_into_a_dtype_the_engine_does_not_cast_to(ckpt: Path) -> None:
@@ -150,7 +150,7 @@ def test_template_reads_into_a_dtype_the_engine_does_not_cast_to(ckpt: Path) -> 
     region = LocalRegion(tuple(traced.shape), (((8, 16),), ((0, 2 * ROWS),), ((0, COLS),)))
     local = torch.zeros(region.local_shape, dtype=torch.int32)
     target = Target(("w",), local, region.global_shape, torch.int32, local.device, False, _region=region)
-    items = region_items(target, traced.blocks, index, None, _BlockCache())
+    items = region_items(target, traced.blocks, index, None, BlockCache())
     assert isinstance(items, TemplateReads)
     batch = _Batch(index)
     _add_target_items(batch, target, items, None)
