@@ -25,17 +25,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
-import numpy as np
 import torch
 from torch import nn
 
-from . import _core
+from .batch import Batch, Slabs, staging_chunks
 from .checkpointer import _agree as _agree_as
 from .checkpointer import _dist_active, _plan_at
-from .engine import TORCH_TO_SAFETENSORS
+from .engine import TORCH_TO_SAFETENSORS, gc_paused
 from .errors import PlanError, TargetError
-from .execute import _Batch, _Slabs, _staging_chunks
-from .plan import LoadPlan, ReadItem, TemplateReads, gc_paused
+from .plan import LoadPlan
 from .targets import Target
 
 __all__ = ["SaveReport", "save"]
@@ -374,18 +372,12 @@ def _first_instance(mesh: Any) -> bool:
     return int(root.mesh.min()) in set(mesh.mesh.flatten().tolist())
 
 
-class _WriteBatch(_Batch):
-    """One engine call in the write direction: the load packer's records, executed the other way."""
+class _WriteBatch(Batch):
+    """One engine call in the write direction: the load's records, executed the other way."""
 
     def run(self, threads: int | None, backend: str | None, stats: Any) -> None:
-        if self.count:
-            result = _core.execute(
-                self.headers,
-                np.array(self.dests, dtype=np.int64).tobytes(),
-                b"".join(records.tobytes() for records in self.items),
-                threads=threads,
-                direction="write",
-            )
+        result = self.execute(threads, backend, direction="write")
+        if result is not None:
             stats.bytes_written += int(result["bytes_copied"])
             stats.items += self.count
             stats.files.update(Path(header.path).name for header in self.headers)
@@ -408,10 +400,7 @@ def _planned_bytes(save_plan: LoadPlan, fallback: set[str], groups: list[tuple[l
     for name, (target, items) in save_plan.region_reads.items():
         if not items or name in fallback or not _mesh_coordinate_writes(target):
             continue
-        if isinstance(items, TemplateReads):
-            total += items.nbytes
-        else:
-            total += sum(item.numel for item in items) * target.dtype.itemsize
+        total += items.total_nbytes
     if _rank0():
         total += sum(save_plan.index.entry(key).nbytes for keys, _ in groups for key in keys)
     return total
@@ -439,7 +428,7 @@ def _check_fallbacks_agree(by_rank: list[list[list[str]]]) -> None:
         )
 
 
-class _D2HStager(_Slabs):
+class _D2HStager(Slabs):
     """Host staging for device shards: two reusable slabs of ``budget // 2`` bytes (pinned when CUDA is there).
 
     A shard's rows are copied into the current slab on a side stream (non-blocking); when a slab is full its
@@ -485,7 +474,7 @@ def _write_regions(
     """The region writes of this rank, in engine batches of ``batch_bytes``. Device shards (and, with
     ``stage_all``, CPU ones: the tests' way through this path without a GPU) go through ``_D2HStager``."""
     index = save_plan.index
-    batch = _WriteBatch(index)
+    batch = _WriteBatch(index.locate)
     stager: _D2HStager | None = None
     pending: tuple[_WriteBatch, Any] | None = None  # a full slab's batch, written once the next one is queued
 
@@ -507,14 +496,14 @@ def _write_regions(
             pending = (batch, event)
         else:
             _write_batch(batch, threads, stats)
-        batch = _WriteBatch(index)
+        batch = _WriteBatch(index.locate)
 
     for name, (target, items) in save_plan.region_reads.items():
         if not items or name in fallback or not _mesh_coordinate_writes(target):
             continue
         local = target.local()
         if local.device.type == "cpu" and not stage_all:
-            batch.add_boxes(items, local)
+            batch.add_reads(items, local)
             if batch.nbytes >= batch_bytes:
                 flush(staged=stager is not None)  # a batch holding staged views waits for their copies
             continue
@@ -522,12 +511,12 @@ def _write_regions(
             if batch.count:
                 flush(staged=False)
             stager = _D2HStager(staging_bytes)
-        for rows, row_items in _staging_chunks(local, items, stager.slab_bytes):
+        for rows, row_items in staging_chunks(local, items, stager.slab_bytes):
             if not stager.fits(rows):
                 flush(staged=True)
             view = stager.stage(rows)
             batch.keep.append(view)
-            batch.add_boxes(row_items, view)
+            batch.add_reads(row_items, view)
     if stager is not None:
         flush(staged=True)
         run_pending()
@@ -536,7 +525,7 @@ def _write_regions(
 
 
 def _write_whole(save_plan: LoadPlan, tensors: dict[str, torch.Tensor], threads: int | None, stats: _Stats) -> None:
-    batch = _WriteBatch(save_plan.index)
+    batch = _WriteBatch(save_plan.index.locate)
     for key, tensor in tensors.items():
         entry = save_plan.index.entry(key)
         if tuple(tensor.shape) != tuple(entry.shape) or tensor.dtype != entry.dtype:
@@ -545,8 +534,7 @@ def _write_whole(save_plan: LoadPlan, tensors: dict[str, torch.Tensor], threads:
                 f"says {tuple(entry.shape)} {entry.dtype}"
             )
         tensor = tensor.contiguous()
-        item = ReadItem(key, 0, tuple(tensor.stride()), tuple(tensor.shape), (0,) * tensor.dim(), ())
-        batch.add_boxes([item], tensor)
+        batch.add(key, 0, tuple(tensor.stride()), tuple(tensor.shape), tensor, (0,) * tensor.dim())
     _write_batch(batch, threads, stats)
 
 
@@ -560,8 +548,8 @@ def _fallback_groups(save_plan: LoadPlan) -> tuple[list[tuple[list[str], list[Ta
         groups.append((list(dict.fromkeys(deferred.keys)), targets))
         names.update(t.names[0] for t in targets)
     for name, (target, items) in save_plan.region_reads.items():
-        if items and not isinstance(items, TemplateReads) and any(item.post for item in items):
-            groups.append((sorted({item.source for item in items}), [target]))
+        if items.post is not None:  # some item has an elementwise post-op
+            groups.append((sorted(set(items.keys)), [target]))
             names.add(name)
     return groups, names
 

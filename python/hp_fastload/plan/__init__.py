@@ -2,7 +2,7 @@
 
 The package's modules, each owning one part (its first lines say what):
 
-- ``items``: the plan's data (``ReadItem``, ``TemplateReads``, ``DeferredGroup``, ``LoadPlan``, ``LoadReport``);
+- ``items``: the plan's data (``ReadItem``, ``Reads``, ``DeferredGroup``, ``LoadPlan``, ``LoadReport``);
 - ``trace``: running each load group's conversion symbolically through the real rule objects, the trace
   cache, the meta-tensor validation of what cannot be traced;
 - ``regions``: intersecting traced blocks with a target's local region into exact read items;
@@ -19,7 +19,7 @@ virtual) rank reads without reading anything.
 from __future__ import annotations
 
 from ..engine import gc_paused
-from .items import DeferredGroup, LoadPlan, LoadReport, ReadItem, TemplateReads
+from .items import DeferredGroup, LoadPlan, LoadReport, ReadItem, Reads, TemplateReads
 from .orchestrate import plan_load
 from .regions import VECTOR_BLOCKS, BlockCache, region_items
 from .replacement import Replacement, SourceModelView, replacement_of
@@ -33,6 +33,7 @@ __all__ = [
     "LoadPlan",
     "LoadReport",
     "ReadItem",
+    "Reads",
     "Replacement",
     "SourceModelView",
     "TemplateReads",

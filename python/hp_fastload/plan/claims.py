@@ -14,7 +14,7 @@ from ..index import CheckpointIndex
 from ..quant import QuantInfo
 from ..region import Block
 from ..targets import Target
-from .items import DeferredGroup, ReadItem
+from .items import DeferredGroup, Reads
 from .regions import BlockCache, region_items
 from .trace import Traced, group_compute
 
@@ -41,7 +41,7 @@ class Claims:
         self.claimed: set[int] = set()
         self.loaded: set[str] = set()
         self.unexpected: list[str] = []
-        self.region_reads: dict[str, tuple[Target, Sequence[ReadItem]]] = {}
+        self.region_reads: dict[str, tuple[Target, Reads]] = {}
         self.deferred: list[DeferredGroup] = []
         self.blocks = BlockCache()  # per-block work on shared traces (see BlockCache)
 

@@ -1,26 +1,26 @@
 """The plan's data: ``ReadItem`` (one strided box of a checkpoint tensor into a box of a target),
-``TemplateReads`` (a target's items as arrays), ``DeferredGroup`` (work done on whole tensors), ``LoadPlan``
+``Reads`` (a target's items as columns: the one read type), ``DeferredGroup`` (work done on whole tensors), ``LoadPlan``
 (one rank's plan) and ``LoadReport`` (what a load did). Builds nothing: planning lives in the sibling modules.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from itertools import repeat
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from ..engine import SafetensorsFile
+from ..errors import PlanError
 from ..index import CheckpointIndex
 from ..quant import Dequant
 from ..targets import Target
 
-if TYPE_CHECKING:
-    from .regions import Template
-
-__all__ = ["Columns", "DeferredGroup", "LoadPlan", "LoadReport", "ReadItem", "TemplateReads"]
+__all__ = ["DeferredGroup", "LoadPlan", "LoadReport", "ReadItem", "Reads", "TemplateReads"]
 
 
 @dataclass(frozen=True)
@@ -90,81 +90,221 @@ class ReadItem(NamedTuple):
         return n
 
 
-class Columns(NamedTuple):
-    """A template list as arrays, one row per block (blocks of one rank only): what packing and read
-    accounting need, built once per shared trace."""
-
-    base: np.ndarray[Any, np.dtype[np.int64]]  # (n,) flat source index of each block's first element
-    strides: np.ndarray[Any, np.dtype[np.int64]]  # (n, ndim) source element strides per region dim
-    lengths: np.ndarray[Any, np.dtype[np.int64]]  # (n, ndim)
-    offsets: np.ndarray[Any, np.dtype[np.int64]]  # (n, ndim) region offsets
-    nbytes: np.ndarray[Any, np.dtype[np.int64]]  # (n,) source bytes each block reads
+Int64s = np.ndarray[Any, np.dtype[np.int64]]
 
 
-class TemplateReads(Sequence[ReadItem]):
-    """The read items of a target that takes whole blocks of a shared trace, held as arrays.
+def _frozen(array: Any, shape: tuple[int, ...]) -> Int64s:
+    out = np.asarray(array, dtype=np.int64).reshape(shape)
+    out.flags.writeable = False  # shared between the targets of one trace: derived reads make new arrays
+    return out
 
-    Item ``i`` is template ``rows[i]`` (all templates when ``rows`` is None) with its source renamed to
-    ``keys[i]`` and its destination moved by ``shift``. A stacked-experts target has ~10^3 items per layer,
-    all alike but for the key: the arrays are built once per trace and shared by every layer, and packing and
-    read accounting use them without a ``ReadItem`` per box. Indexing or iterating builds the ``ReadItem``s,
-    equal to what the general intersection makes (tests compare both).
+
+class Reads(Sequence[ReadItem]):
+    """A target's read items as columns, one row per item: the one read type of every target.
+
+    Direction-neutral: the *storage side* is a checkpoint tensor (``keys[i]``; element ``j``, a multi-index
+    over ``lengths[i]``, is ``storage_base[i] + sum(j * storage_strides[i])`` of the flattened tensor); the
+    *dest side* is the target's local tensor (element ``j`` lands at ``dest_offsets[i] + j``). A load copies
+    storage -> dest; an export (``save``) executes the same rows dest -> storage. ``nbytes[i]`` is the storage
+    bytes of item ``i``; ``post`` (None when no item has any) the elementwise ops applied to item ``i``'s
+    values before the copy; ``second`` (None when no item has one) item ``i``'s second source: the
+    ``quant.Dequant`` of a weight the engine dequantizes while copying (its scale tensor is read with it).
+
+    The arrays are read-only: a stacked-experts trace's ~10^3 items per layer are built once and shared by
+    every layer's target (``renamed``, ``take``, ``moved`` derive new rows). Indexing and iterating give
+    ``ReadItem``s (without ``second``), equal to the general block/box intersection's (tests compare both).
     """
 
-    __slots__ = ("_columns", "_templates", "keys", "rows", "shift")
+    __slots__ = ("dest_offsets", "keys", "lengths", "nbytes", "post", "second", "storage_base", "storage_strides")
 
     def __init__(
         self,
-        templates: Sequence[Template],
-        columns: Columns,
-        rows: np.ndarray[Any, np.dtype[np.int64]] | None,
-        keys: list[str],
-        shift: tuple[int, ...] | None,
+        keys: Sequence[str],
+        storage_base: Any,
+        storage_strides: Any,
+        lengths: Any,
+        dest_offsets: Any,
+        nbytes: Any,
+        post: Sequence[tuple[Any, ...]] | None = None,
+        second: Sequence[Dequant | None] | None = None,
     ) -> None:
-        self._templates = templates
-        self._columns = columns
-        self.rows = rows
-        self.keys = keys
-        self.shift = shift
+        n = len(keys)
+        self.keys = list(keys)
+        self.storage_strides = _frozen(storage_strides, (n, -1) if n else (0, np.shape(storage_strides)[-1]))
+        ndim = self.storage_strides.shape[1]
+        self.storage_base = _frozen(storage_base, (n,))
+        self.lengths = _frozen(lengths, (n, ndim))
+        self.dest_offsets = _frozen(dest_offsets, (n, ndim))
+        self.nbytes = _frozen(nbytes, (n,))
+        self.post = tuple(post) if post is not None and any(post) else None
+        self.second = tuple(second) if second is not None and any(s is not None for s in second) else None
+
+    @classmethod
+    def empty(cls, ndim: int) -> Reads:
+        return cls([], [], np.zeros((0, ndim)), np.zeros((0, ndim)), np.zeros((0, ndim)), [])
+
+    @classmethod
+    def one(
+        cls,
+        key: str,
+        storage_base: int,
+        storage_strides: Sequence[int],
+        lengths: Sequence[int],
+        dest_offsets: Sequence[int],
+        itemsize: int,
+        second: Dequant | None = None,
+    ) -> Reads:
+        """A single box (whole-tensor reads, requests of readers without a plan); its three tuples must have
+        one length (``PlanError`` naming the key otherwise)."""
+        ranks = (len(lengths), len(storage_strides), len(dest_offsets))
+        if len(set(ranks)) != 1:
+            raise PlanError(
+                f"{key}: a read with {ranks[0]} lengths, {ranks[1]} strides and {ranks[2]} destination offsets"
+            )
+        ndim = ranks[0]
+        numel = 1
+        for length in lengths:
+            numel *= int(length)
+        return cls(
+            [key],
+            [storage_base],
+            np.reshape(np.asarray(storage_strides, dtype=np.int64), (1, ndim)),
+            np.reshape(np.asarray(lengths, dtype=np.int64), (1, ndim)),
+            np.reshape(np.asarray(dest_offsets, dtype=np.int64), (1, ndim)),
+            [numel * itemsize],
+            None,
+            None if second is None else [second],
+        )
+
+    @property
+    def ndim(self) -> int:
+        return int(self.storage_strides.shape[1])
+
+    @property
+    def total_nbytes(self) -> int:
+        """Storage bytes of all items."""
+        return int(self.nbytes.sum())
 
     def __len__(self) -> int:
         return len(self.keys)
 
-    def _item(self, i: int) -> ReadItem:
-        _, base, strides, lengths, offsets, post = self._templates[i if self.rows is None else int(self.rows[i])]
-        if self.shift is not None:
-            offsets = tuple(o + s for o, s in zip(offsets, self.shift, strict=True))
-        return ReadItem(self.keys[i], base, strides, lengths, offsets, post)
+    def _rows(self) -> Iterator[ReadItem]:
+        posts = self.post if self.post is not None else repeat(())
+        return map(
+            ReadItem,
+            self.keys,
+            self.storage_base.tolist(),
+            map(tuple, self.storage_strides.tolist()),
+            map(tuple, self.lengths.tolist()),
+            map(tuple, self.dest_offsets.tolist()),
+            posts,
+        )
+
+    def __iter__(self) -> Iterator[ReadItem]:
+        return self._rows()
 
     def __getitem__(self, i: Any) -> Any:
         if isinstance(i, slice):
-            return [self._item(j) for j in range(*i.indices(len(self)))]
+            return list(self.take(np.arange(len(self), dtype=np.int64)[i]))
         if i < 0:
             i += len(self)
         if not 0 <= i < len(self):
             raise IndexError(i)
-        return self._item(i)
+        return ReadItem(
+            self.keys[i],
+            int(self.storage_base[i]),
+            tuple(self.storage_strides[i].tolist()),
+            tuple(self.lengths[i].tolist()),
+            tuple(self.dest_offsets[i].tolist()),
+            self.post[i] if self.post is not None else (),
+        )
 
-    def __iter__(self) -> Iterator[ReadItem]:
-        return (self._item(i) for i in range(len(self)))
+    def take(self, rows: Any) -> Reads:
+        """The items at ``rows`` (positions), in that order."""
+        rows = np.asarray(rows, dtype=np.int64)
+        picked = rows.tolist()
+        return Reads(
+            [self.keys[i] for i in picked],
+            self.storage_base[rows],
+            self.storage_strides[rows],
+            self.lengths[rows],
+            self.dest_offsets[rows],
+            self.nbytes[rows],
+            None if self.post is None else [self.post[i] for i in picked],
+            None if self.second is None else [self.second[i] for i in picked],
+        )
 
-    def column(self, name: str) -> np.ndarray[Any, np.dtype[np.int64]]:
-        """One of ``base``, ``strides``, ``lengths``, ``offsets`` (moved by ``shift``), ``nbytes``: one row
-        per item."""
-        col = getattr(self._columns, name)
-        if self.rows is not None:
-            col = col[self.rows]
-        if name == "offsets" and self.shift is not None:
-            col = col + np.asarray(self.shift, dtype=np.int64)
-        return col
+    def renamed(self, keys: Sequence[str]) -> Reads:
+        """The same rows with other storage keys (a shared trace's placeholders -> one layer's keys)."""
+        if len(keys) != len(self):
+            raise ValueError(f"{len(keys)} keys for {len(self)} reads")
+        out = copy.copy(self)
+        out.keys = list(keys)
+        return out
 
-    @property
-    def nbytes(self) -> int:
-        """Source bytes these items read."""
-        return int(self.column("nbytes").sum())
+    def moved(self, shift: Sequence[int]) -> Reads:
+        """The same rows with every destination moved by ``shift``."""
+        out = copy.copy(self)
+        out.dest_offsets = _frozen(self.dest_offsets + np.asarray(shift, dtype=np.int64), self.dest_offsets.shape)
+        return out
+
+    def with_second(self, second: Sequence[Dequant | None] | None) -> Reads:
+        out = copy.copy(self)
+        out.second = tuple(second) if second is not None and any(s is not None for s in second) else None
+        return out
+
+    def clip_rows(self, r0: int, r1: int) -> Reads:
+        """The parts of the items that land in destination rows ``[r0, r1)`` (first dim), with destinations
+        counted from ``r0``: clipping an item's destination rows clips its storage side by the same rows of its
+        first stride (the dest side maps element for element onto the storage side)."""
+        d0 = self.dest_offsets[:, 0]
+        a = np.maximum(d0, r0)
+        b = np.minimum(d0 + self.lengths[:, 0], r1)
+        rows = np.flatnonzero(b > a)
+        part = self.take(rows)
+        a, b, d0 = a[rows], b[rows], d0[rows]
+        lengths = part.lengths.copy()
+        full = lengths[:, 0]
+        lengths[:, 0] = b - a
+        offsets = part.dest_offsets.copy()
+        offsets[:, 0] = a - r0
+        out = copy.copy(part)
+        out.storage_base = _frozen(part.storage_base + (a - d0) * part.storage_strides[:, 0], (len(rows),))
+        out.lengths = _frozen(lengths, lengths.shape)
+        out.dest_offsets = _frozen(offsets, offsets.shape)
+        out.nbytes = _frozen(part.nbytes // np.maximum(full, 1) * (b - a), (len(rows),))
+        return out
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Reads):
+            return NotImplemented
+        return (
+            self.keys == other.keys
+            and self.post == other.post
+            and self.second == other.second
+            and all(
+                np.array_equal(getattr(self, name), getattr(other, name))
+                for name in ("storage_base", "storage_strides", "lengths", "dest_offsets", "nbytes")
+            )
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for name, value in state.items():
+            if isinstance(value, np.ndarray):
+                value = _frozen(value, value.shape)
+            object.__setattr__(self, name, value)
 
     def __repr__(self) -> str:
-        return f"TemplateReads({len(self)} items, first {self.keys[0] if self.keys else None!r})"
+        return f"Reads({len(self)} items, {self.total_nbytes} bytes, first {self.keys[0] if self.keys else None!r})"
+
+
+#: The former name of the one read type (its template form was a separate class).
+TemplateReads = Reads
 
 
 @dataclass
@@ -185,7 +325,7 @@ class LoadPlan:
 
     index: CheckpointIndex
     targets: dict[str, Target]
-    region_reads: dict[str, tuple[Target, Sequence[ReadItem]]]  # a list, or TemplateReads
+    region_reads: dict[str, tuple[Target, Reads]]
     deferred: list[DeferredGroup]
     report: LoadReport
     used_rules: list[Any]
@@ -198,15 +338,10 @@ class LoadPlan:
         """Bytes of source data this rank's region reads need, per checkpoint file."""
         by_file: dict[SafetensorsFile, int] = {}
         locate = self.index.locate
-        for _, items in self.region_reads.values():
-            if isinstance(items, TemplateReads):
-                for key, n in zip(items.keys, items.column("nbytes").tolist(), strict=True):
-                    file = locate(key)[0]
-                    by_file[file] = by_file.get(file, 0) + n
-                continue
-            for item in items:
-                file, _, dtype = locate(item.source)
-                by_file[file] = by_file.get(file, 0) + item.numel * dtype.itemsize
+        for _, reads in self.region_reads.values():
+            for key, n in zip(reads.keys, reads.nbytes.tolist(), strict=True):
+                file = locate(key)[0]
+                by_file[file] = by_file.get(file, 0) + n
         out: dict[str, int] = {}
         for file, n in by_file.items():
             out[file.path] = out.get(file.path, 0) + n
@@ -221,14 +356,7 @@ class LoadPlan:
                 yield entry.file.path, entry.nbytes
 
     def read_bytes_by_target(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        locate = self.index.locate
-        for name, (_, items) in self.region_reads.items():
-            if isinstance(items, TemplateReads):
-                out[name] = items.nbytes
-            else:
-                out[name] = sum(i.numel * locate(i.source)[2].itemsize for i in items)
-        return out
+        return {name: reads.total_nbytes for name, (_, reads) in self.region_reads.items()}
 
     @property
     def bytes_needed(self) -> int:

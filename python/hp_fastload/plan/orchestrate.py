@@ -124,6 +124,11 @@ def plan_load(
         loader=loader,
     )
     used = [r for r in rules if getattr(r, "was_used", lambda: False)()]
+    dequant = dict(quant.dequantized)
+    if dequant:  # a dequantized weight's items carry its scale as their second source
+        for name, (target, reads) in claims.region_reads.items():
+            if any(k in dequant for k in reads.keys):
+                claims.region_reads[name] = (target, reads.with_second([dequant.get(k) for k in reads.keys]))
     plan = LoadPlan(
         index,
         targets,
@@ -134,7 +139,7 @@ def plan_load(
         model,
         used_base_rules=used,
         used_replacement_rules=used_replacements,
-        dequant=dict(quant.dequantized),
+        dequant=dequant,
     )
     log.debug(
         "planned %d model tensors as region reads and %d through %d deferred conversions",
