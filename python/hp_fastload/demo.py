@@ -275,7 +275,7 @@ def plan_for_rank(checkpoint: str, world: int = 8, rank: int = 0) -> str:
     """``hp-fastload plan``: what rank ``rank`` of ``world`` reads under the demo layout, as text."""
     plan, layout, build_s, plan_s = virtual_plan(checkpoint, world, rank)
     needed = plan.bytes_needed
-    total = plan.index.total_bytes
+    total = plan.report.checkpoint_bytes
     return (
         f"rank {rank} of {world} ({layout['mesh']}): reads {needed:,} of {total:,} checkpoint bytes "
         f"({needed / total:.1%}); model built in {build_s:.2f} s, planned in {plan_s:.3f} s\n" + plan.summary()

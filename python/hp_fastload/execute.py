@@ -19,7 +19,7 @@ import torch
 from .batch import Batch, Slabs, engine_casts, staging_chunks
 from .errors import PlanError
 from .index import CheckpointIndex
-from .plan import DeferredGroup, LoadPlan, Reads
+from .plan import DeferredGroup, LoadContext, LoadPlan, Reads
 from .quant import Dequant
 from .region import apply_post
 from .targets import Target
@@ -192,22 +192,24 @@ def _copy_local_from_full(target: Target, full: torch.Tensor, legacy: bool) -> N
 
 def _run_deferred(
     deferred: DeferredGroup,
-    index: CheckpointIndex,
+    compute: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
+    context: LoadContext,
     legacy: bool,
     threads: int | None,
     backend: str | None,
     stats: ExecStats,
     dequant: Mapping[str, Dequant] | None = None,
 ) -> None:
-    sources = read_whole(index, deferred.keys, threads, backend, stats, dequant)
-    outputs = deferred.compute(sources)
-    for name, target in deferred.claims.items():
+    sources = read_whole(context.index, deferred.keys, threads, backend, stats, dequant)
+    outputs = compute(sources)
+    for name, target_name in deferred.claims.items():
         with torch.no_grad():
-            _copy_local_from_full(target, outputs[name], legacy)
+            _copy_local_from_full(context.target(target_name), outputs[name], legacy)
 
 
 def execute_plan(
     plan: LoadPlan,
+    context: LoadContext,
     *,
     legacy: bool = False,
     threads: int | None = None,
@@ -218,15 +220,17 @@ def execute_plan(
     skip: Collection[str] = frozenset(),
     stage_all: bool = False,
 ) -> ExecStats:
-    """Fill the plan's targets. ``progress(nbytes)`` is called after each batch.
+    """Fill the plan's targets (``context``: the live side ``plan_load`` returned with it). ``progress(nbytes)``
+    is called after each batch.
 
     ``skip`` names region targets another replica reads (``share.plan_replicas``); they are left untouched.
     CUDA targets go through the double-buffered ``_Stager`` (``staging_bytes`` in all); ``stage_all`` sends
     CPU targets through it too (tests exercise the staging path on machines without a GPU).
     """
     stats = ExecStats()
-    index = plan.index
-    staged = stage_all or any(t.local().device.type == "cuda" for t, _ in plan.region_reads.values())
+    index = context.index
+    targets = {name: context.target(name) for name in plan.region_reads}
+    staged = stage_all or any(t.local().device.type == "cuda" for t in targets.values())
     stager = _Stager(staging_bytes) if staged else None
     batch = Batch(index.locate)
 
@@ -241,9 +245,10 @@ def execute_plan(
         batch = Batch(index.locate)
 
     with torch.no_grad():
-        for name, (target, items) in plan.region_reads.items():
+        for name, items in plan.region_reads.items():
             if not items or name in skip:
                 continue
+            target = targets[name]
             stage = stager is not None and (stage_all or target.local().device.type == "cuda")
             if not stage or stager is None:
                 _add_target_items(batch, target, items, stager)
@@ -259,9 +264,9 @@ def execute_plan(
         flush()
         if stager is not None:
             stats.extra["staging_bytes"] = stager.allocated
-        for deferred in plan.deferred:
+        for deferred, compute in zip(plan.deferred, context.computes, strict=True):
             before = stats.bytes_read
-            _run_deferred(deferred, index, legacy, threads, backend, stats, plan.dequant)
+            _run_deferred(deferred, compute, context, legacy, threads, backend, stats, plan.dequant)
             if progress:
                 progress(stats.bytes_read - before)
     if stager is not None:

@@ -33,7 +33,8 @@ from .checkpointer import _agree as _agree_as
 from .checkpointer import _dist_active, _plan_at
 from .engine import TORCH_TO_SAFETENSORS, gc_paused
 from .errors import PlanError, TargetError
-from .plan import LoadPlan
+from .index import CheckpointIndex
+from .plan import LoadContext, LoadPlan
 from .targets import Target
 
 __all__ = ["SaveReport", "save"]
@@ -394,15 +395,17 @@ def _write_batch(batch: _WriteBatch, threads: int | None, stats: _Stats) -> None
     batch.run(threads, None, stats)
 
 
-def _planned_bytes(save_plan: LoadPlan, fallback: set[str], groups: list[tuple[list[str], list[Target]]]) -> int:
+def _planned_bytes(
+    save_plan: LoadPlan, context: LoadContext, fallback: set[str], groups: list[tuple[list[str], list[Target]]]
+) -> int:
     """The data bytes this rank is about to write (its region writes, and on rank 0 the fallback tensors)."""
     total = 0
-    for name, (target, items) in save_plan.region_reads.items():
-        if not items or name in fallback or not _mesh_coordinate_writes(target):
+    for name, items in save_plan.region_reads.items():
+        if not items or name in fallback or not _mesh_coordinate_writes(context.target(name)):
             continue
         total += items.total_nbytes
     if _rank0():
-        total += sum(save_plan.index.entry(key).nbytes for keys, _ in groups for key in keys)
+        total += sum(save_plan.sources[key][1] for keys, _ in groups for key in keys)
     return total
 
 
@@ -464,6 +467,7 @@ class _D2HStager(Slabs):
 
 def _write_regions(
     save_plan: LoadPlan,
+    context: LoadContext,
     fallback: set[str],
     threads: int | None,
     batch_bytes: int,
@@ -473,7 +477,7 @@ def _write_regions(
 ) -> None:
     """The region writes of this rank, in engine batches of ``batch_bytes``. Device shards (and, with
     ``stage_all``, CPU ones: the tests' way through this path without a GPU) go through ``_D2HStager``."""
-    index = save_plan.index
+    index = context.index
     batch = _WriteBatch(index.locate)
     stager: _D2HStager | None = None
     pending: tuple[_WriteBatch, Any] | None = None  # a full slab's batch, written once the next one is queued
@@ -498,7 +502,8 @@ def _write_regions(
             _write_batch(batch, threads, stats)
         batch = _WriteBatch(index.locate)
 
-    for name, (target, items) in save_plan.region_reads.items():
+    for name, items in save_plan.region_reads.items():
+        target = context.target(name)
         if not items or name in fallback or not _mesh_coordinate_writes(target):
             continue
         local = target.local()
@@ -524,10 +529,10 @@ def _write_regions(
         _write_batch(batch, threads, stats)
 
 
-def _write_whole(save_plan: LoadPlan, tensors: dict[str, torch.Tensor], threads: int | None, stats: _Stats) -> None:
-    batch = _WriteBatch(save_plan.index.locate)
+def _write_whole(index: CheckpointIndex, tensors: dict[str, torch.Tensor], threads: int | None, stats: _Stats) -> None:
+    batch = _WriteBatch(index.locate)
     for key, tensor in tensors.items():
-        entry = save_plan.index.entry(key)
+        entry = index.entry(key)
         if tuple(tensor.shape) != tuple(entry.shape) or tensor.dtype != entry.dtype:
             raise PlanError(
                 f"{key}: the reverse conversion gave {tuple(tensor.shape)} {tensor.dtype}, the released layout "
@@ -538,18 +543,20 @@ def _write_whole(save_plan: LoadPlan, tensors: dict[str, torch.Tensor], threads:
     _write_batch(batch, threads, stats)
 
 
-def _fallback_groups(save_plan: LoadPlan) -> tuple[list[tuple[list[str], list[Target]]], set[str]]:
+def _fallback_groups(
+    save_plan: LoadPlan, context: LoadContext
+) -> tuple[list[tuple[list[str], list[Target]]], set[str]]:
     """Targets the region writes cannot invert exactly: deferred groups (untraceable conversions) and
     region reads with an elementwise post-op. Each entry: (checkpoint keys, targets), in plan order."""
     groups: list[tuple[list[str], list[Target]]] = []
     names: set[str] = set()
     for deferred in save_plan.deferred:
-        targets = list({id(t): t for t in deferred.claims.values()}.values())
+        targets = list({id(t): t for t in map(context.target, deferred.claims.values())}.values())
         groups.append((list(dict.fromkeys(deferred.keys)), targets))
         names.update(t.names[0] for t in targets)
-    for name, (target, items) in save_plan.region_reads.items():
+    for name, items in save_plan.region_reads.items():
         if items.post is not None:  # some item has an elementwise post-op
-            groups.append((sorted(set(items.keys)), [target]))
+            groups.append((sorted(set(items.keys)), [context.target(name)]))
             names.add(name)
     return groups, names
 
@@ -557,7 +564,7 @@ def _fallback_groups(save_plan: LoadPlan) -> tuple[list[tuple[list[str], list[Ta
 def _run_fallbacks(
     model: nn.Module,
     rules: list[Any] | None,
-    save_plan: LoadPlan,
+    index: CheckpointIndex,
     groups: list[tuple[list[str], list[Target]]],
     threads: int | None,
     stats: _Stats,
@@ -583,7 +590,7 @@ def _run_fallbacks(
         missing = [key for key in keys if key not in reverted]
         if missing:
             raise PlanError(f"the reverse conversion of {', '.join(t.name for t in targets)} did not give {missing}")
-        _write_whole(save_plan, {key: reverted[key] for key in keys}, threads, stats)
+        _write_whole(index, {key: reverted[key] for key in keys}, threads, stats)
         return keys
 
     written: list[str] = []
@@ -743,7 +750,7 @@ def save(
         created = True
         _agree("Creating the output files", lambda: _create_files(tmp, layout) if _rank0() else None)
         _agree("Finding the output files", lambda: _check_visible(tmp, path, first_path))
-        save_plan: LoadPlan = _agree(
+        planned_pair: tuple[LoadPlan, LoadContext] = _agree(
             "Planning the save",
             lambda: _plan_at(
                 model,
@@ -756,17 +763,23 @@ def save(
                 claimed_source_keys=frozenset(),
             ),
         )
+        save_plan, context = planned_pair
         try:
             _agree("Checking the save plan", lambda: _check_coverage(save_plan))
-            groups, fallback = _fallback_groups(save_plan)
-            planned = _gather(_agree("Planning the writers", lambda: _planned_bytes(save_plan, fallback, groups)))
+            groups, fallback = _fallback_groups(save_plan, context)
+            planned = _gather(
+                _agree("Planning the writers", lambda: _planned_bytes(save_plan, context, fallback, groups))
+            )
             _check_writers(planned, layout)  # the same list on every rank: all raise or none
             _check_fallbacks_agree(_gather([keys for keys, _ in groups]))  # likewise
-            _agree("Writing the checkpoint", lambda: _write_regions(save_plan, fallback, threads, batch_bytes, stats))
-            fallbacks = _broadcast(_run_fallbacks(model, rules, save_plan, groups, threads, stats))
+            _agree(
+                "Writing the checkpoint",
+                lambda: _write_regions(save_plan, context, fallback, threads, batch_bytes, stats),
+            )
+            fallbacks = _broadcast(_run_fallbacks(model, rules, context.index, groups, threads, stats))
             _agree("Syncing the written files", lambda: _sync_written(save_plan, stats.files, tmp))
         finally:
-            for file in save_plan.index.files:
+            for file in context.index.files:
                 file.header.release_map()
         _agree("Finishing the checkpoint", lambda: _finish_files(tmp, layout, model) if _rank0() else None)
         _agree("Publishing the checkpoint", lambda: _publish(tmp, path, overwrite) if _rank0() else None)

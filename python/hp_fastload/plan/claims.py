@@ -14,7 +14,8 @@ from ..index import CheckpointIndex
 from ..quant import QuantInfo
 from ..region import Block
 from ..targets import Target
-from .items import DeferredGroup, Reads
+from .context import PendingGroup
+from .items import Reads
 from .regions import BlockCache, region_items
 from .trace import Traced, group_compute
 
@@ -42,7 +43,7 @@ class Claims:
         self.loaded: set[str] = set()
         self.unexpected: list[str] = []
         self.region_reads: dict[str, tuple[Target, Reads]] = {}
-        self.deferred: list[DeferredGroup] = []
+        self.deferred: list[PendingGroup] = []
         self.blocks = BlockCache()  # per-block work on shared traces (see BlockCache)
 
     def claim(self, name: str, shape: Sequence[int]) -> Target | None:
@@ -67,7 +68,7 @@ class Claims:
             items = region_items(target, blocks, self.index, sources, self.blocks)
             self.region_reads[target.names[0]] = (target, items)
 
-    def defer(self, name: str, shape: Sequence[int], pending: DeferredGroup) -> None:
+    def defer(self, name: str, shape: Sequence[int], pending: PendingGroup) -> None:
         if self.quant:
             self._check_quant(name, pending.keys)
         target = self.claim(name, shape)
@@ -82,19 +83,19 @@ class Claims:
             return
         self.quant.check_claim(name, target.dtype, sources, lambda k: self.index.source(k)[1])
 
-    def add_deferred(self, pending: DeferredGroup | None) -> None:
+    def add_deferred(self, pending: PendingGroup | None) -> None:
         if pending is not None and pending.claims:
             self.deferred.append(pending)
 
     def direct(self, group: LoadGroup, traced: Traced, model: Any, names: Sequence[str] | None = None) -> None:
         """Claim a stage's outputs as they are (region reads, or one deferred group for the rest)."""
-        pending: DeferredGroup | None = None
+        pending: PendingGroup | None = None
         for name in names if names is not None else traced.outputs:
             blocks = traced.outputs[name]
             if blocks is not None:
                 self.region(name, traced.shapes[name], blocks, traced.sources)
                 continue
             if pending is None:
-                pending = DeferredGroup(group.target, group.keys, group_compute(group, model), reason=traced.reason)
+                pending = PendingGroup(group.target, group.keys, group_compute(group, model), reason=traced.reason)
             self.defer(name, traced.shapes[name], pending)
         self.add_deferred(pending)

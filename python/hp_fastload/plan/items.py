@@ -6,19 +6,15 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Any, NamedTuple
 
 import numpy as np
-import torch
 
-from ..engine import SafetensorsFile
 from ..errors import PlanError
-from ..index import CheckpointIndex
 from ..quant import Dequant
-from ..targets import Target
 
 __all__ = ["DeferredGroup", "LoadPlan", "LoadReport", "ReadItem", "Reads", "TemplateReads"]
 
@@ -309,42 +305,40 @@ TemplateReads = Reads
 
 @dataclass
 class DeferredGroup:
-    """Work done on whole tensors on this rank: read ``keys`` whole, ``compute`` the converted outputs with
-    torch, and copy each claimed output's local part into its target (``claims``: output name -> target)."""
+    """Work done on whole tensors on this rank: read ``keys`` whole, convert them with torch (the compute is
+    the ``LoadContext``'s, at the same position), and copy each claimed output's local part into its target
+    (``claims``: output name -> target name)."""
 
     label: str
     keys: list[str]
-    compute: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
-    claims: dict[str, Target] = field(default_factory=dict)
+    claims: dict[str, str] = field(default_factory=dict)
     reason: str = ""
 
 
 @dataclass
 class LoadPlan:
-    """This rank's plan: region reads per target, deferred groups, the report, the rules that fired."""
+    """This rank's plan, as plain data: the reads of each region target (by target name), the deferred
+    groups, the report, the dequantized keys, and the file and size of every checkpoint tensor it reads.
 
-    index: CheckpointIndex
-    targets: dict[str, Target]
-    region_reads: dict[str, tuple[Target, Reads]]
+    It holds no model, target, open file or closure: it prints (``summary``), pickles and compares (``==``:
+    two plannings of the same model and checkpoint are equal). What executing it needs live is in the
+    ``LoadContext`` that ``plan_load`` returns with it.
+    """
+
+    region_reads: dict[str, Reads]
     deferred: list[DeferredGroup]
     report: LoadReport
-    used_rules: list[Any]
-    model: Any = None
-    used_base_rules: list[Any] = field(default_factory=list)
-    used_replacement_rules: list[Any] = field(default_factory=list)
+    sources: dict[str, tuple[str, int]]  # checkpoint key -> (its file's path, the whole tensor's bytes)
     dequant: dict[str, Dequant] = field(default_factory=dict)  # quantized keys read dequantized (quant.py)
 
     def read_bytes_by_file(self) -> dict[str, int]:
         """Bytes of source data this rank's region reads need, per checkpoint file."""
-        by_file: dict[SafetensorsFile, int] = {}
-        locate = self.index.locate
-        for _, reads in self.region_reads.values():
-            for key, n in zip(reads.keys, reads.nbytes.tolist(), strict=True):
-                file = locate(key)[0]
-                by_file[file] = by_file.get(file, 0) + n
         out: dict[str, int] = {}
-        for file, n in by_file.items():
-            out[file.path] = out.get(file.path, 0) + n
+        sources = self.sources
+        for reads in self.region_reads.values():
+            for key, n in zip(reads.keys, reads.nbytes.tolist(), strict=True):
+                path = sources[key][0]
+                out[path] = out.get(path, 0) + n
         for path, n in self._deferred_bytes():
             out[path] = out.get(path, 0) + n
         return out
@@ -352,11 +346,10 @@ class LoadPlan:
     def _deferred_bytes(self) -> Iterator[tuple[str, int]]:
         for deferred in self.deferred:
             for key in deferred.keys:
-                entry = self.index.entry(key)
-                yield entry.file.path, entry.nbytes
+                yield self.sources[key]
 
     def read_bytes_by_target(self) -> dict[str, int]:
-        return {name: reads.total_nbytes for name, (_, reads) in self.region_reads.items()}
+        return {name: reads.total_nbytes for name, reads in self.region_reads.items()}
 
     @property
     def bytes_needed(self) -> int:
@@ -366,7 +359,7 @@ class LoadPlan:
     def summary(self) -> str:
         lines = [
             f"{len(self.region_reads)} targets as region reads, {len(self.deferred)} deferred groups; "
-            f"{self.bytes_needed / 1e6:.2f} MB of {self.index.total_bytes / 1e6:.2f} MB"
+            f"{self.bytes_needed / 1e6:.2f} MB of {self.report.checkpoint_bytes / 1e6:.2f} MB"
         ]
         for path, nbytes in sorted(self.read_bytes_by_file().items()):
             lines.append(f"  {path}: {nbytes} bytes")

@@ -17,7 +17,8 @@ from ..quant import detect_in_index
 from ..rules import natural_sort_key
 from ..targets import Target
 from .claims import Claims
-from .items import DeferredGroup, LoadPlan, LoadReport
+from .context import LoadContext, PendingGroup
+from .items import LoadPlan, LoadReport
 from .replacement import Replacement, SourceModelView, plan_replacement_stage, replacement_of, replacement_routes
 from .trace import Tracer
 
@@ -50,8 +51,9 @@ def plan_load(
     map_key: Callable[[str], str | None] | None = None,
     loader: str = "dcp",
     replacement: Replacement | None = None,
-) -> LoadPlan:
-    """Plan one rank's load. Raises (before any byte is read) on strict misses and bad targets.
+) -> tuple[LoadPlan, LoadContext]:
+    """Plan one rank's load: the plain ``LoadPlan`` and the ``LoadContext`` that executes it. Raises (before
+    any byte is read) on strict misses and bad targets.
 
     ``trace=False`` plans every group as deferred (the legacy loader). ``replacement`` (default:
     ``replacement_of(model)``) adds the replacement modules' second stage. The cyclic garbage collector is
@@ -102,7 +104,7 @@ def plan_load(
             unloaded, claims.unexpected, lambda n: targets[n].dtype, lambda k: index.entry(k).shape
         )
         for name, keys, compute, shape in fallbacks:
-            pending = DeferredGroup(name, keys, compute, reason="MXFP4 dequantized with torch (whole tensors)")
+            pending = PendingGroup(name, keys, compute, reason="MXFP4 dequantized with torch (whole tensors)")
             target = claims.claim(name, shape)
             if target is not None:
                 pending.claims[name] = target
@@ -125,21 +127,27 @@ def plan_load(
     )
     used = [r for r in rules if getattr(r, "was_used", lambda: False)()]
     dequant = dict(quant.dequantized)
-    if dequant:  # a dequantized weight's items carry its scale as their second source
-        for name, (target, reads) in claims.region_reads.items():
-            if any(k in dequant for k in reads.keys):
-                claims.region_reads[name] = (target, reads.with_second([dequant.get(k) for k in reads.keys]))
-    plan = LoadPlan(
+    region_reads = {}
+    for name, (_, reads) in claims.region_reads.items():
+        if dequant and any(k in dequant for k in reads.keys):  # a dequantized weight's scale: a second source
+            reads = reads.with_second([dequant.get(k) for k in reads.keys])
+        region_reads[name] = reads
+    read_keys = {k for reads in region_reads.values() for k in reads.keys}
+    read_keys.update(k for d in claims.deferred for k in d.keys)
+    sources = {}
+    for key in index.natural_sorted(read_keys):
+        file = index.locate(key)[0]
+        begin, end = file.offsets(key)
+        sources[key] = (file.path, end - begin)
+    plan = LoadPlan(region_reads, [d.plain() for d in claims.deferred], report, sources, dequant)
+    context = LoadContext(
+        model,
         index,
         targets,
-        claims.region_reads,
-        claims.deferred,
-        report,
+        [d.compute for d in claims.deferred],
         used + used_replacements,
-        model,
         used_base_rules=used,
         used_replacement_rules=used_replacements,
-        dequant=dequant,
     )
     log.debug(
         "planned %d model tensors as region reads and %d through %d deferred conversions",
@@ -147,4 +155,4 @@ def plan_load(
         sum(len(d.claims) for d in claims.deferred),
         len(claims.deferred),
     )
-    return plan
+    return plan, context

@@ -18,7 +18,7 @@ from ..region import RegionTensor, UnsupportedRegionOp
 from ..rules import is_converter, is_renaming, natural_sort_key
 from ..targets import Target
 from .claims import Claims
-from .items import DeferredGroup
+from .context import PendingGroup
 from .trace import ConversionError, Traced, group_compute
 
 __all__ = [
@@ -119,7 +119,7 @@ def plan_replacement_stage(
         if blocks is not None:
             claims.region(state.target, traced.shapes[name], blocks, traced.sources)
             return
-        pending = DeferredGroup(
+        pending = PendingGroup(
             state.target,
             group.keys,
             lambda srcs: {state.target: group_compute(group, view)(srcs)[name]},
@@ -173,7 +173,7 @@ def plan_replacement_stage(
         raise ConversionError(
             f"Failed to convert checkpoint tensors for {state.target}: {type(exc).__name__}: {exc}"
         ) from exc
-    pending = DeferredGroup(state.target, keys, compute, reason=reason or traced_reason or "legacy loader")
+    pending = PendingGroup(state.target, keys, compute, reason=reason or traced_reason or "legacy loader")
     for name, value in meta.items():
         claims.defer(name, tuple(value.shape), pending)
     claims.add_deferred(pending)
