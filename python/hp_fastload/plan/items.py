@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
@@ -230,24 +229,28 @@ class Reads(Sequence[ReadItem]):
             None if self.second is None else [self.second[i] for i in picked],
         )
 
+    def _derived(self, **changes: Any) -> Reads:
+        """A copy sharing the unchanged (read-only) columns."""
+        out = object.__new__(Reads)
+        for name in self.__slots__:
+            object.__setattr__(out, name, changes[name] if name in changes else getattr(self, name))
+        return out
+
     def renamed(self, keys: Sequence[str]) -> Reads:
         """The same rows with other storage keys (a shared trace's placeholders -> one layer's keys)."""
         if len(keys) != len(self):
             raise ValueError(f"{len(keys)} keys for {len(self)} reads")
-        out = copy.copy(self)
-        out.keys = list(keys)
-        return out
+        return self._derived(keys=list(keys))
 
     def moved(self, shift: Sequence[int]) -> Reads:
         """The same rows with every destination moved by ``shift``."""
-        out = copy.copy(self)
-        out.dest_offsets = _frozen(self.dest_offsets + np.asarray(shift, dtype=np.int64), self.dest_offsets.shape)
-        return out
+        moved = _frozen(self.dest_offsets + np.asarray(shift, dtype=np.int64), self.dest_offsets.shape)
+        return self._derived(dest_offsets=moved)
 
     def with_second(self, second: Sequence[Dequant | None] | None) -> Reads:
-        out = copy.copy(self)
-        out.second = tuple(second) if second is not None and any(s is not None for s in second) else None
-        return out
+        return self._derived(
+            second=tuple(second) if second is not None and any(s is not None for s in second) else None
+        )
 
     def clip_rows(self, r0: int, r1: int) -> Reads:
         """The parts of the items that land in destination rows ``[r0, r1)`` (first dim), with destinations
@@ -264,12 +267,12 @@ class Reads(Sequence[ReadItem]):
         lengths[:, 0] = b - a
         offsets = part.dest_offsets.copy()
         offsets[:, 0] = a - r0
-        out = copy.copy(part)
-        out.storage_base = _frozen(part.storage_base + (a - d0) * part.storage_strides[:, 0], (len(rows),))
-        out.lengths = _frozen(lengths, lengths.shape)
-        out.dest_offsets = _frozen(offsets, offsets.shape)
-        out.nbytes = _frozen(part.nbytes // np.maximum(full, 1) * (b - a), (len(rows),))
-        return out
+        return part._derived(
+            storage_base=_frozen(part.storage_base + (a - d0) * part.storage_strides[:, 0], (len(rows),)),
+            lengths=_frozen(lengths, lengths.shape),
+            dest_offsets=_frozen(offsets, offsets.shape),
+            nbytes=_frozen(part.nbytes // np.maximum(full, 1) * (b - a), (len(rows),)),
+        )
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Reads):
