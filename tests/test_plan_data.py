@@ -75,7 +75,7 @@ def test_every_target_reads_the_one_read_type(mixtral: str) -> None:
     assert experts  # the expert-parallel targets (the shared rows' path) are among them
     for name in experts:
         reads = plan.region_reads[name]
-        assert list(reads) and all(item.source in plan.sources for item in reads)
+        assert list(reads) and all(item.source in plan.files for item in reads)
 
 
 def test_batch_packs_the_records_read_many_packs(tmp_path: Path) -> None:

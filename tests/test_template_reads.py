@@ -131,8 +131,8 @@ def test_template_reads_equal_the_intersection_and_load_the_right_bytes(
         assert torch.equal(target.tensor, want), (conversion, label)
         assert stats.bytes_read == region.numel * 2, label
 
-        sources = {k: (index.entry(k).file.path, index.entry(k).nbytes) for k in items.keys}
-        plan = LoadPlan({"w": items}, [], LoadReport((), (), ()), sources)
+        files = {k: index.entry(k).file.path for k in items.keys}
+        plan = LoadPlan({"w": items}, [], LoadReport((), (), ()), files)
         assert plan.read_bytes_by_target() == {"w": region.numel * 2}
         assert plan.bytes_needed == region.numel * 2
         assert sum(plan.read_bytes_by_file().values()) == region.numel * 2

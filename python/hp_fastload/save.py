@@ -405,7 +405,7 @@ def _planned_bytes(
             continue
         total += items.total_nbytes
     if _rank0():
-        total += sum(save_plan.sources[key][1] for keys, _ in groups for key in keys)
+        total += sum(context.index.entry(key).nbytes for keys, _ in groups for key in keys)
     return total
 
 

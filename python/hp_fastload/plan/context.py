@@ -33,8 +33,10 @@ class PendingGroup:
     claims: dict[str, Target] = field(default_factory=dict)
     reason: str = ""
 
-    def plain(self) -> DeferredGroup:
-        return DeferredGroup(self.label, list(self.keys), {n: t.names[0] for n, t in self.claims.items()}, self.reason)
+    def plain(self, index: CheckpointIndex) -> DeferredGroup:
+        claims = {n: t.names[0] for n, t in self.claims.items()}
+        nbytes = [index.entry(k).nbytes for k in self.keys]
+        return DeferredGroup(self.label, list(self.keys), claims, self.reason, nbytes)
 
 
 @dataclass(eq=False)

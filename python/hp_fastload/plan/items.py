@@ -310,18 +310,19 @@ TemplateReads = Reads
 class DeferredGroup:
     """Work done on whole tensors on this rank: read ``keys`` whole, convert them with torch (the compute is
     the ``LoadContext``'s, at the same position), and copy each claimed output's local part into its target
-    (``claims``: output name -> target name)."""
+    (``claims``: output name -> target name). ``nbytes``: each key's whole-tensor bytes."""
 
     label: str
     keys: list[str]
     claims: dict[str, str] = field(default_factory=dict)
     reason: str = ""
+    nbytes: list[int] = field(default_factory=list)
 
 
 @dataclass
 class LoadPlan:
     """This rank's plan, as plain data: the reads of each region target (by target name), the deferred
-    groups, the report, the dequantized keys, and the file and size of every checkpoint tensor it reads.
+    groups, the report, the dequantized keys, and the file of every checkpoint tensor it reads.
 
     It holds no model, target, open file or closure: it prints (``summary``), pickles and compares (``==``:
     two plannings of the same model and checkpoint are equal). What executing it needs live is in the
@@ -331,16 +332,16 @@ class LoadPlan:
     region_reads: dict[str, Reads]
     deferred: list[DeferredGroup]
     report: LoadReport
-    sources: dict[str, tuple[str, int]]  # checkpoint key -> (its file's path, the whole tensor's bytes)
+    files: dict[str, str]  # checkpoint key -> the path of the file it is read from (every key the plan reads)
     dequant: dict[str, Dequant] = field(default_factory=dict)  # quantized keys read dequantized (quant.py)
 
     def read_bytes_by_file(self) -> dict[str, int]:
         """Bytes of source data this rank's region reads need, per checkpoint file."""
         out: dict[str, int] = {}
-        sources = self.sources
+        files = self.files
         for reads in self.region_reads.values():
             for key, n in zip(reads.keys, reads.nbytes.tolist(), strict=True):
-                path = sources[key][0]
+                path = files[key]
                 out[path] = out.get(path, 0) + n
         for path, n in self._deferred_bytes():
             out[path] = out.get(path, 0) + n
@@ -348,8 +349,8 @@ class LoadPlan:
 
     def _deferred_bytes(self) -> Iterator[tuple[str, int]]:
         for deferred in self.deferred:
-            for key in deferred.keys:
-                yield self.sources[key]
+            for key, n in zip(deferred.keys, deferred.nbytes, strict=True):
+                yield self.files[key], n
 
     def read_bytes_by_target(self) -> dict[str, int]:
         return {name: reads.total_nbytes for name, reads in self.region_reads.items()}
