@@ -280,7 +280,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
                 from hp_fastload.checkpointer import _plan_at
                 from hp_fastload.execute import execute_plan
 
-                plan = _plan_at(
+                plan, context = _plan_at(
                     model,
                     Path(ckpt),
                     "dcp",
@@ -290,7 +290,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
                     external_target_fqns=frozenset(),
                     claimed_source_keys=frozenset(),
                 )
-                execute_plan(plan)
+                execute_plan(plan, context)
             times.append(time.perf_counter() - t0)
             verify = _verify(ckpt, _from_model(model, world), world) if loader == "hp_load" else None
             del model

@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import compare
 
 groups_mod = importlib.import_module("hp_fastload.groups")
-plan_mod = importlib.import_module("hp_fastload.plan")
+plan_mod = importlib.import_module("hp_fastload.plan.orchestrate")  # where plan_load calls build_groups
 
 _NUMBER = re.compile(r"\.\d+(?=[.\n])")  # an all-digit dotted part, in keys joined as "\n.key1\n.key2\n"
 _NUMBER_TEXT = re.compile(r"\.(\d+)(?=[.\n])")

@@ -21,9 +21,21 @@ use crate::exec::{execute_scaled as execute_batch, Backend, ExecOptions, Scale};
 use crate::header::Header;
 use crate::region::{Item, MAX_NDIM};
 
-/// int64 fields per packed item: file, tensor, src_base, dest, dst_base, ndim, then lengths, source
-/// strides and destination strides, `MAX_NDIM` each, then the scale (0: none, `k`: scales entry `k - 1`).
-const ITEM_WIDTH: usize = 7 + 3 * MAX_NDIM;
+// The packed item's int64 fields, exported to Python as `COL_*` (the one definition of the layout): file,
+// tensor, src_base, dest, dst_base, ndim, then lengths, source strides and destination strides, `MAX_NDIM`
+// each, then the scale (0: none, `k`: scales entry `k - 1`).
+const COL_FILE: usize = 0;
+const COL_TENSOR: usize = 1;
+const COL_SRC_BASE: usize = 2;
+const COL_DEST: usize = 3;
+const COL_DST_BASE: usize = 4;
+const COL_NDIM: usize = 5;
+const COL_LENGTHS: usize = 6;
+const COL_SRC_STRIDES: usize = COL_LENGTHS + MAX_NDIM;
+const COL_DST_STRIDES: usize = COL_SRC_STRIDES + MAX_NDIM;
+const COL_SCALE: usize = COL_DST_STRIDES + MAX_NDIM;
+/// int64 fields per packed item.
+const ITEM_WIDTH: usize = COL_SCALE + 1;
 /// int64 fields per packed scale: file, tensor, ndim, then the quantized tensor's shape and the block
 /// shape, `MAX_NDIM` each.
 const SCALE_WIDTH: usize = 3 + 2 * MAX_NDIM;
@@ -310,20 +322,21 @@ fn execute<'py>(
         .chunks_exact(ITEM_WIDTH)
         .map(|v| {
             let mut item = Item {
-                file: v[0],
-                tensor: v[1],
-                src_base: v[2],
-                dest: v[3],
-                dst_base: v[4],
-                ndim: v[5],
+                file: v[COL_FILE],
+                tensor: v[COL_TENSOR],
+                src_base: v[COL_SRC_BASE],
+                dest: v[COL_DEST],
+                dst_base: v[COL_DST_BASE],
+                ndim: v[COL_NDIM],
                 ..Item::default()
             };
-            item.lengths.copy_from_slice(&v[6..6 + MAX_NDIM]);
+            item.lengths
+                .copy_from_slice(&v[COL_LENGTHS..COL_LENGTHS + MAX_NDIM]);
             item.src_strides
-                .copy_from_slice(&v[6 + MAX_NDIM..6 + 2 * MAX_NDIM]);
+                .copy_from_slice(&v[COL_SRC_STRIDES..COL_SRC_STRIDES + MAX_NDIM]);
             item.dst_strides
-                .copy_from_slice(&v[6 + 2 * MAX_NDIM..6 + 3 * MAX_NDIM]);
-            item.scale = v[6 + 3 * MAX_NDIM];
+                .copy_from_slice(&v[COL_DST_STRIDES..COL_DST_STRIDES + MAX_NDIM]);
+            item.scale = v[COL_SCALE];
             item
         })
         .collect();
@@ -404,6 +417,20 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(execute, m)?)?;
     m.add("MAX_NDIM", MAX_NDIM)?;
     m.add("ITEM_WIDTH", ITEM_WIDTH)?;
+    for (name, col) in [
+        ("COL_FILE", COL_FILE),
+        ("COL_TENSOR", COL_TENSOR),
+        ("COL_SRC_BASE", COL_SRC_BASE),
+        ("COL_DEST", COL_DEST),
+        ("COL_DST_BASE", COL_DST_BASE),
+        ("COL_NDIM", COL_NDIM),
+        ("COL_LENGTHS", COL_LENGTHS),
+        ("COL_SRC_STRIDES", COL_SRC_STRIDES),
+        ("COL_DST_STRIDES", COL_DST_STRIDES),
+        ("COL_SCALE", COL_SCALE),
+    ] {
+        m.add(name, col)?;
+    }
     m.add("SCALE_WIDTH", SCALE_WIDTH)?;
     let floats: Vec<&str> = ALL_DTYPES
         .iter()

@@ -156,9 +156,9 @@ def test_untraceable_conversion_is_deferred_and_the_rest_are_regions(checkpoint)
     p = hf.plan(model, root, weights_mapping=mapping())
     assert [n for d in p.deferred for n in d.claims] == ["layers.0.scaled.weight"]
     assert "layers.0.rope_q.weight" in p.region_reads
-    rope_items = p.region_reads["layers.0.rope_q.weight"][1]
+    rope_items = p.region_reads["layers.0.rope_q.weight"]
     assert len(rope_items) == 4  # two blocks per head, 2 heads
-    norm_items = p.region_reads["layers.0.norm.weight"][1]
+    norm_items = p.region_reads["layers.0.norm.weight"]
     assert norm_items and all(i.post for i in norm_items)
 
 
@@ -418,13 +418,23 @@ def test_failing_replacement_conversion_names_its_target(replacement_checkpoint)
 @pytest.mark.parametrize("staging_bytes", [64, 256, 1 << 20])
 def test_staging_path_double_buffers_exactly(checkpoint, staging_bytes):
     """The CUDA staging path (slabs, flips, oversize targets, post-ops before the copy), run on CPU targets."""
+    from hp_fastload.checkpointer import _plan_at
     from hp_fastload.execute import execute_plan
 
     root, tensors = checkpoint
     model = Tiny()
     model.config = Cfg()  # type: ignore[assignment]
-    p = hf.plan(model, root, weights_mapping=mapping())
-    stats = execute_plan(p, stage_all=True, staging_bytes=staging_bytes)
+    p, context = _plan_at(
+        model,
+        root,
+        "dcp",
+        weights_mapping=mapping(),
+        key_mapping=None,
+        strict=False,
+        external_target_fqns=frozenset(),
+        claimed_source_keys=frozenset(),
+    )
+    stats = execute_plan(p, context, stage_all=True, staging_bytes=staging_bytes)
     assert stats.engine_calls >= (3 if staging_bytes < 256 else 1)
     state = model.state_dict()
     for name, value in expected_values(tensors).items():

@@ -307,4 +307,4 @@ def test_virtual_rank_plan_predicts_the_real_reads(tmp_path):
     real = run_distributed(_mixtral_rank, 2, timeout=300)
     virtual = [virtual_plan(str(tmp_path), world=2, rank=r)[0].bytes_needed for r in range(2)]
     assert virtual == real
-    assert all(0 < v < virtual_plan(str(tmp_path), world=2, rank=0)[0].index.total_bytes for v in virtual)
+    assert all(0 < v < virtual_plan(str(tmp_path), world=2, rank=0)[0].report.checkpoint_bytes for v in virtual)

@@ -215,7 +215,7 @@ def test_staged_reads_dequantize_in_row_blocks(tmp_path):
         quantization_config=FineGrainedFP8Config(weight_block_size=(4, 8), dequantize=True),
     )
     target = _zeroed(model)
-    plan = _plan_at(
+    plan, context = _plan_at(
         target,
         tmp_path,
         "dcp",
@@ -226,7 +226,7 @@ def test_staged_reads_dequantize_in_row_blocks(tmp_path):
         claimed_source_keys=frozenset(),
     )
     assert plan.dequant
-    stats = execute_plan(plan, stage_all=True, staging_bytes=512)
+    stats = execute_plan(plan, context, stage_all=True, staging_bytes=512)
     assert stats.engine_calls > 1
     _assert_equal(target, reference)
 

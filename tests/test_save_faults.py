@@ -69,8 +69,8 @@ def check_fallback_groups_differ(rank: int, world: int) -> str:
     out = Path(os.environ[ROOT_ENV]) / "fallback-differ"
     real = save_mod._fallback_groups
 
-    def more(save_plan: Any) -> Any:
-        groups, names = real(save_plan)
+    def more(*planned: Any) -> Any:
+        groups, names = real(*planned)
         return groups + groups[:1], names
 
     if rank == 1:

@@ -1,4 +1,5 @@
-"""``TemplateReads``: the array form of a target's read items (whole blocks of a shared trace).
+"""``plan.Reads``, the one read type: its template form (whole blocks of a shared trace, rows renamed and
+moved) against the general block/box intersection.
 
 Each case traces a stacked-experts style conversion over real safetensors files, plans one region of it, and
 checks (1) that the items equal the general block/box intersection's, item for item, and (2) that the bytes
@@ -15,13 +16,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from hp_fastload.execute import ExecStats, _add_target_items, _Batch
+from hp_fastload.batch import Batch
+from hp_fastload.execute import ExecStats, _add_target_items
 from hp_fastload.index import CheckpointIndex
-from hp_fastload.plan import _VECTOR_BLOCKS, LoadPlan, LoadReport, TemplateReads, _BlockCache, region_items
+from hp_fastload.plan import VECTOR_BLOCKS, BlockCache, LoadPlan, LoadReport, Reads, region_items, regions
 from hp_fastload.region import RegionTensor
 from hp_fastload.targets import LocalRegion, Target
 
-EXPERTS = 40  # above plan._VECTOR_BLOCKS, so the partial regions take the array test too
+EXPERTS = 40  # above plan.VECTOR_BLOCKS, so the partial regions take the array test too
 ROWS, COLS = 3, 5
 
 
@@ -60,17 +62,31 @@ CONVERSIONS = {
 }
 
 
-def _regions(shape: tuple[int, ...]) -> dict[str, tuple[LocalRegion, type]]:
+def _regions(shape: tuple[int, ...]) -> dict[str, tuple[LocalRegion, bool]]:
+    """Each region and whether its reads come from the shared rows (True) or the general intersection."""
     e, a, b = shape
     return {
-        "full": (LocalRegion.full(shape), TemplateReads),
+        "full": (LocalRegion.full(shape), True),
         # an expert-parallel rank: experts 8..16, whole
-        "experts": (LocalRegion(shape, (((8, 16),), ((0, a),), ((0, b),))), TemplateReads),
+        "experts": (LocalRegion(shape, (((8, 16),), ((0, a),), ((0, b),))), True),
         # rows cut through the blocks: the general intersection
-        "rows": (LocalRegion(shape, (((0, e),), ((1, a - 1),), ((0, b),))), list),
+        "rows": (LocalRegion(shape, (((0, e),), ((1, a - 1),), ((0, b),))), False),
         # two boxes (strided sharding): the general intersection
-        "two-boxes": (LocalRegion(shape, (((0, 4), (20, 24)), ((0, a),), ((0, b),))), list),
+        "two-boxes": (LocalRegion(shape, (((0, 4), (20, 24)), ((0, a),), ((0, b),))), False),
     }
+
+
+def _counting_intersect(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts calls of the general intersection (``regions.intersect``)."""
+    calls: list[int] = []
+    original = regions.intersect
+
+    def spy(*args: Any) -> Reads:
+        calls.append(1)
+        return original(*args)
+
+    monkeypatch.setattr(regions, "intersect", spy)
+    return calls
 
 
 def _target(name: str, region: LocalRegion) -> Target:
@@ -88,19 +104,24 @@ def test_template_reads_equal_the_intersection_and_load_the_right_bytes(
     real = {**load_file(str(ckpt / "a.safetensors")), **load_file(str(ckpt / "b.safetensors"))}
     want_full = _convert(real, CONVERSIONS[conversion])
     shape = tuple(traced.shape)
-    for label, (region, kind) in _regions(shape).items():
+    for label, (region, shared) in _regions(shape).items():
         target = _target("w", region)
-        cache = _BlockCache()
-        items = region_items(target, traced.blocks, index, None, cache)
-        assert isinstance(items, kind), label
+        cache = BlockCache()
         with monkeypatch.context() as m:
-            m.setattr(_BlockCache, "columns", lambda self, blocks: None)
-            general = region_items(target, traced.blocks, index, None, _BlockCache())
-        assert isinstance(general, list)
-        assert list(items) == general, label
-        assert len(items) == len(general) and (not general or items[-1] == general[-1])
+            calls = _counting_intersect(m)
+            items = region_items(target, traced.blocks, index, None, cache)
+        assert bool(calls) != shared, label  # the path this case is meant to take
+        with monkeypatch.context() as m:
+            m.setattr(BlockCache, "columns", lambda self, blocks: None)
+            calls = _counting_intersect(m)
+            general = region_items(target, traced.blocks, index, None, BlockCache())
+        assert calls, label
+        assert type(items) is type(general) is Reads  # one read type on both paths
+        assert list(items) == list(general), label
+        assert items == general, label  # the columns too (nbytes, post), not only the items they give
+        assert len(items) == len(general) and (not len(general) or items[-1] == list(general)[-1])
 
-        batch = _Batch(index)
+        batch = Batch(index.locate)
         _add_target_items(batch, target, items, None)
         stats = ExecStats()
         batch.run(1, None, stats)
@@ -110,7 +131,8 @@ def test_template_reads_equal_the_intersection_and_load_the_right_bytes(
         assert torch.equal(target.tensor, want), (conversion, label)
         assert stats.bytes_read == region.numel * 2, label
 
-        plan = LoadPlan(index, {"w": target}, {"w": (target, items)}, [], LoadReport((), (), ()), [])
+        files = {k: index.entry(k).file.path for k in items.keys}
+        plan = LoadPlan({"w": items}, [], LoadReport((), (), ()), files)
         assert plan.read_bytes_by_target() == {"w": region.numel * 2}
         assert plan.bytes_needed == region.numel * 2
         assert sum(plan.read_bytes_by_file().values()) == region.numel * 2
@@ -121,8 +143,7 @@ def test_template_reads_index_like_a_list(ckpt: Path) -> None:
     leaves = _leaves(index)
     traced = _convert(leaves, CONVERSIONS["stack-cat"])
     region = LocalRegion(tuple(traced.shape), (((8, 16),), ((0, 2 * ROWS),), ((0, COLS),)))
-    items = region_items(_target("w", region), traced.blocks, index, None, _BlockCache())
-    assert isinstance(items, TemplateReads)
+    items = region_items(_target("w", region), traced.blocks, index, None, BlockCache())
     as_list = list(items)
     assert len(as_list) == len(items) == 16  # 8 experts x (gate, up)
     assert items[-1] == as_list[-1] and items[0] == as_list[0]
@@ -130,17 +151,23 @@ def test_template_reads_index_like_a_list(ckpt: Path) -> None:
     assert [i.dest_offsets[0] for i in as_list[:4]] == [0, 0, 1, 1]  # moved from experts 8, 9 to local 0, 1
     with pytest.raises(IndexError):
         items[len(items)]
-    assert "TemplateReads(16 items" in repr(items)
+    assert "Reads(16 items" in repr(items)
 
 
-def test_post_ops_keep_the_general_items(ckpt: Path) -> None:
-    """A block with post-ops (a cast read through a temporary) is not made a TemplateReads."""
+def test_post_ops_ride_in_the_columns(ckpt: Path) -> None:
+    """Blocks with post-ops keep them per item in the one read type, on both paths."""
     index = CheckpointIndex.open(ckpt)
     leaves = _leaves(index)
     traced = _convert(leaves, lambda gate, up: gate * 2)
-    items = region_items(_target("w", LocalRegion.full(tuple(traced.shape))), traced.blocks, index, None)
-    assert isinstance(items, list) and all(i.post for i in items)
-    assert _VECTOR_BLOCKS < EXPERTS
+    shape = tuple(traced.shape)
+    for region in (LocalRegion.full(shape), LocalRegion(shape, (((8, 16),), ((0, ROWS),), ((0, COLS),)))):
+        items = region_items(_target("w", region), traced.blocks, index, None, BlockCache())
+        assert items.post is not None and len(items) and all(i.post for i in items)
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(BlockCache, "columns", lambda self, blocks: None)
+            general = region_items(_target("w", region), traced.blocks, index, None, BlockCache())
+        assert items == general
+    assert VECTOR_BLOCKS < EXPERTS
 
 
 def test_template_reads_into_a_dtype_the_engine_does_not_cast_to(ckpt: Path) -> None:
@@ -150,9 +177,8 @@ def test_template_reads_into_a_dtype_the_engine_does_not_cast_to(ckpt: Path) -> 
     region = LocalRegion(tuple(traced.shape), (((8, 16),), ((0, 2 * ROWS),), ((0, COLS),)))
     local = torch.zeros(region.local_shape, dtype=torch.int32)
     target = Target(("w",), local, region.global_shape, torch.int32, local.device, False, _region=region)
-    items = region_items(target, traced.blocks, index, None, _BlockCache())
-    assert isinstance(items, TemplateReads)
-    batch = _Batch(index)
+    items = region_items(target, traced.blocks, index, None, BlockCache())
+    batch = Batch(index.locate)
     _add_target_items(batch, target, items, None)
     batch.run(1, None, ExecStats())
     real = {**load_file(str(ckpt / "a.safetensors")), **load_file(str(ckpt / "b.safetensors"))}

@@ -27,7 +27,7 @@ from .engine import threads_per_rank
 from .execute import execute_plan
 from .finalize import non_persistent_buffers, recreate_buffers, retie
 from .index import CheckpointIndex, read_regular_file, resolve_checkpoint_location
-from .plan import LoadPlan, LoadReport, Replacement, gc_paused, plan_load
+from .plan import LoadContext, LoadPlan, LoadReport, Replacement, gc_paused, plan_load
 from .quant import QuantizationError
 from .rules import resolve_mapping, unwrapped
 from .targets import build_targets
@@ -273,9 +273,9 @@ def plan(
     """Dry run: what this rank (or a virtual rank, see ``targets.build_targets``'s ``mesh_override``) reads.
 
     Reads headers only. ``LoadPlan.read_bytes_by_file()`` / ``read_bytes_by_target()`` / ``summary()``.
-    The arguments are ``load``'s.
+    The arguments are ``load``'s. The plan is plain data (picklable, comparable); its live side is dropped.
     """
-    return _plan_at(
+    plan_only, _ = _plan_at(
         unwrapped(model),
         resolve_checkpoint_location(path, revision=revision),
         resolve_hf_loader(loader),
@@ -287,6 +287,7 @@ def plan(
         mesh_override=mesh_override,
         replacement=replacement,
     )
+    return plan_only
 
 
 def _plan_at(
@@ -302,8 +303,9 @@ def _plan_at(
     mesh_override: Any = None,
     replacement: Replacement | None = None,
     index: CheckpointIndex | None = None,
-) -> LoadPlan:
-    """Headers, targets and rules of one (possibly virtual) rank, planned; nothing is read. The cyclic GC is
+) -> tuple[LoadPlan, LoadContext]:
+    """Headers, targets and rules of one (possibly virtual) rank, planned (the plan and its live side);
+    nothing is read. The cyclic GC is
     paused throughout (indexing a 90k-tensor header allocates ~10^5 objects; every full collection would
     walk the whole model)."""
     with gc_paused():
@@ -413,7 +415,7 @@ def load(
     index = _agree("Reading the checkpoint headers", lambda: CheckpointIndex.open(location))
     _agree_checkpoint(location, index)
     retied: list[str] = _agree("Tying the model's tied weights", lambda: retie(model)) if finalize else []
-    load_plan: LoadPlan = _agree(
+    planned_pair: tuple[LoadPlan, LoadContext] = _agree(
         "Planning the pretrained load",
         lambda: _plan_at(
             model,
@@ -428,11 +430,12 @@ def load(
             replacement=replacement,
         ),
     )
+    load_plan, context = planned_pair
     replicas = None
     if share_replicated and name == "dcp" and _dist_active() and torch.distributed.get_world_size() > 1:
         from .share import plan_replicas
 
-        replicas = plan_replicas(t for t, _ in load_plan.region_reads.values())
+        replicas = plan_replicas(map(context.target, load_plan.region_reads))
     total = load_plan.bytes_needed
     update, close = _progress_bar(total, progress)
     try:
@@ -440,6 +443,7 @@ def load(
             "Reading the pretrained checkpoint",
             lambda: execute_plan(
                 load_plan,
+                context,
                 legacy=name == "legacy",
                 threads=threads,
                 backend=backend,
@@ -449,18 +453,18 @@ def load(
         )
     finally:
         close()
-        for file in load_plan.index.files:  # a finished load keeps no page tables of the checkpoint mapped
+        for file in context.index.files:  # a finished load keeps no page tables of the checkpoint mapped
             file.header.release_map()
     if replicas is not None:  # every rank's reads succeeded (agreed above): safe to enter the broadcasts
         from .share import broadcast_replicas
 
         stats.extra["bytes_received"] = broadcast_replicas(replicas)
-    for target, _ in load_plan.region_reads.values():
-        target.tensor._is_hf_initialized = True  # type: ignore[attr-defined]
+    for name in load_plan.region_reads:
+        context.target(name).tensor._is_hf_initialized = True  # type: ignore[attr-defined]
     for deferred in load_plan.deferred:
-        for target in deferred.claims.values():
-            target.tensor._is_hf_initialized = True  # type: ignore[attr-defined]
-    _record_used_rules(model, load_plan)
+        for name in deferred.claims.values():
+            context.target(name).tensor._is_hf_initialized = True  # type: ignore[attr-defined]
+    _record_used_rules(model, context)
     unfilled = recreate_buffers(model) if finalize else [name for name, _ in non_persistent_buffers(model)]
     seconds = time.perf_counter() - start
     report = LoadReport(
@@ -487,13 +491,13 @@ def load(
     return report
 
 
-def _record_used_rules(model: nn.Module, load_plan: LoadPlan) -> None:
+def _record_used_rules(model: nn.Module, context: LoadContext) -> None:
     """``model._weight_conversions`` (and, with replacements, the per-stage lists) for reverse conversion."""
     with contextlib.suppress(AttributeError, TypeError):  # modules that refuse new attributes
-        model._weight_conversions = load_plan.used_rules  # type: ignore[assignment]
-        if load_plan.used_replacement_rules:
-            model._hp_used_base_weight_conversions = load_plan.used_base_rules  # type: ignore[assignment]
-            model._hp_used_replacement_weight_conversions = load_plan.used_replacement_rules  # type: ignore[assignment]
+        model._weight_conversions = context.used_rules  # type: ignore[assignment]
+        if context.used_replacement_rules:
+            model._hp_used_base_weight_conversions = context.used_base_rules  # type: ignore[assignment]
+            model._hp_used_replacement_weight_conversions = context.used_replacement_rules  # type: ignore[assignment]
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -27,9 +27,10 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.futures import Future
 
+from .batch import Batch, engine_casts
 from .engine import SafetensorsFile, open_file
 from .errors import HeaderError, shown_key
-from .execute import ExecStats, _Batch, _engine_casts
+from .execute import ExecStats
 from .quant import E2M1_VALUES, Dequant, QuantInfo, detect, read_quant_config
 from .region import row_major_strides
 
@@ -162,14 +163,14 @@ class HuggingFaceStorageReader(FileSystemReader):
         fut.set_result(None)
         return fut
 
-    def _batch(self) -> _Batch:
-        return _Batch(None)
+    def _batch(self) -> Batch:
+        return Batch()
 
     def _dequantizes(self, key: str) -> bool:
         """Whether this reader dequantizes ``key`` itself (the quantized reader does)."""
         return False
 
-    def _add_request(self, batch: _Batch, req: Any, target: torch.Tensor) -> None:
+    def _add_request(self, batch: Batch, req: Any, target: torch.Tensor) -> None:
         """One read item of the plan: the box of the stored tensor into ``target`` (through a temporary when
         the engine cannot write it: another device or a cast it does not do)."""
         path = self.storage_data[req.storage_index]
@@ -179,7 +180,7 @@ class HuggingFaceStorageReader(FileSystemReader):
         base = sum(o * s for o, s in zip(req.storage_offsets, strides, strict=True))
         lengths = tuple(req.lengths)
         src_dtype = file.torch_dtype(key)
-        if target.device.type == "cpu" and _engine_casts(src_dtype, target.dtype):
+        if target.device.type == "cpu" and engine_casts(src_dtype, target.dtype):
             batch.add_from(file, key, base, strides, lengths, target, (0,) * len(lengths))
         else:
             temp = torch.empty(lengths, dtype=src_dtype)
@@ -200,17 +201,6 @@ class HuggingFaceStorageReader(FileSystemReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return Path(checkpoint_id).is_dir()
-
-
-class _Located:
-    """The ``locate`` a batch needs for the scales of a quantized reader (key -> file, position, dtype)."""
-
-    def __init__(self, reader: QuantizedHuggingFaceStorageReader) -> None:
-        self.reader = reader
-
-    def locate(self, key: str) -> tuple[SafetensorsFile, int, torch.dtype]:
-        file = self.reader._file(self.reader._paths[key])
-        return file, file.tensor_index(key), file.torch_dtype(key)
 
 
 class QuantizedHuggingFaceStorageReader(HuggingFaceStorageReader):
@@ -270,18 +260,22 @@ class QuantizedHuggingFaceStorageReader(HuggingFaceStorageReader):
         self._index_files()
         return key in self._scales
 
-    def _batch(self) -> _Batch:
+    def _batch(self) -> Batch:
         self._index_files()
-        dequant = {}
-        for key, scale in self._scales.items():
-            if key in self._packed_shapes:
-                continue
-            shape = tuple(self._file(self._paths[key]).shape(key))
-            block = (self.block_size,) * min(2, len(shape))
-            dequant[key] = Dequant(scale, shape, (1,) * (len(shape) - len(block)) + block)
-        return _Batch(cast(Any, _Located(self)), dequant)
+        return Batch(self._locate)
 
-    def _add_request(self, batch: _Batch, req: Any, target: torch.Tensor) -> None:
+    def _locate(self, key: str) -> tuple[SafetensorsFile, int, torch.dtype]:
+        """Where a scale tensor lives (key -> file, position, dtype): what a batch needs for second sources."""
+        file = self._file(self._paths[key])
+        return file, file.tensor_index(key), file.torch_dtype(key)
+
+    def _dequant(self, key: str) -> Dequant:
+        """How the engine dequantizes fp8 ``key``: its scale, stored shape and (``block_size``) blocks."""
+        shape = tuple(self._file(self._paths[key]).shape(key))
+        block = (self.block_size,) * min(2, len(shape))
+        return Dequant(self._scales[key], shape, (1,) * (len(shape) - len(block)) + block)
+
+    def _add_request(self, batch: Batch, req: Any, target: torch.Tensor) -> None:
         key = req.storage_index.fqn
         if key not in self._scales:
             super()._add_request(batch, req, target)
@@ -295,12 +289,12 @@ class QuantizedHuggingFaceStorageReader(HuggingFaceStorageReader):
         lengths = tuple(req.lengths)
         direct = target.device.type == "cpu" and target.dtype == self.target_dtype
         dest = target if direct else torch.empty(lengths, dtype=self.target_dtype)
-        batch.add_from(file, key, base, strides, lengths, dest, (0,) * len(lengths))
+        batch.add_from(file, key, base, strides, lengths, dest, (0,) * len(lengths), self._dequant(key))
         if not direct:
             batch.keep.append(dest)
             batch.after.append(_copier(target, dest))
 
-    def _add_mxfp4(self, batch: _Batch, req: Any, target: torch.Tensor) -> None:
+    def _add_mxfp4(self, batch: Batch, req: Any, target: torch.Tensor) -> None:
         key = req.storage_index.fqn
         scale_key = self._scales[key]
         shape = self._packed_shapes[key]

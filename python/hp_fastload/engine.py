@@ -5,7 +5,8 @@ the :class:`SafetensorsFile` header view, and the packing of read requests into 
 records. It does not plan anything (which boxes a rank needs is the loader's business) and it never touches
 tensor bytes itself: one :func:`read_many` call is one Rust call, with the GIL released while it reads.
 
-Item array layout (``int64``, shape ``[n, ITEM_WIDTH]``; all numbers in elements)::
+Item array layout (``int64``, shape ``[n, ITEM_WIDTH]``; all numbers in elements; the ``COL_*`` offsets and
+``ITEM_WIDTH`` are the engine's own, exported by ``_core``)::
 
     COL_FILE       index into the ``files`` list
     COL_TENSOR     index of the tensor in that file's header (``SafetensorsFile.tensor_index``)
@@ -69,18 +70,18 @@ __all__ = [
 ]
 
 MAX_NDIM: int = _core.MAX_NDIM
+# The item layout, defined once in the engine (rust/python.rs) and exported by it.
 ITEM_WIDTH: int = _core.ITEM_WIDTH
-COL_FILE = 0
-COL_TENSOR = 1
-COL_SRC_BASE = 2
-COL_DEST = 3
-COL_DST_BASE = 4
-COL_NDIM = 5
-COL_LENGTHS = 6
-COL_SRC_STRIDES = COL_LENGTHS + MAX_NDIM
-COL_DST_STRIDES = COL_SRC_STRIDES + MAX_NDIM
-COL_SCALE = COL_DST_STRIDES + MAX_NDIM
-assert COL_SCALE + 1 == ITEM_WIDTH, "the item layout differs from the engine's (rust/python.rs ITEM_WIDTH)"
+COL_FILE: int = _core.COL_FILE
+COL_TENSOR: int = _core.COL_TENSOR
+COL_SRC_BASE: int = _core.COL_SRC_BASE
+COL_DEST: int = _core.COL_DEST
+COL_DST_BASE: int = _core.COL_DST_BASE
+COL_NDIM: int = _core.COL_NDIM
+COL_LENGTHS: int = _core.COL_LENGTHS
+COL_SRC_STRIDES: int = _core.COL_SRC_STRIDES
+COL_DST_STRIDES: int = _core.COL_DST_STRIDES
+COL_SCALE: int = _core.COL_SCALE
 
 #: safetensors dtype name -> the engine's integer code.
 DTYPE_CODES: dict[str, int] = dict(_core.DTYPE_CODES)

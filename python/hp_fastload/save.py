@@ -25,17 +25,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
-import numpy as np
 import torch
 from torch import nn
 
-from . import _core
+from .batch import Batch, Slabs, staging_chunks
 from .checkpointer import _agree as _agree_as
 from .checkpointer import _dist_active, _plan_at
-from .engine import TORCH_TO_SAFETENSORS
+from .engine import TORCH_TO_SAFETENSORS, gc_paused
 from .errors import PlanError, TargetError
-from .execute import _Batch, _Slabs, _staging_chunks
-from .plan import LoadPlan, ReadItem, TemplateReads, gc_paused
+from .index import CheckpointIndex
+from .plan import LoadContext, LoadPlan
 from .targets import Target
 
 __all__ = ["SaveReport", "save"]
@@ -374,18 +373,12 @@ def _first_instance(mesh: Any) -> bool:
     return int(root.mesh.min()) in set(mesh.mesh.flatten().tolist())
 
 
-class _WriteBatch(_Batch):
-    """One engine call in the write direction: the load packer's records, executed the other way."""
+class _WriteBatch(Batch):
+    """One engine call in the write direction: the load's records, executed the other way."""
 
     def run(self, threads: int | None, backend: str | None, stats: Any) -> None:
-        if self.count:
-            result = _core.execute(
-                self.headers,
-                np.array(self.dests, dtype=np.int64).tobytes(),
-                b"".join(records.tobytes() for records in self.items),
-                threads=threads,
-                direction="write",
-            )
+        result = self.execute(threads, backend, direction="write")
+        if result is not None:
             stats.bytes_written += int(result["bytes_copied"])
             stats.items += self.count
             stats.files.update(Path(header.path).name for header in self.headers)
@@ -402,18 +395,17 @@ def _write_batch(batch: _WriteBatch, threads: int | None, stats: _Stats) -> None
     batch.run(threads, None, stats)
 
 
-def _planned_bytes(save_plan: LoadPlan, fallback: set[str], groups: list[tuple[list[str], list[Target]]]) -> int:
+def _planned_bytes(
+    save_plan: LoadPlan, context: LoadContext, fallback: set[str], groups: list[tuple[list[str], list[Target]]]
+) -> int:
     """The data bytes this rank is about to write (its region writes, and on rank 0 the fallback tensors)."""
     total = 0
-    for name, (target, items) in save_plan.region_reads.items():
-        if not items or name in fallback or not _mesh_coordinate_writes(target):
+    for name, items in save_plan.region_reads.items():
+        if not items or name in fallback or not _mesh_coordinate_writes(context.target(name)):
             continue
-        if isinstance(items, TemplateReads):
-            total += items.nbytes
-        else:
-            total += sum(item.numel for item in items) * target.dtype.itemsize
+        total += items.total_nbytes
     if _rank0():
-        total += sum(save_plan.index.entry(key).nbytes for keys, _ in groups for key in keys)
+        total += sum(context.index.entry(key).nbytes for keys, _ in groups for key in keys)
     return total
 
 
@@ -439,7 +431,7 @@ def _check_fallbacks_agree(by_rank: list[list[list[str]]]) -> None:
         )
 
 
-class _D2HStager(_Slabs):
+class _D2HStager(Slabs):
     """Host staging for device shards: two reusable slabs of ``budget // 2`` bytes (pinned when CUDA is there).
 
     A shard's rows are copied into the current slab on a side stream (non-blocking); when a slab is full its
@@ -475,6 +467,7 @@ class _D2HStager(_Slabs):
 
 def _write_regions(
     save_plan: LoadPlan,
+    context: LoadContext,
     fallback: set[str],
     threads: int | None,
     batch_bytes: int,
@@ -484,8 +477,8 @@ def _write_regions(
 ) -> None:
     """The region writes of this rank, in engine batches of ``batch_bytes``. Device shards (and, with
     ``stage_all``, CPU ones: the tests' way through this path without a GPU) go through ``_D2HStager``."""
-    index = save_plan.index
-    batch = _WriteBatch(index)
+    index = context.index
+    batch = _WriteBatch(index.locate)
     stager: _D2HStager | None = None
     pending: tuple[_WriteBatch, Any] | None = None  # a full slab's batch, written once the next one is queued
 
@@ -507,14 +500,15 @@ def _write_regions(
             pending = (batch, event)
         else:
             _write_batch(batch, threads, stats)
-        batch = _WriteBatch(index)
+        batch = _WriteBatch(index.locate)
 
-    for name, (target, items) in save_plan.region_reads.items():
+    for name, items in save_plan.region_reads.items():
+        target = context.target(name)
         if not items or name in fallback or not _mesh_coordinate_writes(target):
             continue
         local = target.local()
         if local.device.type == "cpu" and not stage_all:
-            batch.add_boxes(items, local)
+            batch.add_reads(items, local)
             if batch.nbytes >= batch_bytes:
                 flush(staged=stager is not None)  # a batch holding staged views waits for their copies
             continue
@@ -522,12 +516,12 @@ def _write_regions(
             if batch.count:
                 flush(staged=False)
             stager = _D2HStager(staging_bytes)
-        for rows, row_items in _staging_chunks(local, items, stager.slab_bytes):
+        for rows, row_items in staging_chunks(local, items, stager.slab_bytes):
             if not stager.fits(rows):
                 flush(staged=True)
             view = stager.stage(rows)
             batch.keep.append(view)
-            batch.add_boxes(row_items, view)
+            batch.add_reads(row_items, view)
     if stager is not None:
         flush(staged=True)
         run_pending()
@@ -535,33 +529,34 @@ def _write_regions(
         _write_batch(batch, threads, stats)
 
 
-def _write_whole(save_plan: LoadPlan, tensors: dict[str, torch.Tensor], threads: int | None, stats: _Stats) -> None:
-    batch = _WriteBatch(save_plan.index)
+def _write_whole(index: CheckpointIndex, tensors: dict[str, torch.Tensor], threads: int | None, stats: _Stats) -> None:
+    batch = _WriteBatch(index.locate)
     for key, tensor in tensors.items():
-        entry = save_plan.index.entry(key)
+        entry = index.entry(key)
         if tuple(tensor.shape) != tuple(entry.shape) or tensor.dtype != entry.dtype:
             raise PlanError(
                 f"{key}: the reverse conversion gave {tuple(tensor.shape)} {tensor.dtype}, the released layout "
                 f"says {tuple(entry.shape)} {entry.dtype}"
             )
         tensor = tensor.contiguous()
-        item = ReadItem(key, 0, tuple(tensor.stride()), tuple(tensor.shape), (0,) * tensor.dim(), ())
-        batch.add_boxes([item], tensor)
+        batch.add(key, 0, tuple(tensor.stride()), tuple(tensor.shape), tensor, (0,) * tensor.dim())
     _write_batch(batch, threads, stats)
 
 
-def _fallback_groups(save_plan: LoadPlan) -> tuple[list[tuple[list[str], list[Target]]], set[str]]:
+def _fallback_groups(
+    save_plan: LoadPlan, context: LoadContext
+) -> tuple[list[tuple[list[str], list[Target]]], set[str]]:
     """Targets the region writes cannot invert exactly: deferred groups (untraceable conversions) and
     region reads with an elementwise post-op. Each entry: (checkpoint keys, targets), in plan order."""
     groups: list[tuple[list[str], list[Target]]] = []
     names: set[str] = set()
     for deferred in save_plan.deferred:
-        targets = list({id(t): t for t in deferred.claims.values()}.values())
+        targets = list({id(t): t for t in map(context.target, deferred.claims.values())}.values())
         groups.append((list(dict.fromkeys(deferred.keys)), targets))
         names.update(t.names[0] for t in targets)
-    for name, (target, items) in save_plan.region_reads.items():
-        if items and not isinstance(items, TemplateReads) and any(item.post for item in items):
-            groups.append((sorted({item.source for item in items}), [target]))
+    for name, items in save_plan.region_reads.items():
+        if items.post is not None:  # some item has an elementwise post-op
+            groups.append((sorted(set(items.keys)), [context.target(name)]))
             names.add(name)
     return groups, names
 
@@ -569,7 +564,7 @@ def _fallback_groups(save_plan: LoadPlan) -> tuple[list[tuple[list[str], list[Ta
 def _run_fallbacks(
     model: nn.Module,
     rules: list[Any] | None,
-    save_plan: LoadPlan,
+    index: CheckpointIndex,
     groups: list[tuple[list[str], list[Target]]],
     threads: int | None,
     stats: _Stats,
@@ -595,7 +590,7 @@ def _run_fallbacks(
         missing = [key for key in keys if key not in reverted]
         if missing:
             raise PlanError(f"the reverse conversion of {', '.join(t.name for t in targets)} did not give {missing}")
-        _write_whole(save_plan, {key: reverted[key] for key in keys}, threads, stats)
+        _write_whole(index, {key: reverted[key] for key in keys}, threads, stats)
         return keys
 
     written: list[str] = []
@@ -755,7 +750,7 @@ def save(
         created = True
         _agree("Creating the output files", lambda: _create_files(tmp, layout) if _rank0() else None)
         _agree("Finding the output files", lambda: _check_visible(tmp, path, first_path))
-        save_plan: LoadPlan = _agree(
+        planned_pair: tuple[LoadPlan, LoadContext] = _agree(
             "Planning the save",
             lambda: _plan_at(
                 model,
@@ -768,17 +763,23 @@ def save(
                 claimed_source_keys=frozenset(),
             ),
         )
+        save_plan, context = planned_pair
         try:
             _agree("Checking the save plan", lambda: _check_coverage(save_plan))
-            groups, fallback = _fallback_groups(save_plan)
-            planned = _gather(_agree("Planning the writers", lambda: _planned_bytes(save_plan, fallback, groups)))
+            groups, fallback = _fallback_groups(save_plan, context)
+            planned = _gather(
+                _agree("Planning the writers", lambda: _planned_bytes(save_plan, context, fallback, groups))
+            )
             _check_writers(planned, layout)  # the same list on every rank: all raise or none
             _check_fallbacks_agree(_gather([keys for keys, _ in groups]))  # likewise
-            _agree("Writing the checkpoint", lambda: _write_regions(save_plan, fallback, threads, batch_bytes, stats))
-            fallbacks = _broadcast(_run_fallbacks(model, rules, save_plan, groups, threads, stats))
+            _agree(
+                "Writing the checkpoint",
+                lambda: _write_regions(save_plan, context, fallback, threads, batch_bytes, stats),
+            )
+            fallbacks = _broadcast(_run_fallbacks(model, rules, context.index, groups, threads, stats))
             _agree("Syncing the written files", lambda: _sync_written(save_plan, stats.files, tmp))
         finally:
-            for file in save_plan.index.files:
+            for file in context.index.files:
                 file.header.release_map()
         _agree("Finishing the checkpoint", lambda: _finish_files(tmp, layout, model) if _rank0() else None)
         _agree("Publishing the checkpoint", lambda: _publish(tmp, path, overwrite) if _rank0() else None)

@@ -1,0 +1,103 @@
+"""The plan as plain data and the one read type (issue 12).
+
+A ``LoadPlan`` names its targets by key and holds nothing live: it pickles (nothing live reaches the
+pickler), two plannings of the same rank compare equal and another rank's plan does not, and the byte counts
+and ``summary`` of an unpickled plan (no index open) are the original's. Every target's reads are
+``plan.Reads``. ``batch.Batch`` and ``read_many``'s packer write the same engine records for the same boxes.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import types
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from hp_fastload.batch import Batch
+from hp_fastload.demo import virtual_plan
+from hp_fastload.engine import SafetensorsFile, _pack_requests, open_file
+from hp_fastload.index import CheckpointIndex
+from hp_fastload.plan import LoadPlan, Reads
+from hp_fastload.region import row_major_strides
+from hp_fastload.targets import Target
+
+from .tiny_models import tiny_model
+
+LIVE = (Target, torch.nn.Module, torch.Tensor, CheckpointIndex, SafetensorsFile, types.FunctionType)
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory: pytest.TempPathFactory) -> str:
+    root = tmp_path_factory.mktemp("plan_data")
+    tiny_model("mixtral").to(torch.bfloat16).save_pretrained(root)
+    return str(root)
+
+
+class _NothingLive(pickle.Pickler):
+    """A pickler that refuses every live object (targets, modules, tensors, open files, closures)."""
+
+    def persistent_id(self, obj: Any) -> None:
+        if isinstance(obj, LIVE):
+            raise AssertionError(f"a live {type(obj).__name__} in the plan: {obj!r:.80}")
+        return None
+
+
+def test_plan_pickles_compares_and_prints_without_the_index(mixtral: str) -> None:
+    first = virtual_plan(mixtral, world=2, rank=0)[0]
+    again = virtual_plan(mixtral, world=2, rank=0)[0]
+    other = virtual_plan(mixtral, world=2, rank=1)[0]
+    assert isinstance(first, LoadPlan)
+    _NothingLive(io.BytesIO()).dump(first)
+    assert first == again  # two plannings of the same rank
+    assert first != other  # and the comparison sees the reads (the ranks read different experts)
+    assert first.report == other.report  # ... which the reports alone do not tell apart
+    clone = pickle.loads(pickle.dumps(first))
+    assert clone == first
+    assert clone.summary() == first.summary()
+    assert clone.read_bytes_by_file() == first.read_bytes_by_file()
+    assert clone.read_bytes_by_target() == first.read_bytes_by_target()
+    assert 0 < clone.bytes_needed < clone.report.checkpoint_bytes
+    some = next(iter(clone.region_reads.values()))
+    assert not some.storage_base.flags.writeable  # the unpickled columns are read-only again
+
+
+def test_every_target_reads_the_one_read_type(mixtral: str) -> None:
+    plan = virtual_plan(mixtral, world=2, rank=1)[0]
+    kinds = {type(reads) for reads in plan.region_reads.values()}
+    assert kinds == {Reads}
+    experts = [name for name in plan.region_reads if "experts" in name]
+    assert experts  # the expert-parallel targets (the shared rows' path) are among them
+    for name in experts:
+        reads = plan.region_reads[name]
+        assert list(reads) and all(item.source in plan.files for item in reads)
+
+
+def test_batch_packs_the_records_read_many_packs(tmp_path: Path) -> None:
+    path = tmp_path / "m.safetensors"
+    g = torch.Generator().manual_seed(3)
+    save_file(
+        {"a": torch.randn(6, 8, generator=g), "b": torch.randn(4, 3, 5, generator=g).to(torch.bfloat16)},
+        str(path),
+    )
+    file = open_file(path)
+    big = torch.zeros(100, dtype=torch.float32)
+    boxes: list[tuple[str, tuple[int, ...], tuple[int, ...], torch.Tensor]] = [
+        ("a", (1, 2), (3, 5), big[7:22].view(3, 5)),  # a view at an offset of a larger buffer
+        ("b", (1, 0, 2), (2, 3, 3), torch.zeros(2, 3, 3, dtype=torch.bfloat16)),
+        ("a", (0, 0), (6, 8), torch.zeros(8, 6).t()),  # a transposed destination
+        ("b", (0, 1, 0), (4, 1, 5), torch.zeros(4, 1, 5, dtype=torch.float32)),  # a cast the engine does
+    ]
+    _, dests, rows = _pack_requests([(path, key, off, n, out) for key, off, n, out in boxes])
+    batch = Batch()
+    for key, off, n, out in boxes:
+        strides = row_major_strides(file.shape(key))
+        base = sum(o * s for o, s in zip(off, strides, strict=True))
+        batch.add_from(file, key, base, strides, n, out, (0,) * len(n))
+    assert np.array_equal(np.concatenate(batch.items), rows)
+    assert batch.dests == [v for dest in dests for v in dest]
