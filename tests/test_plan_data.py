@@ -101,3 +101,45 @@ def test_batch_packs_the_records_read_many_packs(tmp_path: Path) -> None:
         batch.add_from(file, key, base, strides, n, out, (0,) * len(n))
     assert np.array_equal(np.concatenate(batch.items), rows)
     assert batch.dests == [v for dest in dests for v in dest]
+
+
+def _pairs(reads: Reads, row0: int, cols: int) -> set[tuple[int, int]]:
+    """(destination element, storage element) of every element the 2-d reads copy, destinations moved down by
+    ``row0`` rows of ``cols``."""
+    out = set()
+    for item in reads:
+        for i in range(item.lengths[0]):
+            for j in range(item.lengths[1]):
+                dest = (item.dest_offsets[0] + i + row0) * cols + item.dest_offsets[1] + j
+                out.add((dest, item.storage_base + i * item.storage_strides[0] + j * item.storage_strides[1]))
+    return out
+
+
+def test_staging_chunks_clip_the_reads_exactly() -> None:
+    """Row blocks of a staged target: their reads copy exactly the original element pairs, and their storage
+    bytes add up to the original's (a batch sizes itself and reports bytes read by them)."""
+    from hp_fastload.batch import staging_chunks
+
+    rows, cols = 10, 4
+    local = torch.zeros(rows, cols, dtype=torch.bfloat16)
+    # three boxes of a (20, 6) storage tensor: rows 0..3, 3..9 (transposed storage strides), 9..10
+    reads = Reads(
+        ["a", "b", "a"],
+        [0, 7, 100],
+        [[6, 1], [1, 6], [6, 1]],
+        [[3, 4], [6, 4], [1, 4]],
+        [[0, 0], [3, 0], [9, 0]],
+        [3 * 4 * 2, 6 * 4 * 2, 1 * 4 * 2],
+    )
+    slab = 3 * cols * local.element_size()  # three rows a chunk
+    chunks = list(staging_chunks(local, reads, slab))
+    assert [c.shape[0] for c, _ in chunks] == [3, 3, 3, 1]
+    starts = [0, 3, 6, 9]
+    got: set[tuple[int, int]] = set()
+    for (_, part), r0 in zip(chunks, starts, strict=True):
+        got |= _pairs(part, r0, cols)
+    assert got == _pairs(reads, 0, cols)
+    assert sum(part.total_nbytes for _, part in chunks) == reads.total_nbytes
+    assert all(
+        int(n) == int(np.prod(ls)) * 2 for _, part in chunks for n, ls in zip(part.nbytes, part.lengths, strict=True)
+    )

@@ -262,8 +262,8 @@ class Reads(Sequence[ReadItem]):
         rows = np.flatnonzero(b > a)
         part = self.take(rows)
         a, b, d0 = a[rows], b[rows], d0[rows]
+        full = part.lengths[:, 0]  # the items' own row counts (a view of the read-only column)
         lengths = part.lengths.copy()
-        full = lengths[:, 0]
         lengths[:, 0] = b - a
         offsets = part.dest_offsets.copy()
         offsets[:, 0] = a - r0
