@@ -22,7 +22,7 @@ import torch
 from . import _core
 from .engine import SafetensorsFile, open_file
 from .errors import HeaderError, shown_key
-from .rules import dot_natural_key, natural_sort_key
+from .natural import KeyOrder, dot_natural_key
 
 __all__ = ["CheckpointIndex", "TensorEntry", "resolve_checkpoint_location"]
 
@@ -130,18 +130,10 @@ class CheckpointIndex:
         self._entries: dict[str, TensorEntry] = {}  # built on first use: most keys of a big MoE never need one
         self._dtypes: dict[str, torch.dtype] = {}
         self._located: dict[str, tuple[SafetensorsFile, int, torch.dtype]] = {}
-        # The natural order of every key, merged across shards by the header parser, which hands back
-        # positions: the names are the index's own string objects (their hashes are cached for the lookups
-        # planning makes).
-        every = [key for f in files for key in f._entries]
-        order, other = _core.SafetensorsHeader.natural_order([f.header for f in files])
-        names = list(map(every.__getitem__, order))
-        if other:  # names with non-ASCII characters or huge numbers: Python's own rules decide their place
-            names = sorted(names + [every[i] for i in other], key=lambda n: (natural_sort_key(n), n))
-        if len(names) != len(key_files):  # an index that lists only some of its files' keys
-            names = list(dict.fromkeys(n for n in names if n in key_files))
-        self._keys = names
-        self._order: dict[str, int] | None = None
+        self._order = KeyOrder.of_headers(
+            [key for f in files for key in f._entries], [f.header for f in files], key_files
+        )
+        self._keys = self._order.keys
         self._all_entries: dict[str, tuple[int, str, tuple[int, ...], int, int]] | None = None
 
     @classmethod
@@ -227,19 +219,8 @@ class CheckpointIndex:
         return cls(list(opened.values()), key_files)
 
     def natural_sorted(self, names: Iterable[str]) -> list[str]:
-        """``names`` in natural order, by position in the index's key order for checkpoint keys (reports sort
-        tens of thousands of unexpected keys; computing each one's sort key in Python was slow)."""
-        names = set(names)
-        if len(names) * 8 > len(self._keys):
-            # Many names (the unexpected keys of a big checkpoint): one pass over the ordered keys.
-            known = [k for k in self._keys if k in names]
-        else:
-            order = self._order
-            if order is None:
-                order = self._order = {key: i for i, key in enumerate(self._keys)}
-            known = sorted((n for n in names if n in order), key=order.__getitem__)
-        rest = names.difference(self._files) if len(known) < len(names) else ()
-        return known + sorted(rest, key=natural_sort_key)
+        """``names`` in natural order (see :meth:`hp_fastload.natural.KeyOrder.sorted`)."""
+        return self._order.sorted(names)
 
     def keys(self) -> list[str]:
         """Every key, in natural order."""
