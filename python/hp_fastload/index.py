@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import torch
 
 from . import _core
-from .engine import SafetensorsFile, open_file
+from .engine import HeaderEntry, SafetensorsFile, open_file
 from .errors import HeaderError, shown_key
 from .natural import KeyOrder, dot_natural_key
 
@@ -134,7 +134,7 @@ class CheckpointIndex:
             [key for f in files for key in f._entries], [f.header for f in files], key_files
         )
         self._keys = self._order.keys
-        self._all_entries: dict[str, tuple[int, str, tuple[int, ...], int, int]] | None = None
+        self._all_entries: dict[str, HeaderEntry] | None = None
 
     @classmethod
     def open(cls, location: str | os.PathLike[str]) -> CheckpointIndex:
@@ -265,7 +265,7 @@ class CheckpointIndex:
         """``(file, torch dtype)`` of ``key`` without building its :class:`TensorEntry` (packing a 20k-tensor
         MoE's reads needs only these)."""
         file = self._file_of(key)
-        name = file._entries[key][1]
+        name = file._entries[key].dtype
         dtype = self._dtypes.get(name)
         if dtype is None:
             dtype = self._dtypes[name] = file.torch_dtype(key)
@@ -277,7 +277,7 @@ class CheckpointIndex:
         located = self._located.get(key)
         if located is None:
             file, dtype = self.source(key)
-            located = self._located[key] = (file, file._entries[key][0], dtype)
+            located = self._located[key] = (file, file._entries[key].position, dtype)
         return located
 
     def entry(self, key: str) -> TensorEntry:
@@ -285,8 +285,8 @@ class CheckpointIndex:
         if entry is not None:
             return entry
         file, dtype = self.source(key)
-        _, _, shape, begin, end = file._entries[key]
-        entry = self._entries[key] = TensorEntry(key, file, dtype, shape, end - begin)
+        header = file._entries[key]
+        entry = self._entries[key] = TensorEntry(key, file, dtype, header.shape, header.nbytes)
         return entry
 
     @property
@@ -325,7 +325,7 @@ def _weight_map(index_path: Path, text: bytes) -> dict[Any, Any]:
     return weight_map
 
 
-_SHAPE_AND_DTYPE = operator.itemgetter(2, 1)
+_SHAPE_AND_DTYPE = operator.attrgetter("shape", "dtype")
 
 #: Header bytes (all shards together) above which ``_open_all`` parses in threads. Starting a pool costs
 #: ~1 ms, what parsing ~100 KB of header takes; a dense checkpoint's headers are a few KB each.
