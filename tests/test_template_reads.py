@@ -42,7 +42,7 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _leaves(index: CheckpointIndex) -> dict[str, RegionTensor]:
     names = [f"e.{i}.{w}" for i in range(EXPERTS) for w in ("gate", "up")]
-    return {k: RegionTensor.leaf(k, index.entry(k).shape, index.entry(k).dtype) for k in names}
+    return {k: RegionTensor.leaf(k, index.locate(k).shape, index.locate(k).dtype) for k in names}
 
 
 def _convert(x: dict[str, Any], fn: Any) -> Any:

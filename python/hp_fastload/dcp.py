@@ -30,6 +30,7 @@ from torch.futures import Future
 from .engine import SafetensorsFile, open_file
 from .errors import HeaderError, shown_key
 from .execute import ExecStats, _Batch, _engine_casts
+from .index import TensorEntry
 from .quant import E2M1_VALUES, Dequant, QuantInfo, detect, read_quant_config
 from .region import row_major_strides
 
@@ -203,14 +204,14 @@ class HuggingFaceStorageReader(FileSystemReader):
 
 
 class _Located:
-    """The ``locate`` a batch needs for the scales of a quantized reader (key -> file, position, dtype)."""
+    """The ``locate`` a batch needs for the scales of a quantized reader (``CheckpointIndex.locate``'s entry
+    of the reader's file for ``key``)."""
 
     def __init__(self, reader: QuantizedHuggingFaceStorageReader) -> None:
         self.reader = reader
 
-    def locate(self, key: str) -> tuple[SafetensorsFile, int, torch.dtype]:
-        file = self.reader._file(self.reader._paths[key])
-        return file, file.tensor_index(key), file.torch_dtype(key)
+    def locate(self, key: str) -> TensorEntry:
+        return TensorEntry.of(self.reader._file(self.reader._paths[key]), key)
 
 
 class QuantizedHuggingFaceStorageReader(HuggingFaceStorageReader):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import errno
 import json
-import operator
 import os
 import stat
 from collections.abc import Iterable, Iterator
@@ -20,7 +19,7 @@ from typing import Any, NamedTuple
 import torch
 
 from . import _core
-from .engine import HeaderEntry, SafetensorsFile, open_file
+from .engine import SAFETENSORS_TO_TORCH, SUB_BYTE_BITS, SafetensorsFile, open_file
 from .errors import HeaderError, shown_key
 from .natural import KeyOrder, dot_natural_key
 
@@ -31,13 +30,33 @@ SINGLE_NAME = "model.safetensors"
 
 
 class TensorEntry(NamedTuple):
-    """One checkpoint tensor: its file and header facts."""
+    """One checkpoint tensor as :meth:`CheckpointIndex.locate` finds it: the file the index takes it from,
+    where it is in that file's header, and its header facts."""
 
-    key: str
     file: SafetensorsFile
+    #: Position in the file's header (an item's ``COL_TENSOR``).
+    position: int
+    #: The torch dtype it is read as (``torch.uint8`` for sub-byte dtypes: their packed bytes).
     dtype: torch.dtype
     shape: tuple[int, ...]
+    #: The safetensors dtype name (``"BF16"``, ``"F4"``): sub-byte dtypes differ here, not in ``dtype``.
+    dtype_name: str
     nbytes: int
+    key: str
+
+    @classmethod
+    def of(cls, file: SafetensorsFile, key: str) -> TensorEntry:
+        """The entry of ``key`` in ``file`` (``KeyError`` naming both when the file has no such tensor)."""
+        header = file.entry(key)
+        name = header.dtype
+        dtype = _READ_AS.get(name)
+        if dtype is None:
+            dtype = file.torch_dtype(key)  # raises: a dtype this torch lacks
+        return cls(file, header.position, dtype, header.shape, name, header.nbytes, key)
+
+
+#: safetensors dtype name -> the torch dtype a tensor of it is read as.
+_READ_AS = {**SAFETENSORS_TO_TORCH, **dict.fromkeys(SUB_BYTE_BITS, torch.uint8)}
 
 
 def _looks_local(text: str) -> bool:
@@ -127,14 +146,12 @@ class CheckpointIndex:
     def __init__(self, files: list[SafetensorsFile], key_files: dict[str, SafetensorsFile]) -> None:
         self.files = files
         self._files = key_files
-        self._entries: dict[str, TensorEntry] = {}  # built on first use: most keys of a big MoE never need one
-        self._dtypes: dict[str, torch.dtype] = {}
-        self._located: dict[str, tuple[SafetensorsFile, int, torch.dtype]] = {}
+        # The one lookup's memo, filled on first use: most keys of a big MoE are never located.
+        self._located: dict[str, TensorEntry] = {}
         self._order = KeyOrder.of_headers(
             [key for f in files for key in f._entries], [f.header for f in files], key_files
         )
         self._keys = self._order.keys
-        self._all_entries: dict[str, HeaderEntry] | None = None
 
     @classmethod
     def open(cls, location: str | os.PathLike[str]) -> CheckpointIndex:
@@ -235,59 +252,39 @@ class CheckpointIndex:
     def __iter__(self) -> Iterator[str]:
         return iter(self._keys)
 
-    def _file_of(self, key: str) -> SafetensorsFile:
+    def locate(self, key: str) -> TensorEntry:
+        """Where ``key`` is and what it is: the one lookup of a checkpoint tensor (file, header position,
+        dtypes, shape, bytes), remembered, since packing, tracing and read accounting ask for the same keys
+        more than once. ``KeyError`` naming the key when the index does not have it."""
+        entry = self._located.get(key)
+        return entry if entry is not None else self._locate_new(key)
+
+    def locate_many(self, keys: Iterable[str]) -> list[TensorEntry]:
+        """``[locate(k) for k in keys]``, in one pass over the memo (a stacked-experts group or target has
+        ~10^3 sources: packing and the trace cache's signatures ask for all of them at once)."""
+        keys = keys if isinstance(keys, list) else list(keys)
+        found = list(map(self._located.get, keys))
+        if None in found:
+            found = [e if e is not None else self._locate_new(k) for e, k in zip(found, keys, strict=True)]
+        return found  # type: ignore[return-value]
+
+    def _locate_new(self, key: str) -> TensorEntry:
         file = self._files.get(key)
         if file is None:
             raise KeyError(f"checkpoint key is not indexed: {shown_key(key)}")
-        return file
+        entry = self._located[key] = TensorEntry.of(file, key)
+        return entry
 
-    def facts_of(self, keys: list[str]) -> tuple[tuple[tuple[int, ...], str], ...]:
-        """``(shape, safetensors dtype name)`` of each key, without building :class:`TensorEntry` objects (a
-        stacked-experts group's trace-cache signature has hundreds of sources): looked up in C in one dict of
-        every indexed key's header entry."""
-        entries = self._all_entries
-        if entries is None:
-            if sum(len(f) for f in self.files) == len(self._files):  # every key of every file, each once
-                entries = {}
-                for f in self.files:
-                    entries.update(f._entries)
-            else:  # a partial index, or a key in two files: the index's choice of file for each key
-                entries = {k: f._entries[k] for k, f in self._files.items()}
-            self._all_entries = entries
-        try:
-            return tuple(map(_SHAPE_AND_DTYPE, map(entries.__getitem__, keys)))
-        except KeyError:
-            for k in keys:
-                self._file_of(k)  # raises naming the key
-            raise
-
+    # The planner's lookups (plan.py, execute.py, quant.py) until their call sites move to ``locate``.
     def source(self, key: str) -> tuple[SafetensorsFile, torch.dtype]:
-        """``(file, torch dtype)`` of ``key`` without building its :class:`TensorEntry` (packing a 20k-tensor
-        MoE's reads needs only these)."""
-        file = self._file_of(key)
-        name = file._entries[key].dtype
-        dtype = self._dtypes.get(name)
-        if dtype is None:
-            dtype = self._dtypes[name] = file.torch_dtype(key)
-        return file, dtype
-
-    def locate(self, key: str) -> tuple[SafetensorsFile, int, torch.dtype]:
-        """``(file, position in its header, torch dtype)`` of ``key``, remembered: packing and read accounting
-        ask for every key of a 20k-tensor MoE more than once."""
-        located = self._located.get(key)
-        if located is None:
-            file, dtype = self.source(key)
-            located = self._located[key] = (file, file._entries[key].position, dtype)
-        return located
+        entry = self.locate(key)
+        return entry.file, entry.dtype
 
     def entry(self, key: str) -> TensorEntry:
-        entry = self._entries.get(key)
-        if entry is not None:
-            return entry
-        file, dtype = self.source(key)
-        header = file._entries[key]
-        entry = self._entries[key] = TensorEntry(key, file, dtype, header.shape, header.nbytes)
-        return entry
+        return self.locate(key)
+
+    def facts_of(self, keys: list[str]) -> tuple[tuple[tuple[int, ...], str], ...]:
+        return tuple((e.shape, e.dtype_name) for e in self.locate_many(keys))
 
     @property
     def total_bytes(self) -> int:
@@ -324,8 +321,6 @@ def _weight_map(index_path: Path, text: bytes) -> dict[Any, Any]:
         raise HeaderError(f"safetensors index has no non-empty weight_map: {index_path}")
     return weight_map
 
-
-_SHAPE_AND_DTYPE = operator.attrgetter("shape", "dtype")
 
 #: Header bytes (all shards together) above which ``_open_all`` parses in threads. Starting a pool costs
 #: ~1 ms, what parsing ~100 KB of header takes; a dense checkpoint's headers are a few KB each.

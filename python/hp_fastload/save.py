@@ -413,7 +413,7 @@ def _planned_bytes(save_plan: LoadPlan, fallback: set[str], groups: list[tuple[l
         else:
             total += sum(item.numel for item in items) * target.dtype.itemsize
     if _rank0():
-        total += sum(save_plan.index.entry(key).nbytes for keys, _ in groups for key in keys)
+        total += sum(save_plan.index.locate(key).nbytes for keys, _ in groups for key in keys)
     return total
 
 
@@ -538,7 +538,7 @@ def _write_regions(
 def _write_whole(save_plan: LoadPlan, tensors: dict[str, torch.Tensor], threads: int | None, stats: _Stats) -> None:
     batch = _WriteBatch(save_plan.index)
     for key, tensor in tensors.items():
-        entry = save_plan.index.entry(key)
+        entry = save_plan.index.locate(key)
         if tuple(tensor.shape) != tuple(entry.shape) or tensor.dtype != entry.dtype:
             raise PlanError(
                 f"{key}: the reverse conversion gave {tuple(tensor.shape)} {tensor.dtype}, the released layout "
