@@ -57,6 +57,7 @@ class TensorEntry(NamedTuple):
 
 #: safetensors dtype name -> the torch dtype a tensor of it is read as.
 _READ_AS = {**SAFETENSORS_TO_TORCH, **dict.fromkeys(SUB_BYTE_BITS, torch.uint8)}
+_new_tuple = tuple.__new__
 
 
 def _looks_local(text: str) -> bool:
@@ -272,7 +273,14 @@ class CheckpointIndex:
         file = self._files.get(key)
         if file is None:
             raise KeyError(f"checkpoint key is not indexed: {shown_key(key)}")
-        entry = self._located[key] = TensorEntry.of(file, key)
+        # TensorEntry.of, inlined and built with tuple.__new__ (no Python __new__ frame): quantization
+        # detection locates every key of a 90k-tensor checkpoint once.
+        header = file._entries[key]
+        name = header.dtype
+        dtype = _READ_AS.get(name) or file.torch_dtype(key)
+        entry = self._located[key] = _new_tuple(
+            TensorEntry, (file, header.position, dtype, header.shape, name, header.nbytes, key)
+        )
         return entry
 
     # The planner's lookups (plan.py, execute.py, quant.py) until their call sites move to ``locate``.
