@@ -2,8 +2,9 @@
 
 Owns: turning a user's ``path`` (a ``.safetensors`` file of any name, a directory with
 ``model.safetensors.index.json`` or ``model.safetensors``, a directory of shards without an index, or a Hub
-repo id resolved through huggingface_hub's cache) into a ``CheckpointIndex``: key -> (file, dtype, shape).
-Only headers are read. It does not plan or read tensor bytes.
+repo id resolved through huggingface_hub's cache) into a ``CheckpointIndex``, whose one lookup
+``locate(key)`` gives a :class:`TensorEntry` (file, header position, dtypes, shape, bytes). Only headers are
+read. It does not plan or read tensor bytes; key order is ``natural``'s.
 """
 
 from __future__ import annotations
