@@ -161,11 +161,12 @@ def _cpu_ms(fn: Callable[[], Any]) -> float:
 
 def bench_groups(name: str, config: dict[str, Any], keys: list[str], reps: int) -> bool:
     from hp_fastload import rules as rules_mod
+    from hp_fastload.natural import natural_sorted
 
     model = _meta_model(config)
     targets = dict.fromkeys(model.state_dict())
     rules = rules_mod.resolve_mapping(model, None)
-    keys = sorted(keys, key=lambda k: (rules_mod.natural_sort_key(k), k))
+    keys = natural_sorted(keys)
     prefix = getattr(model, "base_model_prefix", None) or None
     impls = {
         "current": groups_mod.build_groups,

@@ -405,6 +405,38 @@ def test_safetensors_file_api_matches_safe_open(tmp_path):
     assert f.header.data_start == 8 + int.from_bytes(data[:8], "little")
 
 
+def test_header_entry_fields_match_the_file(tmp_path):
+    """``SafetensorsFile.entry`` gives each tensor's record by name: dtype and shape as safetensors reads them,
+    the byte range and order of the header JSON (read here with ``json``), immutable."""
+    import json
+
+    path = tmp_path / "entries.safetensors"
+    tensors = {
+        "w": torch.ones(3, 2, dtype=torch.bfloat16),
+        "v": torch.arange(7, dtype=torch.int32),
+        "s": torch.ones(()),
+    }
+    save_file(tensors, str(path))
+    f = hf.SafetensorsFile(path)
+    data = path.read_bytes()
+    meta = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
+    in_file_order = sorted((k for k in meta if k != "__metadata__"), key=lambda k: meta[k]["data_offsets"][0])
+    with safe_open(str(path), "pt") as ref:
+        for position, key in enumerate(in_file_order):
+            entry = f.entry(key)
+            assert isinstance(entry, hf.HeaderEntry)
+            assert entry.position == position
+            assert entry.dtype == ref.get_slice(key).get_dtype()
+            assert entry.shape == tuple(ref.get_slice(key).get_shape())
+            assert (entry.begin, entry.end) == tuple(meta[key]["data_offsets"])
+            assert entry.nbytes == tensors[key].numel() * tensors[key].element_size()
+            assert repr(entry).startswith(f"HeaderEntry(position={position}, dtype={entry.dtype}")
+    with pytest.raises(AttributeError):
+        f.entry("w").shape = (1,)  # type: ignore[misc]
+    with pytest.raises(KeyError, match="no tensor named 'z'"):
+        f.entry("z")
+
+
 def test_open_file_cache_reuses_and_invalidates(tmp_path):
     path = tmp_path / "cache.safetensors"
     save_file({"w": torch.ones(4)}, str(path))

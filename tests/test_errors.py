@@ -308,7 +308,7 @@ def test_index_variants_agree_with_the_headers(tmp_path, variant):
     index = CheckpointIndex.open(tmp_path)
     assert index.keys() == [k for k in ("x.1.w", "x.2.w", "x.10.w") if k in weight_map]
     for key in index:
-        file = index._file_of(key)
+        file = index.locate(key).file
         assert os.path.basename(file.path) == weight_map[key]
         with safe_open(file.path, "pt") as f:
             assert file.shape(key) == tuple(f.get_slice(key).get_shape())
@@ -323,6 +323,10 @@ def test_index_key_in_two_shards_uses_the_indexed_file(tmp_path):
     weight_map = {"a": "s1.safetensors", "b": "s1.safetensors", "c": "s2.safetensors"}
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     index = CheckpointIndex.open(tmp_path)
-    assert index.facts_of(["a", "c"]) == (((2,), "F32"), ((1,), "F32"))
-    assert index.entry("a").shape == (2,)
-    assert os.path.basename(index.entry("a").file.path) == "s1.safetensors"
+    a, c = index.locate_many(["a", "c"])
+    assert (a.shape, a.dtype_name, a.dtype, a.nbytes, a.key) == ((2,), "F32", torch.float32, 8, "a")
+    assert os.path.basename(a.file.path) == "s1.safetensors" and a.position == a.file.tensor_index("a")
+    assert (c.shape, os.path.basename(c.file.path)) == ((1,), "s2.safetensors")
+    assert index.locate("a") is a  # remembered: one lookup, one record
+    with pytest.raises(KeyError, match="not indexed: 'zz'"):
+        index.locate_many(["c", "zz"])

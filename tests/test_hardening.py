@@ -422,7 +422,7 @@ def test_more_shards_than_the_open_file_limit(tmp_path):
         assert len(index) == {shards}
         for backend in ("mmap", "pread", "auto"):
             outs = [torch.empty(4) for _ in range({shards})]
-            requests = [(index.source(f"p.{{i}}")[0], f"p.{{i}}", (0,), (4,), outs[i]) for i in range({shards})]
+            requests = [(index.locate(f"p.{{i}}").file, f"p.{{i}}", (0,), (4,), outs[i]) for i in range({shards})]
             hf.read_many(requests, backend=backend, threads=2)
             assert all(torch.equal(o, torch.full((4,), float(i))) for i, o in enumerate(outs)), backend
         model = nn.Module()

@@ -20,13 +20,13 @@ from torch.distributed.tensor._utils import _compute_local_shape_and_global_offs
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from hp_fastload import targets as targets_mod
+from hp_fastload.natural import dot_natural_key
 from hp_fastload.targets import (
     LocalRegion,
     Target,
     TargetError,
     build_targets,
     check_targets,
-    dot_natural_key,
     local_region,
     unique_targets,
     virtual_rank,

@@ -44,7 +44,7 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _leaves(index: CheckpointIndex) -> dict[str, RegionTensor]:
     names = [f"e.{i}.{w}" for i in range(EXPERTS) for w in ("gate", "up")]
-    return {k: RegionTensor.leaf(k, index.entry(k).shape, index.entry(k).dtype) for k in names}
+    return {k: RegionTensor.leaf(k, index.locate(k).shape, index.locate(k).dtype) for k in names}
 
 
 def _convert(x: dict[str, Any], fn: Any) -> Any:
@@ -131,7 +131,7 @@ def test_template_reads_equal_the_intersection_and_load_the_right_bytes(
         assert torch.equal(target.tensor, want), (conversion, label)
         assert stats.bytes_read == region.numel * 2, label
 
-        files = {k: index.entry(k).file.path for k in items.keys}
+        files = {k: index.locate(k).file.path for k in items.keys}
         plan = LoadPlan({"w": items}, [], LoadReport((), (), ()), files)
         assert plan.read_bytes_by_target() == {"w": region.numel * 2}
         assert plan.bytes_needed == region.numel * 2

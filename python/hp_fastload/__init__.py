@@ -9,7 +9,7 @@ rules, and writes them into the local shards of the model's DTensors.
 from __future__ import annotations
 
 from .checkpointer import HF_LOADER_ENV, HuggingFaceCheckpointer, load, plan, resolve_hf_loader
-from .engine import SafetensorsFile, clear_cache, read_into, read_many
+from .engine import HeaderEntry, SafetensorsFile, clear_cache, read_into, read_many
 from .errors import (
     CheckpointMismatchError,
     HeaderError,
@@ -28,6 +28,7 @@ __all__ = [
     "HF_LOADER_ENV",
     "CheckpointMismatchError",
     "ConversionError",
+    "HeaderEntry",
     "HeaderError",
     "HpFastloadError",
     "HuggingFaceCheckpointer",

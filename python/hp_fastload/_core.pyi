@@ -20,6 +20,24 @@ CAST_FLOATS: Final[tuple[str, ...]]
 DTYPE_CODES: Final[dict[str, int]]
 DEFAULT_THREADS: Final[int]
 
+class HeaderEntry:
+    """One tensor of a header (read-only): position in the header (an item's tensor field), safetensors dtype
+    name, shape, and byte range ``[begin, end)`` relative to ``data_start``."""
+
+    @property
+    def position(self) -> int: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+    @property
+    def begin(self) -> int: ...
+    @property
+    def end(self) -> int: ...
+    @property
+    def nbytes(self) -> int:
+        """``end - begin``."""
+
 class SafetensorsHeader:
     """A parsed, validated safetensors header (the file is re-checked before every read)."""
 
@@ -38,9 +56,8 @@ class SafetensorsHeader:
         the same header bytes (re-read). False on any error (the caller parses the file again)."""
     def metadata(self) -> dict[str, str] | None: ...
     def __len__(self) -> int: ...
-    def entry_dict(self) -> dict[str, tuple[int, str, tuple[int, ...], int, int]]:
-        """name -> (position, safetensors dtype, shape, begin, end) in file order; begin/end relative to
-        data_start."""
+    def entry_dict(self) -> dict[str, HeaderEntry]:
+        """name -> its :class:`HeaderEntry`, in file order."""
     @staticmethod
     def natural_order(headers: list[SafetensorsHeader]) -> tuple[list[int], list[int]]:
         """Over the names of all ``headers`` taken in order (each in file order): ``(positions in natural order,

@@ -34,6 +34,7 @@ from .engine import (
     safetensors_dtype_name,
 )
 from .errors import PlanError
+from .index import TensorEntry
 from .plan.items import Reads
 from .quant import Dequant
 
@@ -43,8 +44,8 @@ MAX_NDIM: int = _core.MAX_NDIM
 #: The float dtypes the engine casts between while copying (its own table, ``_core.CAST_FLOATS``).
 ENGINE_FLOATS = frozenset(SAFETENSORS_TO_TORCH[n] for n in _core.CAST_FLOATS if n in SAFETENSORS_TO_TORCH)
 
-#: Where a checkpoint tensor lives: its file, its position in the file's header, its dtype.
-Located = tuple[SafetensorsFile, int, torch.dtype]
+#: Where a checkpoint tensor lives (its file, its position in the file's header, its dtype) and what it is.
+Located = TensorEntry
 
 
 def engine_casts(src: torch.dtype, dst: torch.dtype) -> bool:
@@ -90,7 +91,8 @@ class Batch:
         if pos is None:
             if self.locate is None:
                 raise PlanError(f"{key}: a dequantizing read in a batch that cannot locate its scale {spec.scale}")
-            file, tensor, _ = self.locate(spec.scale)
+            scale = self.locate(spec.scale)
+            file, tensor = scale.file, scale.position
             ndim = len(spec.shape)
             if ndim > MAX_NDIM:
                 raise PlanError(f"{key}: a quantized tensor of {ndim} dims exceeds the engine's {MAX_NDIM}")
@@ -127,7 +129,7 @@ class Batch:
         if self.locate is None:
             raise PlanError(f"{key}: a batch without an index needs the file (add_from)")
         where = self.locate(key)
-        reads = Reads.one(key, storage_base, storage_strides, lengths, dest_offsets, where[2].itemsize, second)
+        reads = Reads.one(key, storage_base, storage_strides, lengths, dest_offsets, where.dtype.itemsize, second)
         self.add_reads(reads, dest, [where])
 
     def add_from(
@@ -142,8 +144,8 @@ class Batch:
         second: Dequant | None = None,
     ) -> None:
         """Like ``add`` with the file given, for readers without an index."""
-        where = (file, file.tensor_index(key), file.torch_dtype(key))  # KeyError if unknown
-        reads = Reads.one(key, storage_base, storage_strides, lengths, dest_offsets, where[2].itemsize, second)
+        where = TensorEntry.of(file, key)  # KeyError if unknown
+        reads = Reads.one(key, storage_base, storage_strides, lengths, dest_offsets, where.dtype.itemsize, second)
         self.add_reads(reads, dest, [where])
 
     def add_reads(self, reads: Reads, dest: torch.Tensor, located: Sequence[Located] | None = None) -> None:
@@ -167,7 +169,7 @@ class Batch:
             located = list(map(self.locate, reads.keys))
         dest_pos = self._dest(dest)
         dest_strides = tuple(dest.stride())
-        files, positions, _ = zip(*located, strict=True)  # the columns, transposed in C
+        files, positions, *_ = zip(*located, strict=True)  # the columns, transposed in C
         distinct = dict(zip(map(id, files), files, strict=True))
         file_pos = {i: self._file(f) for i, f in distinct.items()}
         records = np.zeros((n, ITEM_WIDTH), dtype=np.int64)

@@ -31,6 +31,7 @@ from .batch import Batch, engine_casts
 from .engine import SafetensorsFile, open_file
 from .errors import HeaderError, shown_key
 from .execute import ExecStats
+from .index import TensorEntry
 from .quant import E2M1_VALUES, Dequant, QuantInfo, detect, read_quant_config
 from .region import row_major_strides
 
@@ -264,10 +265,10 @@ class QuantizedHuggingFaceStorageReader(HuggingFaceStorageReader):
         self._index_files()
         return Batch(self._locate)
 
-    def _locate(self, key: str) -> tuple[SafetensorsFile, int, torch.dtype]:
+    def _locate(self, key: str) -> TensorEntry:
         """Where a scale tensor lives (key -> file, position, dtype): what a batch needs for second sources."""
         file = self._file(self._paths[key])
-        return file, file.tensor_index(key), file.torch_dtype(key)
+        return TensorEntry.of(file, key)
 
     def _dequant(self, key: str) -> Dequant:
         """How the engine dequantizes fp8 ``key``: its scale, stored shape and (``block_size``) blocks."""

@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from . import _core
+from ._core import HeaderEntry
 from .errors import PlanError, shown_key
 
 __all__ = [
@@ -55,6 +56,7 @@ __all__ = [
     "COL_SRC_STRIDES",
     "COL_TENSOR",
     "DTYPE_CODES",
+    "HeaderEntry",
     "ITEM_WIDTH",
     "MAX_NDIM",
     "SAFETENSORS_TO_TORCH",
@@ -142,9 +144,11 @@ class SafetensorsFile:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
         self.header = _core.SafetensorsHeader(self.path)
-        self._entries: dict[str, tuple[int, str, tuple[int, ...], int, int]] = self.header.entry_dict()
+        self._entries: dict[str, HeaderEntry] = self.header.entry_dict()
 
-    def _entry(self, key: str) -> tuple[int, str, tuple[int, ...], int, int]:
+    def entry(self, key: str) -> HeaderEntry:
+        """The header's record of ``key`` (position, dtype name, shape, byte range); KeyError naming the file
+        and key when it has none."""
         try:
             return self._entries[key]
         except KeyError:
@@ -160,7 +164,7 @@ class SafetensorsFile:
 
     def dtype(self, key: str) -> str:
         """The safetensors dtype name of ``key`` (``"BF16"``, ``"F8_E4M3"``, ...)."""
-        return self._entry(key)[1]
+        return self.entry(key).dtype
 
     def torch_dtype(self, key: str) -> torch.dtype:
         """The torch dtype of ``key``; ``torch.uint8`` for sub-byte dtypes (their bytes, packed)."""
@@ -174,17 +178,17 @@ class SafetensorsFile:
 
     def shape(self, key: str) -> tuple[int, ...]:
         """The shape of ``key``."""
-        return self._entry(key)[2]
+        return self.entry(key).shape
 
     def offsets(self, key: str) -> tuple[int, int]:
         """The absolute byte range ``[begin, end)`` of ``key`` in the file."""
-        _, _, _, begin, end = self._entry(key)
+        entry = self.entry(key)
         start = self.header.data_start
-        return start + begin, start + end
+        return start + entry.begin, start + entry.end
 
     def tensor_index(self, key: str) -> int:
         """Position of ``key`` in the header (the ``COL_TENSOR`` value of an item)."""
-        return self._entry(key)[0]
+        return self.entry(key).position
 
     @property
     def file_size(self) -> int:
@@ -280,7 +284,8 @@ def _fill_item(
     """Validates one request and writes its item row; returns the destination triple."""
     if key not in f:
         raise PlanError(f"{f.path}: no tensor named {shown_key(key)}")
-    _, name, shape, _, _ = f._entries[key]
+    entry = f._entries[key]
+    name, shape = entry.dtype, entry.shape
     where = f"{f.path}: tensor {shown_key(key)} (shape {list(shape)}, {name})"
     offs, lens = _ints(offsets, "offsets", key), _ints(lengths, "lengths", key)
     if len(offs) != len(shape) or len(lens) != len(shape):
@@ -499,8 +504,8 @@ def _pack_requests(
         if code == -1:
             name = TORCH_TO_SAFETENSORS.get(out.dtype)
             code = codes[out.dtype] = None if name is None or name in SUB_BYTE_BITS else DTYPE_CODES[name]
-        shape = entry[2]
-        if code is None or entry[1] in SUB_BYTE_BITS or len(shape) > MAX_NDIM:
+        shape = entry.shape
+        if code is None or entry.dtype in SUB_BYTE_BITS or len(shape) > MAX_NDIM:
             slow.append(k)
             continue
         try:  # a sparse or otherwise storage-less tensor: the per-request path raises, in request order
@@ -513,7 +518,7 @@ def _pack_requests(
         dest_id = dest_ids.setdefault(dest, len(dests))
         if dest_id == len(dests):
             dests.append(dest)
-        record = (k, where[1], entry[0], dest_id, shape, offsets, lengths, *layout)
+        record = (k, where[1], entry.position, dest_id, shape, offsets, lengths, *layout)
         group = by_rank.get(len(shape))
         if group is None:
             by_rank[len(shape)] = [record]

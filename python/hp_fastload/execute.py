@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from operator import itemgetter
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -118,7 +118,7 @@ def _add_target_items(
         raise PlanError(f"{target.names[0]}: targets on {local.device} are not supported (cpu or cuda)")
     assert batch.locate is not None
     located = list(map(batch.locate, reads.keys))
-    casts = {dtype: engine_casts(dtype, dest.dtype) for dtype in set(map(itemgetter(2), located))}
+    casts = {dtype: engine_casts(dtype, dest.dtype) for dtype in set(map(attrgetter("dtype"), located))}
     if reads.post is None and all(casts.values()):  # the usual case: every box straight into the destination
         batch.add_reads(reads, dest, located)
         return
@@ -126,11 +126,11 @@ def _add_target_items(
     seconds = reads.second if reads.second is not None else (None,) * len(reads)
     direct: list[int] = []
     for i, (item, where, second) in enumerate(zip(reads, located, seconds, strict=True)):
-        if not posts[i] and casts[where[2]]:
+        if not posts[i] and casts[where.dtype]:
             direct.append(i)
             continue
         # a dequantized source is read as float32 (the engine applies its scale), then post-ops, then cast
-        temp = torch.empty(item.lengths, dtype=torch.float32 if second is not None else where[2])
+        temp = torch.empty(item.lengths, dtype=torch.float32 if second is not None else where.dtype)
         batch.add(
             item.source, item.storage_base, item.storage_strides, item.lengths, temp, (0,) * len(item.lengths), second
         )
@@ -162,7 +162,7 @@ def read_whole(
     for key in keys:
         if key in out:
             continue
-        entry = index.entry(key)
+        entry = index.locate(key)
         second = dequant.get(key)
         tensor = torch.empty(entry.shape, dtype=torch.float32 if second is not None else entry.dtype)
         out[key] = tensor

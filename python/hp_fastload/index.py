@@ -2,15 +2,15 @@
 
 Owns: turning a user's ``path`` (a ``.safetensors`` file of any name, a directory with
 ``model.safetensors.index.json`` or ``model.safetensors``, a directory of shards without an index, or a Hub
-repo id resolved through huggingface_hub's cache) into a ``CheckpointIndex``: key -> (file, dtype, shape).
-Only headers are read. It does not plan or read tensor bytes.
+repo id resolved through huggingface_hub's cache) into a ``CheckpointIndex``, whose one lookup
+``locate(key)`` gives a :class:`TensorEntry` (file, header position, dtypes, shape, bytes). Only headers are
+read. It does not plan or read tensor bytes; key order is ``natural``'s.
 """
 
 from __future__ import annotations
 
 import errno
 import json
-import operator
 import os
 import stat
 from collections.abc import Iterable, Iterator
@@ -20,9 +20,9 @@ from typing import Any, NamedTuple
 import torch
 
 from . import _core
-from .engine import SafetensorsFile, open_file
+from .engine import SAFETENSORS_TO_TORCH, SUB_BYTE_BITS, SafetensorsFile, open_file
 from .errors import HeaderError, shown_key
-from .rules import dot_natural_key, natural_sort_key
+from .natural import KeyOrder, dot_natural_key
 
 __all__ = ["CheckpointIndex", "TensorEntry", "resolve_checkpoint_location"]
 
@@ -31,13 +31,34 @@ SINGLE_NAME = "model.safetensors"
 
 
 class TensorEntry(NamedTuple):
-    """One checkpoint tensor: its file and header facts."""
+    """One checkpoint tensor as :meth:`CheckpointIndex.locate` finds it: the file the index takes it from,
+    where it is in that file's header, and its header facts."""
 
-    key: str
     file: SafetensorsFile
+    #: Position in the file's header (an item's ``COL_TENSOR``).
+    position: int
+    #: The torch dtype it is read as (``torch.uint8`` for sub-byte dtypes: their packed bytes).
     dtype: torch.dtype
     shape: tuple[int, ...]
+    #: The safetensors dtype name (``"BF16"``, ``"F4"``): sub-byte dtypes differ here, not in ``dtype``.
+    dtype_name: str
     nbytes: int
+    key: str
+
+    @classmethod
+    def of(cls, file: SafetensorsFile, key: str) -> TensorEntry:
+        """The entry of ``key`` in ``file`` (``KeyError`` naming both when the file has no such tensor)."""
+        header = file.entry(key)
+        name = header.dtype
+        dtype = _READ_AS.get(name)
+        if dtype is None:
+            dtype = file.torch_dtype(key)  # raises: a dtype this torch lacks
+        return cls(file, header.position, dtype, header.shape, name, header.nbytes, key)
+
+
+#: safetensors dtype name -> the torch dtype a tensor of it is read as.
+_READ_AS = {**SAFETENSORS_TO_TORCH, **dict.fromkeys(SUB_BYTE_BITS, torch.uint8)}
+_new_tuple = tuple.__new__
 
 
 def _looks_local(text: str) -> bool:
@@ -127,22 +148,12 @@ class CheckpointIndex:
     def __init__(self, files: list[SafetensorsFile], key_files: dict[str, SafetensorsFile]) -> None:
         self.files = files
         self._files = key_files
-        self._entries: dict[str, TensorEntry] = {}  # built on first use: most keys of a big MoE never need one
-        self._dtypes: dict[str, torch.dtype] = {}
-        self._located: dict[str, tuple[SafetensorsFile, int, torch.dtype]] = {}
-        # The natural order of every key, merged across shards by the header parser, which hands back
-        # positions: the names are the index's own string objects (their hashes are cached for the lookups
-        # planning makes).
-        every = [key for f in files for key in f._entries]
-        order, other = _core.SafetensorsHeader.natural_order([f.header for f in files])
-        names = list(map(every.__getitem__, order))
-        if other:  # names with non-ASCII characters or huge numbers: Python's own rules decide their place
-            names = sorted(names + [every[i] for i in other], key=lambda n: (natural_sort_key(n), n))
-        if len(names) != len(key_files):  # an index that lists only some of its files' keys
-            names = list(dict.fromkeys(n for n in names if n in key_files))
-        self._keys = names
-        self._order: dict[str, int] | None = None
-        self._all_entries: dict[str, tuple[int, str, tuple[int, ...], int, int]] | None = None
+        # The one lookup's memo, filled on first use: most keys of a big MoE are never located.
+        self._located: dict[str, TensorEntry] = {}
+        self._order = KeyOrder.of_headers(
+            [key for f in files for key in f._entries], [f.header for f in files], key_files
+        )
+        self._keys = self._order.keys
 
     @classmethod
     def open(cls, location: str | os.PathLike[str]) -> CheckpointIndex:
@@ -227,19 +238,8 @@ class CheckpointIndex:
         return cls(list(opened.values()), key_files)
 
     def natural_sorted(self, names: Iterable[str]) -> list[str]:
-        """``names`` in natural order, by position in the index's key order for checkpoint keys (reports sort
-        tens of thousands of unexpected keys; computing each one's sort key in Python was slow)."""
-        names = set(names)
-        if len(names) * 8 > len(self._keys):
-            # Many names (the unexpected keys of a big checkpoint): one pass over the ordered keys.
-            known = [k for k in self._keys if k in names]
-        else:
-            order = self._order
-            if order is None:
-                order = self._order = {key: i for i, key in enumerate(self._keys)}
-            known = sorted((n for n in names if n in order), key=order.__getitem__)
-        rest = names.difference(self._files) if len(known) < len(names) else ()
-        return known + sorted(rest, key=natural_sort_key)
+        """``names`` in natural order (see :meth:`hp_fastload.natural.KeyOrder.sorted`)."""
+        return self._order.sorted(names)
 
     def keys(self) -> list[str]:
         """Every key, in natural order."""
@@ -254,58 +254,34 @@ class CheckpointIndex:
     def __iter__(self) -> Iterator[str]:
         return iter(self._keys)
 
-    def _file_of(self, key: str) -> SafetensorsFile:
+    def locate(self, key: str) -> TensorEntry:
+        """Where ``key`` is and what it is: the one lookup of a checkpoint tensor (file, header position,
+        dtypes, shape, bytes), remembered, since packing, tracing and read accounting ask for the same keys
+        more than once. ``KeyError`` naming the key when the index does not have it."""
+        entry = self._located.get(key)
+        return entry if entry is not None else self._locate_new(key)
+
+    def locate_many(self, keys: Iterable[str]) -> list[TensorEntry]:
+        """``[locate(k) for k in keys]``, in one pass over the memo (a stacked-experts group or target has
+        ~10^3 sources: packing and the trace cache's signatures ask for all of them at once)."""
+        keys = keys if isinstance(keys, list) else list(keys)
+        found = list(map(self._located.get, keys))
+        if None in found:
+            found = [e if e is not None else self._locate_new(k) for e, k in zip(found, keys, strict=True)]
+        return found  # type: ignore[return-value]
+
+    def _locate_new(self, key: str) -> TensorEntry:
         file = self._files.get(key)
         if file is None:
             raise KeyError(f"checkpoint key is not indexed: {shown_key(key)}")
-        return file
-
-    def facts_of(self, keys: list[str]) -> tuple[tuple[tuple[int, ...], str], ...]:
-        """``(shape, safetensors dtype name)`` of each key, without building :class:`TensorEntry` objects (a
-        stacked-experts group's trace-cache signature has hundreds of sources): looked up in C in one dict of
-        every indexed key's header entry."""
-        entries = self._all_entries
-        if entries is None:
-            if sum(len(f) for f in self.files) == len(self._files):  # every key of every file, each once
-                entries = {}
-                for f in self.files:
-                    entries.update(f._entries)
-            else:  # a partial index, or a key in two files: the index's choice of file for each key
-                entries = {k: f._entries[k] for k, f in self._files.items()}
-            self._all_entries = entries
-        try:
-            return tuple(map(_SHAPE_AND_DTYPE, map(entries.__getitem__, keys)))
-        except KeyError:
-            for k in keys:
-                self._file_of(k)  # raises naming the key
-            raise
-
-    def source(self, key: str) -> tuple[SafetensorsFile, torch.dtype]:
-        """``(file, torch dtype)`` of ``key`` without building its :class:`TensorEntry` (packing a 20k-tensor
-        MoE's reads needs only these)."""
-        file = self._file_of(key)
-        name = file._entries[key][1]
-        dtype = self._dtypes.get(name)
-        if dtype is None:
-            dtype = self._dtypes[name] = file.torch_dtype(key)
-        return file, dtype
-
-    def locate(self, key: str) -> tuple[SafetensorsFile, int, torch.dtype]:
-        """``(file, position in its header, torch dtype)`` of ``key``, remembered: packing and read accounting
-        ask for every key of a 20k-tensor MoE more than once."""
-        located = self._located.get(key)
-        if located is None:
-            file, dtype = self.source(key)
-            located = self._located[key] = (file, file._entries[key][0], dtype)
-        return located
-
-    def entry(self, key: str) -> TensorEntry:
-        entry = self._entries.get(key)
-        if entry is not None:
-            return entry
-        file, dtype = self.source(key)
-        _, _, shape, begin, end = file._entries[key]
-        entry = self._entries[key] = TensorEntry(key, file, dtype, shape, end - begin)
+        # TensorEntry.of, inlined and built with tuple.__new__ (no Python __new__ frame): quantization
+        # detection locates every key of a 90k-tensor checkpoint once.
+        header = file._entries[key]
+        name = header.dtype
+        dtype = _READ_AS.get(name) or file.torch_dtype(key)
+        entry = self._located[key] = _new_tuple(
+            TensorEntry, (file, header.position, dtype, header.shape, name, header.nbytes, key)
+        )
         return entry
 
     @property
@@ -343,8 +319,6 @@ def _weight_map(index_path: Path, text: bytes) -> dict[Any, Any]:
         raise HeaderError(f"safetensors index has no non-empty weight_map: {index_path}")
     return weight_map
 
-
-_SHAPE_AND_DTYPE = operator.itemgetter(2, 1)
 
 #: Header bytes (all shards together) above which ``_open_all`` parses in threads. Starting a pool costs
 #: ~1 ms, what parsing ~100 KB of header takes; a dense checkpoint's headers are a few KB each.

@@ -17,7 +17,6 @@ It does not read tensors or decide regions: see ``groups`` and ``plan``.
 
 from __future__ import annotations
 
-import math
 import re
 import sys
 from collections import defaultdict
@@ -25,6 +24,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
+
+from .natural import dot_natural_key, natural_sort_key  # re-exported: natural.py owns key order
 
 __all__ = [
     "Chunk",
@@ -47,67 +48,6 @@ __all__ = [
     "resolve_mapping",
     "unwrapped",
 ]
-
-
-_NATURAL_PARTS: dict[str, tuple[Any, ...]] = {}
-
-
-def _natural_part(part: str) -> tuple[Any, ...]:
-    # isdecimal, not isdigit: int() refuses digits that are not decimal ("²" is a digit, and a shard named
-    # "².safetensors" crashed indexing); those sort as text.
-    if part.isdecimal():
-        try:
-            value: tuple[Any, ...] = (0, int(part))
-        except ValueError:  # more digits than int() converts (4300): after every smaller number, by value
-            digits = part.lstrip("0")
-            value = (0, math.inf, len(digits), digits)
-    else:
-        stem = part.rstrip("0123456789")
-        digits = part[len(stem) :]
-        value = (1, stem, int(digits)) if digits else (1, stem)
-    if len(_NATURAL_PARTS) < 1 << 20:
-        _NATURAL_PARTS[part] = value
-    return value
-
-
-def dot_natural_key(name: str) -> list[tuple[Any, ...]]:
-    """Sort key for dotted names: digit parts compare as numbers (``layers.2`` before ``layers.10``).
-
-    Compatible with transformers' ``dot_natural_key``: a part that is all digits sorts before text parts,
-    and a trailing number inside a text part compares numerically (``shard_2`` before ``shard_11``). Parts
-    repeat across a checkpoint's keys, so their keys are memoized (sorting 100k keys is a hot path).
-    """
-    cache = _NATURAL_PARTS
-    return [cache.get(part) or _natural_part(part) for part in name.split(".")]
-
-
-_SORT_PARTS: dict[str, str] = {}
-
-
-def _sort_part(part: str) -> str:
-    if part.isdecimal():  # as in _natural_part; other scripts' decimal digits compare by value there too
-        digits = part.lstrip("0") if part.isascii() or len(part) > 4000 else str(int(part)).lstrip("0")
-        value = "\x02" + digits.rjust(24, "0")
-    else:
-        stem = part.rstrip("0123456789")
-        digits = part[len(stem) :]
-        value = stem + ("\x03" + digits.lstrip("0").rjust(24, "0") if digits else "")
-    if len(_SORT_PARTS) < 1 << 20:
-        _SORT_PARTS[part] = value
-    return value
-
-
-def natural_sort_key(name: str) -> str:
-    r"""A string that sorts exactly like ``dot_natural_key(name)`` but compares much faster.
-
-    Parts are joined with ``\x01`` (below every other character, so a name that is a prefix of another sorts
-    first); a digit part becomes ``\x02`` + its digits zero-padded to 24 (before any text part, which starts
-    higher), and a text part's trailing number is zero-padded after ``\x03``. ``rust/header.rs`` computes the
-    same key (``natural_sort_key``) for ASCII names. Used to sort 100k-key checkpoints, where comparing lists of
-    tuples dominated planning.
-    """
-    cache = _SORT_PARTS
-    return "\x01".join([cache.get(part) or _sort_part(part) for part in name.split(".")])
 
 
 def _strip_target_pattern(pattern: str) -> tuple[str, str | None]:

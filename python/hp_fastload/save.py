@@ -405,7 +405,7 @@ def _planned_bytes(
             continue
         total += items.total_nbytes
     if _rank0():
-        total += sum(context.index.entry(key).nbytes for keys, _ in groups for key in keys)
+        total += sum(context.index.locate(key).nbytes for keys, _ in groups for key in keys)
     return total
 
 
@@ -532,7 +532,7 @@ def _write_regions(
 def _write_whole(index: CheckpointIndex, tensors: dict[str, torch.Tensor], threads: int | None, stats: _Stats) -> None:
     batch = _WriteBatch(index.locate)
     for key, tensor in tensors.items():
-        entry = index.entry(key)
+        entry = index.locate(key)
         if tuple(tensor.shape) != tuple(entry.shape) or tensor.dtype != entry.dtype:
             raise PlanError(
                 f"{key}: the reverse conversion gave {tuple(tensor.shape)} {tensor.dtype}, the released layout "

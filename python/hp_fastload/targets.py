@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from .errors import TargetError
-from .rules import dot_natural_key
+from .natural import dot_natural_key
 
 __all__ = [
     "Box",
@@ -50,7 +50,6 @@ __all__ = [
     "TargetError",
     "build_targets",
     "check_targets",
-    "dot_natural_key",
     "local_region",
     "unique_targets",
     "virtual_rank",

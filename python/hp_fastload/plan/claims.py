@@ -81,7 +81,7 @@ class Claims:
         target = self.targets.get(name)
         if target is None or id(target) in self.claimed or self.quant is None:
             return
-        self.quant.check_claim(name, target.dtype, sources, lambda k: self.index.source(k)[1])
+        self.quant.check_claim(name, target.dtype, sources, lambda k: self.index.locate(k).dtype)
 
     def add_deferred(self, pending: PendingGroup | None) -> None:
         if pending is not None and pending.claims:

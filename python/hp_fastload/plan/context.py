@@ -35,7 +35,7 @@ class PendingGroup:
 
     def plain(self, index: CheckpointIndex) -> DeferredGroup:
         claims = {n: t.names[0] for n, t in self.claims.items()}
-        nbytes = [index.entry(k).nbytes for k in self.keys]
+        nbytes = [index.locate(k).nbytes for k in self.keys]
         return DeferredGroup(self.label, list(self.keys), claims, self.reason, nbytes)
 
 

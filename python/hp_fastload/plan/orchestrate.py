@@ -13,8 +13,8 @@ from ..engine import gc_paused
 from ..errors import MissingKeysError
 from ..groups import build_groups
 from ..index import CheckpointIndex
+from ..natural import natural_sort_key
 from ..quant import detect_in_index
-from ..rules import natural_sort_key
 from ..targets import Target
 from .claims import Claims
 from .context import LoadContext, PendingGroup
@@ -30,7 +30,7 @@ log = logging.getLogger("hp_fastload")
 def _files_of(index: CheckpointIndex, keys: set[str]) -> dict[str, str]:
     """Each key's file path, a file at a time (a 20k-tensor MoE's keys; a lookup per key was ~2 us)."""
     if sum(map(len, index.files)) != len(index):  # a key in two files: the index's choice, key by key
-        return {k: index.locate(k)[0].path for k in keys}
+        return {k: index.locate(k).file.path for k in keys}
     out: dict[str, str] = {}
     for file in index.files:
         out.update(dict.fromkeys(keys.intersection(file.keys()), file.path))
@@ -111,7 +111,7 @@ def plan_load(
     if quant:  # formats dequantized with torch on whole tensors (MXFP4): deferred groups of their own
         unloaded = set(targets) - claims.loaded
         fallbacks = quant.fallbacks(
-            unloaded, claims.unexpected, lambda n: targets[n].dtype, lambda k: index.entry(k).shape
+            unloaded, claims.unexpected, lambda n: targets[n].dtype, lambda k: index.locate(k).shape
         )
         for name, keys, compute, shape in fallbacks:
             pending = PendingGroup(name, keys, compute, reason="MXFP4 dequantized with torch (whole tensors)")

@@ -14,8 +14,9 @@ from typing import Any
 import torch
 
 from ..groups import LoadGroup, rename_key
+from ..natural import natural_sort_key
 from ..region import RegionTensor, UnsupportedRegionOp
-from ..rules import is_converter, is_renaming, natural_sort_key
+from ..rules import is_converter, is_renaming
 from ..targets import Target
 from .claims import Claims
 from .context import PendingGroup
@@ -165,7 +166,7 @@ def plan_replacement_stage(
     try:
         meta = compute(
             {
-                k: torch.empty(claims.index.entry(k).shape, dtype=claims.index.entry(k).dtype, device="meta")
+                k: torch.empty(claims.index.locate(k).shape, dtype=claims.index.locate(k).dtype, device="meta")
                 for k in keys
             }
         )

@@ -104,22 +104,22 @@ class Tracer:
         self.leaves: dict[tuple[tuple[int, ...], torch.dtype], tuple[Block, ...]] = {}
 
     def _meta(self, key: str) -> torch.Tensor:
-        entry = self.index.entry(key)
+        entry = self.index.locate(key)
         return torch.empty(entry.shape, dtype=entry.dtype, device="meta")
 
     def _placeholder_leaf(self, placeholders: dict[str, str]) -> Callable[[str], RegionTensor]:
         index = self.index
 
         def leaf(key: str) -> RegionTensor:
-            file, _, dtype = index.locate(key)  # no TensorEntry: a stacked-experts trace has ~10^3 leaves
-            return RegionTensor.leaf(placeholders[key], file._entries[key][2], dtype)
+            entry = index.locate(key)
+            return RegionTensor.leaf(placeholders[key], entry.shape, entry.dtype)
 
         return leaf
 
     def run(self, group: LoadGroup) -> Traced:
         if group.rule is None:
             key = group.sources[0][1]
-            entry = self.index.entry(key)
+            entry = self.index.locate(key)
             blocks = None
             if self.trace:  # a plain rename's trace depends only on shape and dtype (its source is "#0")
                 blocks = self.leaves.get((entry.shape, entry.dtype))
@@ -131,7 +131,7 @@ class Tracer:
             )
         keys = [k for _, k in group.sources]
         sources = dict(zip(placeholders(len(keys)), keys, strict=True))
-        facts = self.index.facts_of(keys)  # (shape, dtype name) per source, looked up in bulk
+        facts = tuple((e.shape, e.dtype_name) for e in self.index.locate_many(keys))  # per source, in bulk
         signature = (
             id(group.rule),
             self.trace,
