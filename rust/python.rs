@@ -210,27 +210,6 @@ impl HeaderEntry {
         self.end - self.begin
     }
 
-    /// Positional access, `(position, dtype, shape, begin, end)`: kept only until the planner's callers
-    /// use the field names.
-    fn __getitem__<'py>(&self, py: Python<'py>, i: isize) -> PyResult<Bound<'py, PyAny>> {
-        Ok(match i {
-            0 | -5 => self.position.into_pyobject(py)?.into_any(),
-            1 | -4 => self.dtype.bind(py).clone().into_any(),
-            2 | -3 => self.shape.bind(py).clone().into_any(),
-            3 | -2 => self.begin.into_pyobject(py)?.into_any(),
-            4 | -1 => self.end.into_pyobject(py)?.into_any(),
-            _ => {
-                return Err(pyo3::exceptions::PyIndexError::new_err(
-                    "HeaderEntry index out of range",
-                ))
-            }
-        })
-    }
-
-    fn __len__(&self) -> usize {
-        5
-    }
-
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
         Ok(format!(
             "HeaderEntry(position={}, dtype={}, shape={}, begin={}, end={})",

@@ -1,7 +1,7 @@
 """Stub of the Rust extension module ``hp_fastload._core`` (see rust/python.rs)."""
 
 import os
-from typing import Any, Final
+from typing import Final
 
 MAX_NDIM: Final[int]
 ITEM_WIDTH: Final[int]
@@ -27,9 +27,6 @@ class HeaderEntry:
     @property
     def nbytes(self) -> int:
         """``end - begin``."""
-    def __getitem__(self, i: int) -> Any:
-        """``(position, dtype, shape, begin, end)[i]``, until the planner's callers use the names."""
-    def __len__(self) -> int: ...
 
 class SafetensorsHeader:
     """A parsed, validated safetensors header (the file is re-checked before every read)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from operator import itemgetter
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -35,7 +35,7 @@ from .engine import (
     safetensors_dtype_name,
 )
 from .errors import PlanError
-from .index import CheckpointIndex
+from .index import CheckpointIndex, TensorEntry
 from .plan import DeferredGroup, LoadPlan, ReadItem, TemplateReads
 from .quant import Dequant
 from .region import apply_post
@@ -96,7 +96,8 @@ class _Batch:
         pos = self._scale_pos.get(key)
         if pos is None:
             assert self.index is not None
-            file, tensor, _ = self.index.locate(spec.scale)
+            scale = self.index.locate(spec.scale)
+            file, tensor = scale.file, scale.position
             ndim = len(spec.shape)
             if ndim > MAX_NDIM:
                 raise PlanError(f"{key}: a quantized tensor of {ndim} dims exceeds the engine's {MAX_NDIM}")
@@ -129,7 +130,7 @@ class _Batch:
     ) -> None:
         """One strided box of checkpoint tensor ``key`` into ``dest`` at ``dest_offsets``."""
         assert self.index is not None
-        entry = self.index.entry(key)
+        entry = self.index.locate(key)
         self.add_from(entry.file, key, storage_base, storage_strides, lengths, dest, dest_offsets)
 
     def add_from(
@@ -144,13 +145,13 @@ class _Batch:
     ) -> None:
         """Like ``add`` with the file given, for readers without an index."""
         item = ReadItem(key, storage_base, tuple(storage_strides), tuple(lengths), tuple(dest_offsets), ())
-        self._pack([item], dest, [(file, file.tensor_index(key), file.torch_dtype(key))])  # KeyError if unknown
+        self._pack([item], dest, [TensorEntry.of(file, key)])  # KeyError if unknown
 
     def add_boxes(
         self,
         items: Sequence[ReadItem],
         dest: torch.Tensor,
-        located: Sequence[tuple[SafetensorsFile, int, torch.dtype]] | None = None,
+        located: Sequence[TensorEntry] | None = None,
     ) -> None:
         """Many boxes into one destination (a target's local tensor or its staging buffer), no casts to
         finish in torch: the per-destination work is done once (a stacked-experts target has ~10^3 boxes).
@@ -158,14 +159,14 @@ class _Batch:
         assert self.index is not None
         if located is None:
             keys = items.keys if isinstance(items, TemplateReads) else [item.source for item in items]
-            located = list(map(self.index.locate, keys))
+            located = self.index.locate_many(keys)
         self._pack(items, dest, located)
 
     def _pack(
         self,
         items: Sequence[ReadItem],
         dest: torch.Tensor,
-        located: Sequence[tuple[SafetensorsFile, int, torch.dtype]],
+        located: Sequence[TensorEntry],
     ) -> None:
         """Packs ``items`` (their ``post`` is not applied here) into ``dest``; ``located`` gives each item's
         (file, position in its header, dtype). The records are built column by column with numpy: a
@@ -204,7 +205,7 @@ class _Batch:
         lengths, storage_strides, offsets = columns
         dest_pos = self._dest(dest)
         dest_strides = tuple(dest.stride())
-        files, positions, dtypes = zip(*located, strict=True)  # the columns, transposed in C
+        files, positions, dtypes, *_ = zip(*located, strict=True)  # the columns, transposed in C
         distinct = dict(zip(map(id, files), files, strict=True))
         file_pos = {i: self._file(f) for i, f in distinct.items()}
         records = np.zeros((n, ITEM_WIDTH), dtype=np.int64)
@@ -396,17 +397,17 @@ def _add_target_items(
         keys, post = items.keys, False
     else:
         keys, post = [item.source for item in items], any(item.post for item in items)
-    located = list(map(index.locate, keys))
+    located = index.locate_many(keys)
     if not post and all(
-        _engine_casts(dtype, dest.dtype) for dtype in set(map(itemgetter(2), located))
+        _engine_casts(dtype, dest.dtype) for dtype in set(map(attrgetter("dtype"), located))
     ):  # the usual case: the engine reads every box straight into the destination
         batch.add_boxes(items, dest, located)
         return
     casts: dict[torch.dtype, bool] = {}
     direct: list[ReadItem] = []
-    direct_located: list[tuple[SafetensorsFile, int, torch.dtype]] = []
+    direct_located: list[TensorEntry] = []
     for item, where in zip(items, located, strict=True):
-        src_dtype = where[2]
+        src_dtype = where.dtype
         engine_casts = casts.get(src_dtype)
         if engine_casts is None:
             engine_casts = casts[src_dtype] = _engine_casts(src_dtype, dest.dtype)
@@ -444,7 +445,7 @@ def read_whole(
     for key in keys:
         if key in out:
             continue
-        entry = index.entry(key)
+        entry = index.locate(key)
         tensor = torch.empty(entry.shape, dtype=torch.float32 if key in batch.dequant else entry.dtype)
         out[key] = tensor
         strides = tuple(tensor.stride())

@@ -284,17 +284,6 @@ class CheckpointIndex:
         )
         return entry
 
-    # The planner's lookups (plan.py, execute.py, quant.py) until their call sites move to ``locate``.
-    def source(self, key: str) -> tuple[SafetensorsFile, torch.dtype]:
-        entry = self.locate(key)
-        return entry.file, entry.dtype
-
-    def entry(self, key: str) -> TensorEntry:
-        return self.locate(key)
-
-    def facts_of(self, keys: list[str]) -> tuple[tuple[tuple[int, ...], str], ...]:
-        return tuple((e.shape, e.dtype_name) for e in self.locate_many(keys))
-
     @property
     def total_bytes(self) -> int:
         """Data bytes of every file: the parser checked that each file's tensors tile its data section."""

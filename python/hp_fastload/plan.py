@@ -26,9 +26,10 @@ from .engine import SafetensorsFile, gc_paused
 from .errors import MissingKeysError, PlanError, TargetError, shown_key
 from .groups import LoadGroup, build_groups, masked_name, rename_key
 from .index import CheckpointIndex
+from .natural import natural_sort_key
 from .quant import Dequant, QuantInfo, detect_in_index
 from .region import Block, RegionTensor, UnsupportedRegionOp, row_major_strides
-from .rules import is_converter, is_renaming, natural_sort_key
+from .rules import is_converter, is_renaming
 from .targets import Target
 
 __all__ = [
@@ -228,12 +229,12 @@ class LoadPlan:
         for _, items in self.region_reads.values():
             if isinstance(items, TemplateReads):
                 for key, n in zip(items.keys, items.column("nbytes").tolist(), strict=True):
-                    file = locate(key)[0]
+                    file = locate(key).file
                     by_file[file] = by_file.get(file, 0) + n
                 continue
             for item in items:
-                file, _, dtype = locate(item.source)
-                by_file[file] = by_file.get(file, 0) + item.numel * dtype.itemsize
+                entry = locate(item.source)
+                by_file[entry.file] = by_file.get(entry.file, 0) + item.numel * entry.dtype.itemsize
         out: dict[str, int] = {}
         for file, n in by_file.items():
             out[file.path] = out.get(file.path, 0) + n
@@ -244,7 +245,7 @@ class LoadPlan:
     def _deferred_bytes(self) -> Iterator[tuple[str, int]]:
         for deferred in self.deferred:
             for key in deferred.keys:
-                entry = self.index.entry(key)
+                entry = self.index.locate(key)
                 yield entry.file.path, entry.nbytes
 
     def read_bytes_by_target(self) -> dict[str, int]:
@@ -254,7 +255,7 @@ class LoadPlan:
             if isinstance(items, TemplateReads):
                 out[name] = items.nbytes
             else:
-                out[name] = sum(i.numel * locate(i.source)[2].itemsize for i in items)
+                out[name] = sum(i.numel * locate(i.source).dtype.itemsize for i in items)
         return out
 
     @property
@@ -355,22 +356,22 @@ class _Tracer:
         self.leaves: dict[tuple[tuple[int, ...], torch.dtype], tuple[Block, ...]] = {}
 
     def _meta(self, key: str) -> torch.Tensor:
-        entry = self.index.entry(key)
+        entry = self.index.locate(key)
         return torch.empty(entry.shape, dtype=entry.dtype, device="meta")
 
     def _placeholder_leaf(self, placeholders: dict[str, str]) -> Callable[[str], RegionTensor]:
         index = self.index
 
         def leaf(key: str) -> RegionTensor:
-            file, _, dtype = index.locate(key)  # no TensorEntry: a stacked-experts trace has ~10^3 leaves
-            return RegionTensor.leaf(placeholders[key], file._entries[key][2], dtype)
+            entry = index.locate(key)
+            return RegionTensor.leaf(placeholders[key], entry.shape, entry.dtype)
 
         return leaf
 
     def run(self, group: LoadGroup) -> _Traced:
         if group.rule is None:
             key = group.sources[0][1]
-            entry = self.index.entry(key)
+            entry = self.index.locate(key)
             blocks = None
             if self.trace:  # a plain rename's trace depends only on shape and dtype (its source is "#0")
                 blocks = self.leaves.get((entry.shape, entry.dtype))
@@ -382,7 +383,7 @@ class _Tracer:
             )
         keys = [k for _, k in group.sources]
         sources = dict(zip(_placeholders(len(keys)), keys, strict=True))
-        facts = self.index.facts_of(keys)  # (shape, dtype name) per source, looked up in bulk
+        facts = tuple((e.shape, e.dtype_name) for e in self.index.locate_many(keys))  # per source, in bulk
         signature = (
             id(group.rule),
             self.trace,
@@ -720,7 +721,7 @@ class _Claims:
         target = self.targets.get(name)
         if target is None or id(target) in self.claimed or self.quant is None:
             return
-        self.quant.check_claim(name, target.dtype, sources, lambda k: self.index.source(k)[1])
+        self.quant.check_claim(name, target.dtype, sources, lambda k: self.index.locate(k).dtype)
 
     def add_deferred(self, pending: DeferredGroup | None) -> None:
         if pending is not None and pending.claims:
@@ -858,7 +859,7 @@ def _plan_replacement_stage(
     try:
         meta = compute(
             {
-                k: torch.empty(claims.index.entry(k).shape, dtype=claims.index.entry(k).dtype, device="meta")
+                k: torch.empty(claims.index.locate(k).shape, dtype=claims.index.locate(k).dtype, device="meta")
                 for k in keys
             }
         )
@@ -945,7 +946,7 @@ def plan_load(
     if quant:  # formats dequantized with torch on whole tensors (MXFP4): deferred groups of their own
         unloaded = set(targets) - claims.loaded
         fallbacks = quant.fallbacks(
-            unloaded, claims.unexpected, lambda n: targets[n].dtype, lambda k: index.entry(k).shape
+            unloaded, claims.unexpected, lambda n: targets[n].dtype, lambda k: index.locate(k).shape
         )
         for name, keys, compute, shape in fallbacks:
             pending = DeferredGroup(name, keys, compute, reason="MXFP4 dequantized with torch (whole tensors)")

@@ -356,4 +356,4 @@ def detect(
 def detect_in_index(index: Any) -> QuantInfo:
     """:func:`detect` over a ``CheckpointIndex``, with the ``config.json`` next to its first file."""
     config = read_quant_config(Path(index.files[0].path).parent) if index.files else None
-    return detect(index, lambda k: index.source(k)[1], config, lambda k: index.entry(k).shape)
+    return detect(index, lambda k: index.locate(k).dtype, config, lambda k: index.locate(k).shape)
