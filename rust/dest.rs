@@ -19,7 +19,8 @@
 use std::marker::PhantomData;
 
 use crate::dtype::{
-    cast_dense, cast_scaled, cast_scaled_dense, cast_strided, Dtype, ElemSink, ScaleMap,
+    cast_dense, cast_scaled, cast_scaled_dense, cast_scaled_nibbles, cast_strided, Dtype, ElemSink,
+    ScaleMap,
 };
 use crate::region::Run;
 
@@ -260,6 +261,10 @@ pub(crate) fn write_run_scaled(run: &Run, src: &[u8], map: &ScaleMap<'_>, begin:
     let (sd, dd) = (run.src_dtype, run.dst_dtype);
     let count = run.count as usize;
     let extent = run.run_extent() as usize;
+    if run.src_nibble != 0 {
+        write_nibble_run(run, src, map, begin);
+        return;
+    }
     let size = run
         .src_dtype
         .byte_size()
@@ -314,6 +319,55 @@ pub(crate) fn write_run_scaled(run: &Run, src: &[u8], map: &ScaleMap<'_>, begin:
                     &mut sink,
                 );
             }
+        }
+    }
+}
+
+/// [`write_run_scaled`] for a run of MXFP4 nibbles (`run.src_nibble`: 1 the low, 2 the high nibble of each
+/// source byte); flat indices count 4-bit elements, two a byte.
+fn write_nibble_run(run: &Run, src: &[u8], map: &ScaleMap<'_>, begin: u64) {
+    let (count, extent) = (run.count as usize, run.run_extent() as usize);
+    let high = run.src_nibble == 2;
+    let (stride, step) = match count {
+        1 => (1, 0),
+        _ => (run.src_stride as usize, 2 * run.src_stride),
+    };
+    for r in 0..run.reps {
+        let off = r * run.rep_src_stride;
+        let flat0 = 2 * (run.src_off + off - begin) + u64::from(high);
+        let rep = &src[off as usize..][..extent];
+        if run.dst_is_dense() {
+            with_dense_rep(run, r, |out| {
+                let mut sink = SliceSink {
+                    out,
+                    size: run.dst_elem_size(),
+                };
+                let at = (flat0, step);
+                cast_scaled_nibbles(
+                    (high, run.dst_dtype),
+                    rep,
+                    stride,
+                    count,
+                    map,
+                    at,
+                    &mut sink,
+                );
+            });
+        } else {
+            let mut sink = StridedSink {
+                addr: run.dst_addr + r as usize * run.rep_dst_stride,
+                stride: run.dst_stride,
+            };
+            let at = (flat0, step);
+            cast_scaled_nibbles(
+                (high, run.dst_dtype),
+                rep,
+                stride,
+                count,
+                map,
+                at,
+                &mut sink,
+            );
         }
     }
 }

@@ -37,7 +37,7 @@ from .engine import (
 from .errors import PlanError
 from .index import CheckpointIndex
 from .plan import DeferredGroup, LoadPlan, ReadItem, TemplateReads
-from .quant import Dequant
+from .quant import Dequant, source_nbytes
 from .region import apply_post
 from .targets import Target
 
@@ -225,7 +225,10 @@ class _Batch:
             records[:, COL_SCALE] = [self._scale(key) for key in keys]
         numel = lengths.prod(axis=1)
         kinds = set(dtypes)
-        if len(kinds) == 1:
+        if torch.uint8 in kinds and self.dequant:  # MXFP4 blocks: two 4-bit elements a byte
+            keys = items.keys if isinstance(items, TemplateReads) else [item.source for item in items]
+            self.nbytes += sum(map(source_nbytes, numel.tolist(), dtypes, (k in self.dequant for k in keys)))
+        elif len(kinds) == 1:
             self.nbytes += int(numel.sum()) * kinds.pop().itemsize
         else:
             self.nbytes += int(numel @ np.array([dtype.itemsize for dtype in dtypes], dtype=np.int64))
@@ -397,8 +400,17 @@ def _add_target_items(
     else:
         keys, post = [item.source for item in items], any(item.post for item in items)
     located = list(map(index.locate, keys))
-    if not post and all(
-        _engine_casts(dtype, dest.dtype) for dtype in set(map(itemgetter(2), located))
+    dtypes = set(map(itemgetter(2), located))
+    if not post and (
+        all(_engine_casts(dtype, dest.dtype) for dtype in dtypes)
+        or (  # MXFP4 blocks the engine dequantizes: uint8 sources of dequantized keys
+            torch.uint8 in dtypes
+            and dest.dtype.is_floating_point
+            and all(
+                _engine_casts(d, dest.dtype) or (d == torch.uint8 and k in batch.dequant)
+                for k, (_, _, d) in zip(keys, located, strict=True)
+            )
+        )
     ):  # the usual case: the engine reads every box straight into the destination
         batch.add_boxes(items, dest, located)
         return

@@ -26,7 +26,7 @@ from .engine import SafetensorsFile, gc_paused
 from .errors import MissingKeysError, PlanError, TargetError, shown_key
 from .groups import LoadGroup, build_groups, masked_name, rename_key
 from .index import CheckpointIndex
-from .quant import Dequant, QuantInfo, detect_in_index
+from .quant import MXFP4_LEAF_DTYPE, Dequant, QuantInfo, detect_in_index, source_nbytes
 from .region import Block, RegionTensor, UnsupportedRegionOp, row_major_strides
 from .rules import is_converter, is_renaming, natural_sort_key
 from .targets import Target
@@ -233,7 +233,7 @@ class LoadPlan:
                 continue
             for item in items:
                 file, _, dtype = locate(item.source)
-                by_file[file] = by_file.get(file, 0) + item.numel * dtype.itemsize
+                by_file[file] = by_file.get(file, 0) + source_nbytes(item.numel, dtype, item.source in self.dequant)
         out: dict[str, int] = {}
         for file, n in by_file.items():
             out[file.path] = out.get(file.path, 0) + n
@@ -254,7 +254,7 @@ class LoadPlan:
             if isinstance(items, TemplateReads):
                 out[name] = items.nbytes
             else:
-                out[name] = sum(i.numel * locate(i.source)[2].itemsize for i in items)
+                out[name] = sum(source_nbytes(i.numel, locate(i.source)[2], i.source in self.dequant) for i in items)
         return out
 
     @property
@@ -512,12 +512,15 @@ class _BlockCache:
             else:
                 lengths = np.array([t[3] for t in templates], dtype=np.int64)
                 itemsize = np.array([b.src_dtype.itemsize for b in blocks], dtype=np.int64)
+                nbytes = lengths.prod(axis=1) * itemsize
+                if any(b.src_dtype == MXFP4_LEAF_DTYPE for b in blocks):  # two 4-bit elements a byte
+                    nbytes = (nbytes + 1) // 2
                 entry.columns = _Columns(
                     np.array([t[1] for t in templates], dtype=np.int64),
                     np.array([t[2] for t in templates], dtype=np.int64),
                     lengths,
                     np.array([t[4] for t in templates], dtype=np.int64),
-                    lengths.prod(axis=1) * itemsize,
+                    nbytes,
                 )
         return entry.columns
 
@@ -942,7 +945,16 @@ def plan_load(
         tracer = _Tracer(index, model, lambda n: targets[n].global_shape if n in targets else None, trace)
         for group in groups:
             claims.direct(group, tracer.run(group), model)
-    if quant:  # formats dequantized with torch on whole tensors (MXFP4): deferred groups of their own
+    if quant and trace:  # MXFP4 into float experts: region reads the engine dequantizes (quant.mxfp4_region)
+        unloaded = set(targets) - claims.loaded
+        for name, packed in quant.packed_regions(
+            unloaded, claims.unexpected, lambda n: targets[n].dtype, lambda k: index.entry(k).shape
+        ):
+            target = claims.claim(name, tuple(packed.shape))
+            if target is not None:
+                items = region_items(target, packed.blocks, index, None, claims.blocks)
+                claims.region_reads[target.names[0]] = (target, items)
+    if quant:  # the legacy loader: MXFP4 dequantized with torch on whole tensors, deferred groups of their own
         unloaded = set(targets) - claims.loaded
         fallbacks = quant.fallbacks(
             unloaded, claims.unexpected, lambda n: targets[n].dtype, lambda k: index.entry(k).shape

@@ -32,7 +32,8 @@ __all__ = ["Dequant", "QuantInfo", "QuantTensor", "QuantizationError", "detect",
 SUPPORTED = (
     "dequantized into float16/bfloat16/float32/float64 targets: fp8 (e4m3, e5m2) weights with per-block "
     "weight_scale_inv (block from quantization_config.weight_block_size, default 128x128; ragged last blocks), "
-    "per-tensor or per-channel weight_scale; scales fp32, bf16, fp16 or e8m0. A model that keeps the quantized "
+    "per-tensor or per-channel weight_scale; scales fp32, bf16, fp16 or e8m0; MXFP4 (gpt-oss *_blocks of e2m1 "
+    "pairs with e8m0 *_scales, into the transposed stacked-experts tensor). A model that keeps the quantized "
     "tensors (parameters of the checkpoint's dtype, its scales as parameters or buffers) loads them raw"
 )
 
@@ -43,6 +44,32 @@ DEFAULT_BLOCK = (128, 128)
 MXFP4_FORMAT = "MXFP4 (e2m1 blocks, e8m0 scales)"
 #: the e2m1 value of each 4-bit code (OCP MX spec)
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+#: The leaf dtype of an MXFP4 region (``mxfp4_region``): its elements are the 4-bit e2m1 codes, two a byte
+#: of the stored uint8 ``*_blocks`` (low nibble first), as the engine reads them.
+MXFP4_LEAF_DTYPE = torch.float4_e2m1fn_x2
+
+
+def source_nbytes(numel: int, dtype: torch.dtype, dequantized: bool) -> int:
+    """Bytes ``numel`` elements of a checkpoint tensor of ``dtype`` take: a dequantized uint8 tensor is MXFP4
+    ``*_blocks``, whose elements are the 4-bit codes (two a byte)."""
+    if dequantized and dtype in (torch.uint8, MXFP4_LEAF_DTYPE):
+        return (numel + 1) // 2
+    return numel * dtype.itemsize
+
+
+def mxfp4_region(blocks: str, scales: str, shape: Sequence[int]) -> tuple[Any, Dequant]:
+    """The dequantized layout of MXFP4 ``blocks`` ``[E, Y, G, 16]`` as a region, and its scale: the logical
+    tensor ``[E, Y, G * 32]`` of 4-bit elements (element ``j`` of a row is nibble ``j % 2`` of byte ``j // 2``,
+    low first, as ``convert_moe_packed_tensors`` unpacks them), dims 1 and 2 swapped as its caller does
+    (``[E, G * 32, Y]``); each element's scale is ``scales[e, y, j // 32]`` (blocks ``[1, 1, 32]``)."""
+    from .region import RegionTensor
+
+    *prefix, rows, groups, width = (int(n) for n in shape)
+    logical = (*prefix, rows, groups * width * 2)
+    region = RegionTensor.leaf(blocks, logical, MXFP4_LEAF_DTYPE).transpose(1, 2)
+    return region, Dequant(scales, logical, (1,) * (len(logical) - 1) + (width * 2,))
 
 
 def _mxfp4_group(name: str, blocks: str, scales: str, sources: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -154,7 +181,7 @@ class QuantInfo:
         ] = []
         for key in unclaimed:
             q = self.tensors.get(key)
-            if q is None or q.fmt != MXFP4_FORMAT or len(q.companions) != 1:
+            if q is None or q.fmt != MXFP4_FORMAT or len(q.companions) != 1 or key in self.fallback_keys:
                 continue
             name = self._missing_target(q, missing)
             if name is None or dtype_of_target(name) not in _FLOATS:
@@ -166,6 +193,33 @@ class QuantInfo:
                 raise self.refuse(q, f"its blocks have shape {shape}, not [..., rows, groups, 16]")
             out.append((name, [blocks, scales], compute, (*shape[:-3], shape[-2] * shape[-1] * 2, shape[-3])))
             self.fallback_keys.update((blocks, scales))
+        return out
+
+    def packed_regions(
+        self,
+        missing: Collection[str],
+        unclaimed: Collection[str],
+        dtype_of_target: Callable[[str], torch.dtype],
+        shape_of: Callable[[str], Sequence[int]],
+    ) -> list[tuple[str, Any]]:
+        """MXFP4 ``*_blocks`` + ``*_scales`` into a float model tensor of the dequantized name, read on the
+        region path (``mxfp4_region``; the engine dequantizes them in its copy pass): ``(target name,
+        region)`` for each. Their sources are then consumed and left out of ``fallbacks``."""
+        out: list[tuple[str, Any]] = []
+        for key in unclaimed:
+            q = self.tensors.get(key)
+            if q is None or q.fmt != MXFP4_FORMAT or len(q.companions) != 1 or key in self.fallback_keys:
+                continue
+            name = self._missing_target(q, missing)
+            if name is None or dtype_of_target(name) not in _FLOATS:
+                continue
+            shape = tuple(int(n) for n in shape_of(key))
+            if len(shape) < 4 or shape[-1] != 16:
+                raise self.refuse(q, f"its blocks have shape {shape}, not [..., rows, groups, 16]")
+            region, spec = mxfp4_region(key, q.companions[0], shape)
+            self.dequantized[key] = spec
+            self.fallback_keys.update((key, q.companions[0]))
+            out.append((name, region))
         return out
 
     def check_missing(self, missing: Collection[str], unclaimed: Collection[str]) -> None:
@@ -306,7 +360,7 @@ def detect(
         elif key.endswith("_blocks"):
             stem = key[: -len("_blocks")]
             if stem + "_scales" in present:
-                add(key, "mxfp4", MXFP4_FORMAT, [stem + "_scales"], stem, (None, "dequantized with torch, whole"))
+                add(key, "mxfp4", MXFP4_FORMAT, [stem + "_scales"], stem, (None, "dequantized only as gpt-oss experts"))
         elif key.endswith(".weight_scale"):
             module = _module(key)
             if module + ".weight_packed" in present:
