@@ -584,6 +584,64 @@ impl ScaleMap<'_> {
     }
 }
 
+impl ScaleMap<'_> {
+    /// For elements `flat0 + i * step` that each move whole rows of the last dim (`step` a multiple of its
+    /// length) over a grid whose blocks are 1 along every other dim: the grid cell of the first and the
+    /// cell step between consecutive elements (each element's cell is then `cell0 + i * cell_step`).
+    pub(crate) fn row_steps(&self, flat0: u64, step: u64) -> Option<(usize, usize)> {
+        let n = self.ndim;
+        if n < 2 || self.block[..n - 1].iter().any(|&b| b != 1) || step % self.shape[n - 1] != 0 {
+            return None;
+        }
+        let rows = step / self.shape[n - 1];
+        let cell_step = usize::try_from(rows * self.grid_strides[n - 2]).ok()?;
+        Some((self.locate(flat0).0, cell_step))
+    }
+}
+
+/// MXFP4 nibbles whose scales step by whole grid rows (see [`ScaleMap::row_steps`]): element `i` is the
+/// low or high nibble of `src[i * src_stride]` times `values[cell0 + i * cell_step]`, into `dst` (dense).
+#[inline(always)]
+fn nibble_rows<const HIGH: bool, D: FloatCodec>(
+    src: &[u8],
+    src_stride: usize,
+    values: &[f32],
+    (cell0, cell_step): (usize, usize),
+    dst: &mut [u8],
+) {
+    for (i, o) in dst.chunks_exact_mut(D::SIZE).enumerate() {
+        let v = CE2M1::<HIGH>::to_f32(&src[i * src_stride..]);
+        D::store_f32(v * values[cell0 + i * cell_step], o);
+    }
+}
+
+/// The dense-destination case of [`cast_scaled_nibbles`] when [`ScaleMap::row_steps`] holds (transformers'
+/// transposed gpt-oss layout: each element of a run is the next row): no grid arithmetic per element.
+pub(crate) fn nibble_rows_dense(
+    (high, dd): (bool, Dtype),
+    src: &[u8],
+    src_stride: usize,
+    values: &[f32],
+    cells: (usize, usize),
+    dst: &mut [u8],
+) {
+    macro_rules! go {
+        ($d:ty) => {
+            match high {
+                false => nibble_rows::<false, $d>(src, src_stride, values, cells, dst),
+                true => nibble_rows::<true, $d>(src, src_stride, values, cells, dst),
+            }
+        };
+    }
+    match dd {
+        Dtype::BF16 => go!(CBF16),
+        Dtype::F16 => go!(CF16),
+        Dtype::F32 => go!(CF32),
+        Dtype::F64 => go!(CF64),
+        _ => unreachable!("dequantized items are validated before any copy"),
+    }
+}
+
 #[inline(always)]
 fn scaled_kernel<S: FloatCodec, D: FloatCodec, W: ElemSink>(
     src: &[u8],

@@ -1928,11 +1928,15 @@ mod tests {
     }
 
     /// The transformers layout of gpt-oss experts (`[E, G * 32, Y]`, the logical tensor transposed) from
-    /// odd and even starts of the 32-element groups, and bad MXFP4 scales refused before any write.
+    /// odd and even starts of the 32-element groups, over one or several tiles of the row-stepping kernel,
+    /// and bad MXFP4 scales refused before any write.
     #[test]
     fn mxfp4_transposed_and_refused() {
         check_mxfp4((2, 5, 2), [1, 0, 15], [1, 5, 34], [0, 2, 1], false, 2, 7);
         check_mxfp4((2, 5, 2), [0, 1, 0], [2, 4, 64], [0, 2, 1], true, 1, 8);
+        // runs longer than a tile of the row-stepping kernel (several tiles, a ragged last one)
+        check_mxfp4((1, 300, 1), [0, 3, 5], [1, 297, 20], [0, 2, 1], false, 1, 9);
+        check_mxfp4((2, 260, 2), [1, 0, 30], [1, 260, 5], [0, 2, 1], true, 2, 10);
         let dir = tempfile::tempdir().unwrap();
         let h = write_file(
             dir.path(),
