@@ -323,34 +323,49 @@ def detect(
     shapes = shape_of
     block_size = config.get("weight_block_size") if config else None
 
-    def spec(value: str, scale: str, kind: str) -> tuple[Dequant | None, str]:
-        """The engine's dequantization of ``value`` by ``scale`` (``kind``: block, tensor or channel)."""
-        if shapes is None:
-            return None, "shapes unknown"
-        if dtype_of(value) not in _FP8:
-            return None, f"{value} is {dtype_of(value)}, not an fp8 dtype"
-        if dtype_of(scale) not in _SCALE_DTYPES:
-            return None, f"{scale} is {dtype_of(scale)}"
-        shape, sshape = tuple(int(n) for n in shapes(value)), tuple(int(n) for n in shapes(scale))
+    layouts: dict[tuple[Any, ...], tuple[tuple[int, ...], tuple[int, ...]] | str] = {}
+
+    def layout(
+        vdtype: torch.dtype, sdtype: torch.dtype, shape: tuple[int, ...], sshape: tuple[int, ...], kind: str
+    ) -> tuple[tuple[int, ...], tuple[int, ...]] | str:
+        """``(shape, block)`` of a dequantization, or why not (``{value}`` / ``{scale}`` name the tensors):
+        the same for every tensor of one signature (all experts of a layer share it), so computed once."""
+        if vdtype not in _FP8:
+            return f"{{value}} is {vdtype}, not an fp8 dtype"
+        if sdtype not in _SCALE_DTYPES:
+            return f"{{scale}} is {sdtype}"
         if kind == "block":
             if len(shape) < 1:
-                return None, f"{value} is 0-d"
+                return "{value} is 0-d"
             raw = block_size if block_size is not None else DEFAULT_BLOCK
             if not isinstance(raw, (list, tuple)) or not all(isinstance(b, int) and b > 0 for b in raw):
-                return None, f"weight_block_size {raw!r} is not a list of positive ints"
+                return f"weight_block_size {raw!r} is not a list of positive ints"
             tail = tuple(int(b) for b in raw)[-len(shape) :]
             block = (1,) * (len(shape) - len(tail)) + tail
             grid = tuple(-(-n // b) for n, b in zip(shape, block, strict=True))
             if tuple(sshape) != grid:
-                return None, f"{scale} has shape {sshape}, not the grid {grid} of blocks {block} over {shape}"
-            return Dequant(scale, shape, block), ""
+                return f"{{scale}} has shape {sshape}, not the grid {grid} of blocks {block} over {shape}"
+            return shape, block
         if math.prod(sshape) == 1:  # per tensor
-            return Dequant(scale, shape, shape or ()), ""
+            return shape, shape or ()
         if len(shape) == 2 and sshape in ((shape[0], 1), (shape[0],)):  # per output channel
-            return Dequant(scale, shape, (1, shape[1])), ""
+            return shape, (1, shape[1])
         if block_size is not None:
-            return spec(value, scale, "block")
-        return None, f"{scale} has shape {sshape}: neither per-tensor nor per-channel over {shape}"
+            return layout(vdtype, sdtype, shape, sshape, "block")
+        return f"{{scale}} has shape {sshape}: neither per-tensor nor per-channel over {shape}"
+
+    def spec(value: str, scale: str, kind: str) -> tuple[Dequant | None, str]:
+        """The engine's dequantization of ``value`` by ``scale`` (``kind``: block, tensor or channel)."""
+        if shapes is None:
+            return None, "shapes unknown"
+        shape, sshape = tuple(shapes(value)), tuple(shapes(scale))
+        signature = (dtype_of(value), dtype_of(scale), shape, sshape, kind)
+        found = layouts.get(signature)
+        if found is None:
+            found = layouts[signature] = layout(*signature)
+        if isinstance(found, str):
+            return None, found.replace("{value}", value).replace("{scale}", scale)
+        return Dequant(scale, *found), ""
 
     for key in keys:
         if key.endswith("_scale_inv"):
@@ -410,4 +425,15 @@ def detect(
 def detect_in_index(index: Any) -> QuantInfo:
     """:func:`detect` over a ``CheckpointIndex``, with the ``config.json`` next to its first file."""
     config = read_quant_config(Path(index.files[0].path).parent) if index.files else None
-    return detect(index, lambda k: index.source(k)[1], config, lambda k: index.entry(k).shape)
+    from .engine import SAFETENSORS_TO_TORCH
+
+    keys = list(index)
+    facts = dict(zip(keys, index.facts_of(keys), strict=True))  # (shape, dtype name) of every key, in bulk
+    shapes = {k: shape for k, (shape, _) in facts.items()}
+    dtypes = {k: SAFETENSORS_TO_TORCH.get(name) for k, (_, name) in facts.items()}
+
+    def dtype_of(key: str) -> torch.dtype:
+        dtype = dtypes[key]
+        return dtype if dtype is not None else index.source(key)[1]  # a name torch lacks: the index says
+
+    return detect(keys, dtype_of, config, shapes.__getitem__)
