@@ -202,9 +202,9 @@ def test_mxfp4_gpt_oss_matches_transformers_dequantizing_load(tmp_path, loader):
     # the region path dequantizes MXFP4 in the engine's copy pass; the legacy loader with torch, whole
     assert (key in report.deferred_targets) == (loader == "legacy"), report.deferred_targets
     _assert_equal(target, reference)
-    if loader == "dcp":  # each expert tensor reads its packed bytes once: half a byte an element
+    if loader == "dcp":  # each expert tensor reads its packed bytes once (half a byte an element) and its scales
         plan = hf.plan(_zeroed(model), tmp_path)
-        assert plan.read_bytes_by_target()[key] == tensors[key + "_blocks"].numel()
+        assert plan.read_bytes_by_target()[key] == tensors[key + "_blocks"].numel() + tensors[key + "_scales"].numel()
 
 
 def test_staged_reads_dequantize_in_row_blocks(tmp_path):
@@ -250,3 +250,16 @@ def test_block_size_that_does_not_fit_the_grid_is_refused(tmp_path):
     qc.write_config(tmp_path, dict(qc.FP8_CONFIG, weight_block_size=[4, 4]))
     with pytest.raises(hf.QuantizationError, match="not the grid"):
         hf.load(_zeroed(model), tmp_path)
+
+
+def test_plan_counts_the_scale_bytes(tmp_path):
+    """``hf.plan`` counts what the engine reads: at world 1 every weight and every scale tensor of an FP8
+    checkpoint (the scales read whole, once each), so the plan's bytes are the checkpoint's data bytes."""
+    model, tensors = _fp8_block("deepseek_v3", (8, 8), tmp_path)
+    plan = hf.plan(_zeroed(model), tmp_path)
+    scale_bytes = sum(t.numel() * t.element_size() for k, t in tensors.items() if k.endswith("_scale_inv"))
+    assert scale_bytes and plan.dequant
+    assert plan.bytes_needed == plan.index.total_bytes
+    assert sum(plan.read_bytes_by_file().values()) == plan.index.total_bytes
+    key = next(k for k in plan.dequant if ".mlp.experts." not in k)  # a weight and its scale: its own target
+    assert plan.read_bytes_by_target()[key] == tensors[key].numel() + tensors[key + "_scale_inv"].numel() * 4

@@ -158,10 +158,12 @@ def _check(family: str, layout: str, loader: str) -> list[str]:
     if family == "gpt_oss" and loader == "dcp":  # MXFP4 on the region path: each rank reads its share only
         assert not any(".experts." in n for n in report.deferred_targets), report.deferred_targets
         read = hf.plan(model, root).read_bytes_by_target()
+        stored = qc.load_file(str(root / "model.safetensors"))
         for name, param in model.state_dict().items():
             if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
                 local = param.to_local() if isinstance(param, DTensor) else param
-                if read.get(name) != local.numel() // 2:  # two 4-bit codes a byte, nothing else
+                want = local.numel() // 2 + stored[name + "_scales"].numel()  # two 4-bit codes a byte, + scales
+                if read.get(name) != want:
                     bad.append(f"{name}: reads {read.get(name)} bytes for {local.numel()} local elements")
     return bad
 

@@ -237,6 +237,9 @@ class LoadPlan:
         out: dict[str, int] = {}
         for file, n in by_file.items():
             out[file.path] = out.get(file.path, 0) + n
+        scales = {key: entry for per_target in self._scale_reads().values() for key, entry in per_target.items()}
+        for entry in scales.values():  # each scale tensor once
+            out[entry.file.path] = out.get(entry.file.path, 0) + entry.nbytes
         for path, n in self._deferred_bytes():
             out[path] = out.get(path, 0) + n
         return out
@@ -247,7 +250,22 @@ class LoadPlan:
                 entry = self.index.entry(key)
                 yield entry.file.path, entry.nbytes
 
+    def _scale_reads(self) -> dict[str, dict[str, Any]]:
+        """Per region target, the scale tensors of its dequantized keys (``TensorEntry`` by key): the engine
+        reads each of them whole."""
+        out: dict[str, dict[str, Any]] = {}
+        if not self.dequant:
+            return out
+        for name, (_, items) in self.region_reads.items():
+            keys = items.keys if isinstance(items, TemplateReads) else [item.source for item in items]
+            scales = {self.dequant[k].scale for k in set(keys) if k in self.dequant}
+            if scales:
+                out[name] = {scale: self.index.entry(scale) for scale in sorted(scales)}
+        return out
+
     def read_bytes_by_target(self) -> dict[str, int]:
+        """Source bytes of each region target's reads, the whole scale tensors of its dequantized keys
+        included."""
         out: dict[str, int] = {}
         locate = self.index.locate
         for name, (_, items) in self.region_reads.items():
@@ -255,6 +273,8 @@ class LoadPlan:
                 out[name] = items.nbytes
             else:
                 out[name] = sum(source_nbytes(i.numel, locate(i.source)[2], i.source in self.dequant) for i in items)
+        for name, scales in self._scale_reads().items():
+            out[name] += sum(entry.nbytes for entry in scales.values())
         return out
 
     @property
