@@ -120,7 +120,7 @@ def test_gpu_check_cpu_path(tmp_path: Path) -> None:
             "--data",
             str(tmp_path / "ckpt"),
             "--loaders",
-            "hp_fastload,hp_fastload_r8,hp_fastload_fp8,st_mmap_copy",
+            "hp_fastload,hp_fastload_r8,hp_fastload_fp8,hp_fastload_mxfp4,st_mmap_copy",
         ],
         timeout=480,
     )
@@ -129,7 +129,7 @@ def test_gpu_check_cpu_path(tmp_path: Path) -> None:
     assert doc["ceilings"]["pageable_gbps"] > 0
     assert doc["storage"]["cold_seq"]["resident_pages_before"] == 0
     got = {(r["loader"], r["regime"]): r for r in doc["results"]}
-    for loader in ("hp_fastload", "hp_fastload_r8", "hp_fastload_fp8", "st_mmap_copy"):
+    for loader in ("hp_fastload", "hp_fastload_r8", "hp_fastload_fp8", "hp_fastload_mxfp4", "st_mmap_copy"):
         for regime in ("cold", "warm"):
             r = got[(loader, regime)]
             assert "error" not in r, r

@@ -176,23 +176,29 @@ def test_e5m2_with_e8m0_and_bf16_scales(tmp_path, loader):
     _assert_equal(target, reference)
 
 
-@pytest.mark.parametrize("loader", LOADERS)
-def test_mxfp4_gpt_oss_matches_transformers_dequantizing_load(tmp_path, loader):
-    """gpt-oss experts as MXFP4 ``*_blocks`` + ``*_scales`` (written by the torch quantizer in
-    quant_checkpoints) into the bf16 model: equal to transformers' ``Mxfp4Config(dequantize=True)`` load."""
+def _mxfp4_gpt_oss(tmp: Path, **sizes: int) -> tuple[Any, dict[str, torch.Tensor], Any]:
+    """A gpt-oss checkpoint whose experts are MXFP4 ``*_blocks`` + ``*_scales`` (the torch quantizer in
+    quant_checkpoints), and transformers' ``Mxfp4Config(dequantize=True)`` load of it."""
     from transformers import Mxfp4Config
 
-    model = qc.build_model("gpt_oss", hidden_size=32, intermediate_size=32)
+    model = qc.build_model("gpt_oss", **(sizes or dict(hidden_size=32, intermediate_size=32)))
     tensors = {}
-    for key, value in qc.released(model, tmp_path).items():
+    for key, value in qc.released(model, tmp).items():
         if key.endswith(("experts.gate_up_proj", "experts.down_proj")):
             tensors[key + "_blocks"], tensors[key + "_scales"] = qc.mxfp4_quantize(value)
         else:
             tensors[key] = value
-    qc.rewrite(tmp_path, tensors, qc.MXFP4_CONFIG)
+    qc.rewrite(tmp, tensors, qc.MXFP4_CONFIG)
     reference = model_class("gpt_oss").from_pretrained(
-        tmp_path, dtype=torch.bfloat16, quantization_config=Mxfp4Config(dequantize=True)
+        tmp, dtype=torch.bfloat16, quantization_config=Mxfp4Config(dequantize=True)
     )
+    return model, tensors, reference
+
+
+@pytest.mark.parametrize("loader", LOADERS)
+def test_mxfp4_gpt_oss_matches_transformers_dequantizing_load(tmp_path, loader):
+    """gpt-oss experts as MXFP4 into the bf16 model: equal to transformers' dequantizing load."""
+    model, tensors, reference = _mxfp4_gpt_oss(tmp_path)
     key = "model.layers.1.mlp.experts.gate_up_proj"
     formula = qc.mxfp4_dequant(tensors[key + "_blocks"], tensors[key + "_scales"], torch.bfloat16)
     assert torch.equal(reference.state_dict()[key], formula)  # the reference is the published formula
@@ -207,17 +213,22 @@ def test_mxfp4_gpt_oss_matches_transformers_dequantizing_load(tmp_path, loader):
         assert plan.read_bytes_by_target()[key] == tensors[key + "_blocks"].numel() + tensors[key + "_scales"].numel()
 
 
-def test_staged_reads_dequantize_in_row_blocks(tmp_path):
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_staged_reads_dequantize_in_row_blocks(tmp_path, fmt):
     """The staging path (CUDA targets; here forced on CPU) cuts targets into row blocks of a small slab:
-    the scale of each element still comes from its row in the checkpoint."""
+    the scale of each element still comes from its row in the checkpoint (FP8 blocks; MXFP4 experts, whose
+    transposed rows each take one nibble of every packed row)."""
     from transformers import FineGrainedFP8Config
 
-    model, _ = _fp8_block("qwen3_moe", (4, 8), tmp_path)
-    reference = model_class("qwen3_moe").from_pretrained(
-        tmp_path,
-        dtype=torch.bfloat16,
-        quantization_config=FineGrainedFP8Config(weight_block_size=(4, 8), dequantize=True),
-    )
+    if fmt == "mxfp4":
+        model, _, reference = _mxfp4_gpt_oss(tmp_path)
+    else:
+        model, _ = _fp8_block("qwen3_moe", (4, 8), tmp_path)
+        reference = model_class("qwen3_moe").from_pretrained(
+            tmp_path,
+            dtype=torch.bfloat16,
+            quantization_config=FineGrainedFP8Config(weight_block_size=(4, 8), dequantize=True),
+        )
     target = _zeroed(model)
     plan = _plan_at(
         target,
