@@ -211,6 +211,7 @@ def test_mxfp4_gpt_oss_matches_transformers_dequantizing_load(tmp_path, loader):
     if loader == "dcp":  # each expert tensor reads its packed bytes once (half a byte an element) and its scales
         plan = hf.plan(_zeroed(model), tmp_path)
         assert plan.read_bytes_by_target()[key] == tensors[key + "_blocks"].numel() + tensors[key + "_scales"].numel()
+        assert report.bytes_read == plan.bytes_needed == plan.index.total_bytes  # every byte once, scales too
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])

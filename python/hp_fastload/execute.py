@@ -9,6 +9,7 @@ the legacy loader, cut with ``distribute_tensor``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from operator import itemgetter
@@ -104,6 +105,7 @@ class _Batch:
             record += list(spec.shape) + [1] * (MAX_NDIM - ndim) + list(spec.block) + [1] * (MAX_NDIM - ndim)
             self.scales.extend(record)
             pos = self._scale_pos[key] = len(self._scale_pos) + 1
+            self.nbytes += math.prod(file.shape(spec.scale)) * file.torch_dtype(spec.scale).itemsize  # read whole
         return pos
 
     def _dest(self, tensor: torch.Tensor) -> int:
