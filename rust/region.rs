@@ -7,7 +7,9 @@
 //! contiguous on both sides are merged, one dimension becomes the run (the one with unit destination
 //! stride when there is one, so a transposed block gives runs with a strided source, never 1-element
 //! runs), the innermost of the others becomes the run's repetition (a column slice of a matrix is one
-//! [`Run`] with one repetition per row), and the rest are iterated. It owns no I/O and no pointers.
+//! [`Run`] with one repetition per row), and the rest are iterated. A dequantized `U8` item is MXFP4: it
+//! addresses 4-bit elements (two a byte, low nibble first), split into boxes whose elements are all the same
+//! nibble of their bytes (`nibble_runs`). It owns no I/O and no pointers.
 //!
 //! ```
 //! use hp_fastload::{Item, MAX_NDIM};

@@ -533,8 +533,9 @@ class _BlockCache:
                 lengths = np.array([t[3] for t in templates], dtype=np.int64)
                 itemsize = np.array([b.src_dtype.itemsize for b in blocks], dtype=np.int64)
                 nbytes = lengths.prod(axis=1) * itemsize
-                if any(b.src_dtype == MXFP4_LEAF_DTYPE for b in blocks):  # two 4-bit elements a byte
-                    nbytes = (nbytes + 1) // 2
+                packed = np.array([b.src_dtype == MXFP4_LEAF_DTYPE for b in blocks])  # two 4-bit elements a byte
+                if packed.any():
+                    nbytes = np.where(packed, (nbytes + 1) // 2, nbytes)
                 entry.columns = _Columns(
                     np.array([t[1] for t in templates], dtype=np.int64),
                     np.array([t[2] for t in templates], dtype=np.int64),
