@@ -275,3 +275,35 @@ def test_plan_counts_the_scale_bytes(tmp_path):
     assert sum(plan.read_bytes_by_file().values()) == plan.index.total_bytes
     key = next(k for k in plan.dequant if ".mlp.experts." not in k)  # a weight and its scale: its own target
     assert plan.read_bytes_by_target()[key] == tensors[key].numel() + tensors[key + "_scale_inv"].numel() * 4
+
+
+@pytest.mark.parametrize("bad", ["flat_blocks", "short_scales", "int8_blocks"])
+def test_mxfp4_that_does_not_fit_is_refused_before_reading(tmp_path, monkeypatch, bad):
+    """MXFP4 blocks that are not ``[..., rows, groups, 16]`` uint8, or scales that are not one per group, are
+    a ``QuantizationError`` at planning naming the tensor (``hf.plan`` and ``hf.load``), before the engine
+    runs."""
+    from hp_fastload import execute
+
+    model = qc.build_model("gpt_oss", hidden_size=32, intermediate_size=32)
+    key = "model.layers.1.mlp.experts.down_proj"
+    tensors = {}
+    for k, value in qc.released(model, tmp_path).items():
+        if k.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            tensors[k + "_blocks"], tensors[k + "_scales"] = qc.mxfp4_quantize(value)
+        else:
+            tensors[k] = value
+    blocks, scales = tensors[key + "_blocks"], tensors[key + "_scales"]
+    if bad == "flat_blocks":
+        tensors[key + "_blocks"] = blocks.reshape(*blocks.shape[:-2], -1)
+    elif bad == "short_scales":
+        tensors[key + "_scales"] = scales[:, :-1].contiguous()
+    else:
+        tensors[key + "_blocks"] = blocks.view(torch.int8)
+    qc.rewrite(tmp_path, tensors, qc.MXFP4_CONFIG)
+    calls = []
+    monkeypatch.setattr(execute._core, "execute", lambda *a, **k: calls.append(a))
+    with pytest.raises(hf.QuantizationError, match=key + "_blocks"):
+        hf.plan(_zeroed(model), tmp_path)
+    with pytest.raises(hf.QuantizationError, match=key + "_blocks"):
+        hf.load(_zeroed(model), tmp_path)
+    assert not calls

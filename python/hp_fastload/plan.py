@@ -969,7 +969,11 @@ def plan_load(
     if quant and trace:  # MXFP4 into float experts: region reads the engine dequantizes (quant.mxfp4_region)
         unloaded = set(targets) - claims.loaded
         for name, packed in quant.packed_regions(
-            unloaded, claims.unexpected, lambda n: targets[n].dtype, lambda k: index.entry(k).shape
+            unloaded,
+            claims.unexpected,
+            lambda n: targets[n].dtype,
+            lambda k: index.entry(k).shape,
+            lambda k: index.source(k)[1],
         ):
             target = claims.claim(name, tuple(packed.shape))
             if target is not None:

@@ -201,6 +201,7 @@ class QuantInfo:
         unclaimed: Collection[str],
         dtype_of_target: Callable[[str], torch.dtype],
         shape_of: Callable[[str], Sequence[int]],
+        dtype_of: Callable[[str], torch.dtype],
     ) -> list[tuple[str, Any]]:
         """MXFP4 ``*_blocks`` + ``*_scales`` into a float model tensor of the dequantized name, read on the
         region path (``mxfp4_region``; the engine dequantizes them in its copy pass): ``(target name,
@@ -214,9 +215,14 @@ class QuantInfo:
             if name is None or dtype_of_target(name) not in _FLOATS:
                 continue
             shape = tuple(int(n) for n in shape_of(key))
+            scale = q.companions[0]
             if len(shape) < 4 or shape[-1] != 16:
                 raise self.refuse(q, f"its blocks have shape {shape}, not [..., rows, groups, 16]")
-            region, spec = mxfp4_region(key, q.companions[0], shape)
+            if tuple(shape_of(scale)) != shape[:-1]:
+                raise self.refuse(q, f"its scales {scale} have shape {tuple(shape_of(scale))}, not {shape[:-1]}")
+            if dtype_of(key) != torch.uint8 or dtype_of(scale) not in (torch.uint8, torch.float8_e8m0fnu):
+                raise self.refuse(q, f"it is {dtype_of(key)} with {dtype_of(scale)} scales, not uint8 with e8m0")
+            region, spec = mxfp4_region(key, scale, shape)
             self.dequantized[key] = spec
             self.fallback_keys.update((key, q.companions[0]))
             out.append((name, region))
