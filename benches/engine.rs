@@ -6,6 +6,9 @@
 //! and as a rank-of-4's columns (the strided-source case), against the bf16 -> bf16 copy of the same output
 //! bytes (one thread, mmap).
 //!
+//! The `mxfp4` group: gpt-oss MXFP4 experts (U8 e2m1 pairs, e8m0 scales) dequantized into their transposed bf16
+//! layout, against the bf16 copy of the same output bytes.
+//!
 //! Run: `cargo bench --bench engine` (short by default; `-- --measurement-time 10` for steadier numbers).
 
 use std::hint::black_box;
@@ -206,5 +209,103 @@ fn bench_dequant(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, bench, bench_dequant);
+/// MXFP4 experts: `[E, Y, X / 32, 16]` U8 blocks (random codes) with e8m0 scales `[E, Y, X / 32]`, the logical
+/// `[E, Y, X]` 4-bit tensor.
+const ME: u64 = 4;
+const MY: u64 = 2048;
+const MX: u64 = 2048;
+
+fn write_mxfp4(dir: &std::path::Path) -> Arc<Header> {
+    let path = dir.join("mxfp4.safetensors");
+    let (g, nb) = (MX / 32, ME * MY * MX / 2);
+    let ns = ME * MY * g;
+    let json = format!(
+        r#"{{"w_blocks":{{"dtype":"U8","shape":[{ME},{MY},{g},16],"data_offsets":[0,{nb}]}},"w_scales":{{"dtype":"U8","shape":[{ME},{MY},{g}],"data_offsets":[{nb},{}]}}}}"#,
+        nb + ns
+    );
+    let mut f = std::io::BufWriter::new(std::fs::File::create(&path).unwrap());
+    f.write_all(&(json.len() as u64).to_le_bytes()).unwrap();
+    f.write_all(json.as_bytes()).unwrap();
+    let mut state = 0x2545_f491_4f6c_dd1d_u64;
+    let blocks: Vec<u8> = (0..nb)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state as u8
+        })
+        .collect();
+    f.write_all(&blocks).unwrap();
+    let scales: Vec<u8> = (0..ns).map(|i| 120 + (i % 16) as u8).collect();
+    f.write_all(&scales).unwrap();
+    f.flush().unwrap();
+    drop(f);
+    Arc::new(Header::read(&path).unwrap())
+}
+
+/// The `mxfp4` group: the experts dequantized into transformers' transposed bf16 layout `[E, X, Y]` (one
+/// thread, mmap), whole and as an expert-parallel rank of 2 (half the experts) or a TP rank of 2 (half of X),
+/// against the bf16 -> bf16 copy of the same output bytes.
+fn bench_mxfp4(c: &mut Criterion) {
+    let dir = tempfile::tempdir().unwrap();
+    let header = write_mxfp4(dir.path());
+    let plain = write_quantized(dir.path());
+    let mut scale = Scale {
+        file: 0,
+        tensor: header.index("w_scales").unwrap() as i64,
+        ndim: 3,
+        ..Scale::default()
+    };
+    scale.shape[..3].copy_from_slice(&[ME as i64, MY as i64, MX as i64]);
+    scale.block[..3].copy_from_slice(&[1, 1, 32]);
+    let opts = ExecOptions {
+        backend: Backend::Mmap,
+        threads: Some(1),
+        ..ExecOptions::default()
+    };
+    let mut group = c.benchmark_group("mxfp4");
+    group
+        .sample_size(10)
+        .warm_up_time(Duration::from_secs(1))
+        .measurement_time(Duration::from_secs(3));
+    for (layout, experts, xs) in [("whole", ME, MX), ("ep2", ME / 2, MX), ("tp2", ME, MX / 2)] {
+        let numel = experts * xs * MY;
+        group.throughput(Throughput::Bytes(numel * 2));
+        let mut out = vec![0u8; (numel * 2) as usize];
+        let mut item = Item {
+            ndim: 3,
+            tensor: header.index("w_blocks").unwrap() as i64,
+            scale: 1,
+            ..Item::default()
+        };
+        item.lengths[..3].copy_from_slice(&[experts as i64, xs as i64, MY as i64]);
+        item.src_strides[..3].copy_from_slice(&[(MY * MX) as i64, 1, MX as i64]);
+        item.dst_strides[..3].copy_from_slice(&[(xs * MY) as i64, MY as i64, 1]);
+        let files = [Arc::clone(&header)];
+        group.bench_function(format!("{layout}/mxfp4->bf16"), |b| {
+            b.iter(|| {
+                let dest = [DestBuf::from_mut_slice(&mut out, Dtype::BF16)];
+                black_box(execute_scaled(&files, &dest, &[item], &[scale], &opts).unwrap())
+            })
+        });
+        let mut copy = Item {
+            ndim: 1,
+            tensor: plain.index("b").unwrap() as i64,
+            ..Item::default()
+        };
+        copy.lengths[0] = numel as i64;
+        copy.src_strides[0] = 1;
+        copy.dst_strides[0] = 1;
+        let files = [Arc::clone(&plain)];
+        group.bench_function(format!("{layout}/bf16->bf16"), |b| {
+            b.iter(|| {
+                let dest = [DestBuf::from_mut_slice(&mut out, Dtype::BF16)];
+                black_box(execute(&files, &dest, &[copy], &opts).unwrap())
+            })
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, bench, bench_dequant, bench_mxfp4);
 criterion_main!(benches);

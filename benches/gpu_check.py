@@ -15,8 +15,12 @@ checked with mincore first); then every loader in a fresh process, cold (``posix
 pinned buffers), each checked against the generation checksums. ``hp_fastload_fp8`` loads the same model
 shapes (``--fp8-gb``) from an FP8 checkpoint (e4m3 weights, fp32 128x128 ``weight_scale_inv``) into bf16 CUDA
 tensors, dequantized in the engine's copy into the pinned staging, each tensor checked against DeepSeek's
-``weight_dequant`` formula computed with torch. Prints GB/s and fractions of the ceilings:
-warm results against the pinned H2D ceiling, cold results against the parallel cold-read anchor.
+``weight_dequant`` formula computed with torch. ``hp_fastload_mxfp4`` loads gpt-oss-shaped MXFP4 experts
+(``--mxfp4-gb``; uint8 ``*_blocks`` of e2m1 pairs and e8m0 ``*_scales``) into bf16 CUDA tensors of transformers'
+transposed layout, dequantized by the engine on the region path, each checked against the MXFP4 formula written
+with torch (e2m1 table times ``2^(e - 127)``, as ``convert_moe_packed_tensors`` and its transpose).
+Prints GB/s and fractions of the ceilings: warm results against the pinned H2D ceiling, cold results against
+the parallel cold-read anchor.
 Writes ``<out>/gpu_check.json`` and ``<out>/gpu_check.md`` (``<out>``: ``$OUT`` when set, else bench-out/gpu).
 
 On a machine without CUDA everything runs with ``device cpu``: the "H2D" ceilings become host memcpy
@@ -45,7 +49,18 @@ sys.path.insert(0, str(HERE))
 
 import _peers  # noqa: E402  (stdlib-only helpers: mincore, evict, warm, /proc/self/io, cold reads)
 
-LOADERS = ("hp_fastload", "hp_fastload_r8", "hp_fastload_fp8", "st_cuda", "st_mmap_copy", "fastsafetensors", "runai")
+LOADERS = (
+    "hp_fastload",
+    "hp_fastload_r8",
+    "hp_fastload_fp8",
+    "hp_fastload_mxfp4",
+    "st_cuda",
+    "st_mmap_copy",
+    "fastsafetensors",
+    "runai",
+)
+#: the loaders that read a quantized twin of the checkpoint (its folder suffix)
+QUANTIZED = {"hp_fastload_fp8": "_fp8", "hp_fastload_mxfp4": "_mxfp4"}
 
 # ---------------------------------------------------------------------------------------------------------
 # Checkpoint: Llama-3-8B shapes, written by hand in the safetensors format
@@ -184,6 +199,82 @@ def write_fp8_checkpoint(path: Path, keys: list[tuple[str, tuple[int, ...]]], sh
     return out
 
 
+def moe_mxfp4_keys(size_gb: float, quick: bool) -> list[tuple[str, tuple[int, ...]]]:
+    """gpt-oss-20b's expert tensors (32 experts, hidden and intermediate 2880) as the bf16 model holds them
+    (``gate_up_proj`` ``[E, hidden, 2 * inter]``, ``down_proj`` ``[E, inter, hidden]``), layers enough for
+    ``size_gb`` of bf16 output; tiny for ``quick``."""
+    e, h, inter = (4, 256, 256) if quick else (32, 2880, 2880)
+    per_layer = 2 * e * (h * 2 * inter + inter * h)
+    layers = 2 if quick else max(1, round(size_gb * 1e9 / per_layer))
+    out: list[tuple[str, tuple[int, ...]]] = []
+    for i in range(layers):
+        out.append((f"model.layers.{i}.mlp.experts.gate_up_proj", (e, h, 2 * inter)))
+        out.append((f"model.layers.{i}.mlp.experts.down_proj", (e, inter, h)))
+    return out
+
+
+def write_mxfp4_checkpoint(path: Path, keys: list[tuple[str, tuple[int, ...]]], shards: int) -> dict[str, Any]:
+    """The experts as gpt-oss ships them: for a model tensor ``X`` of ``[E, A, B]``, ``X_blocks`` uint8
+    ``[E, B, A / 32, 16]`` (random e2m1 pairs) and ``X_scales`` uint8 ``[E, B, A / 32]`` (e8m0 exponents
+    120..134), with an MXFP4 ``quantization_config``; ``shapes`` lists the model tensors."""
+    stamp = json.dumps({"keys": len(keys), "shape0": keys[0][1], "shards": shards, "v": "mxfp4-1"})
+    meta_path = path / "checksums.json"
+    cached = _cached(meta_path, stamp)
+    if cached is not None:
+        return cached
+    import torch
+
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    entries: list[tuple[str, tuple[int, ...]]] = []
+    for key, (e, a, b) in keys:
+        entries.append((key + "_blocks", (e, b, a // 32, 16)))
+        entries.append((key + "_scales", (e, b, a // 32)))
+    sizes = [math.prod(sh) for _, sh in entries]
+    gen = torch.Generator().manual_seed(0)
+    files: dict[str, list[str]] = {}
+    for g, idx in enumerate(_peers.shard_groups(sizes, shards)):
+        name = f"model-{g + 1:05d}-of-{shards:05d}.safetensors"
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        off = 0
+        for i in idx:
+            key, shape = entries[i]
+            header[key] = {"dtype": "U8", "shape": list(shape), "data_offsets": [off, off + sizes[i]]}
+            off += sizes[i]
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        with open(path / name, "wb") as f:
+            f.write(len(raw).to_bytes(8, "little"))
+            f.write(raw)
+            for i in idx:
+                key, shape = entries[i]
+                high = 256 if key.endswith("_blocks") else 15
+                t = torch.randint(0, high, shape, dtype=torch.uint8, generator=gen)
+                if key.endswith("_scales"):
+                    t += 120
+                f.write(memoryview(t.contiguous().numpy()).cast("B"))
+            f.flush()
+            os.fsync(f.fileno())
+        files[name] = [entries[i][0] for i in idx]
+    (path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "mxfp4"}}))
+    out = {"sums": {}, "shapes": {k: list(sh) for k, sh in keys}, "files": files, "mxfp4": True}
+    meta_path.write_text(json.dumps({"stamp": stamp, "files": out}))
+    return out
+
+
+def _mxfp4_reference(ckpt: Path, meta: dict[str, Any], key: str) -> Any:
+    """The MXFP4 formula with torch ops: each nibble (low first) through the e2m1 table, times
+    ``2^(e - 127)`` of its group of 32, groups joined, dims 1 and 2 swapped, rounded once to bf16."""
+    import torch
+
+    blocks, _ = _read_whole(ckpt, meta, key + "_blocks")
+    scales, _ = _read_whole(ckpt, meta, key + "_scales")
+    lut = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+    values = torch.stack([lut[(blocks & 15).long()], lut[(blocks >> 4).long()]], dim=-1).flatten(-2)
+    values = torch.ldexp(values, scales.to(torch.int32).unsqueeze(-1) - 127)
+    return values.flatten(-2).transpose(1, 2).to(torch.bfloat16)
+
+
 def _read_whole(ckpt: Path, meta: dict[str, Any], key: str) -> Any:
     """A whole tensor read with plain file I/O (no loader involved), as stored (uint8 for F8_E4M3)."""
     import torch
@@ -195,7 +286,7 @@ def _read_whole(ckpt: Path, meta: dict[str, Any], key: str) -> Any:
         a, b = entry["data_offsets"]
         f.seek(8 + n + a)
         data = bytearray(f.read(b - a))
-    dtype = {"F8_E4M3": torch.uint8, "F32": torch.float32, "BF16": torch.bfloat16}[entry["dtype"]]
+    dtype = {"F8_E4M3": torch.uint8, "U8": torch.uint8, "F32": torch.float32, "BF16": torch.bfloat16}[entry["dtype"]]
     return torch.frombuffer(data, dtype=dtype).reshape(entry["shape"]), entry["dtype"]
 
 
@@ -412,6 +503,9 @@ def _child(cfg: dict[str, Any]) -> dict[str, Any]:
         if meta.get("fp8"):
             if not torch.equal(t.cpu(), _fp8_reference(ckpt, meta, key)):
                 bad.append(key)
+        elif meta.get("mxfp4"):
+            if not torch.equal(t.cpu(), _mxfp4_reference(ckpt, meta, key)):
+                bad.append(key)
         elif dim is None:
             if checksum(t) != meta["sums"][key]:
                 bad.append(key)
@@ -471,6 +565,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=450.0, help="skip remaining loads past this (default 450)")
     ap.add_argument("--keep-data", action="store_true", help="keep the checkpoint afterwards")
     ap.add_argument("--fp8-gb", type=float, default=4.0, help="bf16-equivalent size of the FP8 model (default 4)")
+    ap.add_argument("--mxfp4-gb", type=float, default=4.0, help="bf16 output size of the MXFP4 experts (default 4)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -538,6 +633,20 @@ def main(argv: list[str] | None = None) -> int:
             "write_seconds": time.perf_counter() - t,
         }
         print(f"fp8 checkpoint {json.dumps(log['fp8_checkpoint'])}", flush=True)
+    mxfp4_data = data.parent / (data.name + "_mxfp4")
+    mxfp4_files: list[str] = []
+    if "hp_fastload_mxfp4" in args.loaders.split(","):
+        t = time.perf_counter()
+        mkeys = moe_mxfp4_keys(min(size, args.mxfp4_gb), args.quick)
+        mmeta = write_mxfp4_checkpoint(mxfp4_data, mkeys, 2 if args.quick else 4)
+        mxfp4_files = sorted(str(mxfp4_data / n) for n in mmeta["files"])
+        log["mxfp4_checkpoint"] = {
+            "path": str(mxfp4_data),
+            "bytes": sum(os.path.getsize(p) for p in mxfp4_files),
+            "write_seconds": time.perf_counter() - t,
+        }
+        print(f"mxfp4 checkpoint {json.dumps(log['mxfp4_checkpoint'])}", flush=True)
+    own_files = {"hp_fastload_fp8": fp8_files, "hp_fastload_mxfp4": mxfp4_files}
     results: list[dict[str, Any]] = []
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "python"), os.environ.get("PYTHONPATH", "")]))
     for regime in [r for r in args.regimes.split(",") if r]:
@@ -550,7 +659,7 @@ def main(argv: list[str] | None = None) -> int:
                 results.append({"loader": loader, "regime": regime, "skipped": "time budget spent"})
                 continue
             if regime == "warm":
-                _peers.warm(fp8_files if loader == "hp_fastload_fp8" else files)
+                _peers.warm(own_files.get(loader, files))
             cenv = dict(env)
             if loader == "fastsafetensors" and regime == "warm":
                 cenv["FASTSAFETENSORS_ODIRECT"] = "0"
@@ -558,7 +667,7 @@ def main(argv: list[str] | None = None) -> int:
                 cenv["RUNAI_STREAMER_CONCURRENCY"] = str(min(16, _peers.CORES))
                 if regime == "warm":
                     cenv["RUNAI_STREAMER_FS_STRATEGY"] = "sync_buffered"
-            ckpt = fp8_data if loader == "hp_fastload_fp8" else data
+            ckpt = data.parent / (data.name + QUANTIZED[loader]) if loader in QUANTIZED else data
             cfg = {"ckpt": str(ckpt), "loader": loader, "regime": regime, "device": device}
             try:
                 proc = subprocess.run(
@@ -589,6 +698,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.keep_data and not args.quick:
         shutil.rmtree(data, ignore_errors=True)
         shutil.rmtree(fp8_data, ignore_errors=True)
+        shutil.rmtree(mxfp4_data, ignore_errors=True)
     bad = [r for r in results if r.get("error") or r.get("verify", {}).get("mismatched")]
     return 1 if bad else 0
 

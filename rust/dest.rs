@@ -19,7 +19,8 @@
 use std::marker::PhantomData;
 
 use crate::dtype::{
-    cast_dense, cast_scaled, cast_scaled_dense, cast_strided, Dtype, ElemSink, ScaleMap,
+    cast_dense, cast_scaled, cast_scaled_dense, cast_scaled_nibbles, cast_strided,
+    nibble_rows_dense, Dtype, ElemSink, ScaleMap,
 };
 use crate::region::Run;
 
@@ -260,6 +261,10 @@ pub(crate) fn write_run_scaled(run: &Run, src: &[u8], map: &ScaleMap<'_>, begin:
     let (sd, dd) = (run.src_dtype, run.dst_dtype);
     let count = run.count as usize;
     let extent = run.run_extent() as usize;
+    if run.src_nibble != 0 {
+        write_nibble_run(run, src, map, begin);
+        return;
+    }
     let size = run
         .src_dtype
         .byte_size()
@@ -314,6 +319,90 @@ pub(crate) fn write_run_scaled(run: &Run, src: &[u8], map: &ScaleMap<'_>, begin:
                     &mut sink,
                 );
             }
+        }
+    }
+}
+
+/// Elements of one repetition per tile of [`write_nibble_run`]'s row-stepping case (a tile's source lines,
+/// one per element, stay in L1 across the repetitions).
+const NIBBLE_TILE: usize = 128;
+
+/// [`write_run_scaled`] for a run of MXFP4 nibbles (`run.src_nibble`: 1 the low, 2 the high nibble of each
+/// source byte); flat indices count 4-bit elements, two a byte.
+fn write_nibble_run(run: &Run, src: &[u8], map: &ScaleMap<'_>, begin: u64) {
+    let (count, extent) = (run.count as usize, run.run_extent() as usize);
+    let high = run.src_nibble == 2;
+    let (stride, step) = match count {
+        1 => (1, 0),
+        _ => (run.src_stride as usize, 2 * run.src_stride),
+    };
+    let flat_of = |r: u64| 2 * (run.src_off + r * run.rep_src_stride - begin) + u64::from(high);
+    if run.dst_is_dense() && count > 1 {
+        if let Some((_, cell_step)) = map.row_steps(flat_of(0), step) {
+            // Tiles of NIBBLE_TILE elements of every repetition in turn: neighbouring repetitions (the next
+            // columns) read the same source lines, which then stay in L1.
+            let cells: Vec<usize> = (0..run.reps).map(|r| map.locate(flat_of(r)).0).collect();
+            let size = run.dst_elem_size();
+            let pair = (high, run.dst_dtype);
+            for t0 in (0..count).step_by(NIBBLE_TILE) {
+                let t1 = count.min(t0 + NIBBLE_TILE);
+                for (r, &cell0) in cells.iter().enumerate() {
+                    let off = r * run.rep_src_stride as usize + t0 * stride;
+                    let cells = (cell0 + t0 * cell_step, cell_step);
+                    with_dense_rep(run, r as u64, |out| {
+                        let out = &mut out[t0 * size..t1 * size];
+                        nibble_rows_dense(pair, &src[off..], stride, map.values, cells, out)
+                    });
+                }
+            }
+            return;
+        }
+    }
+    for r in 0..run.reps {
+        let off = r * run.rep_src_stride;
+        let flat0 = flat_of(r);
+        let rep = &src[off as usize..][..extent];
+        let rows = match run.dst_is_dense() {
+            true => map.row_steps(flat0, step),
+            false => None,
+        };
+        if let Some(cells) = rows {
+            with_dense_rep(run, r, |out| {
+                let pair = (high, run.dst_dtype);
+                nibble_rows_dense(pair, rep, stride, map.values, cells, out)
+            });
+        } else if run.dst_is_dense() {
+            with_dense_rep(run, r, |out| {
+                let mut sink = SliceSink {
+                    out,
+                    size: run.dst_elem_size(),
+                };
+                let at = (flat0, step);
+                cast_scaled_nibbles(
+                    (high, run.dst_dtype),
+                    rep,
+                    stride,
+                    count,
+                    map,
+                    at,
+                    &mut sink,
+                );
+            });
+        } else {
+            let mut sink = StridedSink {
+                addr: run.dst_addr + r as usize * run.rep_dst_stride,
+                stride: run.dst_stride,
+            };
+            let at = (flat0, step);
+            cast_scaled_nibbles(
+                (high, run.dst_dtype),
+                rep,
+                stride,
+                count,
+                map,
+                at,
+                &mut sink,
+            );
         }
     }
 }

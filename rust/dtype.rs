@@ -584,6 +584,64 @@ impl ScaleMap<'_> {
     }
 }
 
+impl ScaleMap<'_> {
+    /// For elements `flat0 + i * step` that each move whole rows of the last dim (`step` a multiple of its
+    /// length) over a grid whose blocks are 1 along every other dim: the grid cell of the first and the
+    /// cell step between consecutive elements (each element's cell is then `cell0 + i * cell_step`).
+    pub(crate) fn row_steps(&self, flat0: u64, step: u64) -> Option<(usize, usize)> {
+        let n = self.ndim;
+        if n < 2 || self.block[..n - 1].iter().any(|&b| b != 1) || step % self.shape[n - 1] != 0 {
+            return None;
+        }
+        let rows = step / self.shape[n - 1];
+        let cell_step = usize::try_from(rows * self.grid_strides[n - 2]).ok()?;
+        Some((self.locate(flat0).0, cell_step))
+    }
+}
+
+/// MXFP4 nibbles whose scales step by whole grid rows (see [`ScaleMap::row_steps`]): element `i` is the
+/// low or high nibble of `src[i * src_stride]` times `values[cell0 + i * cell_step]`, into `dst` (dense).
+#[inline(always)]
+fn nibble_rows<const HIGH: bool, D: FloatCodec>(
+    src: &[u8],
+    src_stride: usize,
+    values: &[f32],
+    (cell0, cell_step): (usize, usize),
+    dst: &mut [u8],
+) {
+    for (i, o) in dst.chunks_exact_mut(D::SIZE).enumerate() {
+        let v = CE2M1::<HIGH>::to_f32(&src[i * src_stride..]);
+        D::store_f32(v * values[cell0 + i * cell_step], o);
+    }
+}
+
+/// The dense-destination case of [`cast_scaled_nibbles`] when [`ScaleMap::row_steps`] holds (transformers'
+/// transposed gpt-oss layout: each element of a run is the next row): no grid arithmetic per element.
+pub(crate) fn nibble_rows_dense(
+    (high, dd): (bool, Dtype),
+    src: &[u8],
+    src_stride: usize,
+    values: &[f32],
+    cells: (usize, usize),
+    dst: &mut [u8],
+) {
+    macro_rules! go {
+        ($d:ty) => {
+            match high {
+                false => nibble_rows::<false, $d>(src, src_stride, values, cells, dst),
+                true => nibble_rows::<true, $d>(src, src_stride, values, cells, dst),
+            }
+        };
+    }
+    match dd {
+        Dtype::BF16 => go!(CBF16),
+        Dtype::F16 => go!(CF16),
+        Dtype::F32 => go!(CF32),
+        Dtype::F64 => go!(CF64),
+        _ => unreachable!("dequantized items are validated before any copy"),
+    }
+}
+
 #[inline(always)]
 fn scaled_kernel<S: FloatCodec, D: FloatCodec, W: ElemSink>(
     src: &[u8],
@@ -624,10 +682,50 @@ fn scaled_with_dst<S: FloatCodec, W: ElemSink>(
     }
 }
 
-/// Whether the engine dequantizes `sd` elements into `dd` (an 8-bit float into a wider float).
+/// Whether the engine dequantizes `sd` elements into `dd`: an 8-bit float, or `U8` bytes holding MXFP4
+/// e2m1 pairs, into a wider float.
 pub(crate) fn can_dequantize(sd: Dtype, dd: Dtype) -> bool {
-    matches!(sd, Dtype::F8_E4M3 | Dtype::F8_E5M2)
+    matches!(sd, Dtype::F8_E4M3 | Dtype::F8_E5M2 | Dtype::U8)
         && matches!(dd, Dtype::F16 | Dtype::BF16 | Dtype::F32 | Dtype::F64)
+}
+
+/// The value of each 4-bit e2m1 code (OCP MX spec: sign, 2 exponent bits, 1 mantissa bit), exact in `f32`.
+pub const E2M1_VALUES: [f32; 16] = [
+    0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
+];
+
+/// The low (`HIGH = false`) or high nibble of a byte as an e2m1 value: a source of the dequantizing
+/// kernels only (never a destination).
+struct CE2M1<const HIGH: bool>;
+
+impl<const HIGH: bool> FloatCodec for CE2M1<HIGH> {
+    const SIZE: usize = 1;
+    #[inline(always)]
+    fn to_f32(b: &[u8]) -> f32 {
+        let code = if HIGH { b[0] >> 4 } else { b[0] & 0x0f };
+        E2M1_VALUES[usize::from(code)]
+    }
+    fn store_f32(_: f32, _: &mut [u8]) {
+        unreachable!("e2m1 is never a destination")
+    }
+}
+
+/// [`cast_scaled`] for MXFP4: element `i` is the low (`high = false`) or high nibble of byte
+/// `i * src_stride` of `src`, decoded as e2m1 and multiplied by its scale; `at = (flat0, step)` in 4-bit
+/// elements of the quantized tensor.
+pub(crate) fn cast_scaled_nibbles<W: ElemSink>(
+    (high, dd): (bool, Dtype),
+    src: &[u8],
+    src_stride: usize,
+    count: usize,
+    map: &ScaleMap<'_>,
+    at: (u64, u64),
+    sink: &mut W,
+) {
+    match high {
+        false => scaled_with_dst::<CE2M1<false>, W>(dd, src, src_stride, count, map, at, sink),
+        true => scaled_with_dst::<CE2M1<true>, W>(dd, src, src_stride, count, map, at, sink),
+    }
 }
 
 /// Like [`cast_strided`], each element multiplied (in `f32`) by its scale before the one rounding into

@@ -22,6 +22,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crate::dest::{with_dense_dst, write_run, write_run_scaled, DestBuf};
+use crate::dtype::Dtype;
 use crate::dtype::{can_dequantize, decode_scales, ScaleMap};
 use crate::error::LoadError;
 use crate::header::{FileIdentity, Header};
@@ -324,14 +325,34 @@ fn item_scales(
         };
         if !can_dequantize(t.dtype, d.dtype()) {
             return Err(bad(format!(
-                "'{}' ({}) cannot be dequantized into {} (an 8-bit float into F16, BF16, F32 or F64)",
+                "'{}' ({}) cannot be dequantized into {} (an 8-bit float, or U8 holding MXFP4 e2m1 pairs, \
+                 into F16, BF16, F32 or F64)",
                 t.name,
                 t.dtype,
                 d.dtype()
             )));
         }
         let sc = &scales[s];
-        if sc.shape[..sc.ndim] != t.shape[..] {
+        if t.dtype == Dtype::U8 {
+            // MXFP4: the scale describes the 4-bit elements, two a byte (low nibble first), row-major: twice
+            // the bytes, the last dim whole rows of the stored last dim.
+            let logical: u64 = sc.shape[..sc.ndim].iter().product();
+            let row = 2 * t.shape.last().copied().unwrap_or(0);
+            let fits = sc.ndim > 0
+                && row > 0
+                && logical == 2 * t.numel()
+                && sc.shape[sc.ndim - 1] % row == 0;
+            if !fits {
+                return Err(bad(format!(
+                    "'{}' (U8, MXFP4 pairs) has shape {:?} but its scale {} describes 4-bit elements {:?} \
+                     (twice the bytes, rows of {row})",
+                    t.name,
+                    t.shape,
+                    s,
+                    &sc.shape[..sc.ndim]
+                )));
+            }
+        } else if sc.shape[..sc.ndim] != t.shape[..] {
             return Err(bad(format!(
                 "'{}' has shape {:?} but its scale {} describes {:?}",
                 t.name,
@@ -1482,6 +1503,7 @@ mod tests {
             rep_dst_stride: 0,
             src_dtype: Dtype::U8,
             dst_dtype: Dtype::U8,
+            src_nibble: 0,
         };
         let pieces = [
             run(0),
@@ -1537,6 +1559,7 @@ mod tests {
             rep_dst_stride: 0,
             src_dtype: Dtype::U8,
             dst_dtype: Dtype::U8,
+            src_nibble: 0,
         };
         // File 0: 10^4 repetitions of 100 bytes 1000 apart, then one plain run of as many bytes; file 1:
         // one 10-byte run.
@@ -1763,6 +1786,224 @@ mod tests {
             &dest,
             &[item],
             &[scale([5, 7], [2, 4])],
+            &opts,
+        );
+        assert!(matches!(r, Err(LoadError::Request { .. })), "{r:?}");
+    }
+
+    /// An MXFP4 box: a stored `[E, Y, G, 16]` U8 tensor (two e2m1 codes a byte, low nibble first) with e8m0
+    /// scales `[E, Y, G]` is the logical `[E, Y, G * 32]` tensor of 4-bit elements; a box of it (any start,
+    /// odd or even, any permutation of its dims into the destination, as transformers' transposed
+    /// `[E, G * 32, Y]`) equals the formula `e2m1(code) * 2^(e - 127)` element by element, written here with
+    /// plain arithmetic (a table of the 16 codes from sign, exponent and mantissa bits, `powi`).
+    fn check_mxfp4(
+        (e, y, g): (u64, u64, u64),
+        lo: [u64; 3],
+        len: [u64; 3],
+        perm: [usize; 3],
+        to_f32: bool,
+        threads: usize,
+        seed: u64,
+    ) {
+        use crate::dtype::f32_to_bf16;
+        let dir = tempfile::tempdir().unwrap();
+        let x = g * 32;
+        let blocks = random_bytes((e * y * g * 16) as usize, seed);
+        let exps: Vec<u8> = random_bytes((e * y * g) as usize, seed ^ 5)
+            .iter()
+            .map(|b| 120 + b % 16)
+            .collect();
+        let h = write_file(
+            dir.path(),
+            "m.safetensors",
+            &[
+                ("pad", Dtype::U8, vec![3], vec![1, 2, 3]),
+                ("w_blocks", Dtype::U8, vec![e, y, g, 16], blocks.clone()),
+                ("w_scales", Dtype::U8, vec![e, y, g], exps.clone()),
+            ],
+        );
+        let shape = [e, y, x];
+        let strides = [y * x, x, 1];
+        let lens: Vec<u64> = (0..3)
+            .map(|d| len[d].min(shape[d] - lo[d]).max(1))
+            .collect();
+        // destination: the box with its dims in `perm` order, row-major
+        let dshape: Vec<u64> = perm.iter().map(|&d| lens[d]).collect();
+        let mut dstride = [0u64; 3];
+        let mut acc = 1;
+        for k in (0..3).rev() {
+            dstride[perm[k]] = acc;
+            acc *= dshape[k];
+        }
+        let mut item = Item {
+            file: 0,
+            tensor: h.index("w_blocks").unwrap() as i64,
+            src_base: (0..3).map(|d| lo[d] * strides[d]).sum::<u64>() as i64,
+            ndim: 3,
+            scale: 1,
+            ..Item::default()
+        };
+        for d in 0..3 {
+            item.lengths[d] = lens[d] as i64;
+            item.src_strides[d] = strides[d] as i64;
+            item.dst_strides[d] = dstride[d] as i64;
+        }
+        let mut sc = Scale {
+            file: 0,
+            tensor: h.index("w_scales").unwrap() as i64,
+            ndim: 3,
+            ..Scale::default()
+        };
+        sc.shape[..3].copy_from_slice(&[e as i64, y as i64, x as i64]);
+        sc.block[..3].copy_from_slice(&[1, 1, 32]);
+        // the reference, from the bits of each code
+        let e2m1 = |c: u8| -> f32 {
+            let (sign, exp, man) = (c >> 3, (c >> 1) & 3, c & 1);
+            let mag = match exp {
+                0 => 0.5 * f32::from(man),
+                _ => (1.0 + 0.5 * f32::from(man)) * 2f32.powi(i32::from(exp) - 1),
+            };
+            if sign == 1 {
+                -mag
+            } else {
+                mag
+            }
+        };
+        let (dt, size) = if to_f32 {
+            (Dtype::F32, 4)
+        } else {
+            (Dtype::BF16, 2)
+        };
+        let total: u64 = lens.iter().product();
+        let mut want = vec![0u8; total as usize * size];
+        for i in 0..lens[0] {
+            for j in 0..lens[1] {
+                for k in 0..lens[2] {
+                    let (a, b, c) = (lo[0] + i, lo[1] + j, lo[2] + k);
+                    let flat = (a * y + b) * x + c;
+                    let byte = blocks[(flat / 2) as usize];
+                    let code = if flat % 2 == 0 { byte & 15 } else { byte >> 4 };
+                    let s = exps[((a * y + b) * g + c / 32) as usize];
+                    let v = e2m1(code) * 2f32.powi(i32::from(s) - 127);
+                    let at = (i * dstride[0] + j * dstride[1] + k * dstride[2]) as usize * size;
+                    match to_f32 {
+                        true => want[at..at + 4].copy_from_slice(&v.to_le_bytes()),
+                        false => want[at..at + 2].copy_from_slice(&f32_to_bf16(v).to_le_bytes()),
+                    }
+                }
+            }
+        }
+        for backend in [Backend::Mmap, Backend::Pread] {
+            let opts = ExecOptions {
+                threads: Some(threads),
+                backend,
+                ..ExecOptions::default()
+            };
+            let mut out = vec![0xaau8; want.len()];
+            let dest = [DestBuf::from_mut_slice(&mut out, dt)];
+            let stats =
+                execute_scaled(std::slice::from_ref(&h), &dest, &[item], &[sc], &opts).unwrap();
+            assert_eq!(out, want, "{backend:?} box {lo:?}+{lens:?} perm {perm:?}");
+            assert_eq!(stats.bytes_copied, want.len() as u64);
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
+        #[test]
+        fn mxfp4_boxes_equal_the_formula(
+            (e, y, g) in (1u64..4, 1u64..6, 1u64..3),
+            lo in prop::array::uniform3(0u64..64),
+            len in prop::array::uniform3(1u64..70),
+            perm in Just([0usize, 1, 2]).prop_shuffle(),
+            to_f32 in any::<bool>(),
+            threads in 1usize..4,
+            seed in any::<u64>(),
+        ) {
+            let shape = [e, y, g * 32];
+            let lo = [lo[0] % shape[0], lo[1] % shape[1], lo[2] % shape[2]];
+            let perm = [perm[0], perm[1], perm[2]];
+            check_mxfp4((e, y, g), lo, len, perm, to_f32, threads, seed);
+        }
+    }
+
+    /// The transformers layout of gpt-oss experts (`[E, G * 32, Y]`, the logical tensor transposed) from
+    /// odd and even starts of the 32-element groups, over one or several tiles of the row-stepping kernel,
+    /// and bad MXFP4 scales refused before any write.
+    #[test]
+    fn mxfp4_transposed_and_refused() {
+        check_mxfp4((2, 5, 2), [1, 0, 15], [1, 5, 34], [0, 2, 1], false, 2, 7);
+        check_mxfp4((2, 5, 2), [0, 1, 0], [2, 4, 64], [0, 2, 1], true, 1, 8);
+        // runs longer than a tile of the row-stepping kernel (several tiles, a ragged last one)
+        check_mxfp4((1, 300, 1), [0, 3, 5], [1, 297, 20], [0, 2, 1], false, 1, 9);
+        check_mxfp4((2, 260, 2), [1, 0, 30], [1, 260, 5], [0, 2, 1], true, 2, 10);
+        let dir = tempfile::tempdir().unwrap();
+        let h = write_file(
+            dir.path(),
+            "m.safetensors",
+            &[
+                ("w_blocks", Dtype::U8, vec![2, 3, 1, 16], vec![0x21; 96]),
+                ("w_scales", Dtype::U8, vec![2, 3, 1], vec![127; 6]),
+            ],
+        );
+        let mut item = Item {
+            tensor: h.index("w_blocks").unwrap() as i64,
+            ndim: 1,
+            scale: 1,
+            ..Item::default()
+        };
+        item.lengths[0] = 192;
+        item.src_strides[0] = 1;
+        item.dst_strides[0] = 1;
+        let scale = |shape: [i64; 3], block: [i64; 3]| {
+            let mut s = Scale {
+                tensor: h.index("w_scales").unwrap() as i64,
+                ndim: 3,
+                ..Scale::default()
+            };
+            s.shape[..3].copy_from_slice(&shape);
+            s.block[..3].copy_from_slice(&block);
+            s
+        };
+        let opts = ExecOptions::default();
+        let mut out = vec![0u8; 192 * 4];
+        let dest = [DestBuf::from_mut_slice(&mut out, Dtype::F32)];
+        execute_scaled(
+            std::slice::from_ref(&h),
+            &dest,
+            &[item],
+            &[scale([2, 3, 32], [1, 1, 32])],
+            &opts,
+        )
+        .unwrap();
+        let got: Vec<f32> = out
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        assert!(
+            got.chunks_exact(2).all(|p| p == [0.5, 1.0]),
+            "low nibble first"
+        );
+        // the scale of 4-bit elements must describe twice the bytes, in rows of the stored last dim
+        for bad in [scale([2, 3, 16], [1, 1, 16]), scale([2, 6, 16], [1, 1, 32])] {
+            let mut out = vec![0u8; 192 * 4];
+            let dest = [DestBuf::from_mut_slice(&mut out, Dtype::F32)];
+            let r = execute_scaled(std::slice::from_ref(&h), &dest, &[item], &[bad], &opts);
+            assert!(
+                matches!(r, Err(LoadError::Request { .. })),
+                "{bad:?}: {r:?}"
+            );
+            assert!(out.iter().all(|&b| b == 0));
+        }
+        // a box past the 192 4-bit elements is refused
+        item.lengths[0] = 193;
+        let mut out = vec![0u8; 193 * 4];
+        let dest = [DestBuf::from_mut_slice(&mut out, Dtype::F32)];
+        let r = execute_scaled(
+            std::slice::from_ref(&h),
+            &dest,
+            &[item],
+            &[scale([2, 3, 32], [1, 1, 32])],
             &opts,
         );
         assert!(matches!(r, Err(LoadError::Request { .. })), "{r:?}");

@@ -224,6 +224,7 @@ mod tests {
             rep_dst_stride,
             src_dtype: Dtype::F32,
             dst_dtype: Dtype::F32,
+            src_nibble: 0,
         }
     }
 

@@ -7,7 +7,9 @@
 //! contiguous on both sides are merged, one dimension becomes the run (the one with unit destination
 //! stride when there is one, so a transposed block gives runs with a strided source, never 1-element
 //! runs), the innermost of the others becomes the run's repetition (a column slice of a matrix is one
-//! [`Run`] with one repetition per row), and the rest are iterated. It owns no I/O and no pointers.
+//! [`Run`] with one repetition per row), and the rest are iterated. A dequantized `U8` item is MXFP4: it
+//! addresses 4-bit elements (two a byte, low nibble first), split into boxes whose elements are all the same
+//! nibble of their bytes (`nibble_runs`). It owns no I/O and no pointers.
 //!
 //! ```
 //! use hp_fastload::{Item, MAX_NDIM};
@@ -89,11 +91,23 @@ pub struct Run {
     pub src_dtype: Dtype,
     /// Destination element type.
     pub dst_dtype: Dtype,
+    /// 0 for every run but the packed 4-bit runs of a dequantized MXFP4 item: 1 (2) when each element is
+    /// the low (high) nibble of the byte at `src_off + i * src_stride` (strides in bytes, as for byte-sized
+    /// elements of one byte; see [`plan`]).
+    pub src_nibble: u8,
 }
 
 impl Run {
     fn src_elem_size(&self) -> u64 {
-        self.src_dtype.byte_size().unwrap_or(0) as u64
+        match self.src_nibble {
+            0 => self.src_dtype.byte_size().unwrap_or(0) as u64,
+            _ => 1,
+        }
+    }
+
+    /// Whether the source is packed sub-byte elements read densely (not a nibble run).
+    fn packed_src(&self) -> bool {
+        self.src_dtype.is_sub_byte() && self.src_nibble == 0
     }
 
     /// Destination element size in bytes (0 for sub-byte types).
@@ -103,7 +117,7 @@ impl Run {
 
     /// Whether source elements are adjacent.
     pub fn src_is_dense(&self) -> bool {
-        self.src_dtype.is_sub_byte() || self.count == 1 || self.src_stride == self.src_elem_size()
+        self.packed_src() || self.count == 1 || self.src_stride == self.src_elem_size()
     }
 
     /// Whether destination elements are adjacent.
@@ -113,7 +127,7 @@ impl Run {
 
     /// Bytes from the first source byte of one repetition to one past its last.
     pub fn run_extent(&self) -> u64 {
-        if self.src_dtype.is_sub_byte() {
+        if self.packed_src() {
             self.count * self.src_dtype.bits() / 8
         } else {
             (self.count - 1) * self.src_stride + self.src_elem_size()
@@ -203,7 +217,7 @@ impl Run {
             out.push(*self);
             return;
         }
-        let (per, src_step, dst_step) = if self.src_dtype.is_sub_byte() {
+        let (per, src_step, dst_step) = if self.packed_src() {
             let bits = self.src_dtype.bits();
             let per = ((max_extent * 8 / bits) / 8 * 8).max(8);
             (per, per * bits / 8, (per * bits / 8) as usize)
@@ -357,8 +371,14 @@ fn plan_item(
     let di = index(item.dest, dests.len(), "destination", k)?;
     let dest = &dests[di];
     let err = |reason: String| request(h, Some(ti), format!("item {k}: {reason}"));
-    let (sd, dd) = (tensor.dtype, dest.dtype());
-    if !sd.can_cast_to(dd) {
+    // A dequantized U8 tensor is MXFP4: two e2m1 elements a byte, low nibble first; the item addresses
+    // those 4-bit elements (the executor checked the scale, `exec::item_scales`).
+    let packed = item.scale != 0 && tensor.dtype == Dtype::U8;
+    let (sd, dd) = match packed {
+        true => (Dtype::F4, dest.dtype()),
+        false => (tensor.dtype, dest.dtype()),
+    };
+    if !packed && !sd.can_cast_to(dd) {
         return Err(err(format!(
             "cannot convert {sd} to {dd} (only floating types convert to each other)"
         )));
@@ -397,7 +417,7 @@ fn plan_item(
                 acc + (l as u128 - 1) * s as u128
             })
     };
-    let numel = u128::from(tensor.numel());
+    let numel = u128::from(tensor.numel()) << u32::from(packed);
     let src_last = last(item.src_base, ss);
     if src_last >= numel {
         return Err(err(format!(
@@ -429,6 +449,18 @@ fn plan_item(
             }
             _ => dims.push(dim),
         }
+    }
+    if packed {
+        let at = NibbleItem {
+            item: k,
+            file: fi,
+            data_start: h.data_start + tensor.begin,
+            dst_addr: dest.addr(),
+            dst_size: dd.bits() / 8,
+            dst_dtype: dd,
+        };
+        nibble_runs(&at, &dims, item.src_base as u64, item.dst_base as u64, runs);
+        return Ok(());
     }
     // The run dimension: unit stride on the side that is written (memory for a read, the file for a
     // write), else unit stride on the other side, else the innermost.
@@ -492,12 +524,83 @@ fn plan_item(
             rep_dst_stride: (rep_ds * dbits / 8) as usize,
             src_dtype: sd,
             dst_dtype: dd,
+            src_nibble: 0,
         });
         // Odometer over the remaining dims, innermost fastest.
         let mut d = dims.len();
         loop {
             if d == 0 {
                 return Ok(());
+            }
+            d -= 1;
+            idx[d] += 1;
+            if idx[d] < dims[d].0 {
+                break;
+            }
+            idx[d] = 0;
+        }
+    }
+}
+
+/// Where the nibble runs of one packed 4-bit item go (see [`nibble_runs`]).
+struct NibbleItem {
+    item: usize,
+    file: usize,
+    data_start: u64,
+    dst_addr: usize,
+    dst_size: u64,
+    dst_dtype: Dtype,
+}
+
+/// The runs of a validated box of 4-bit elements (`dims`: merged (length, source stride, destination
+/// stride) in elements, the first element at `se` / `de`). A dim with an odd source stride is split in two
+/// by the parity of its index (even and odd indices, each with twice the strides), until every stride is
+/// even: then all elements of the box are the same nibble of their bytes, and byte strides address them.
+/// At most 2^ndim boxes; the destination elements are the item's, each once (the overlap check is the
+/// item's).
+fn nibble_runs(at: &NibbleItem, dims: &[(u64, u64, u64)], se: u64, de: u64, runs: &mut Vec<Run>) {
+    if let Some(d) = dims.iter().position(|&(l, s, _)| l > 1 && s % 2 == 1) {
+        let (l, s, ds) = dims[d];
+        let mut half = dims.to_vec();
+        half[d] = (l.div_ceil(2), 2 * s, 2 * ds);
+        nibble_runs(at, &half, se, de, runs);
+        half[d] = (l / 2, 2 * s, 2 * ds);
+        nibble_runs(at, &half, se + s, de + ds, runs);
+        return;
+    }
+    let mut dims: Vec<(u64, u64, u64)> = dims.iter().copied().filter(|d| d.0 > 1).collect();
+    let run_dim = dims
+        .iter()
+        .rposition(|d| d.2 == 1)
+        .or(dims.len().checked_sub(1));
+    let (count, run_ss, run_ds) = run_dim.map_or((1, 0, 1), |r| dims.remove(r));
+    let (reps, rep_ss, rep_ds) = dims.pop().unwrap_or((1, 0, 0));
+    let mut idx = vec![0u64; dims.len()];
+    loop {
+        let (mut pse, mut pde) = (se, de);
+        for (i, &(_, s, d)) in idx.iter().zip(&dims) {
+            pse += i * s;
+            pde += i * d;
+        }
+        runs.push(Run {
+            item: at.item,
+            file: at.file,
+            src_off: at.data_start + pse / 2,
+            src_stride: run_ss / 2,
+            count,
+            dst_addr: at.dst_addr + (pde * at.dst_size) as usize,
+            dst_stride: (run_ds * at.dst_size) as usize,
+            reps,
+            rep_src_stride: rep_ss / 2,
+            rep_dst_stride: (rep_ds * at.dst_size) as usize,
+            src_dtype: Dtype::F4,
+            dst_dtype: at.dst_dtype,
+            src_nibble: 1 + (pse % 2) as u8,
+        });
+        let mut d = dims.len();
+        loop {
+            if d == 0 {
+                return;
             }
             d -= 1;
             idx[d] += 1;

@@ -120,7 +120,7 @@ def test_gpu_check_cpu_path(tmp_path: Path) -> None:
             "--data",
             str(tmp_path / "ckpt"),
             "--loaders",
-            "hp_fastload,hp_fastload_r8,hp_fastload_fp8,st_mmap_copy",
+            "hp_fastload,hp_fastload_r8,hp_fastload_fp8,hp_fastload_mxfp4,st_mmap_copy",
         ],
         timeout=480,
     )
@@ -129,7 +129,7 @@ def test_gpu_check_cpu_path(tmp_path: Path) -> None:
     assert doc["ceilings"]["pageable_gbps"] > 0
     assert doc["storage"]["cold_seq"]["resident_pages_before"] == 0
     got = {(r["loader"], r["regime"]): r for r in doc["results"]}
-    for loader in ("hp_fastload", "hp_fastload_r8", "hp_fastload_fp8", "st_mmap_copy"):
+    for loader in ("hp_fastload", "hp_fastload_r8", "hp_fastload_fp8", "hp_fastload_mxfp4", "st_mmap_copy"):
         for regime in ("cold", "warm"):
             r = got[(loader, regime)]
             assert "error" not in r, r
@@ -217,3 +217,18 @@ def test_save_bench_quick(tmp_path: Path) -> None:
     writes = [rank["wchar"] for rank in hp["ranks"]]
     assert len(writes) == 2 and min(writes) > 0.4 * hp["output_bytes"] / 2
     assert [r["ok"] for r in rows if "check" in r] == [True]
+
+
+def test_mxfp4_bench_quick(tmp_path: Path) -> None:
+    """The MXFP4 bench's three loads run, the two MXFP4 ones equal the formula, and the region path is what
+    ``hp_region`` measures (no deferred target) while ``hp_torch`` takes the torch path."""
+    out = tmp_path / "out"
+    args = [str(BENCHES / "mxfp4_bench.py"), "--quick", "--repeats", "1", "--out", str(out)]
+    _run([*args, "--data", str(tmp_path / "data")], timeout=300)
+    doc = json.loads((out / "mxfp4_bench.json").read_text())
+    got = {r["loader"]: r for r in doc["results"]}
+    assert set(got) == {"hp_region", "hp_torch", "hp_bf16"}
+    assert all("error" not in r and r["best"] > 0 for r in got.values()), got
+    assert got["hp_region"]["exact"] is True and got["hp_torch"]["exact"] is True
+    assert got["hp_region"]["deferred_targets"] == 0 < got["hp_torch"]["deferred_targets"]
+    assert got["hp_region"]["output_bytes"] == got["hp_bf16"]["output_bytes"]

@@ -176,44 +176,60 @@ def test_e5m2_with_e8m0_and_bf16_scales(tmp_path, loader):
     _assert_equal(target, reference)
 
 
-@pytest.mark.parametrize("loader", LOADERS)
-def test_mxfp4_gpt_oss_matches_transformers_dequantizing_load(tmp_path, loader):
-    """gpt-oss experts as MXFP4 ``*_blocks`` + ``*_scales`` (written by the torch quantizer in
-    quant_checkpoints) into the bf16 model: equal to transformers' ``Mxfp4Config(dequantize=True)`` load."""
+def _mxfp4_gpt_oss(tmp: Path, **sizes: int) -> tuple[Any, dict[str, torch.Tensor], Any]:
+    """A gpt-oss checkpoint whose experts are MXFP4 ``*_blocks`` + ``*_scales`` (the torch quantizer in
+    quant_checkpoints), and transformers' ``Mxfp4Config(dequantize=True)`` load of it."""
     from transformers import Mxfp4Config
 
-    model = qc.build_model("gpt_oss", hidden_size=32, intermediate_size=32)
+    model = qc.build_model("gpt_oss", **(sizes or dict(hidden_size=32, intermediate_size=32)))
     tensors = {}
-    for key, value in qc.released(model, tmp_path).items():
+    for key, value in qc.released(model, tmp).items():
         if key.endswith(("experts.gate_up_proj", "experts.down_proj")):
             tensors[key + "_blocks"], tensors[key + "_scales"] = qc.mxfp4_quantize(value)
         else:
             tensors[key] = value
-    qc.rewrite(tmp_path, tensors, qc.MXFP4_CONFIG)
+    qc.rewrite(tmp, tensors, qc.MXFP4_CONFIG)
     reference = model_class("gpt_oss").from_pretrained(
-        tmp_path, dtype=torch.bfloat16, quantization_config=Mxfp4Config(dequantize=True)
+        tmp, dtype=torch.bfloat16, quantization_config=Mxfp4Config(dequantize=True)
     )
+    return model, tensors, reference
+
+
+@pytest.mark.parametrize("loader", LOADERS)
+def test_mxfp4_gpt_oss_matches_transformers_dequantizing_load(tmp_path, loader):
+    """gpt-oss experts as MXFP4 into the bf16 model: equal to transformers' dequantizing load."""
+    model, tensors, reference = _mxfp4_gpt_oss(tmp_path)
     key = "model.layers.1.mlp.experts.gate_up_proj"
     formula = qc.mxfp4_dequant(tensors[key + "_blocks"], tensors[key + "_scales"], torch.bfloat16)
     assert torch.equal(reference.state_dict()[key], formula)  # the reference is the published formula
     target = _zeroed(model)
     report = hf.load(target, tmp_path, loader=loader)
     assert not report.missing_keys and not report.unexpected_keys
-    assert key in report.deferred_targets  # the torch path (not the region path) serves MXFP4
+    # the region path dequantizes MXFP4 in the engine's copy pass; the legacy loader with torch, whole
+    assert (key in report.deferred_targets) == (loader == "legacy"), report.deferred_targets
     _assert_equal(target, reference)
+    if loader == "dcp":  # each expert tensor reads its packed bytes once (half a byte an element) and its scales
+        plan = hf.plan(_zeroed(model), tmp_path)
+        assert plan.read_bytes_by_target()[key] == tensors[key + "_blocks"].numel() + tensors[key + "_scales"].numel()
+        assert report.bytes_read == plan.bytes_needed == plan.report.checkpoint_bytes  # every byte once, scales too
 
 
-def test_staged_reads_dequantize_in_row_blocks(tmp_path):
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_staged_reads_dequantize_in_row_blocks(tmp_path, fmt):
     """The staging path (CUDA targets; here forced on CPU) cuts targets into row blocks of a small slab:
-    the scale of each element still comes from its row in the checkpoint."""
+    the scale of each element still comes from its row in the checkpoint (FP8 blocks; MXFP4 experts, whose
+    transposed rows each take one nibble of every packed row)."""
     from transformers import FineGrainedFP8Config
 
-    model, _ = _fp8_block("qwen3_moe", (4, 8), tmp_path)
-    reference = model_class("qwen3_moe").from_pretrained(
-        tmp_path,
-        dtype=torch.bfloat16,
-        quantization_config=FineGrainedFP8Config(weight_block_size=(4, 8), dequantize=True),
-    )
+    if fmt == "mxfp4":
+        model, _, reference = _mxfp4_gpt_oss(tmp_path)
+    else:
+        model, _ = _fp8_block("qwen3_moe", (4, 8), tmp_path)
+        reference = model_class("qwen3_moe").from_pretrained(
+            tmp_path,
+            dtype=torch.bfloat16,
+            quantization_config=FineGrainedFP8Config(weight_block_size=(4, 8), dequantize=True),
+        )
     target = _zeroed(model)
     plan, context = _plan_at(
         target,
@@ -246,3 +262,47 @@ def test_block_size_that_does_not_fit_the_grid_is_refused(tmp_path):
     qc.write_config(tmp_path, dict(qc.FP8_CONFIG, weight_block_size=[4, 4]))
     with pytest.raises(hf.QuantizationError, match="not the grid"):
         hf.load(_zeroed(model), tmp_path)
+
+
+def test_plan_counts_the_scale_bytes(tmp_path):
+    """``hf.plan`` counts what the engine reads: at world 1 every weight and every scale tensor of an FP8
+    checkpoint (the scales read whole, once each), so the plan's bytes are the checkpoint's data bytes."""
+    model, tensors = _fp8_block("deepseek_v3", (8, 8), tmp_path)
+    plan = hf.plan(_zeroed(model), tmp_path)
+    scale_bytes = sum(t.numel() * t.element_size() for k, t in tensors.items() if k.endswith("_scale_inv"))
+    assert scale_bytes and plan.dequant
+    assert plan.bytes_needed == plan.report.checkpoint_bytes
+    assert sum(plan.read_bytes_by_file().values()) == plan.report.checkpoint_bytes
+    key = next(k for k in plan.dequant if ".mlp.experts." not in k)  # a weight and its scale: its own target
+    assert plan.read_bytes_by_target()[key] == tensors[key].numel() + tensors[key + "_scale_inv"].numel() * 4
+
+
+@pytest.mark.parametrize("bad", ["flat_blocks", "short_scales", "int8_blocks"])
+def test_mxfp4_that_does_not_fit_is_refused_before_reading(tmp_path, monkeypatch, bad):
+    """MXFP4 blocks that are not ``[..., rows, groups, 16]`` uint8, or scales that are not one per group, are
+    a ``QuantizationError`` at planning naming the tensor (``hf.plan`` and ``hf.load``), before the engine
+    runs."""
+
+    model = qc.build_model("gpt_oss", hidden_size=32, intermediate_size=32)
+    key = "model.layers.1.mlp.experts.down_proj"
+    tensors = {}
+    for k, value in qc.released(model, tmp_path).items():
+        if k.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            tensors[k + "_blocks"], tensors[k + "_scales"] = qc.mxfp4_quantize(value)
+        else:
+            tensors[k] = value
+    blocks, scales = tensors[key + "_blocks"], tensors[key + "_scales"]
+    if bad == "flat_blocks":
+        tensors[key + "_blocks"] = blocks.reshape(*blocks.shape[:-2], -1)
+    elif bad == "short_scales":
+        tensors[key + "_scales"] = scales[:, :-1].contiguous()
+    else:
+        tensors[key + "_blocks"] = blocks.view(torch.int8)
+    qc.rewrite(tmp_path, tensors, qc.MXFP4_CONFIG)
+    calls = []
+    monkeypatch.setattr(hf._core, "execute", lambda *a, **k: calls.append(a))
+    with pytest.raises(hf.QuantizationError, match=key + "_blocks"):
+        hf.plan(_zeroed(model), tmp_path)
+    with pytest.raises(hf.QuantizationError, match=key + "_blocks"):
+        hf.load(_zeroed(model), tmp_path)
+    assert not calls

@@ -6,7 +6,8 @@ published ``weight_dequant`` formula loaded with ``from_pretrained`` for DeepSee
 per-channel Llama); each rank builds the float model, shards it (FSDP2 ``fully_shard``; TP and EP as DTensor
 placements: column and row shards whose boundaries fall inside scale blocks, experts split over the ranks),
 loads with both loaders and compares every local shard with ``distribute_tensor(reference)``. gpt-oss MXFP4
-experts (dequantized with torch) are compared with transformers' ``Mxfp4Config(dequantize=True)`` load. A
+experts (dequantized by the engine on the region path, each rank reading only the packed bytes of its
+shard; with torch by the legacy loader) are compared with transformers' ``Mxfp4Config(dequantize=True)`` load. A
 refused format (GPTQ) must raise ``QuantizationError`` on every rank.
 """
 
@@ -154,6 +155,16 @@ def _check(family: str, layout: str, loader: str) -> list[str]:
         if expected.shape != local.shape or not torch.equal(expected, local):
             bad.append(name)
     assert sharded, "no tensor was sharded"
+    if family == "gpt_oss" and loader == "dcp":  # MXFP4 on the region path: each rank reads its share only
+        assert not any(".experts." in n for n in report.deferred_targets), report.deferred_targets
+        read = hf.plan(model, root).read_bytes_by_target()
+        stored = qc.load_file(str(root / "model.safetensors"))
+        for name, param in model.state_dict().items():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                local = param.to_local() if isinstance(param, DTensor) else param
+                want = local.numel() // 2 + stored[name + "_scales"].numel()  # two 4-bit codes a byte, + scales
+                if read.get(name) != want:
+                    bad.append(f"{name}: reads {read.get(name)} bytes for {local.numel()} local elements")
     return bad
 
 

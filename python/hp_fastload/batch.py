@@ -100,6 +100,7 @@ class Batch:
             record += list(spec.shape) + [1] * (MAX_NDIM - ndim) + list(spec.block) + [1] * (MAX_NDIM - ndim)
             self.scales.extend(record)
             pos = self._scale_pos[spec] = len(self._scale_pos) + 1
+            self.nbytes += scale.nbytes  # the engine reads each scale tensor whole, once per call
         return pos
 
     def _dest(self, tensor: torch.Tensor) -> int:
@@ -129,7 +130,7 @@ class Batch:
         if self.locate is None:
             raise PlanError(f"{key}: a batch without an index needs the file (add_from)")
         where = self.locate(key)
-        reads = Reads.one(key, storage_base, storage_strides, lengths, dest_offsets, where.dtype.itemsize, second)
+        reads = Reads.one(key, storage_base, storage_strides, lengths, dest_offsets, where.dtype, second)
         self.add_reads(reads, dest, [where])
 
     def add_from(
@@ -145,7 +146,7 @@ class Batch:
     ) -> None:
         """Like ``add`` with the file given, for readers without an index."""
         where = TensorEntry.of(file, key)  # KeyError if unknown
-        reads = Reads.one(key, storage_base, storage_strides, lengths, dest_offsets, where.dtype.itemsize, second)
+        reads = Reads.one(key, storage_base, storage_strides, lengths, dest_offsets, where.dtype, second)
         self.add_reads(reads, dest, [where])
 
     def add_reads(self, reads: Reads, dest: torch.Tensor, located: Sequence[Located] | None = None) -> None:

@@ -32,7 +32,7 @@ from .engine import SafetensorsFile, open_file
 from .errors import HeaderError, shown_key
 from .execute import ExecStats
 from .index import TensorEntry
-from .quant import E2M1_VALUES, Dequant, QuantInfo, detect, read_quant_config
+from .quant import Dequant, QuantInfo, detect, read_quant_config
 from .region import row_major_strides
 
 __all__ = ["HuggingFaceStorageReader", "QuantizedHuggingFaceStorageReader"]
@@ -211,8 +211,8 @@ class QuantizedHuggingFaceStorageReader(HuggingFaceStorageReader):
     by the engine in the copy pass: each rank reads only the weight bytes of its boxes (and the scale
     tensors), computes ``f32(q) * scale`` and rounds into ``target_dtype`` (then, like torch, copies into the
     state dict's tensor). MXFP4 ``X_blocks`` + ``X_scales`` are served as ``X_blocks`` of the dequantized
-    shape ``[..., G * 32]`` (torch's layout, not transposed): the box's groups are read by the engine and
-    decoded with torch's own ops.
+    shape ``[..., G * 32]`` (torch's layout, not transposed), dequantized by the engine the same way: each box
+    reads only its packed bytes (two e2m1 codes a byte, low nibble first) and its scale is ``2^(e - 127)``.
     """
 
     def __init__(
@@ -271,21 +271,30 @@ class QuantizedHuggingFaceStorageReader(HuggingFaceStorageReader):
         return TensorEntry.of(file, key)
 
     def _dequant(self, key: str) -> Dequant:
-        """How the engine dequantizes fp8 ``key``: its scale, stored shape and (``block_size``) blocks."""
-        shape = tuple(self._file(self._paths[key]).shape(key))
+        """How the engine dequantizes ``key``: fp8 by its scale over (``block_size``) blocks; MXFP4 blocks as
+        their 4-bit elements, one e8m0 exponent per group of 32 along the last dim."""
+        shape = self._shape(key)
+        packed = self._packed_shapes.get(key)
+        if packed is not None:
+            return Dequant(self._scales[key], shape, (1,) * (len(shape) - 1) + (packed[-1] * 2,))
         block = (self.block_size,) * min(2, len(shape))
         return Dequant(self._scales[key], shape, (1,) * (len(shape) - len(block)) + block)
+
+    def _shape(self, key: str) -> tuple[int, ...]:
+        """The shape the state dict sees: MXFP4 ``*_blocks`` ``[..., G, 16]`` as their 4-bit elements
+        ``[..., G * 32]`` (the engine reads them as such, two a byte, low nibble first)."""
+        packed = self._packed_shapes.get(key)
+        if packed is not None:
+            return (*packed[:-2], packed[-2] * packed[-1] * 2)
+        return tuple(self._file(self._paths[key]).shape(key))
 
     def _add_request(self, batch: Batch, req: Any, target: torch.Tensor) -> None:
         key = req.storage_index.fqn
         if key not in self._scales:
             super()._add_request(batch, req, target)
             return
-        if key in self._packed_shapes:
-            self._add_mxfp4(batch, req, target)
-            return
         file = self._file(self._paths[key])
-        strides = row_major_strides(tuple(file.shape(key)))
+        strides = row_major_strides(self._shape(key))
         base = sum(o * s for o, s in zip(req.storage_offsets, strides, strict=True))
         lengths = tuple(req.lengths)
         direct = target.device.type == "cpu" and target.dtype == self.target_dtype
@@ -294,49 +303,3 @@ class QuantizedHuggingFaceStorageReader(HuggingFaceStorageReader):
         if not direct:
             batch.keep.append(dest)
             batch.after.append(_copier(target, dest))
-
-    def _add_mxfp4(self, batch: Batch, req: Any, target: torch.Tensor) -> None:
-        key = req.storage_index.fqn
-        scale_key = self._scales[key]
-        shape = self._packed_shapes[key]
-        *prefix, _groups, width = shape
-        if len(req.lengths) != len(prefix) + 1:
-            raise HeaderError(f"{key}: a request of {len(req.lengths)} dims on MXFP4 blocks {shape}")
-        per_group = width * 2
-        g0 = req.storage_offsets[-1] // per_group
-        g1 = -(-(req.storage_offsets[-1] + req.lengths[-1]) // per_group)
-        lead = list(zip(req.storage_offsets[:-1], req.lengths[:-1], strict=True))
-        file = self._file(self._paths[key])
-        blocks = torch.empty([n for _, n in lead] + [g1 - g0, width], dtype=torch.uint8)
-        bstrides = row_major_strides(shape)
-        bbase = sum(o * s for (o, _), s in zip(lead, bstrides, strict=False)) + g0 * bstrides[-2]
-        batch.add_from(file, key, bbase, bstrides, tuple(blocks.shape), blocks, (0,) * blocks.dim())
-        sfile = self._file(self._paths[scale_key])
-        sshape = tuple(sfile.shape(scale_key))
-        scales = torch.empty([n for _, n in lead] + [g1 - g0], dtype=sfile.torch_dtype(scale_key))
-        sstrides = row_major_strides(sshape)
-        sbase = sum(o * s for (o, _), s in zip(lead, sstrides, strict=False)) + g0 * sstrides[-1]
-        batch.add_from(sfile, scale_key, sbase, sstrides, tuple(scales.shape), scales, (0,) * scales.dim())
-        batch.keep += [blocks, scales]
-        skip = req.storage_offsets[-1] - g0 * per_group
-        length = req.lengths[-1]
-        dtype = self.target_dtype
-
-        def finish() -> None:
-            target.copy_(_mxfp4_like_torch(blocks, scales, dtype)[..., skip : skip + length])
-
-        batch.after.append(finish)
-
-
-def _mxfp4_like_torch(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Decodes MXFP4 boxes with the ops torch's reader uses (LUT and ``ldexp`` in ``dtype``), so the values
-    are torch's bit for bit: ``[..., G, 16]`` blocks and ``[..., G]`` exponents -> ``[..., G * 32]``."""
-    lut = torch.tensor(E2M1_VALUES, dtype=dtype)
-    *prefix, groups, width = blocks.shape
-    rows = blocks.reshape(-1, width)
-    exps = scales.view(torch.uint8).to(torch.int32).reshape(-1, 1) - 127
-    out = torch.empty(rows.shape[0], width * 2, dtype=dtype)
-    out[:, 0::2] = lut[(rows & 0x0F).long()]
-    out[:, 1::2] = lut[(rows >> 4).long()]
-    torch.ldexp(out, exps, out=out)
-    return out.reshape(*prefix, groups * width * 2)

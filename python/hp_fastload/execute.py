@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .batch import Batch, Slabs, engine_casts, staging_chunks
+from .batch import ENGINE_FLOATS, Batch, Slabs, engine_casts, staging_chunks
 from .errors import PlanError
 from .index import CheckpointIndex
 from .plan import DeferredGroup, LoadContext, LoadPlan, Reads
@@ -119,14 +119,20 @@ def _add_target_items(
     assert batch.locate is not None
     located = list(map(batch.locate, reads.keys))
     casts = {dtype: engine_casts(dtype, dest.dtype) for dtype in set(map(attrgetter("dtype"), located))}
-    if reads.post is None and all(casts.values()):  # the usual case: every box straight into the destination
+    seconds = reads.second if reads.second is not None else (None,) * len(reads)
+    # a source with a second source is dequantized by the engine into any float destination (MXFP4 blocks
+    # are uint8 as stored: no plain cast covers them)
+    dequantizes = dest.dtype in ENGINE_FLOATS
+    if reads.post is None and (
+        all(casts.values())
+        or (dequantizes and all(casts[w.dtype] or s is not None for w, s in zip(located, seconds, strict=True)))
+    ):  # the usual case: every box straight into the destination
         batch.add_reads(reads, dest, located)
         return
     posts = reads.post if reads.post is not None else ((),) * len(reads)
-    seconds = reads.second if reads.second is not None else (None,) * len(reads)
     direct: list[int] = []
     for i, (item, where, second) in enumerate(zip(reads, located, seconds, strict=True)):
-        if not posts[i] and casts[where.dtype]:
+        if not posts[i] and (casts[where.dtype] or (second is not None and dequantizes)):
             direct.append(i)
             continue
         # a dequantized source is read as float32 (the engine applies its scale), then post-ops, then cast

@@ -32,7 +32,8 @@ __all__ = ["Dequant", "QuantInfo", "QuantTensor", "QuantizationError", "detect",
 SUPPORTED = (
     "dequantized into float16/bfloat16/float32/float64 targets: fp8 (e4m3, e5m2) weights with per-block "
     "weight_scale_inv (block from quantization_config.weight_block_size, default 128x128; ragged last blocks), "
-    "per-tensor or per-channel weight_scale; scales fp32, bf16, fp16 or e8m0. A model that keeps the quantized "
+    "per-tensor or per-channel weight_scale; scales fp32, bf16, fp16 or e8m0; MXFP4 (gpt-oss *_blocks of e2m1 "
+    "pairs with e8m0 *_scales, into the transposed stacked-experts tensor). A model that keeps the quantized "
     "tensors (parameters of the checkpoint's dtype, its scales as parameters or buffers) loads them raw"
 )
 
@@ -43,6 +44,32 @@ DEFAULT_BLOCK = (128, 128)
 MXFP4_FORMAT = "MXFP4 (e2m1 blocks, e8m0 scales)"
 #: the e2m1 value of each 4-bit code (OCP MX spec)
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+#: The leaf dtype of an MXFP4 region (``mxfp4_region``): its elements are the 4-bit e2m1 codes, two a byte
+#: of the stored uint8 ``*_blocks`` (low nibble first), as the engine reads them.
+MXFP4_LEAF_DTYPE = torch.float4_e2m1fn_x2
+
+
+def source_nbytes(numel: int, dtype: torch.dtype, dequantized: bool) -> int:
+    """Bytes ``numel`` elements of a checkpoint tensor of ``dtype`` take: a dequantized uint8 tensor is MXFP4
+    ``*_blocks``, whose elements are the 4-bit codes (two a byte)."""
+    if dequantized and dtype in (torch.uint8, MXFP4_LEAF_DTYPE):
+        return (numel + 1) // 2
+    return numel * dtype.itemsize
+
+
+def mxfp4_region(blocks: str, scales: str, shape: Sequence[int]) -> tuple[Any, Dequant]:
+    """The dequantized layout of MXFP4 ``blocks`` ``[E, Y, G, 16]`` as a region, and its scale: the logical
+    tensor ``[E, Y, G * 32]`` of 4-bit elements (element ``j`` of a row is nibble ``j % 2`` of byte ``j // 2``,
+    low first, as ``convert_moe_packed_tensors`` unpacks them), dims 1 and 2 swapped as its caller does
+    (``[E, G * 32, Y]``); each element's scale is ``scales[e, y, j // 32]`` (blocks ``[1, 1, 32]``)."""
+    from .region import RegionTensor
+
+    *prefix, rows, groups, width = (int(n) for n in shape)
+    logical = (*prefix, rows, groups * width * 2)
+    region = RegionTensor.leaf(blocks, logical, MXFP4_LEAF_DTYPE).transpose(1, 2)
+    return region, Dequant(scales, logical, (1,) * (len(logical) - 1) + (width * 2,))
 
 
 def _mxfp4_group(name: str, blocks: str, scales: str, sources: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -154,7 +181,7 @@ class QuantInfo:
         ] = []
         for key in unclaimed:
             q = self.tensors.get(key)
-            if q is None or q.fmt != MXFP4_FORMAT or len(q.companions) != 1:
+            if q is None or q.fmt != MXFP4_FORMAT or len(q.companions) != 1 or key in self.fallback_keys:
                 continue
             name = self._missing_target(q, missing)
             if name is None or dtype_of_target(name) not in _FLOATS:
@@ -166,6 +193,39 @@ class QuantInfo:
                 raise self.refuse(q, f"its blocks have shape {shape}, not [..., rows, groups, 16]")
             out.append((name, [blocks, scales], compute, (*shape[:-3], shape[-2] * shape[-1] * 2, shape[-3])))
             self.fallback_keys.update((blocks, scales))
+        return out
+
+    def packed_regions(
+        self,
+        missing: Collection[str],
+        unclaimed: Collection[str],
+        dtype_of_target: Callable[[str], torch.dtype],
+        shape_of: Callable[[str], Sequence[int]],
+        dtype_of: Callable[[str], torch.dtype],
+    ) -> list[tuple[str, Any]]:
+        """MXFP4 ``*_blocks`` + ``*_scales`` into a float model tensor of the dequantized name, read on the
+        region path (``mxfp4_region``; the engine dequantizes them in its copy pass): ``(target name,
+        region)`` for each. Their sources are then consumed and left out of ``fallbacks``."""
+        out: list[tuple[str, Any]] = []
+        for key in unclaimed:
+            q = self.tensors.get(key)
+            if q is None or q.fmt != MXFP4_FORMAT or len(q.companions) != 1 or key in self.fallback_keys:
+                continue
+            name = self._missing_target(q, missing)
+            if name is None or dtype_of_target(name) not in _FLOATS:
+                continue
+            shape = tuple(int(n) for n in shape_of(key))
+            scale = q.companions[0]
+            if len(shape) < 4 or shape[-1] != 16:
+                raise self.refuse(q, f"its blocks have shape {shape}, not [..., rows, groups, 16]")
+            if tuple(shape_of(scale)) != shape[:-1]:
+                raise self.refuse(q, f"its scales {scale} have shape {tuple(shape_of(scale))}, not {shape[:-1]}")
+            if dtype_of(key) != torch.uint8 or dtype_of(scale) not in (torch.uint8, torch.float8_e8m0fnu):
+                raise self.refuse(q, f"it is {dtype_of(key)} with {dtype_of(scale)} scales, not uint8 with e8m0")
+            region, spec = mxfp4_region(key, scale, shape)
+            self.dequantized[key] = spec
+            self.fallback_keys.update((key, q.companions[0]))
+            out.append((name, region))
         return out
 
     def check_missing(self, missing: Collection[str], unclaimed: Collection[str]) -> None:
@@ -269,34 +329,49 @@ def detect(
     shapes = shape_of
     block_size = config.get("weight_block_size") if config else None
 
-    def spec(value: str, scale: str, kind: str) -> tuple[Dequant | None, str]:
-        """The engine's dequantization of ``value`` by ``scale`` (``kind``: block, tensor or channel)."""
-        if shapes is None:
-            return None, "shapes unknown"
-        if dtype_of(value) not in _FP8:
-            return None, f"{value} is {dtype_of(value)}, not an fp8 dtype"
-        if dtype_of(scale) not in _SCALE_DTYPES:
-            return None, f"{scale} is {dtype_of(scale)}"
-        shape, sshape = tuple(int(n) for n in shapes(value)), tuple(int(n) for n in shapes(scale))
+    layouts: dict[tuple[Any, ...], tuple[tuple[int, ...], tuple[int, ...]] | str] = {}
+
+    def layout(
+        vdtype: torch.dtype, sdtype: torch.dtype, shape: tuple[int, ...], sshape: tuple[int, ...], kind: str
+    ) -> tuple[tuple[int, ...], tuple[int, ...]] | str:
+        """``(shape, block)`` of a dequantization, or why not (``{value}`` / ``{scale}`` name the tensors):
+        the same for every tensor of one signature (all experts of a layer share it), so computed once."""
+        if vdtype not in _FP8:
+            return f"{{value}} is {vdtype}, not an fp8 dtype"
+        if sdtype not in _SCALE_DTYPES:
+            return f"{{scale}} is {sdtype}"
         if kind == "block":
             if len(shape) < 1:
-                return None, f"{value} is 0-d"
+                return "{value} is 0-d"
             raw = block_size if block_size is not None else DEFAULT_BLOCK
             if not isinstance(raw, (list, tuple)) or not all(isinstance(b, int) and b > 0 for b in raw):
-                return None, f"weight_block_size {raw!r} is not a list of positive ints"
+                return f"weight_block_size {raw!r} is not a list of positive ints"
             tail = tuple(int(b) for b in raw)[-len(shape) :]
             block = (1,) * (len(shape) - len(tail)) + tail
             grid = tuple(-(-n // b) for n, b in zip(shape, block, strict=True))
             if tuple(sshape) != grid:
-                return None, f"{scale} has shape {sshape}, not the grid {grid} of blocks {block} over {shape}"
-            return Dequant(scale, shape, block), ""
+                return f"{{scale}} has shape {sshape}, not the grid {grid} of blocks {block} over {shape}"
+            return shape, block
         if math.prod(sshape) == 1:  # per tensor
-            return Dequant(scale, shape, shape or ()), ""
+            return shape, shape or ()
         if len(shape) == 2 and sshape in ((shape[0], 1), (shape[0],)):  # per output channel
-            return Dequant(scale, shape, (1, shape[1])), ""
+            return shape, (1, shape[1])
         if block_size is not None:
-            return spec(value, scale, "block")
-        return None, f"{scale} has shape {sshape}: neither per-tensor nor per-channel over {shape}"
+            return layout(vdtype, sdtype, shape, sshape, "block")
+        return f"{{scale}} has shape {sshape}: neither per-tensor nor per-channel over {shape}"
+
+    def spec(value: str, scale: str, kind: str) -> tuple[Dequant | None, str]:
+        """The engine's dequantization of ``value`` by ``scale`` (``kind``: block, tensor or channel)."""
+        if shapes is None:
+            return None, "shapes unknown"
+        shape, sshape = tuple(shapes(value)), tuple(shapes(scale))
+        signature = (dtype_of(value), dtype_of(scale), shape, sshape, kind)
+        found = layouts.get(signature)
+        if found is None:
+            found = layouts[signature] = layout(*signature)
+        if isinstance(found, str):
+            return None, found.replace("{value}", value).replace("{scale}", scale)
+        return Dequant(scale, *found), ""
 
     for key in keys:
         if key.endswith("_scale_inv"):
@@ -306,7 +381,7 @@ def detect(
         elif key.endswith("_blocks"):
             stem = key[: -len("_blocks")]
             if stem + "_scales" in present:
-                add(key, "mxfp4", MXFP4_FORMAT, [stem + "_scales"], stem, (None, "dequantized with torch, whole"))
+                add(key, "mxfp4", MXFP4_FORMAT, [stem + "_scales"], stem, (None, "dequantized only as gpt-oss experts"))
         elif key.endswith(".weight_scale"):
             module = _module(key)
             if module + ".weight_packed" in present:
@@ -356,4 +431,13 @@ def detect(
 def detect_in_index(index: Any) -> QuantInfo:
     """:func:`detect` over a ``CheckpointIndex``, with the ``config.json`` next to its first file."""
     config = read_quant_config(Path(index.files[0].path).parent) if index.files else None
-    return detect(index, lambda k: index.locate(k).dtype, config, lambda k: index.locate(k).shape)
+    keys = list(index)
+    entries = dict(zip(keys, index.locate_many(keys), strict=True))  # every key's header facts, in bulk
+
+    def dtype_of(key: str) -> torch.dtype:
+        return entries[key].dtype
+
+    def shape_of(key: str) -> tuple[int, ...]:
+        return entries[key].shape
+
+    return detect(keys, dtype_of, config, shape_of)

@@ -11,9 +11,10 @@ from itertools import repeat
 from typing import Any, NamedTuple
 
 import numpy as np
+import torch
 
 from ..errors import PlanError
-from ..quant import Dequant
+from ..quant import Dequant, source_nbytes
 
 __all__ = ["DeferredGroup", "LoadPlan", "LoadReport", "ReadItem", "Reads", "TemplateReads"]
 
@@ -146,7 +147,7 @@ class Reads(Sequence[ReadItem]):
         storage_strides: Sequence[int],
         lengths: Sequence[int],
         dest_offsets: Sequence[int],
-        itemsize: int,
+        dtype: torch.dtype,
         second: Dequant | None = None,
     ) -> Reads:
         """A single box (whole-tensor reads, requests of readers without a plan); its three tuples must have
@@ -166,7 +167,7 @@ class Reads(Sequence[ReadItem]):
             np.reshape(np.asarray(storage_strides, dtype=np.int64), (1, ndim)),
             np.reshape(np.asarray(lengths, dtype=np.int64), (1, ndim)),
             np.reshape(np.asarray(dest_offsets, dtype=np.int64), (1, ndim)),
-            [numel * itemsize],
+            [source_nbytes(numel, dtype, second is not None)],
             None,
             None if second is None else [second],
         )
@@ -334,6 +335,12 @@ class LoadPlan:
     report: LoadReport
     files: dict[str, str]  # checkpoint key -> the path of the file it is read from (every key the plan reads)
     dequant: dict[str, Dequant] = field(default_factory=dict)  # quantized keys read dequantized (quant.py)
+    #: the scale tensors of the region reads' dequantized keys (key -> bytes): the engine reads each whole
+    scale_nbytes: dict[str, int] = field(default_factory=dict)
+
+    @staticmethod
+    def _scales_of(reads: Reads) -> set[str]:
+        return {s.scale for s in reads.second if s is not None} if reads.second is not None else set()
 
     def read_bytes_by_file(self) -> dict[str, int]:
         """Bytes of source data this rank's region reads need, per checkpoint file."""
@@ -343,6 +350,9 @@ class LoadPlan:
             for key, n in zip(reads.keys, reads.nbytes.tolist(), strict=True):
                 path = files[key]
                 out[path] = out.get(path, 0) + n
+        scales: set[str] = set().union(*map(self._scales_of, self.region_reads.values()))
+        for key in sorted(scales):  # each scale tensor once, however many targets use it
+            out[files[key]] = out.get(files[key], 0) + self.scale_nbytes[key]
         for path, n in self._deferred_bytes():
             out[path] = out.get(path, 0) + n
         return out
@@ -353,7 +363,12 @@ class LoadPlan:
                 yield self.files[key], n
 
     def read_bytes_by_target(self) -> dict[str, int]:
-        return {name: reads.total_nbytes for name, reads in self.region_reads.items()}
+        """Source bytes of each region target's reads, the whole scale tensors of its dequantized keys
+        included."""
+        return {
+            name: reads.total_nbytes + sum(self.scale_nbytes[s] for s in self._scales_of(reads))
+            for name, reads in self.region_reads.items()
+        }
 
     @property
     def bytes_needed(self) -> int:

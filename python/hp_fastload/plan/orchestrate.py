@@ -19,6 +19,7 @@ from ..targets import Target
 from .claims import Claims
 from .context import LoadContext, PendingGroup
 from .items import LoadPlan, LoadReport
+from .regions import region_items
 from .replacement import Replacement, SourceModelView, plan_replacement_stage, replacement_of, replacement_routes
 from .trace import Tracer
 
@@ -108,7 +109,20 @@ def plan_load(
         tracer = Tracer(index, model, lambda n: targets[n].global_shape if n in targets else None, trace)
         for group in groups:
             claims.direct(group, tracer.run(group), model)
-    if quant:  # formats dequantized with torch on whole tensors (MXFP4): deferred groups of their own
+    if quant and trace:  # MXFP4 into float experts: region reads the engine dequantizes (quant.mxfp4_region)
+        unloaded = set(targets) - claims.loaded
+        for name, packed in quant.packed_regions(
+            unloaded,
+            claims.unexpected,
+            lambda n: targets[n].dtype,
+            lambda k: index.locate(k).shape,
+            lambda k: index.locate(k).dtype,
+        ):
+            target = claims.claim(name, tuple(packed.shape))
+            if target is not None:
+                reads = region_items(target, packed.blocks, index, None, claims.blocks)
+                claims.region_reads[target.names[0]] = (target, reads)
+    if quant:  # the legacy loader: MXFP4 dequantized with torch on whole tensors, deferred groups of their own
         unloaded = set(targets) - claims.loaded
         fallbacks = quant.fallbacks(
             unloaded, claims.unexpected, lambda n: targets[n].dtype, lambda k: index.locate(k).shape
@@ -143,9 +157,16 @@ def plan_load(
             reads = reads.with_second([dequant.get(k) for k in reads.keys])
         region_reads[name] = reads
     read_keys = {k for reads in region_reads.values() for k in reads.keys}
+    scales = {s.scale for reads in region_reads.values() for s in reads.second or () if s is not None}
+    read_keys.update(scales)
     read_keys.update(k for d in claims.deferred for k in d.keys)
     plan = LoadPlan(
-        region_reads, [d.plain(index) for d in claims.deferred], report, _files_of(index, read_keys), dequant
+        region_reads,
+        [d.plain(index) for d in claims.deferred],
+        report,
+        _files_of(index, read_keys),
+        dequant,
+        {s: index.locate(s).nbytes for s in sorted(scales)},
     )
     context = LoadContext(
         model,

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from ..index import CheckpointIndex
+from ..quant import MXFP4_LEAF_DTYPE
 from ..region import Block, row_major_strides
 from ..targets import Target
 from .items import Reads
@@ -77,13 +78,17 @@ class BlockCache:
             else:
                 lengths = np.array([t[3] for t in templates], dtype=np.int64)
                 itemsize = np.array([b.src_dtype.itemsize for b in blocks], dtype=np.int64)
+                nbytes = lengths.prod(axis=1) * itemsize
+                packed = np.array([b.src_dtype == MXFP4_LEAF_DTYPE for b in blocks])  # two 4-bit elements a byte
+                if packed.any():
+                    nbytes = np.where(packed, (nbytes + 1) // 2, nbytes)
                 entry.columns = Reads(
                     [t[0] for t in templates],
                     [t[1] for t in templates],
                     np.array([t[2] for t in templates], dtype=np.int64),
                     lengths,
                     np.array([t[4] for t in templates], dtype=np.int64),
-                    lengths.prod(axis=1) * itemsize,
+                    nbytes,
                     [t[5] for t in templates],
                 )
         return entry.columns
@@ -193,6 +198,7 @@ def intersect(
         src, base0, strides, lengths, offsets, post = templates[i]
         source = key(src)
         itemsize = blocks[i].src_dtype.itemsize
+        packed = blocks[i].src_dtype == MXFP4_LEAF_DTYPE  # 4-bit elements, two a byte
         for goff, glen, loff in boxes:
             lo = []
             sub = []
@@ -216,7 +222,7 @@ def intersect(
                 all_strides.append(strides)
                 all_lengths.append(sub)
                 dests.append([loff[d] + lo[d] - goff[d] for d in range(ndim)])
-                nbytes.append(numel)
+                nbytes.append((numel + 1) // 2 if packed else numel)
                 posts.append(post)
     if not keys:
         return Reads.empty(ndim)
