@@ -137,6 +137,9 @@ impl SafetensorsHeader {
         let dict = PyDict::new(py);
         // One string object per dtype (a header has a handful), shared by every entry.
         let mut names: Vec<(Dtype, Bound<'py, PyString>)> = Vec::new();
+        // One shape tuple per distinct shape (a MoE header repeats a few dozen shapes across 10^4 tensors):
+        // tuples are immutable, and sharing them halves the objects built.
+        let mut shapes: std::collections::HashMap<&[u64], Py<PyTuple>> = Default::default();
         for (i, t) in self.inner.tensors.iter().enumerate() {
             let dtype = match names.iter().find(|(d, _)| *d == t.dtype) {
                 Some((_, s)) => s.clone(),
@@ -149,7 +152,14 @@ impl SafetensorsHeader {
             let entry = HeaderEntry {
                 position: i,
                 dtype: dtype.unbind(),
-                shape: PyTuple::new(py, &t.shape)?.unbind(),
+                shape: match shapes.get(t.shape.as_slice()) {
+                    Some(shape) => shape.clone_ref(py),
+                    None => {
+                        let shape = PyTuple::new(py, &t.shape)?.unbind();
+                        shapes.insert(&t.shape, shape.clone_ref(py));
+                        shape
+                    }
+                },
                 begin: t.begin,
                 end: t.end,
             };
