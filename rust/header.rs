@@ -104,6 +104,8 @@ pub struct Header {
     /// compare to agree that they read the same checkpoint, and what [`Header::still_current`] re-checks.
     pub digest: u64,
     index: NameTable,
+    /// The tensors' natural order, computed with the parse (see [`natural_order_of`]).
+    natural: NaturalKeys,
     /// The file's map, kept between reads (see [`MapSlot`]).
     pub(crate) map: MapSlot,
 }
@@ -204,6 +206,7 @@ impl Header {
         let index = NameTable::build(&tensors, |t| &t.name).unwrap_or_else(|_| {
             unreachable!("the names were found distinct above, and sorting keeps them")
         });
+        let natural = NaturalKeys::of(&tensors, |t| &t.name);
         let mut covered = 0u64;
         for t in &tensors {
             if t.begin < covered {
@@ -235,6 +238,7 @@ impl Header {
             identity: None,
             digest,
             index,
+            natural,
             map: MapSlot::default(),
         })
     }
@@ -251,9 +255,9 @@ impl Header {
     }
 }
 
-/// Positions of named items by name: open addressing over `u32` slots (linear probing, at most half full),
-/// hashed with FNV-1a. The names stay where they are (no copy, no allocation per name): building the
-/// std `HashMap<String, usize>` (a clone of every name, SipHash) and the duplicate check's `HashSet` was a
+/// Positions of named items by name: open addressing over `u32` slots (linear probing, at most half
+/// full). The names stay where they are (no copy, no allocation per name): building the std
+/// `HashMap<String, usize>` (a clone of every name, SipHash) and the duplicate check's `HashSet` was a
 /// fifth of parsing a 90k-tensor header.
 #[derive(Clone, Debug, Default)]
 struct NameTable {
@@ -264,10 +268,17 @@ struct NameTable {
 impl NameTable {
     const EMPTY: u32 = u32::MAX;
 
+    /// FNV-1a over 8-byte words, then the tail (one multiply per word: names are ~60 bytes).
     fn hash(name: &str) -> u64 {
-        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-        for &b in name.as_bytes() {
-            h = (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
+        const PRIME: u64 = 0x0000_0100_0000_01b3;
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325 ^ name.len() as u64;
+        let mut words = name.as_bytes().chunks_exact(8);
+        for w in &mut words {
+            h = (h ^ u64::from_le_bytes(w.try_into().expect("8 bytes"))).wrapping_mul(PRIME);
+            h ^= h >> 29;
+        }
+        for &b in words.remainder() {
+            h = (h ^ u64::from(b)).wrapping_mul(PRIME);
         }
         h ^ (h >> 32)
     }
@@ -507,21 +518,87 @@ fn natural_order_key(name: &str, out: &mut Vec<u8>) -> bool {
 /// orders like `hp_fastload.natural.natural_sort_key`, ties by name; the second holds the names
 /// `natural_order_key` refuses.
 pub fn natural_order(names: &[&str]) -> (Vec<usize>, Vec<usize>) {
-    let mut buf: Vec<u8> = Vec::with_capacity(names.iter().map(|n| n.len() / 2 + 8).sum());
-    let mut spans: Vec<(usize, usize, usize)> = Vec::with_capacity(names.len()); // (start, end, position)
-    let mut other = Vec::new();
-    for (i, name) in names.iter().enumerate() {
-        let start = buf.len();
-        if natural_order_key(name, &mut buf) {
-            spans.push((start, buf.len(), i));
-        } else {
-            buf.truncate(start);
-            other.push(i);
-        }
+    let keys = NaturalKeys::of(names, |n| n);
+    let order = keys.sorted.iter().map(|&(_, _, i)| i as usize).collect();
+    (order, keys.other.iter().map(|&i| i as usize).collect())
+}
+
+/// [`natural_order`] over the tensors of several headers (positions into their names taken in order, each
+/// header's in file order), merged from the order each header computed when it was parsed, in its parsing
+/// thread: a stable sort of the concatenated runs merges them (it finds the sorted runs), so the interpreter
+/// waits for a merge, not for a sort of every name.
+pub fn natural_order_of(headers: &[&Header]) -> (Vec<usize>, Vec<usize>) {
+    let mut base = Vec::with_capacity(headers.len());
+    let mut total = 0usize;
+    for h in headers {
+        base.push(total);
+        total += h.tensors.len();
     }
-    let key = |&(a, b, _): &(usize, usize, usize)| &buf[a..b];
-    spans.sort_unstable_by(|x, y| key(x).cmp(key(y)).then_with(|| names[x.2].cmp(names[y.2])));
-    (spans.into_iter().map(|(_, _, i)| i).collect(), other)
+    // (header, key start, key end, position in the header)
+    let mut spans: Vec<(u32, u32, u32, u32)> = Vec::with_capacity(total);
+    let mut other = Vec::new();
+    for (at, h) in headers.iter().enumerate() {
+        let at = u32::try_from(at).expect("fewer than u32::MAX headers");
+        spans.extend(h.natural.sorted.iter().map(|&(a, b, i)| (at, a, b, i)));
+        other.extend(
+            h.natural
+                .other
+                .iter()
+                .map(|&i| base[at as usize] + i as usize),
+        );
+    }
+    let key = |&(h, a, b, _): &(u32, u32, u32, u32)| {
+        &headers[h as usize].natural.buf[a as usize..b as usize]
+    };
+    let name = |&(h, _, _, i): &(u32, u32, u32, u32)| {
+        headers[h as usize].tensors[i as usize].name.as_str()
+    };
+    if headers.len() > 1 {
+        spans.sort_by(|x, y| key(x).cmp(key(y)).then_with(|| name(x).cmp(name(y))));
+    }
+    let order = spans
+        .iter()
+        .map(|&(h, _, _, i)| base[h as usize] + i as usize)
+        .collect();
+    (order, other)
+}
+
+/// Some names' natural order: their compact keys ([`natural_order_key`]) back to back, the keyed names'
+/// `(key start, key end, position)` sorted by key then name, and the positions of the names refused. Spans
+/// and positions fit in `u32`: a header is at most [`MAX_HEADER_LEN`] bytes, and a key at most three
+/// bytes per byte of its name, plus two.
+#[derive(Clone, Debug, Default)]
+struct NaturalKeys {
+    buf: Vec<u8>,
+    sorted: Vec<(u32, u32, u32)>,
+    other: Vec<u32>,
+}
+
+impl NaturalKeys {
+    fn of<T>(items: &[T], name: impl Fn(&T) -> &str) -> NaturalKeys {
+        let small =
+            |n: usize| u32::try_from(n).expect("a header's keys span less than u32::MAX bytes");
+        let mut buf: Vec<u8> =
+            Vec::with_capacity(items.iter().map(|t| name(t).len() / 2 + 8).sum());
+        let mut sorted = Vec::with_capacity(items.len());
+        let mut other = Vec::new();
+        for (i, item) in items.iter().enumerate() {
+            let start = buf.len();
+            if natural_order_key(name(item), &mut buf) {
+                sorted.push((small(start), small(buf.len()), small(i)));
+            } else {
+                buf.truncate(start);
+                other.push(small(i));
+            }
+        }
+        let key = |&(a, b, _): &(u32, u32, u32)| &buf[a as usize..b as usize];
+        sorted.sort_unstable_by(|x, y| {
+            key(x)
+                .cmp(key(y))
+                .then_with(|| name(&items[x.2 as usize]).cmp(name(&items[y.2 as usize])))
+        });
+        NaturalKeys { buf, sorted, other }
+    }
 }
 
 fn read_exact(
@@ -1321,6 +1398,44 @@ mod tests {
             let mut expected: Vec<usize> = order.clone();
             expected.sort_by_key(|&i| (natural_sort_key(refs[i]).unwrap(), refs[i]));
             prop_assert_eq!(order, expected);
+        }
+
+        /// Several headers' orders merged equal the order of all their names sorted at once (ties by name,
+        /// also for one name in two headers, where only the positions differ).
+        #[test]
+        fn natural_order_of_headers_merges_like_one_sort(
+            names in proptest::collection::vec(
+                proptest::collection::vec(
+                    prop_oneof![Just("."), Just("a"), Just("0"), Just("00"), Just("10"), Just("2"), Just("é")],
+                    0..8,
+                ).prop_map(|parts| parts.concat()),
+                0..80,
+            ),
+            shards in 1usize..5,
+        ) {
+            let mut split: Vec<Vec<&str>> = vec![Vec::new(); shards];
+            for (i, n) in names.iter().enumerate() {
+                if !split[i % shards].contains(&n.as_str()) {
+                    split[i % shards].push(n);
+                }
+            }
+            let headers: Vec<Header> = split.iter().map(|part| {
+                let fields: Vec<String> = part.iter().enumerate().map(|(i, n)| format!(
+                    r#"{}:{{"dtype":"U8","shape":[1],"data_offsets":[{i},{}]}}"#,
+                    serde_json::to_string(n).unwrap(), i + 1,
+                )).collect();
+                parse(&file(&format!("{{{}}}", fields.join(",")), part.len())).unwrap()
+            }).collect();
+            let every: Vec<&str> = headers.iter().flat_map(|h| h.tensors.iter().map(|t| t.name.as_str())).collect();
+            let refs: Vec<&Header> = headers.iter().collect();
+            let (order, other) = natural_order_of(&refs);
+            let (alone, alone_other) = natural_order(&every);
+            prop_assert_eq!(&other, &alone_other);
+            let named = |o: &[usize]| o.iter().map(|&i| every[i]).collect::<Vec<_>>();
+            prop_assert_eq!(named(&order), named(&alone));
+            let mut all: Vec<usize> = order.iter().chain(&alone_other).copied().collect();
+            all.sort_unstable();
+            prop_assert_eq!(all, (0..every.len()).collect::<Vec<_>>());
         }
 
         #[test]

@@ -170,7 +170,8 @@ impl SafetensorsHeader {
 
     /// The natural order of every tensor of `headers` (several shards): positions into their names taken in
     /// order (each header's in file order), sorted, plus the positions of names whose order is Python's to
-    /// decide (see [`crate::header::natural_order_key`]). Positions rather than names, so the caller orders
+    /// decide (see [`crate::header::natural_order_key`]); merged from the order each header computed when it
+    /// was parsed ([`crate::header::natural_order_of`]). Positions rather than names, so the caller orders
     /// the very string objects it already holds.
     #[staticmethod]
     fn natural_order(
@@ -179,11 +180,8 @@ impl SafetensorsHeader {
     ) -> (Vec<usize>, Vec<usize>) {
         let inners = shared(&headers);
         py.detach(move || {
-            let names: Vec<&str> = inners
-                .iter()
-                .flat_map(|h| h.tensors.iter().map(|t| t.name.as_str()))
-                .collect();
-            crate::header::natural_order(&names)
+            let refs: Vec<&Header> = inners.iter().map(|h| h.as_ref()).collect();
+            crate::header::natural_order_of(&refs)
         })
     }
 
