@@ -23,6 +23,7 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::fs::File;
+use std::hash::Hasher;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 
@@ -255,6 +256,38 @@ impl Header {
     }
 }
 
+/// FNV-1a over 8-byte words, then the tail: one multiply per word (SipHash, std's default, was most of the
+/// cost of hashing ~60-byte names and short shapes). For in-process tables only; not collision-resistant
+/// against chosen input, which costs a slower lookup there, never a wrong one.
+#[derive(Clone, Copy, Debug)]
+pub struct WordHasher(u64);
+
+impl Default for WordHasher {
+    fn default() -> Self {
+        WordHasher(0xcbf2_9ce4_8422_2325)
+    }
+}
+
+impl std::hash::Hasher for WordHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        const PRIME: u64 = 0x0000_0100_0000_01b3;
+        let mut h = self.0 ^ bytes.len() as u64;
+        let mut words = bytes.chunks_exact(8);
+        for w in &mut words {
+            h = (h ^ u64::from_le_bytes(w.try_into().expect("8 bytes"))).wrapping_mul(PRIME);
+            h ^= h >> 29;
+        }
+        for &b in words.remainder() {
+            h = (h ^ u64::from(b)).wrapping_mul(PRIME);
+        }
+        self.0 = h;
+    }
+
+    fn finish(&self) -> u64 {
+        self.0 ^ (self.0 >> 32)
+    }
+}
+
 /// Positions of named items by name: open addressing over `u32` slots (linear probing, at most half
 /// full). The names stay where they are (no copy, no allocation per name): building the std
 /// `HashMap<String, usize>` (a clone of every name, SipHash) and the duplicate check's `HashSet` was a
@@ -268,19 +301,10 @@ struct NameTable {
 impl NameTable {
     const EMPTY: u32 = u32::MAX;
 
-    /// FNV-1a over 8-byte words, then the tail (one multiply per word: names are ~60 bytes).
     fn hash(name: &str) -> u64 {
-        const PRIME: u64 = 0x0000_0100_0000_01b3;
-        let mut h: u64 = 0xcbf2_9ce4_8422_2325 ^ name.len() as u64;
-        let mut words = name.as_bytes().chunks_exact(8);
-        for w in &mut words {
-            h = (h ^ u64::from_le_bytes(w.try_into().expect("8 bytes"))).wrapping_mul(PRIME);
-            h ^= h >> 29;
-        }
-        for &b in words.remainder() {
-            h = (h ^ u64::from(b)).wrapping_mul(PRIME);
-        }
-        h ^ (h >> 32)
+        let mut h = WordHasher::default();
+        h.write(name.as_bytes());
+        h.finish()
     }
 
     /// The table of `items`, or the position of the first item whose name an earlier one already has.

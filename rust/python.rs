@@ -139,7 +139,11 @@ impl SafetensorsHeader {
         let mut names: Vec<(Dtype, Bound<'py, PyString>)> = Vec::new();
         // One shape tuple per distinct shape (a MoE header repeats a few dozen shapes across 10^4 tensors):
         // tuples are immutable, and sharing them halves the objects built.
-        let mut shapes: std::collections::HashMap<&[u64], Py<PyTuple>> = Default::default();
+        let mut shapes: std::collections::HashMap<
+            &[u64],
+            Py<PyTuple>,
+            std::hash::BuildHasherDefault<crate::header::WordHasher>,
+        > = Default::default();
         for (i, t) in self.inner.tensors.iter().enumerate() {
             let dtype = match names.iter().find(|(d, _)| *d == t.dtype) {
                 Some((_, s)) => s.clone(),
