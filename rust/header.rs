@@ -23,6 +23,7 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::fs::File;
+use std::hash::Hasher;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 
@@ -103,7 +104,9 @@ pub struct Header {
     /// A 64-bit digest of the header bytes (length prefix and JSON, see [`header_digest`]): what ranks
     /// compare to agree that they read the same checkpoint, and what [`Header::still_current`] re-checks.
     pub digest: u64,
-    index: HashMap<String, usize>,
+    index: NameTable,
+    /// The tensors' natural order, computed with the parse (see [`natural_order_of`]).
+    natural: NaturalKeys,
     /// The file's map, kept between reads (see [`MapSlot`]).
     pub(crate) map: MapSlot,
 }
@@ -190,24 +193,21 @@ impl Header {
             None => None,
         };
         // Duplicate names first (before any entry is judged), without copying the names.
-        let mut seen = std::collections::HashSet::with_capacity(entries.len());
-        if let Some((name, _)) = entries.iter().find(|(name, _)| !seen.insert(name.as_str())) {
+        if let Err(at) = NameTable::build(&entries, |(name, _)| name) {
             return Err(err(format!(
                 "header is not valid JSON: duplicate key {}",
-                Quoted(name)
+                Quoted(&entries[at].0)
             )));
         }
-        drop(seen);
         let mut tensors = Vec::with_capacity(entries.len());
         for (name, entry) in entries {
             tensors.push(parse_tensor(name, entry).map_err(err)?);
         }
         tensors.sort_by_key(|t| (t.begin, t.end));
-        let index = tensors
-            .iter()
-            .enumerate()
-            .map(|(i, t)| (t.name.clone(), i))
-            .collect();
+        let index = NameTable::build(&tensors, |t| &t.name).unwrap_or_else(|_| {
+            unreachable!("the names were found distinct above, and sorting keeps them")
+        });
+        let natural = NaturalKeys::of(&tensors, |t| &t.name);
         let mut covered = 0u64;
         for t in &tensors {
             if t.begin < covered {
@@ -239,6 +239,7 @@ impl Header {
             identity: None,
             digest,
             index,
+            natural,
             map: MapSlot::default(),
         })
     }
@@ -251,7 +252,94 @@ impl Header {
 
     /// Position in [`Header::tensors`] of the tensor called `name`.
     pub fn index(&self, name: &str) -> Option<usize> {
-        self.index.get(name).copied()
+        self.index.get(&self.tensors, |t| &t.name, name)
+    }
+}
+
+/// FNV-1a over 8-byte words, then the tail: one multiply per word (SipHash, std's default, was most of the
+/// cost of hashing ~60-byte names and short shapes). For in-process tables only; not collision-resistant
+/// against chosen input, which costs a slower lookup there, never a wrong one.
+#[derive(Clone, Copy, Debug)]
+pub struct WordHasher(u64);
+
+impl Default for WordHasher {
+    fn default() -> Self {
+        WordHasher(0xcbf2_9ce4_8422_2325)
+    }
+}
+
+impl std::hash::Hasher for WordHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        const PRIME: u64 = 0x0000_0100_0000_01b3;
+        let mut h = self.0 ^ bytes.len() as u64;
+        let mut words = bytes.chunks_exact(8);
+        for w in &mut words {
+            h = (h ^ u64::from_le_bytes(w.try_into().expect("8 bytes"))).wrapping_mul(PRIME);
+            h ^= h >> 29;
+        }
+        for &b in words.remainder() {
+            h = (h ^ u64::from(b)).wrapping_mul(PRIME);
+        }
+        self.0 = h;
+    }
+
+    fn finish(&self) -> u64 {
+        self.0 ^ (self.0 >> 32)
+    }
+}
+
+/// Positions of named items by name: open addressing over `u32` slots (linear probing, at most half
+/// full). The names stay where they are (no copy, no allocation per name): building the std
+/// `HashMap<String, usize>` (a clone of every name, SipHash) and the duplicate check's `HashSet` was a
+/// fifth of parsing a 90k-tensor header.
+#[derive(Clone, Debug, Default)]
+struct NameTable {
+    /// `EMPTY`, or a position into the items the table was built over.
+    slots: Vec<u32>,
+}
+
+impl NameTable {
+    const EMPTY: u32 = u32::MAX;
+
+    fn hash(name: &str) -> u64 {
+        let mut h = WordHasher::default();
+        h.write(name.as_bytes());
+        h.finish()
+    }
+
+    /// The table of `items`, or the position of the first item whose name an earlier one already has.
+    /// A header is at most [`MAX_HEADER_LEN`] bytes, so it has fewer than `u32::MAX` tensors.
+    fn build<T>(items: &[T], name: impl Fn(&T) -> &str) -> Result<NameTable, usize> {
+        let mask = (items.len() * 2).next_power_of_two().max(2) - 1;
+        let mut slots = vec![Self::EMPTY; mask + 1];
+        for (i, item) in items.iter().enumerate() {
+            let key = name(item);
+            let mut at = Self::hash(key) as usize & mask;
+            loop {
+                match slots[at] {
+                    Self::EMPTY => {
+                        slots[at] = u32::try_from(i).expect("fewer than u32::MAX tensors");
+                        break;
+                    }
+                    j if name(&items[j as usize]) == key => return Err(i),
+                    _ => at = (at + 1) & mask,
+                }
+            }
+        }
+        Ok(NameTable { slots })
+    }
+
+    /// The position of `key` among `items` (the ones the table was built over).
+    fn get<T>(&self, items: &[T], name: impl Fn(&T) -> &str, key: &str) -> Option<usize> {
+        let mask = self.slots.len().checked_sub(1)?;
+        let mut at = Self::hash(key) as usize & mask;
+        loop {
+            match self.slots[at] {
+                Self::EMPTY => return None,
+                j if name(&items[j as usize]) == key => return Some(j as usize),
+                _ => at = (at + 1) & mask,
+            }
+        }
     }
 }
 
@@ -454,21 +542,87 @@ fn natural_order_key(name: &str, out: &mut Vec<u8>) -> bool {
 /// orders like `hp_fastload.natural.natural_sort_key`, ties by name; the second holds the names
 /// `natural_order_key` refuses.
 pub fn natural_order(names: &[&str]) -> (Vec<usize>, Vec<usize>) {
-    let mut buf: Vec<u8> = Vec::with_capacity(names.iter().map(|n| n.len() / 2 + 8).sum());
-    let mut spans: Vec<(usize, usize, usize)> = Vec::with_capacity(names.len()); // (start, end, position)
-    let mut other = Vec::new();
-    for (i, name) in names.iter().enumerate() {
-        let start = buf.len();
-        if natural_order_key(name, &mut buf) {
-            spans.push((start, buf.len(), i));
-        } else {
-            buf.truncate(start);
-            other.push(i);
-        }
+    let keys = NaturalKeys::of(names, |n| n);
+    let order = keys.sorted.iter().map(|&(_, _, i)| i as usize).collect();
+    (order, keys.other.iter().map(|&i| i as usize).collect())
+}
+
+/// [`natural_order`] over the tensors of several headers (positions into their names taken in order, each
+/// header's in file order), merged from the order each header computed when it was parsed, in its parsing
+/// thread: a stable sort of the concatenated runs merges them (it finds the sorted runs), so the interpreter
+/// waits for a merge, not for a sort of every name.
+pub fn natural_order_of(headers: &[&Header]) -> (Vec<usize>, Vec<usize>) {
+    let mut base = Vec::with_capacity(headers.len());
+    let mut total = 0usize;
+    for h in headers {
+        base.push(total);
+        total += h.tensors.len();
     }
-    let key = |&(a, b, _): &(usize, usize, usize)| &buf[a..b];
-    spans.sort_unstable_by(|x, y| key(x).cmp(key(y)).then_with(|| names[x.2].cmp(names[y.2])));
-    (spans.into_iter().map(|(_, _, i)| i).collect(), other)
+    // (header, key start, key end, position in the header)
+    let mut spans: Vec<(u32, u32, u32, u32)> = Vec::with_capacity(total);
+    let mut other = Vec::new();
+    for (at, h) in headers.iter().enumerate() {
+        let at = u32::try_from(at).expect("fewer than u32::MAX headers");
+        spans.extend(h.natural.sorted.iter().map(|&(a, b, i)| (at, a, b, i)));
+        other.extend(
+            h.natural
+                .other
+                .iter()
+                .map(|&i| base[at as usize] + i as usize),
+        );
+    }
+    let key = |&(h, a, b, _): &(u32, u32, u32, u32)| {
+        &headers[h as usize].natural.buf[a as usize..b as usize]
+    };
+    let name = |&(h, _, _, i): &(u32, u32, u32, u32)| {
+        headers[h as usize].tensors[i as usize].name.as_str()
+    };
+    if headers.len() > 1 {
+        spans.sort_by(|x, y| key(x).cmp(key(y)).then_with(|| name(x).cmp(name(y))));
+    }
+    let order = spans
+        .iter()
+        .map(|&(h, _, _, i)| base[h as usize] + i as usize)
+        .collect();
+    (order, other)
+}
+
+/// Some names' natural order: their compact keys ([`natural_order_key`]) back to back, the keyed names'
+/// `(key start, key end, position)` sorted by key then name, and the positions of the names refused. Spans
+/// and positions fit in `u32`: a header is at most [`MAX_HEADER_LEN`] bytes, and a key at most three
+/// bytes per byte of its name, plus two.
+#[derive(Clone, Debug, Default)]
+struct NaturalKeys {
+    buf: Vec<u8>,
+    sorted: Vec<(u32, u32, u32)>,
+    other: Vec<u32>,
+}
+
+impl NaturalKeys {
+    fn of<T>(items: &[T], name: impl Fn(&T) -> &str) -> NaturalKeys {
+        let small =
+            |n: usize| u32::try_from(n).expect("a header's keys span less than u32::MAX bytes");
+        let mut buf: Vec<u8> =
+            Vec::with_capacity(items.iter().map(|t| name(t).len() / 2 + 8).sum());
+        let mut sorted = Vec::with_capacity(items.len());
+        let mut other = Vec::new();
+        for (i, item) in items.iter().enumerate() {
+            let start = buf.len();
+            if natural_order_key(name(item), &mut buf) {
+                sorted.push((small(start), small(buf.len()), small(i)));
+            } else {
+                buf.truncate(start);
+                other.push(small(i));
+            }
+        }
+        let key = |&(a, b, _): &(u32, u32, u32)| &buf[a as usize..b as usize];
+        sorted.sort_unstable_by(|x, y| {
+            key(x)
+                .cmp(key(y))
+                .then_with(|| name(&items[x.2 as usize]).cmp(name(&items[y.2 as usize])))
+        });
+        NaturalKeys { buf, sorted, other }
+    }
 }
 
 fn read_exact(
@@ -1087,6 +1241,30 @@ mod tests {
     }
 
     #[test]
+    fn name_table_finds_every_name_and_the_first_repeat() {
+        // Many names sharing prefixes and a tiny table's collisions: every name at its position, others absent.
+        let names: Vec<String> = (0..5000)
+            .map(|i| format!("model.layers.{}.w{}", i % 61, i))
+            .collect();
+        let table = NameTable::build(&names, |n| n).unwrap();
+        for (i, n) in names.iter().enumerate() {
+            assert_eq!(table.get(&names, |n| n, n), Some(i));
+        }
+        for absent in [
+            "",
+            "model.layers.0.w",
+            "model.layers.0.w5000",
+            "model.layers.0.w0 ",
+        ] {
+            assert_eq!(table.get(&names, |n| n, absent), None);
+        }
+        assert_eq!(NameTable::default().get(&names, |n| n, "a"), None);
+        let repeated = ["a", "b", "c", "b", "a"];
+        assert_eq!(NameTable::build(&repeated, |n| n).err(), Some(3));
+        assert!(NameTable::build(&[] as &[&str], |n| n).is_ok());
+    }
+
+    #[test]
     fn read_maps_io_errors() {
         let dir = tempfile::tempdir().unwrap();
         let missing = dir.path().join("missing.safetensors");
@@ -1244,6 +1422,44 @@ mod tests {
             let mut expected: Vec<usize> = order.clone();
             expected.sort_by_key(|&i| (natural_sort_key(refs[i]).unwrap(), refs[i]));
             prop_assert_eq!(order, expected);
+        }
+
+        /// Several headers' orders merged equal the order of all their names sorted at once (ties by name,
+        /// also for one name in two headers, where only the positions differ).
+        #[test]
+        fn natural_order_of_headers_merges_like_one_sort(
+            names in proptest::collection::vec(
+                proptest::collection::vec(
+                    prop_oneof![Just("."), Just("a"), Just("0"), Just("00"), Just("10"), Just("2"), Just("é")],
+                    0..8,
+                ).prop_map(|parts| parts.concat()),
+                0..80,
+            ),
+            shards in 1usize..5,
+        ) {
+            let mut split: Vec<Vec<&str>> = vec![Vec::new(); shards];
+            for (i, n) in names.iter().enumerate() {
+                if !split[i % shards].contains(&n.as_str()) {
+                    split[i % shards].push(n);
+                }
+            }
+            let headers: Vec<Header> = split.iter().map(|part| {
+                let fields: Vec<String> = part.iter().enumerate().map(|(i, n)| format!(
+                    r#"{}:{{"dtype":"U8","shape":[1],"data_offsets":[{i},{}]}}"#,
+                    serde_json::to_string(n).unwrap(), i + 1,
+                )).collect();
+                parse(&file(&format!("{{{}}}", fields.join(",")), part.len())).unwrap()
+            }).collect();
+            let every: Vec<&str> = headers.iter().flat_map(|h| h.tensors.iter().map(|t| t.name.as_str())).collect();
+            let refs: Vec<&Header> = headers.iter().collect();
+            let (order, other) = natural_order_of(&refs);
+            let (alone, alone_other) = natural_order(&every);
+            prop_assert_eq!(&other, &alone_other);
+            let named = |o: &[usize]| o.iter().map(|&i| every[i]).collect::<Vec<_>>();
+            prop_assert_eq!(named(&order), named(&alone));
+            let mut all: Vec<usize> = order.iter().chain(&alone_other).copied().collect();
+            all.sort_unstable();
+            prop_assert_eq!(all, (0..every.len()).collect::<Vec<_>>());
         }
 
         #[test]

@@ -149,6 +149,13 @@ impl SafetensorsHeader {
         let dict = PyDict::new(py);
         // One string object per dtype (a header has a handful), shared by every entry.
         let mut names: Vec<(Dtype, Bound<'py, PyString>)> = Vec::new();
+        // One shape tuple per distinct shape (a MoE header repeats a few dozen shapes across 10^4 tensors):
+        // tuples are immutable, and sharing them halves the objects built.
+        let mut shapes: std::collections::HashMap<
+            &[u64],
+            Py<PyTuple>,
+            std::hash::BuildHasherDefault<crate::header::WordHasher>,
+        > = Default::default();
         for (i, t) in self.inner.tensors.iter().enumerate() {
             let dtype = match names.iter().find(|(d, _)| *d == t.dtype) {
                 Some((_, s)) => s.clone(),
@@ -161,7 +168,14 @@ impl SafetensorsHeader {
             let entry = HeaderEntry {
                 position: i,
                 dtype: dtype.unbind(),
-                shape: PyTuple::new(py, &t.shape)?.unbind(),
+                shape: match shapes.get(t.shape.as_slice()) {
+                    Some(shape) => shape.clone_ref(py),
+                    None => {
+                        let shape = PyTuple::new(py, &t.shape)?.unbind();
+                        shapes.insert(&t.shape, shape.clone_ref(py));
+                        shape
+                    }
+                },
                 begin: t.begin,
                 end: t.end,
             };
@@ -172,7 +186,8 @@ impl SafetensorsHeader {
 
     /// The natural order of every tensor of `headers` (several shards): positions into their names taken in
     /// order (each header's in file order), sorted, plus the positions of names whose order is Python's to
-    /// decide (see [`crate::header::natural_order_key`]). Positions rather than names, so the caller orders
+    /// decide (see [`crate::header::natural_order_key`]); merged from the order each header computed when it
+    /// was parsed ([`crate::header::natural_order_of`]). Positions rather than names, so the caller orders
     /// the very string objects it already holds.
     #[staticmethod]
     fn natural_order(
@@ -181,11 +196,8 @@ impl SafetensorsHeader {
     ) -> (Vec<usize>, Vec<usize>) {
         let inners = shared(&headers);
         py.detach(move || {
-            let names: Vec<&str> = inners
-                .iter()
-                .flat_map(|h| h.tensors.iter().map(|t| t.name.as_str()))
-                .collect();
-            crate::header::natural_order(&names)
+            let refs: Vec<&Header> = inners.iter().map(|h| h.as_ref()).collect();
+            crate::header::natural_order_of(&refs)
         })
     }
 
