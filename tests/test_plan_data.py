@@ -103,6 +103,33 @@ def test_batch_packs_the_records_read_many_packs(tmp_path: Path) -> None:
     assert batch.dests == [v for dest in dests for v in dest]
 
 
+
+def test_read_many_runs_through_the_shared_batch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``read_many`` validates its requests itself and then makes its engine call through ``Batch`` (the one
+    batch every caller shares): one ``Batch.execute`` per call, the values safetensors' own."""
+    from hp_fastload import batch as batch_module
+    from hp_fastload import read_many
+
+    path = tmp_path / "m.safetensors"
+    tensors = {"a": torch.randn(6, 8), "b": torch.randn(4, 5).to(torch.bfloat16)}
+    save_file(tensors, str(path))
+    calls: list[int] = []
+    real = batch_module.Batch.execute
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(self.count)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(batch_module.Batch, "execute", counted)
+    out_a, out_b = torch.zeros(2, 8), torch.zeros(4, 5, dtype=torch.float32)
+    stats = read_many([(path, "a", (3, 0), (2, 8), out_a), (path, "b", (0, 0), (4, 5), out_b)], threads=1)
+    assert calls == [2]
+    assert stats["bytes_copied"] > 0
+    assert torch.equal(out_a, tensors["a"][3:5])
+    assert torch.equal(out_b, tensors["b"].float())
+    assert read_many([]) is not None and calls == [2, 0]  # nothing to read: the engine's stats all the same
+
+
 def _pairs(reads: Reads, row0: int, cols: int) -> set[tuple[int, int]]:
     """(destination element, storage element) of every element the 2-d reads copy, destinations moved down by
     ``row0`` rows of ``cols``."""

@@ -35,7 +35,7 @@ from .engine import (
 )
 from .errors import PlanError
 from .index import TensorEntry
-from .plan.items import Reads
+from .plan.items import Int64s, Reads
 from .quant import Dequant
 
 __all__ = ["MAX_NDIM", "Batch", "Located", "Slabs", "engine_casts", "staging_chunks"]
@@ -194,10 +194,28 @@ class Batch:
         self.items.append(records)
         self.count += n
 
-    def execute(self, threads: int | None, backend: str | None, direction: str = "read") -> dict[str, Any] | None:
-        """One ``_core.execute`` call over the packed items (None when there are none); the ``after`` work is
-        the caller's (``run`` does both for loads)."""
-        if not self.count:
+    def add_records(
+        self, files: Sequence[SafetensorsFile], dests: Sequence[tuple[int, int, int]], records: Int64s
+    ) -> None:
+        """Item records packed and validated elsewhere (``engine.read_many``'s requests, one destination per
+        request: user input, checked request by request), whose ``COL_FILE`` / ``COL_DEST`` index ``files`` /
+        ``dests``; they join this batch's tables."""
+        if not len(records):
+            return
+        file_pos = np.array([self._file(f) for f in files], dtype=np.int64)
+        records = np.array(records, dtype=np.int64)
+        records[:, COL_FILE] = file_pos[records[:, COL_FILE]]
+        records[:, COL_DEST] += len(self.dests) // 3
+        self.dests.extend(value for dest in dests for value in dest)
+        self.items.append(records)
+        self.count += len(records)
+
+    def execute(
+        self, threads: int | None, backend: str | None, direction: str = "read", *, empty: bool = False
+    ) -> dict[str, Any] | None:
+        """One ``_core.execute`` call over the packed items (None when there are none, unless ``empty``: the
+        engine's stats of doing nothing); the ``after`` work is the caller's (``run`` does both for loads)."""
+        if not self.count and not empty:
             return None
         kwargs: dict[str, Any] = {"threads": threads, "direction": direction}
         if direction == "read":

@@ -1,9 +1,10 @@
 """Engine-level API: safetensors headers and batched box reads into CPU tensors.
 
 This module owns the bridge between torch tensors and the Rust engine (``hp_fastload._core``): dtype names,
-the :class:`SafetensorsFile` header view, and the packing of read requests into the engine's int64 item
-records. It does not plan anything (which boxes a rank needs is the loader's business) and it never touches
-tensor bytes itself: one :func:`read_many` call is one Rust call, with the GIL released while it reads.
+the :class:`SafetensorsFile` header view, and the validation and packing of read requests into the engine's
+int64 item records (run through ``batch.Batch``, which makes every caller's engine call). It does not plan
+anything (which boxes a rank needs is the loader's business) and it never touches tensor bytes itself: one
+:func:`read_many` call is one Rust call, with the GIL released while it reads.
 
 Item array layout (``int64``, shape ``[n, ITEM_WIDTH]``; all numbers in elements; the ``COL_*`` offsets and
 ``ITEM_WIDTH`` are the engine's own, exported by ``_core``)::
@@ -427,10 +428,14 @@ def read_many(
             cast, overlapping destinations); nothing has been written.
         ReadError: a file is shorter than its header says or changed since it was opened.
     """
+    from .batch import Batch  # the batch module builds on this one
+
     with gc_paused():
         files, dests, rows = _pack_requests(requests)
+    batch = Batch()
+    batch.add_records(files, dests, rows)
     try:
-        return execute_items(files, dests, rows, threads=threads, backend=backend)
+        return batch.execute(threads, backend, empty=True)  # type: ignore[return-value]
     finally:
         if not keep_maps:
             for f in files:
