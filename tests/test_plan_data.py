@@ -103,7 +103,6 @@ def test_batch_packs_the_records_read_many_packs(tmp_path: Path) -> None:
     assert batch.dests == [v for dest in dests for v in dest]
 
 
-
 def test_read_many_runs_through_the_shared_batch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``read_many`` validates its requests itself and then makes its engine call through ``Batch`` (the one
     batch every caller shares): one ``Batch.execute`` per call, the values safetensors' own."""

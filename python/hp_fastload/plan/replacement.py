@@ -20,7 +20,7 @@ from ..rules import is_converter, is_renaming
 from ..targets import Target
 from .claims import Claims
 from .context import PendingGroup
-from .trace import ConversionError, Traced, group_compute
+from .trace import ConversionError, Traced, group_compute, run_converter
 
 __all__ = [
     "Replacement",
@@ -129,17 +129,13 @@ def plan_replacement_stage(
         claims.defer(state.target, traced.shapes[name], pending)
         claims.add_deferred(pending)
         return
-    config = getattr(model, "config", None)
     traced_reason = next((t.reason for _, n, _, t in state.inputs if t.outputs.get(n) is None), "")
     reason = traced_reason
     regions = [t.region(n) for _, n, _, t in state.inputs] if trace else [None]
     if trace and all(r is not None for r in regions):
-        transform = copy.deepcopy(state.rule)
-        for (pattern, name, _, _), region in zip(state.inputs, regions, strict=True):
-            transform.add_tensor(state.target, name, pattern, region)
+        inputs = ((name, pattern, region) for (pattern, name, _, _), region in zip(state.inputs, regions, strict=True))
         try:
-            outputs = transform.convert(state.target, model=model, config=config)
-            outputs = {n: (v[0] if isinstance(v, list) else v) for n, v in outputs.items()}
+            outputs = run_converter(copy.deepcopy(state.rule), state.target, inputs, model)
         except (UnsupportedRegionOp, TypeError, RuntimeError, ValueError, NotImplementedError) as exc:
             reason = f"{type(exc).__name__}: {exc}"
         else:
@@ -157,11 +153,8 @@ def plan_replacement_stage(
         normalized: dict[str, torch.Tensor] = {}
         for group in stage1.values():
             normalized.update(group_compute(group, view)(sources))
-        transform = copy.deepcopy(rule)
-        for pattern, name, _, _ in state.inputs:
-            transform.add_tensor(state.target, name, pattern, normalized[name])
-        out = transform.convert(state.target, model=model, config=config)
-        return {n: (v[0] if isinstance(v, list) else v) for n, v in out.items()}
+        inputs = ((name, pattern, normalized[name]) for pattern, name, _, _ in state.inputs)
+        return run_converter(copy.deepcopy(rule), state.target, inputs, model)
 
     try:
         meta = compute(

@@ -7,7 +7,7 @@ groups. Produces traced blocks; claiming and read items are elsewhere.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,12 +27,18 @@ class ConversionError(PlanError, RuntimeError):
     """A conversion op failed on the checkpoint's shapes (a rule that does not fit the checkpoint)."""
 
 
-def convert_group(group: LoadGroup, model: Any, make_leaf: Callable[[str], Any]) -> dict[str, Any]:
-    transform = group.fresh_transform()
-    for pattern, key in group.sources:
-        transform.add_tensor(group.target, key, pattern, make_leaf(key))
-    outputs = transform.convert(group.target, model=model, config=getattr(model, "config", None))
+def run_converter(transform: Any, target: str, inputs: Iterable[tuple[str, str, Any]], model: Any) -> dict[str, Any]:
+    """One conversion, as transformers runs it: ``add_tensor`` each ``(source name, pattern, value)``, then
+    ``convert``; single-element lists (a converter's per-output lists) unwrapped."""
+    for name, pattern, value in inputs:
+        transform.add_tensor(target, name, pattern, value)
+    outputs = transform.convert(target, model=model, config=getattr(model, "config", None))
     return {name: (value[0] if isinstance(value, list) else value) for name, value in outputs.items()}
+
+
+def convert_group(group: LoadGroup, model: Any, make_leaf: Callable[[str], Any]) -> dict[str, Any]:
+    inputs = ((key, pattern, make_leaf(key)) for pattern, key in group.sources)
+    return run_converter(group.fresh_transform(), group.target, inputs, model)
 
 
 @dataclass
