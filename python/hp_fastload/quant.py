@@ -228,18 +228,19 @@ class QuantInfo:
         now and record its :class:`Dequant` in ``dequantized``; otherwise (planning, whose sources a rank
         reads only in part) the format is checked here by name, the source recorded in ``claimed``, and its
         layout checked by :meth:`read` for the sources the rank reads."""
-        record = self.tensors.record
+        found = self.tensors._found  # (a stacked-experts target has 10^3 sources: no call per source)
         floats = target_dtype in _FLOATS
         other = self._stored_other_than(target_dtype) if floats else None
+        claim = (target_name, target_dtype)
         for key in sources:
-            f = record(key)
+            f = found.get(key)
             if f is None:
                 continue
             if (key not in other) if other is not None else dtype_of(key) == target_dtype:
                 continue
             if f.kind is not None and floats:
                 if not resolve:
-                    self.claimed[key] = (target_name, target_dtype)
+                    self.claimed[key] = claim
                     continue
                 q = self.tensors[key]
                 if q.dequant is not None:
@@ -515,9 +516,7 @@ def detect(
             return None, known.replace("{value}", value).replace("{scale}", scale)
         return Dequant(scale, *known), ""
 
-    for key in keys:
-        if not key.endswith(_SCAN_SUFFIXES) and ".weight.quant_state." not in key:
-            continue
+    for key in [k for k in keys if k.endswith(_SCAN_SUFFIXES) or ".weight.quant_state." in k]:
         if key.endswith("_scale_inv"):
             value = key[: -len("_scale_inv")]
             if value in present and value not in found:  # (the common case of add, inlined: 45k of them)
