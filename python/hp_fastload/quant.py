@@ -561,10 +561,11 @@ def detect(
             module = _module(key)
             if module + ".weight" in present:
                 add(module + ".weight", "nvfp4", "NVFP4 (weight_global_scale)", [key])
-    not_float = frozenset(nonfloat) if nonfloat is not None else None
+    listed = list(nonfloat) if nonfloat is not None else None
+    not_float = frozenset(listed) if listed is not None else None
     if config is not None and method_of_config:
         exclusions = _exclusions(config)
-        candidates = keys if not_float is None else [k for k in not_float if k in present]
+        candidates = keys if listed is None else [k for k in listed if k in present]  # (the caller's order)
         for key in candidates:
             if key in found or key in companions:
                 continue
