@@ -232,12 +232,16 @@ class QuantInfo:
         floats = target_dtype in _FLOATS
         other = self._stored_other_than(target_dtype) if floats else None
         claim = (target_name, target_dtype)
-        for key in sources:
-            f = found.get(key)
-            if f is None:
-                continue
-            if (key not in other) if other is not None else dtype_of(key) == target_dtype:
-                continue
+        if not isinstance(sources, (list, tuple, set, frozenset)):
+            sources = list(sources)
+        if other is not None:  # the quantized sources not stored as the target's dtype
+            if other.isdisjoint(sources):  # (one pass in C: a bf16 checkpoint's weights with scales)
+                return
+            differ = [k for k in sources if k in found and k in other]
+        else:
+            differ = [k for k in sources if k in found and dtype_of(k) != target_dtype]
+        for key in differ:
+            f = found[key]
             if f.kind is not None and floats:
                 if not resolve:
                     self.claimed[key] = claim
