@@ -9,6 +9,11 @@ ever plain-cast into a float target: planning calls :func:`check_claim` for ever
 :func:`check_missing` before the strict check, and raises :class:`QuantizationError` naming the method, the
 tensor and what is supported. A model that keeps the quantized tensors themselves (an fp8 parameter of the
 checkpoint's dtype, its scales as parameters or buffers) loads them raw. Planning only: no bytes are read here.
+
+Detection costs what a rank reads: the companion scan is over names (and the bulk non-float query of
+``CheckpointIndex.keys_not_stored_as``), a claim is checked by name, and a tensor's layout (its ``Dequant``,
+or why it does not fit) is built only for the keys the rank's reads use (``QuantInfo.read``); a layout that
+does not fit is refused on the rank that would read it (``load`` makes every rank raise).
 """
 
 from __future__ import annotations
