@@ -238,3 +238,40 @@ def test_dcp_reader_refuses_quantized_into_float(checkpoints, monkeypatch):
     dcp.load(raw, storage_reader=HuggingFaceStorageReader(root), no_dist=True)
     assert torch.equal(raw[key].view(torch.uint8), file[key].view(torch.uint8))
     assert torch.equal(raw[key + "_scale_inv"], file[key + "_scale_inv"])
+
+
+def test_bulk_dtype_query_matches_safetensors(tmp_path):
+    """``CheckpointIndex.keys_not_stored_as`` (what detection asks instead of locating every key) gives the
+    indexed keys whose dtype, as safetensors itself reads it, is not one of the names; a header tensor the
+    index's weight_map leaves out is not among them."""
+    import json
+
+    from safetensors import safe_open
+
+    shards = {
+        "a.safetensors": {
+            "a.w": torch.zeros(4, 4).to(torch.float8_e4m3fn),
+            "a.s": torch.ones(1, 1),
+            "stray": torch.zeros(3, dtype=torch.int8),  # in the header, not in the weight_map
+        },
+        "b.safetensors": {
+            "b.w": torch.zeros(2, 2, dtype=torch.bfloat16),
+            "b.q": torch.zeros(2, dtype=torch.int32),
+            "b.m": torch.zeros(2, dtype=torch.bool),
+            "b.h": torch.zeros(2, dtype=torch.float16),
+        },
+    }
+    weight_map = {}
+    for name, tensors in shards.items():
+        save_file(tensors, str(tmp_path / name))
+        weight_map.update({k: name for k in tensors if k != "stray"})
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    stored = {}
+    for name in shards:
+        with safe_open(str(tmp_path / name), "pt") as f:
+            stored.update({k: f.get_slice(k).get_dtype() for k, where in weight_map.items() if where == name})
+    index = CheckpointIndex.open(tmp_path)
+    for names in ({"F16", "BF16", "F32", "F64"}, {"BF16"}, set()):
+        got = index.keys_not_stored_as(names)
+        assert len(got) == len(set(got))
+        assert set(got) == {k for k, dtype in stored.items() if dtype not in names}

@@ -190,6 +190,7 @@ def _all_checks(rank: int, world: int) -> dict[str, Any]:
     checks = [_make_check(*case) for case in CASES] + [
         check_gptq_refused_on_every_rank,
         check_quantized_dcp_reader_matches_torch,
+        check_ep_rank_builds_the_specs_it_reads,
     ]
     return run_subchecks(rank, world, checks)
 
@@ -267,6 +268,33 @@ def check_gptq_refused_on_every_rank(rank: int, world: int) -> str:
     return "no error"
 
 
+def check_ep_rank_builds_the_specs_it_reads(rank: int, world: int) -> dict[str, Any]:
+    """Plan the Qwen3-MoE FP8 checkpoint into the EP model, watching the detection planning uses: which
+    quantized tensors had their layout (``QuantTensor`` / ``Dequant``) built, which are in ``plan.dequant``,
+    and which quantized keys the plan reads."""
+    import importlib
+
+    import hp_fastload as hf
+
+    orchestrate = importlib.import_module("hp_fastload.plan.orchestrate")  # (hf.plan is the function)
+    seen: list[Any] = []
+    real = orchestrate.detect_in_index
+    orchestrate.detect_in_index = lambda index: seen.append(real(index)) or seen[-1]
+    try:
+        plan = hf.plan(_build("qwen3_moe", "ep"), Path(os.environ[ROOT_ENV]) / "qwen3_moe")
+    finally:
+        orchestrate.detect_in_index = real
+    (quant,) = seen
+    reads = {k for r in plan.region_reads.values() for k in r.keys} | {k for d in plan.deferred for k in d.keys}
+    return {
+        "built": sorted(quant.tensors.built()),
+        "dequant": sorted(plan.dequant),
+        "read": sorted(k for k in reads if k in quant.tensors),
+        "quantized": len(quant.tensors),
+        "unexpected": list(plan.report.unexpected_keys),
+    }
+
+
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
     root = tmp_path_factory.mktemp("quant")
@@ -287,3 +315,16 @@ def test_gptq_is_refused_on_every_rank(outcomes):
 
 def test_quantized_dcp_reader_matches_torchs(outcomes):
     assert subcheck_values(outcomes, "check_quantized_dcp_reader_matches_torch") == [[], []]
+
+
+def test_ep_rank_builds_dequantization_specs_only_for_what_it_reads(outcomes):
+    """An EP rank's plan builds the layouts of the quantized tensors it reads, no others: ``plan.dequant``
+    is exactly those keys, each rank's experts are its own half, and no scale is reported unexpected."""
+    ranks = subcheck_values(outcomes, "check_ep_rank_builds_the_specs_it_reads")
+    experts = []
+    for got in ranks:
+        assert got["built"] == got["dequant"] == got["read"]
+        assert 0 < len(got["built"]) < got["quantized"]
+        assert got["unexpected"] == []
+        experts.append({k for k in got["built"] if ".mlp.experts." in k})
+    assert experts[0] and experts[1] and not experts[0] & experts[1]

@@ -13,7 +13,7 @@ import errno
 import json
 import os
 import stat
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -269,6 +269,20 @@ class CheckpointIndex:
         if None in found:
             found = [e if e is not None else self._locate_new(k) for e, k in zip(found, keys, strict=True)]
         return found  # type: ignore[return-value]
+
+    def keys_not_stored_as(self, dtype_names: Collection[str]) -> list[str]:
+        """The keys whose stored safetensors dtype name (``locate(k).dtype_name``) is not in ``dtype_names``,
+        in no particular order: the bulk form of asking every key's dtype, taken from the headers' entries
+        without locating (building a :class:`TensorEntry` for) any key. Quantization detection asks it once
+        for the non-float tensors of a 90k-tensor checkpoint."""
+        names = frozenset(dtype_names)
+        out: list[str] = []
+        for file in self.files:
+            found = [k for k, e in file._entries.items() if e.dtype not in names]
+            if len(self.files) > 1 and sum(map(len, self.files)) != len(self):  # a key the index takes elsewhere
+                found = [k for k in found if self._files.get(k) is file]
+            out.extend(found)
+        return out
 
     def _locate_new(self, key: str) -> TensorEntry:
         file = self._files.get(key)

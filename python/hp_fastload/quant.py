@@ -9,6 +9,11 @@ ever plain-cast into a float target: planning calls :func:`check_claim` for ever
 :func:`check_missing` before the strict check, and raises :class:`QuantizationError` naming the method, the
 tensor and what is supported. A model that keeps the quantized tensors themselves (an fp8 parameter of the
 checkpoint's dtype, its scales as parameters or buffers) loads them raw. Planning only: no bytes are read here.
+
+Detection costs what a rank reads: the companion scan is over names (and the bulk non-float query of
+``CheckpointIndex.keys_not_stored_as``), a claim is checked by name, and a tensor's layout (its ``Dequant``,
+or why it does not fit) is built only for the keys the rank's reads use (``QuantInfo.read``); a layout that
+does not fit is refused on the rank that would read it (``load`` makes every rank raise).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import functools
 import json
 import math
 import re
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -26,7 +31,16 @@ import torch
 
 from .errors import PlanError
 
-__all__ = ["Dequant", "QuantInfo", "QuantTensor", "QuantizationError", "detect", "detect_in_index", "read_quant_config"]
+__all__ = [
+    "Dequant",
+    "QuantInfo",
+    "QuantTensor",
+    "QuantTensors",
+    "QuantizationError",
+    "detect",
+    "detect_in_index",
+    "read_quant_config",
+]
 
 #: What a float target can receive from a quantized checkpoint.
 SUPPORTED = (
@@ -38,6 +52,8 @@ SUPPORTED = (
 )
 
 _FLOATS = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
+#: their safetensors dtype names (``CheckpointIndex.keys_not_stored_as``)
+_FLOAT_NAMES = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32", torch.float64: "F64"}
 _FP8 = frozenset((torch.float8_e4m3fn, torch.float8_e5m2))
 _SCALE_DTYPES = frozenset((torch.float32, torch.bfloat16, torch.float16, torch.uint8, torch.float8_e8m0fnu))
 DEFAULT_BLOCK = (128, 128)
@@ -122,19 +138,84 @@ class QuantTensor:
     why: str = ""  # why not, when dequant is None
 
 
+class _Found(NamedTuple):
+    """What the companion scan records for one quantized tensor (names only; its layout is not computed):
+    ``kind`` is the dequantization to try (``"block"`` or ``"scale"``, with ``companions[0]`` the scale), None
+    when the format is not one the engine dequantizes (``why`` then says why, or is empty)."""
+
+    method: str
+    fmt: str
+    companions: tuple[str, ...]
+    dequantized: str
+    kind: str | None
+    why: str
+
+
+_new_found = tuple.__new__
+
+
+class QuantTensors(Mapping[str, QuantTensor]):
+    """The quantized tensors of a checkpoint, value key -> :class:`QuantTensor`: the keys (and companions) are
+    the companion scan's, eager; each :class:`QuantTensor`, with its layout (the :class:`Dequant`, or why
+    none), is built on first access and kept, so planning builds those of the tensors a rank claims and reads
+    (a rank of an 8-way expert-parallel load builds ~1/8 of them)."""
+
+    def __init__(self, found: dict[str, _Found], spec: Callable[[str, str, str], tuple[Dequant | None, str]]):
+        self._found = found
+        self._spec = spec
+        self._built: dict[str, QuantTensor] = {}
+
+    def __getitem__(self, key: str) -> QuantTensor:
+        q = self._built.get(key)
+        if q is not None:
+            return q
+        f = self._found[key]
+        how, why = self._spec(key, f.companions[0], f.kind) if f.kind is not None else (None, f.why)
+        if how is None and not why:
+            why = "not dequantized by hp_fastload"
+        q = self._built[key] = QuantTensor(key, f.method, f.fmt, f.companions, f.dequantized, how, why)
+        return q
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._found
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._found)
+
+    def __len__(self) -> int:
+        return len(self._found)
+
+    def record(self, key: str) -> _Found | None:
+        """The scan's record of ``key`` (None: not quantized), without building its :class:`QuantTensor`."""
+        return self._found.get(key)
+
+    def built(self) -> list[str]:
+        """The keys whose :class:`QuantTensor` (layout included) has been built so far."""
+        return list(self._built)
+
+
 @dataclass
 class QuantInfo:
     """The quantized tensors of one checkpoint (see :func:`detect`)."""
 
     method: str | None  # the config's quant_method, None without one
     config: dict[str, Any] | None
-    tensors: dict[str, QuantTensor]  # value key -> its description
+    tensors: QuantTensors  # value key -> its description (built on first access)
     companions: frozenset[str]
+    #: the keys whose stored dtype is not a float (None: unknown, ``dtype_of`` is asked)
+    nonfloat: frozenset[str] | None = None
+    #: the bulk dtype query (``CheckpointIndex.keys_not_stored_as``): ``check_claim`` asks it once per float
+    #: target dtype instead of each claimed source's dtype (None: ``dtype_of`` is asked)
+    not_stored_as: Callable[[Collection[str]], Iterable[str]] | None = None
+    _other_than: dict[torch.dtype, frozenset[str]] = field(default_factory=dict, repr=False)
 
     def __bool__(self) -> bool:
         return bool(self.tensors)
 
     dequantized: dict[str, Dequant] = field(default_factory=dict)  # keys planned as dequantizing reads
+    #: keys claimed into float targets to be dequantized (-> the target's name and dtype): their layouts are
+    #: checked (``read``) only where this rank reads them
+    claimed: dict[str, tuple[str, torch.dtype]] = field(default_factory=dict)
     fallback_keys: set[str] = field(default_factory=set)  # sources of the torch-dequantized groups
 
     def refuse(self, q: QuantTensor, why: str) -> QuantizationError:
@@ -144,23 +225,67 @@ class QuantInfo:
             f"and {why}{detail}; it is never cast raw into a float tensor. Supported: {SUPPORTED}"
         )
 
-    def check_claim(self, target_name: str, target_dtype: torch.dtype, sources: Iterable[str], dtype_of: Any) -> None:
+    def check_claim(
+        self, target_name: str, target_dtype: torch.dtype, sources: Iterable[str], dtype_of: Any, resolve: bool = True
+    ) -> None:
         """A quantized source converted into ``target_name``: the same dtype loads raw, a float target of a
-        supported format is dequantized (recorded in ``dequantized``), anything else raises."""
-        for key in sources:
-            q = self.tensors.get(key)
-            if q is None or dtype_of(key) == target_dtype:
-                continue
-            if q.dequant is not None and target_dtype in _FLOATS:
-                self.dequantized[key] = q.dequant
-                continue
-            raise self.refuse(q, f"would be converted into {target_name} ({target_dtype})")
+        supported format is dequantized, anything else raises. ``resolve``: check each such source's layout
+        now and record its :class:`Dequant` in ``dequantized``; otherwise (planning, whose sources a rank
+        reads only in part) the format is checked here by name, the source recorded in ``claimed``, and its
+        layout checked by :meth:`read` for the sources the rank reads."""
+        found = self.tensors._found  # (a stacked-experts target has 10^3 sources: no call per source)
+        floats = target_dtype in _FLOATS
+        other = self._stored_other_than(target_dtype) if floats else None
+        claim = (target_name, target_dtype)
+        if not isinstance(sources, (list, tuple, set, frozenset)):
+            sources = list(sources)
+        if other is not None:  # the quantized sources not stored as the target's dtype
+            if other.isdisjoint(sources):  # (one pass in C: a bf16 checkpoint's weights with scales)
+                return
+            differ = [k for k in sources if k in found and k in other]
+        else:
+            differ = [k for k in sources if k in found and dtype_of(k) != target_dtype]
+        for key in differ:
+            f = found[key]
+            if f.kind is not None and floats:
+                if not resolve:
+                    self.claimed[key] = claim
+                    continue
+                q = self.tensors[key]
+                if q.dequant is not None:
+                    self.dequantized[key] = q.dequant
+                    continue
+            raise self.refuse(self.tensors[key], f"would be converted into {target_name} ({target_dtype})")
+
+    def _stored_other_than(self, dtype: torch.dtype) -> frozenset[str] | None:
+        """The keys not stored as float ``dtype`` (one bulk query per dtype, kept), None without the query."""
+        if self.not_stored_as is None:
+            return None
+        other = self._other_than.get(dtype)
+        if other is None:
+            other = self._other_than[dtype] = frozenset(self.not_stored_as((_FLOAT_NAMES[dtype],)))
+        return other
+
+    def read(self, keys: Iterable[str]) -> None:
+        """``keys`` are read by this rank: each one ``claimed`` gets its layout checked and its
+        :class:`Dequant` recorded in ``dequantized`` (a layout that does not fit raises, naming the target)."""
+        claimed, done = self.claimed, self.dequantized
+        for key in keys:
+            if key in claimed and key not in done:
+                q = self.tensors[key]
+                if q.dequant is None:
+                    name, dtype = claimed[key]
+                    raise self.refuse(q, f"would be converted into {name} ({dtype})")
+                done[key] = q.dequant
 
     def consumed(self) -> set[str]:
-        """The companions of the dequantized tensors (read with them, so not unexpected)."""
-        return {c for k in self.dequantized for c in self.tensors[k].companions} | self.fallback_keys
+        """The companions of the claimed and dequantized tensors (read with them, so not unexpected)."""
+        record = self.tensors.record
+        out = {c for k in self.claimed for c in record(k).companions}  # type: ignore[union-attr]
+        out.update(c for k in self.dequantized for c in record(k).companions)  # type: ignore[union-attr]
+        return out | self.fallback_keys
 
-    def _missing_target(self, q: QuantTensor, missing: Collection[str]) -> str | None:
+    def _missing_target(self, q: QuantTensor | _Found, missing: Collection[str]) -> str | None:
         for name in missing:
             if name == q.dequantized or name.endswith("." + q.dequantized) or q.dequantized.endswith("." + name):
                 return name
@@ -179,10 +304,13 @@ class QuantInfo:
         out: list[
             tuple[str, list[str], Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]], tuple[int, ...]]
         ] = []
+        if not missing:  # every target is loaded: nothing for a packed tensor to become
+            return out
         for key in unclaimed:
-            q = self.tensors.get(key)
-            if q is None or q.fmt != MXFP4_FORMAT or len(q.companions) != 1 or key in self.fallback_keys:
+            f = self.tensors.record(key)
+            if f is None or f.fmt != MXFP4_FORMAT or len(f.companions) != 1 or key in self.fallback_keys:
                 continue
+            q = self.tensors[key]
             name = self._missing_target(q, missing)
             if name is None or dtype_of_target(name) not in _FLOATS:
                 continue
@@ -207,10 +335,13 @@ class QuantInfo:
         region path (``mxfp4_region``; the engine dequantizes them in its copy pass): ``(target name,
         region)`` for each. Their sources are then consumed and left out of ``fallbacks``."""
         out: list[tuple[str, Any]] = []
+        if not missing:  # every target is loaded: nothing for a packed tensor to become
+            return out
         for key in unclaimed:
-            q = self.tensors.get(key)
-            if q is None or q.fmt != MXFP4_FORMAT or len(q.companions) != 1 or key in self.fallback_keys:
+            f = self.tensors.record(key)
+            if f is None or f.fmt != MXFP4_FORMAT or len(f.companions) != 1 or key in self.fallback_keys:
                 continue
+            q = self.tensors[key]
             name = self._missing_target(q, missing)
             if name is None or dtype_of_target(name) not in _FLOATS:
                 continue
@@ -233,13 +364,14 @@ class QuantInfo:
         (a float model whose weight the checkpoint ships packed, e.g. MXFP4 ``*_blocks``, GPTQ ``qweight``)."""
         if not missing:
             return
+        record = self.tensors.record
         for key in unclaimed:
-            q = self.tensors.get(key)
-            if q is None:
+            f = record(key)
+            if f is None:
                 continue
-            name = self._missing_target(q, missing)
+            name = self._missing_target(f, missing)
             if name is not None:
-                raise self.refuse(q, f"the model expects it as {name}")
+                raise self.refuse(self.tensors[key], f"the model expects it as {name}")
 
 
 def read_quant_config(directory: str | Path) -> dict[str, Any] | None:
@@ -292,19 +424,41 @@ def _module(key: str) -> str:
     return key.rpartition(".")[0]
 
 
+_BLOCK_FP8 = "block-scaled fp8 (weight_scale_inv)"
+#: The name endings the companion scan looks at (every other key is passed over with one test).
+_SCAN_SUFFIXES = (
+    "_scale_inv",
+    "_blocks",
+    ".weight_scale",
+    ".qweight",
+    ".weight.absmax",
+    ".weight.quant_map",
+    ".SCB",
+    ".weight_global_scale",
+)
+
+
 def detect(
     keys: Iterable[str],
     dtype_of: Callable[[str], torch.dtype],
     config: Mapping[str, Any] | None,
     shape_of: Callable[[str], Sequence[int]] | None = None,
+    nonfloat: Iterable[str] | None = None,
+    not_stored_as: Callable[[Collection[str]], Iterable[str]] | None = None,
 ) -> QuantInfo:
     """The quantized tensors among ``keys`` (``dtype_of(key)`` / ``shape_of(key)`` give a key's stored dtype
-    and shape; without ``shape_of`` nothing is dequantized)."""
+    and shape; without ``shape_of`` nothing is dequantized). ``nonfloat``: the keys whose stored dtype is not
+    a float, when the caller has them in bulk (``CheckpointIndex.keys_not_stored_as``); without it the
+    ``quantization_config`` scan asks ``dtype_of`` of every key. ``not_stored_as``: that bulk query itself,
+    for :meth:`QuantInfo.check_claim` (see ``QuantInfo.not_stored_as``).
+
+    The scan is over names (a key's companions); a tensor's layout, which needs its and its scale's dtype
+    and shape, is computed when its :class:`QuantTensor` is first asked for (see :class:`QuantTensors`)."""
     keys = list(keys)
     present = set(keys)
     method_of_config = str(config.get("quant_method") or config.get("format") or "") if config else ""
     method = method_of_config or None
-    tensors: dict[str, QuantTensor] = {}
+    found: dict[str, _Found] = {}
     companions: set[str] = set()
 
     def add(
@@ -313,17 +467,15 @@ def detect(
         fmt: str,
         comps: Iterable[str],
         dequantized: str | None = None,
-        spec: tuple[Dequant | None, str] = (None, ""),
+        kind: str | None = None,
+        why: str = "",
     ) -> None:
         comps = tuple(c for c in comps if c in present)
-        how, why = spec
-        if key in tensors:  # a second companion: the format is not one the engine dequantizes
-            comps = tuple(dict.fromkeys(tensors[key].companions + comps))
-            fmt = tensors[key].fmt
-            how, why = None, f"{key} has several scale companions"
-        if how is None and not why:
-            why = "not dequantized by hp_fastload"
-        tensors[key] = QuantTensor(key, method or default_method, fmt, comps, dequantized or key, how, why)
+        if key in found:  # a second companion: the format is not one the engine dequantizes
+            comps = tuple(dict.fromkeys(found[key].companions + comps))
+            fmt = found[key].fmt
+            kind, why = None, f"{key} has several scale companions"
+        found[key] = _new_found(_Found, (method or default_method, fmt, comps, dequantized or key, kind, why))
         companions.update(comps)
 
     shapes = shape_of
@@ -366,22 +518,25 @@ def detect(
             return None, "shapes unknown"
         shape, sshape = tuple(shapes(value)), tuple(shapes(scale))
         signature = (dtype_of(value), dtype_of(scale), shape, sshape, kind)
-        found = layouts.get(signature)
-        if found is None:
-            found = layouts[signature] = layout(*signature)
-        if isinstance(found, str):
-            return None, found.replace("{value}", value).replace("{scale}", scale)
-        return Dequant(scale, *found), ""
+        known = layouts.get(signature)
+        if known is None:
+            known = layouts[signature] = layout(*signature)
+        if isinstance(known, str):
+            return None, known.replace("{value}", value).replace("{scale}", scale)
+        return Dequant(scale, *known), ""
 
-    for key in keys:
+    for key in [k for k in keys if k.endswith(_SCAN_SUFFIXES) or ".weight.quant_state." in k]:
         if key.endswith("_scale_inv"):
             value = key[: -len("_scale_inv")]
-            if value in present:
-                add(value, "fp8", "block-scaled fp8 (weight_scale_inv)", [key], spec=spec(value, key, "block"))
+            if value in present and value not in found:  # (the common case of add, inlined: 45k of them)
+                found[value] = _new_found(_Found, (method or "fp8", _BLOCK_FP8, (key,), value, "block", ""))
+                companions.add(key)
+            elif value in present:
+                add(value, "fp8", _BLOCK_FP8, [key], kind="block")
         elif key.endswith("_blocks"):
             stem = key[: -len("_blocks")]
             if stem + "_scales" in present:
-                add(key, "mxfp4", MXFP4_FORMAT, [stem + "_scales"], stem, (None, "dequantized only as gpt-oss experts"))
+                add(key, "mxfp4", MXFP4_FORMAT, [stem + "_scales"], stem, why="dequantized only as gpt-oss experts")
         elif key.endswith(".weight_scale"):
             module = _module(key)
             if module + ".weight_packed" in present:
@@ -397,8 +552,7 @@ def detect(
                 if dtype_of(value) == torch.uint8 or module + ".weight_scale_2" in present:
                     add(value, "modelopt", "NVFP4 (weight_scale, weight_scale_2)", [key, module + ".weight_scale_2"])
                 else:
-                    how = spec(value, key, "scale")
-                    add(value, "fp8", "fp8 with a per-tensor or per-channel weight_scale", [key], spec=how)
+                    add(value, "fp8", "fp8 with a per-tensor or per-channel weight_scale", [key], kind="scale")
         elif key.endswith(".qweight"):
             module = _module(key)
             add(
@@ -416,28 +570,38 @@ def detect(
             module = _module(key)
             if module + ".weight" in present:
                 add(module + ".weight", "nvfp4", "NVFP4 (weight_global_scale)", [key])
+    listed = list(nonfloat) if nonfloat is not None else None
+    not_float = frozenset(listed) if listed is not None else None
     if config is not None and method_of_config:
         exclusions = _exclusions(config)
-        for key in keys:
-            if key in tensors or key in companions or dtype_of(key) in _FLOATS:
+        candidates = keys if listed is None else [k for k in listed if k in present]  # (the caller's order)
+        for key in candidates:
+            if key in found or key in companions:
                 continue
-            if dtype_of(key) in (torch.bool, torch.int64):  # index buffers (position ids), never quantized
+            dtype = dtype_of(key)
+            if dtype in _FLOATS or dtype in (torch.bool, torch.int64):  # int64/bool: index buffers, never quantized
                 continue
             if not _excluded(_module(key), exclusions):
-                add(key, method_of_config, f"{dtype_of(key)} under quantization_config", [])
-    return QuantInfo(method, dict(config) if config is not None else None, tensors, frozenset(companions))
+                add(key, method_of_config, f"{dtype} under quantization_config", [])
+    return QuantInfo(
+        method,
+        dict(config) if config is not None else None,
+        QuantTensors(found, spec),
+        frozenset(companions),
+        not_float,
+        not_stored_as,
+    )
 
 
 def detect_in_index(index: Any) -> QuantInfo:
     """:func:`detect` over a ``CheckpointIndex``, with the ``config.json`` next to its first file."""
     config = read_quant_config(Path(index.files[0].path).parent) if index.files else None
-    keys = list(index)
-    entries = dict(zip(keys, index.locate_many(keys), strict=True))  # every key's header facts, in bulk
-
-    def dtype_of(key: str) -> torch.dtype:
-        return entries[key].dtype
-
-    def shape_of(key: str) -> tuple[int, ...]:
-        return entries[key].shape
-
-    return detect(keys, dtype_of, config, shape_of)
+    nonfloat = index.keys_not_stored_as(_FLOAT_NAMES.values())  # the config scan's dtypes, in bulk
+    return detect(
+        index,
+        lambda k: index.locate(k).dtype,
+        config,
+        lambda k: index.locate(k).shape,
+        nonfloat,
+        index.keys_not_stored_as,
+    )

@@ -66,6 +66,8 @@ class Claims:
         target = self.claim(name, shape)
         if target is not None:
             items = region_items(target, blocks, self.index, sources, self.blocks)
+            if self.quant and self.quant.claimed:  # the layouts of the quantized keys this rank reads
+                self.quant.read(items.keys)
             self.region_reads[target.names[0]] = (target, items)
 
     def defer(self, name: str, shape: Sequence[int], pending: PendingGroup) -> None:
@@ -74,14 +76,18 @@ class Claims:
         target = self.claim(name, shape)
         if target is not None:
             pending.claims[name] = target
+            if self.quant and self.quant.claimed:  # read whole on this rank
+                self.quant.read(pending.keys)
 
     def _check_quant(self, name: str, sources: Iterable[str]) -> None:
         """A quantized source converted into a target of another dtype is refused (before shapes are checked:
-        a packed layout has other shapes than the float tensor it encodes)."""
+        a packed layout has other shapes than the float tensor it encodes). A supported format into a float
+        target is dequantized: its layout is checked, and its ``Dequant`` built, for the keys this rank's reads
+        use (``QuantInfo.read`` after ``region_items``), not for every source of the target."""
         target = self.targets.get(name)
         if target is None or id(target) in self.claimed or self.quant is None:
             return
-        self.quant.check_claim(name, target.dtype, sources, lambda k: self.index.locate(k).dtype)
+        self.quant.check_claim(name, target.dtype, sources, lambda k: self.index.locate(k).dtype, resolve=False)
 
     def add_deferred(self, pending: PendingGroup | None) -> None:
         if pending is not None and pending.claims:

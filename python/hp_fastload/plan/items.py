@@ -334,7 +334,7 @@ class LoadPlan:
     deferred: list[DeferredGroup]
     report: LoadReport
     files: dict[str, str]  # checkpoint key -> the path of the file it is read from (every key the plan reads)
-    dequant: dict[str, Dequant] = field(default_factory=dict)  # quantized keys read dequantized (quant.py)
+    dequant: dict[str, Dequant] = field(default_factory=dict)  # the quantized keys this rank's reads dequantize
     #: the scale tensors of the region reads' dequantized keys (key -> bytes): the engine reads each whole
     scale_nbytes: dict[str, int] = field(default_factory=dict)
 

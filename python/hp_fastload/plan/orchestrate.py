@@ -150,16 +150,17 @@ def plan_load(
         loader=loader,
     )
     used = [r for r in rules if getattr(r, "was_used", lambda: False)()]
-    dequant = dict(quant.dequantized)
+    specs = quant.dequantized  # built for the keys this rank reads (QuantInfo.read), not every claimed one
     region_reads = {}
     for name, (_, reads) in claims.region_reads.items():
-        if dequant and any(k in dequant for k in reads.keys):  # a dequantized weight's scale: a second source
-            reads = reads.with_second([dequant.get(k) for k in reads.keys])
+        if specs and any(k in specs for k in reads.keys):  # a dequantized weight's scale: a second source
+            reads = reads.with_second([specs.get(k) for k in reads.keys])
         region_reads[name] = reads
     read_keys = {k for reads in region_reads.values() for k in reads.keys}
+    read_keys.update(k for d in claims.deferred for k in d.keys)
+    dequant = {k: spec for k, spec in specs.items() if k in read_keys}
     scales = {s.scale for reads in region_reads.values() for s in reads.second or () if s is not None}
     read_keys.update(scales)
-    read_keys.update(k for d in claims.deferred for k in d.keys)
     plan = LoadPlan(
         region_reads,
         [d.plain(index) for d in claims.deferred],
