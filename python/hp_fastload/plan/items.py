@@ -16,7 +16,17 @@ import torch
 from ..errors import PlanError
 from ..quant import Dequant, source_nbytes
 
-__all__ = ["DeferredGroup", "LoadPlan", "LoadReport", "ReadItem", "Reads", "TemplateReads"]
+__all__ = [
+    "DeferredGroup",
+    "LoadPlan",
+    "LoadReport",
+    "ReadItem",
+    "Reads",
+    "ScaleRows",
+    "TemplateReads",
+    "scale_read_nbytes",
+    "touched_scale_rows",
+]
 
 
 @dataclass(frozen=True)
@@ -307,6 +317,54 @@ class Reads(Sequence[ReadItem]):
 TemplateReads = Reads
 
 
+#: Per dequantization spec, the first and last dim-0 row of its scale grid that some items touch.
+ScaleRows = dict[Dequant, tuple[int, int]]
+
+
+def touched_scale_rows(reads: Reads, into: ScaleRows | None = None) -> ScaleRows:
+    """The scale grid rows ``reads``' dequantized items touch, per spec, merged into ``into`` (the engine's
+    rule, ``exec::read_scales``: an item touches the dim-0 rows of the quantized tensor from its first element
+    ``storage_base`` to its last ``storage_base + sum((lengths - 1) * storage_strides)``, i.e. grid rows
+    ``row // block[0]``; the engine reads the hull of those rows of each scale, once per call). Exact for
+    dim-0 (expert-parallel, FSDP) shards; a box cut along inner dims reads whole grid rows."""
+    out: ScaleRows = {} if into is None else into
+    if reads.second is None:
+        return out
+    groups: dict[Dequant, list[int]] = {}
+    for i, spec in enumerate(reads.second):
+        if spec is not None:
+            groups.setdefault(spec, []).append(i)
+    for spec, rows in groups.items():
+        grid0 = _grid_rows(spec)
+        idx = np.array(rows, dtype=np.int64)
+        lengths, strides = reads.lengths[idx], reads.storage_strides[idx]
+        live = (lengths > 0).all(axis=1)
+        if not live.any():
+            continue
+        if (strides < 0).any():  # the engine refuses these; count the whole grid meanwhile
+            lo, hi = 0, grid0 - 1
+        elif not spec.shape:
+            lo = hi = 0
+        else:
+            first = reads.storage_base[idx][live]
+            last = first + ((lengths[live] - 1) * strides[live]).sum(axis=1)
+            inner = int(np.prod(spec.shape[1:], dtype=np.int64))
+            lo = min(int(first.min()) // inner, spec.shape[0] - 1) // spec.block[0]
+            hi = min(int(last.max()) // inner, spec.shape[0] - 1) // spec.block[0]
+        seen = out.get(spec)
+        out[spec] = (lo, hi) if seen is None else (min(seen[0], lo), max(seen[1], hi))
+    return out
+
+
+def _grid_rows(spec: Dequant) -> int:
+    return -(-spec.shape[0] // spec.block[0]) if spec.shape else 1
+
+
+def scale_read_nbytes(spec: Dequant, rows: tuple[int, int], scale_nbytes: int) -> int:
+    """Bytes the engine reads of the scale tensor of ``spec`` (``scale_nbytes`` in all) for grid ``rows``."""
+    return (rows[1] - rows[0] + 1) * (scale_nbytes // _grid_rows(spec))
+
+
 @dataclass
 class DeferredGroup:
     """Work done on whole tensors on this rank: read ``keys`` whole, convert them with torch (the compute is
@@ -335,24 +393,26 @@ class LoadPlan:
     report: LoadReport
     files: dict[str, str]  # checkpoint key -> the path of the file it is read from (every key the plan reads)
     dequant: dict[str, Dequant] = field(default_factory=dict)  # quantized keys read dequantized (quant.py)
-    #: the scale tensors of the region reads' dequantized keys (key -> bytes): the engine reads each whole
+    #: the scale tensors of the region reads' dequantized keys (key -> bytes of the whole tensor); the engine
+    #: reads the grid rows the items touch (``touched_scale_rows``)
     scale_nbytes: dict[str, int] = field(default_factory=dict)
 
-    @staticmethod
-    def _scales_of(reads: Reads) -> set[str]:
-        return {s.scale for s in reads.second if s is not None} if reads.second is not None else set()
+    def _scale_bytes(self, rows: ScaleRows) -> Iterator[tuple[str, int]]:
+        for spec, touched in rows.items():
+            yield spec.scale, scale_read_nbytes(spec, touched, self.scale_nbytes[spec.scale])
 
     def read_bytes_by_file(self) -> dict[str, int]:
         """Bytes of source data this rank's region reads need, per checkpoint file."""
         out: dict[str, int] = {}
         files = self.files
+        rows: ScaleRows = {}
         for reads in self.region_reads.values():
             for key, n in zip(reads.keys, reads.nbytes.tolist(), strict=True):
                 path = files[key]
                 out[path] = out.get(path, 0) + n
-        scales: set[str] = set().union(*map(self._scales_of, self.region_reads.values()))
-        for key in sorted(scales):  # each scale tensor once, however many targets use it
-            out[files[key]] = out.get(files[key], 0) + self.scale_nbytes[key]
+            touched_scale_rows(reads, rows)
+        for key, n in self._scale_bytes(rows):  # each scale's rows once, however many targets use it
+            out[files[key]] = out.get(files[key], 0) + n
         for path, n in self._deferred_bytes():
             out[path] = out.get(path, 0) + n
         return out
@@ -363,10 +423,10 @@ class LoadPlan:
                 yield self.files[key], n
 
     def read_bytes_by_target(self) -> dict[str, int]:
-        """Source bytes of each region target's reads, the whole scale tensors of its dequantized keys
+        """Source bytes of each region target's reads, the scale grid rows its dequantized items touch
         included."""
         return {
-            name: reads.total_nbytes + sum(self.scale_nbytes[s] for s in self._scales_of(reads))
+            name: reads.total_nbytes + sum(n for _, n in self._scale_bytes(touched_scale_rows(reads)))
             for name, reads in self.region_reads.items()
         }
 
