@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
@@ -326,33 +327,38 @@ def touched_scale_rows(reads: Reads, into: ScaleRows | None = None) -> ScaleRows
     rule, ``exec::read_scales``: an item touches the dim-0 rows of the quantized tensor from its first element
     ``storage_base`` to its last ``storage_base + sum((lengths - 1) * storage_strides)``, i.e. grid rows
     ``row // block[0]``; the engine reads the hull of those rows of each scale, once per call). Exact for
-    dim-0 (expert-parallel, FSDP) shards; a box cut along inner dims reads whole grid rows."""
+    dim-0 (expert-parallel, FSDP) shards; a box cut along inner dims reads whole grid rows. Vectorized over the
+    items (a stacked-experts target has one spec per expert)."""
     out: ScaleRows = {} if into is None else into
     if reads.second is None:
         return out
-    groups: dict[Dequant, list[int]] = {}
-    for i, spec in enumerate(reads.second):
-        if spec is not None:
-            groups.setdefault(spec, []).append(i)
-    for spec, rows in groups.items():
-        grid0 = _grid_rows(spec)
-        idx = np.array(rows, dtype=np.int64)
-        lengths, strides = reads.lengths[idx], reads.storage_strides[idx]
-        live = (lengths > 0).all(axis=1)
-        if not live.any():
-            continue
-        if (strides < 0).any():  # the engine refuses these; count the whole grid meanwhile
-            lo, hi = 0, grid0 - 1
-        elif not spec.shape:
-            lo = hi = 0
-        else:
-            first = reads.storage_base[idx][live]
-            last = first + ((lengths[live] - 1) * strides[live]).sum(axis=1)
-            inner = int(np.prod(spec.shape[1:], dtype=np.int64))
-            lo = min(int(first.min()) // inner, spec.shape[0] - 1) // spec.block[0]
-            hi = min(int(last.max()) // inner, spec.shape[0] - 1) // spec.block[0]
+    ids: dict[Dequant, int] = {}
+    which = np.array([-1 if s is None else ids.setdefault(s, len(ids)) for s in reads.second], dtype=np.int64)
+    live = (which >= 0) & (reads.lengths > 0).all(axis=1)
+    if not live.any():
+        return out
+    specs = list(ids)
+    # per spec: elements per dim-0 row, dim-0 length, dim-0 block (a 0-d spec: one row of one element)
+    dims = [(math.prod(s.shape[1:]), s.shape[0], s.block[0]) if s.shape else (1, 1, 1) for s in specs]
+    inner, rows0, block0 = np.array(dims, dtype=np.int64).reshape(-1, 3).T
+    which = which[live]
+    strides, lengths = reads.storage_strides[live], reads.lengths[live]
+    first = reads.storage_base[live]
+    last = first + ((lengths - 1) * strides).sum(axis=1)
+    lo_row = np.minimum(first // inner[which], rows0[which] - 1) // block0[which]
+    hi_row = np.minimum(last // inner[which], rows0[which] - 1) // block0[which]
+    negative = (strides < 0).any(axis=1)  # the engine refuses these; count the whole grid meanwhile
+    lo_row[negative] = 0
+    hi_row[negative] = ((rows0 + block0 - 1) // block0)[which][negative] - 1
+    lo = np.full(len(specs), np.iinfo(np.int64).max, dtype=np.int64)
+    hi = np.full(len(specs), -1, dtype=np.int64)
+    np.minimum.at(lo, which, lo_row)
+    np.maximum.at(hi, which, hi_row)
+    for spec, a, b in zip(specs, lo.tolist(), hi.tolist(), strict=True):
+        if b < 0:
+            continue  # every item of it is empty
         seen = out.get(spec)
-        out[spec] = (lo, hi) if seen is None else (min(seen[0], lo), max(seen[1], hi))
+        out[spec] = (a, b) if seen is None else (min(seen[0], a), max(seen[1], b))
     return out
 
 
