@@ -1,6 +1,8 @@
 """The plan's data: ``ReadItem`` (one strided box of a checkpoint tensor into a box of a target),
 ``Reads`` (a target's items as columns: the one read type), ``DeferredGroup`` (work done on whole tensors), ``LoadPlan``
-(one rank's plan) and ``LoadReport`` (what a load did). Builds nothing: planning lives in the sibling modules.
+(one rank's plan) and ``LoadReport`` (what a load did), with ``touched_scale_rows``: the scale grid rows a set of
+reads makes the engine read (the plan's and the batch's byte counts). Builds nothing: planning lives in the sibling
+modules.
 """
 
 from __future__ import annotations
