@@ -2,6 +2,7 @@
 
     python benches/mxfp4_bench.py              # gpt-oss-20b expert shapes, 8 experts x 2 layers (~400 MB bf16)
     python benches/mxfp4_bench.py --quick      # tiny, seconds (tests/test_bench_scripts.py)
+    python benches/mxfp4_bench.py --ep 8 --loaders hp_region,hp_bf16   # expert-parallel rank 3 of 8
 
 The checkpoint holds gpt-oss's MXFP4 experts as it ships them (uint8 ``*_blocks`` of e2m1 pairs, uint8 e8m0
 ``*_scales``, an ``mxfp4`` ``quantization_config``; ``gpu_check.write_mxfp4_checkpoint``); a bf16 checkpoint of
@@ -13,7 +14,10 @@ loading a module whose parameter names are the model tensors:
 - ``hp_torch``: the legacy loader, which dequantizes whole tensors with torch (the path MXFP4 took before);
 - ``hp_bf16``: ``hp_fastload.load`` of the bf16 twin.
 
-Every result is compared with the MXFP4 formula written with torch ops (``gpu_check._mxfp4_reference``).
+``--ep N`` loads expert-parallel rank 3 of N instead (the stacked experts ``Shard(0)`` DTensors over torch's fake
+process group; plan + execution without the cross-rank collectives, as benches/quant_bench.py does): the rank
+reads its experts' packed bytes and their scale rows. Every result is compared with the MXFP4 formula written
+with torch ops (``gpu_check._mxfp4_reference``).
 Writes ``<out>/mxfp4_bench.json``.
 """
 
@@ -36,6 +40,9 @@ sys.path.insert(0, str(HERE))
 
 import _peers  # noqa: E402
 import gpu_check  # noqa: E402
+
+#: the rank an ``--ep`` run loads
+EP_RANK = 3
 
 
 def expert_keys(quick: bool) -> list[tuple[str, tuple[int, ...]]]:
@@ -74,24 +81,56 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     times = []
     params: dict[str, Any] = {}
     report = None
+    world = spec.get("ep", 1)
+    mesh = _peers.fake_world(world, EP_RANK) if world > 1 else None
+    rank = EP_RANK if world > 1 else 0
+    local_shapes = {k: (s[0] // world, *s[1:]) for k, s in keys}
+    bytes_read = 0
     for _ in range(spec["repeats"]):
         _peers.warm(files)
-        params = {k: torch.zeros(s, dtype=torch.bfloat16) for k, s in keys}
-        model = gpu_check._Tree.build({k: list(s) for k, s in keys}, "cpu", lambda k, s, p=params: p[k])
+        params = {k: torch.zeros(local_shapes[k], dtype=torch.bfloat16) for k, _ in keys}
+        model = gpu_check._Tree.build(
+            {k: list(s) for k, s in keys},
+            "cpu",
+            lambda k, s, p=params: _peers.as_dtensor(p[k], mesh, 0, tuple(s)),  # type: ignore[misc]
+        )
         t0 = time.perf_counter()
-        report = hf.load(model, str(ckpt), strict=True, loader="legacy" if loader == "hp_torch" else "dcp")
+        if mesh is None:
+            report = hf.load(model, str(ckpt), strict=True, loader="legacy" if loader == "hp_torch" else "dcp")
+            bytes_read = report.bytes_read
+        else:  # one rank of a fake world: plan + execute, without the cross-rank agreement collectives
+            from hp_fastload.checkpointer import _plan_at
+            from hp_fastload.execute import execute_plan
+
+            plan, context = _plan_at(
+                model,
+                ckpt,
+                "legacy" if loader == "hp_torch" else "dcp",
+                weights_mapping=None,
+                key_mapping=None,
+                strict=True,
+                external_target_fqns=frozenset(),
+                claimed_source_keys=frozenset(),
+            )
+            bytes_read = execute_plan(plan, context, legacy=loader == "hp_torch").bytes_read
+            report = plan.report
         times.append(time.perf_counter() - t0)
     assert report is not None
     exact = None
     if loader != "hp_bf16":
         meta = json.loads((ckpt / "checksums.json").read_text())["files"]
-        exact = all(torch.equal(params[k], gpu_check._mxfp4_reference(ckpt, meta, k)) for k, _ in keys)
+        per = {k: s[0] for k, s in local_shapes.items()}
+        exact = all(
+            torch.equal(params[k], gpu_check._mxfp4_reference(ckpt, meta, k)[rank * per[k] : (rank + 1) * per[k]])
+            for k, _ in keys
+        )
     return {
         "best": min(times),
         "median": statistics.median(times),
         "times": times,
         "output_bytes": sum(t.numel() * 2 for t in params.values()),
-        "bytes_read": report.bytes_read,
+        "bytes_read": bytes_read,
+        "checkpoint_bytes": report.checkpoint_bytes,
         "deferred_targets": len(report.deferred_targets),
         "exact": exact,
     }
@@ -104,12 +143,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data", default=os.path.join(tempfile.gettempdir(), "hp_fastload_mxfp4_bench"))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--loaders", default="hp_region,hp_torch,hp_bf16")
+    ap.add_argument("--ep", type=int, default=1, help="load expert-parallel rank 3 of this many (fake world)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))))
         return 0
     keys = expert_keys(args.quick)
+    if args.ep < 1 or any(s[0] % args.ep for _, s in keys) or (args.ep > 1 and args.ep <= EP_RANK):
+        ap.error(f"--ep {args.ep}: the world must divide the {keys[0][1][0]} experts and hold rank {EP_RANK}")
     data = Path(args.data) / ("quick" if args.quick else "full")
     gpu_check.write_mxfp4_checkpoint(data / "mxfp4", keys, 2)
     write_bf16(data / "bf16", keys)
@@ -117,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for loader in [x for x in args.loaders.split(",") if x]:
         ckpt = data / ("bf16" if loader == "hp_bf16" else "mxfp4")
-        spec = {"ckpt": str(ckpt), "loader": loader, "keys": keys, "repeats": args.repeats}
+        spec = {"ckpt": str(ckpt), "loader": loader, "keys": keys, "repeats": args.repeats, "ep": args.ep}
         proc = subprocess.run(
             [sys.executable, __file__, "--worker", json.dumps(spec)], env=env, capture_output=True, text=True
         )
@@ -139,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"region path {by['hp_torch']['best'] / by['hp_region']['best']:.1f}x the torch path")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "mxfp4_bench.json").write_text(json.dumps({"keys": keys, "results": results}, indent=1))
+    (out / "mxfp4_bench.json").write_text(json.dumps({"keys": keys, "ep": args.ep, "results": results}, indent=1))
     bad = [r for r in results if "error" in r or r.get("exact") is False]
     return 1 if bad else 0
 

@@ -890,15 +890,28 @@ fn dense_with_dst_scaled<Q: Fp8Value>(
     }
 }
 
-/// Decodes scale elements stored as `dtype` (`U8` holds e8m0 exponents, as MXFP8 checkpoints ship them).
-pub(crate) fn decode_scales(dtype: Dtype, bytes: &[u8]) -> Option<Vec<f32>> {
-    Some(match dtype {
-        Dtype::F32 => bytes.chunks_exact(4).map(CF32::to_f32).collect(),
-        Dtype::BF16 => bytes.chunks_exact(2).map(CBF16::to_f32).collect(),
-        Dtype::F16 => bytes.chunks_exact(2).map(CF16::to_f32).collect(),
-        Dtype::F8_E8M0 | Dtype::U8 => bytes.iter().map(|&b| e8m0_to_f32(b)).collect(),
-        _ => return None,
-    })
+/// Decodes scale elements stored as `dtype` (`U8` holds e8m0 exponents, as MXFP8 checkpoints ship them)
+/// into `out` (one value per element of `bytes`); `false` for a dtype that is not a scale dtype.
+pub(crate) fn decode_scales_into(dtype: Dtype, bytes: &[u8], out: &mut [f32]) -> bool {
+    fn fill(out: &mut [f32], values: impl Iterator<Item = f32>) {
+        out.iter_mut().zip(values).for_each(|(o, v)| *o = v);
+    }
+    match dtype {
+        Dtype::F32 => fill(out, bytes.chunks_exact(4).map(CF32::to_f32)),
+        Dtype::BF16 => fill(out, bytes.chunks_exact(2).map(CBF16::to_f32)),
+        Dtype::F16 => fill(out, bytes.chunks_exact(2).map(CF16::to_f32)),
+        Dtype::F8_E8M0 | Dtype::U8 => fill(out, bytes.iter().map(|&b| e8m0_to_f32(b))),
+        _ => return false,
+    }
+    true
+}
+
+/// Whether `dtype` is a scale dtype [`decode_scales_into`] decodes.
+pub(crate) fn is_scale_dtype(dtype: Dtype) -> bool {
+    matches!(
+        dtype,
+        Dtype::F32 | Dtype::BF16 | Dtype::F16 | Dtype::F8_E8M0 | Dtype::U8
+    )
 }
 
 /// Converts `count` elements of `sd` read from `src` (element `i` at byte `i * src_stride`) into `dd`,

@@ -23,7 +23,7 @@ use std::sync::{Arc, Mutex};
 
 use crate::dest::{with_dense_dst, write_run, write_run_scaled, DestBuf};
 use crate::dtype::Dtype;
-use crate::dtype::{can_dequantize, decode_scales, ScaleMap};
+use crate::dtype::{can_dequantize, decode_scales_into, is_scale_dtype, ScaleMap};
 use crate::error::LoadError;
 use crate::header::{FileIdentity, Header};
 use crate::mmap::{open_regular, prefetch, read_exact_at, Mapping};
@@ -208,13 +208,20 @@ pub struct Scale {
     pub block: [i64; MAX_NDIM],
 }
 
-/// A validated [`Scale`] with its values decoded, and the grid's strides.
+/// A validated [`Scale`] with the grid's strides and, once [`read_scales`] ran, the values of the cells the
+/// batch's items touch decoded in place (the other cells stay 0.0 and are never looked up).
 struct LoadedScale {
     values: Vec<f32>,
     ndim: usize,
     shape: [u64; MAX_NDIM],
     block: [u64; MAX_NDIM],
     grid_strides: [u64; MAX_NDIM],
+    /// Grid cells (the scale tensor's elements).
+    cells: u64,
+    /// The scale tensor: its file and its index there.
+    file: usize,
+    tensor: usize,
+    /// Bytes read from the file.
     bytes: u64,
 }
 
@@ -228,18 +235,38 @@ impl LoadedScale {
             grid_strides: self.grid_strides,
         }
     }
+
+    /// The flat range of grid cells holding the scales of elements `first..=last` (flat, row-major indices
+    /// of the quantized tensor with `first <= last`): the whole grid rows of dim 0 from the row of `first`
+    /// to the row of `last`. Exact for boxes cut along dim 0 (an expert-parallel or FSDP dim-0 shard);
+    /// a box cut along inner dims gets whole rows.
+    fn cells_of(&self, first: u64, last: u64) -> (u64, u64) {
+        if self.ndim == 0 {
+            return (0, self.cells);
+        }
+        let inner: u64 = self.shape[1..self.ndim].iter().product();
+        let row = |flat: u64| (flat / inner).min(self.shape[0] - 1) / self.block[0];
+        let per_row = self.grid_strides[0];
+        (
+            row(first) * per_row,
+            ((row(last) + 1) * per_row).min(self.cells),
+        )
+    }
 }
 
-fn load_scale(k: usize, s: &Scale, files: &[Arc<Header>]) -> Result<LoadedScale, LoadError> {
+/// Validates scale `k` against its tensor (index, dims, grid size, dtype) without reading it.
+fn check_scale(k: usize, s: &Scale, files: &[Arc<Header>]) -> Result<LoadedScale, LoadError> {
     let bad = |reason: String| LoadError::request(format!("scale {k}: {reason}"));
-    let h = usize::try_from(s.file)
+    let file = usize::try_from(s.file)
         .ok()
-        .and_then(|f| files.get(f))
+        .filter(|&f| f < files.len())
         .ok_or_else(|| bad(format!("file index {} is out of range", s.file)))?;
-    let t = usize::try_from(s.tensor)
+    let h = &files[file];
+    let tensor = usize::try_from(s.tensor)
         .ok()
-        .and_then(|t| h.tensors.get(t))
+        .filter(|&t| t < h.tensors.len())
         .ok_or_else(|| bad(format!("tensor index {} is out of range", s.tensor)))?;
+    let t = &h.tensors[tensor];
     let ndim = usize::try_from(s.ndim)
         .ok()
         .filter(|&n| n <= MAX_NDIM)
@@ -269,23 +296,80 @@ fn load_scale(k: usize, s: &Scale, files: &[Arc<Header>]) -> Result<LoadedScale,
             &shape[..ndim]
         )));
     }
-    let mut raw = vec![0u8; (t.end - t.begin) as usize];
-    let (file, _) = open_regular(&h.path)?;
-    read_exact_at(&file, &mut raw, h.data_start + t.begin, &h.path, h.file_len)?;
-    let values = decode_scales(t.dtype, &raw).ok_or_else(|| {
-        bad(format!(
+    if !is_scale_dtype(t.dtype) {
+        return Err(bad(format!(
             "'{}' is {}; scales must be F32, BF16, F16, F8_E8M0 or U8 (e8m0)",
             t.name, t.dtype
-        ))
-    })?;
+        )));
+    }
     Ok(LoadedScale {
-        values,
+        values: Vec::new(),
         ndim,
         shape,
         block,
         grid_strides,
-        bytes: raw.len() as u64,
+        cells,
+        file,
+        tensor,
+        bytes: 0,
     })
+}
+
+/// Reads, for each scale, the grid cells that the validated `items` referencing it touch (one contiguous
+/// range: the hull of their dim-0 grid rows, [`LoadedScale::cells_of`]) with one `pread`, decoded into their
+/// place of a zeroed full-length vector, so the kernels index it as the whole grid. `whole` reads each used
+/// scale whole (the reference the tests compare with).
+fn read_scales(
+    scales: &mut [LoadedScale],
+    items: &[Item],
+    per_item: &ItemScales,
+    files: &[Arc<Header>],
+    whole: bool,
+) -> Result<(), LoadError> {
+    let mut hull: Vec<Option<(u64, u64)>> = vec![None; scales.len()];
+    for (it, s) in items.iter().zip(per_item) {
+        let Some((s, _)) = *s else { continue };
+        let sc = &scales[s];
+        let ndim = it.ndim as usize; // validated by `region::plan`, like every length and stride below
+        let (lens, strides) = (&it.lengths[..ndim], &it.src_strides[..ndim]);
+        if lens.contains(&0) {
+            continue;
+        }
+        let cells = match lens.iter().chain(strides).all(|&v| v >= 0) && it.src_base >= 0 {
+            true => {
+                let first = it.src_base as u64;
+                let last = lens
+                    .iter()
+                    .zip(strides)
+                    .fold(first, |acc, (&l, &st)| acc + (l as u64 - 1) * st as u64);
+                sc.cells_of(first, last)
+            }
+            false => (0, sc.cells),
+        };
+        let h = hull[s].get_or_insert(cells);
+        *h = (h.0.min(cells.0), h.1.max(cells.1));
+    }
+    for (sc, hull) in scales.iter_mut().zip(hull) {
+        let Some((c0, c1)) = hull.map(|h| if whole { (0, sc.cells) } else { h }) else {
+            continue; // no item uses it
+        };
+        let h = &files[sc.file];
+        let t = &h.tensors[sc.tensor];
+        let size = t.dtype.byte_size().expect("scale dtypes are byte-sized") as u64;
+        let mut raw = vec![0u8; ((c1 - c0) * size) as usize];
+        let (file, _) = open_regular(&h.path)?;
+        read_exact_at(
+            &file,
+            &mut raw,
+            h.data_start + t.begin + c0 * size,
+            &h.path,
+            h.file_len,
+        )?;
+        sc.values = vec![0.0f32; sc.cells as usize]; // zeroed pages: untouched cells cost no memory
+        decode_scales_into(t.dtype, &raw, &mut sc.values[c0 as usize..c1 as usize]);
+        sc.bytes = raw.len() as u64;
+    }
+    Ok(())
 }
 
 /// Per item: its scale (index into the loaded scales) and the absolute file offset of its tensor.
@@ -368,7 +452,8 @@ fn item_scales(
 
 /// Like [`execute`], with dequantization: an item whose [`Item::scale`] is `k > 0` multiplies each element
 /// by its block's scale from `scales[k - 1]` (in `f32`) before the one rounding into the destination.
-/// Scales are validated and read (whole, once per call) before any destination byte is written.
+/// Scales and items are validated, then each scale's grid rows that the items touch are read (once per
+/// call, `read_scales`; counted in `bytes_read_from_files`), before any destination byte is written.
 pub fn execute_scaled(
     files: &[Arc<Header>],
     dests: &[DestBuf<'_>],
@@ -376,14 +461,29 @@ pub fn execute_scaled(
     scales: &[Scale],
     opts: &ExecOptions,
 ) -> Result<ExecStats, LoadError> {
-    let loaded: Vec<LoadedScale> = scales
+    execute_scaled_reading(files, dests, items, scales, opts, false)
+}
+
+/// [`execute_scaled`]; `whole_scales` reads every scale whole (the tests' reference for the touched rows).
+fn execute_scaled_reading(
+    files: &[Arc<Header>],
+    dests: &[DestBuf<'_>],
+    items: &[Item],
+    scales: &[Scale],
+    opts: &ExecOptions,
+    whole_scales: bool,
+) -> Result<ExecStats, LoadError> {
+    let mut loaded: Vec<LoadedScale> = scales
         .iter()
         .enumerate()
-        .map(|(k, s)| load_scale(k, s, files))
+        .map(|(k, s)| check_scale(k, s, files))
         .collect::<Result<_, _>>()?;
     let per_item = item_scales(files, dests, items, &loaded)?;
-    let scale_bytes: u64 = loaded.iter().map(|s| s.bytes).sum();
     let runs = plan(files, dests, items)?;
+    if !runs.is_empty() {
+        read_scales(&mut loaded, items, &per_item, files, whole_scales)?;
+    }
+    let scale_bytes: u64 = loaded.iter().map(|s| s.bytes).sum();
     let threads = opts.threads.unwrap_or_else(default_threads).max(1);
     let mut stats = ExecStats {
         runs: runs.iter().map(|r| r.reps as usize).sum(),
@@ -2007,5 +2107,204 @@ mod tests {
             &opts,
         );
         assert!(matches!(r, Err(LoadError::Request { .. })), "{r:?}");
+    }
+
+    /// Several boxes of one [r, c] e4m3 tensor (random starts and lengths, some transposed into their
+    /// destination) under one scale of a random block shape: reading only the touched grid rows gives the
+    /// same bytes as reading the scale whole, and never more scale bytes.
+    fn check_touched_scales(
+        (r, c): (u64, u64),
+        (br, bc): (u64, u64),
+        boxes: &[([u64; 2], [u64; 2], bool)],
+        threads: usize,
+        seed: u64,
+    ) {
+        let dir = tempfile::tempdir().unwrap();
+        let q: Vec<u8> = random_bytes((r * c) as usize, seed)
+            .iter()
+            .map(|b| b & 0x77)
+            .collect();
+        let (gr, gc) = (r.div_ceil(br), c.div_ceil(bc));
+        let sbytes: Vec<u8> = (0..gr * gc)
+            .flat_map(|i| (0.5 + i as f32 * 0.75).to_le_bytes())
+            .collect();
+        let h = write_file(
+            dir.path(),
+            "t.safetensors",
+            &[
+                ("w", Dtype::F8_E4M3, vec![r, c], q),
+                ("w_scale_inv", Dtype::F32, vec![gr, gc], sbytes),
+            ],
+        );
+        let mut sc = Scale {
+            tensor: h.index("w_scale_inv").unwrap() as i64,
+            ndim: 2,
+            ..Scale::default()
+        };
+        sc.shape[..2].copy_from_slice(&[r as i64, c as i64]);
+        sc.block[..2].copy_from_slice(&[br as i64, bc as i64]);
+        let mut items = Vec::new();
+        let mut at = 0i64;
+        for &(lo, len, transposed) in boxes {
+            let lo = [lo[0] % r, lo[1] % c];
+            let len = [len[0].min(r - lo[0]).max(1), len[1].min(c - lo[1]).max(1)];
+            let mut item = Item {
+                tensor: h.index("w").unwrap() as i64,
+                src_base: (lo[0] * c + lo[1]) as i64,
+                dst_base: at,
+                ndim: 2,
+                scale: 1,
+                ..Item::default()
+            };
+            item.lengths[..2].copy_from_slice(&[len[0] as i64, len[1] as i64]);
+            item.src_strides[..2].copy_from_slice(&[c as i64, 1]);
+            let dst = match transposed {
+                true => [1, len[0] as i64],
+                false => [len[1] as i64, 1],
+            };
+            item.dst_strides[..2].copy_from_slice(&dst);
+            at += (len[0] * len[1]) as i64;
+            items.push(item);
+        }
+        let run = |whole: bool| {
+            let opts = ExecOptions {
+                threads: Some(threads),
+                ..ExecOptions::default()
+            };
+            let mut out = vec![0u8; at as usize * 2];
+            let dest = [DestBuf::from_mut_slice(&mut out, Dtype::BF16)];
+            let sc = [sc];
+            let stats =
+                execute_scaled_reading(std::slice::from_ref(&h), &dest, &items, &sc, &opts, whole)
+                    .unwrap();
+            (out, stats.bytes_read_from_files - stats.bytes_copied / 2)
+        };
+        let ((part, part_bytes), (whole, whole_bytes)) = (run(false), run(true));
+        assert_eq!(
+            part, whole,
+            "boxes {boxes:?} over [{r}, {c}] blocks [{br}, {bc}]"
+        );
+        assert!(part.iter().any(|&b| b != 0));
+        assert!(part_bytes <= whole_bytes, "{part_bytes} > {whole_bytes}");
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
+        #[test]
+        fn touched_scale_rows_equal_the_whole_scale(
+            (r, c) in (1u64..40, 1u64..40),
+            (br, bc) in (1u64..12, 1u64..12),
+            boxes in proptest::collection::vec(
+                (prop::array::uniform2(0u64..40), prop::array::uniform2(1u64..40), any::<bool>()),
+                1..4,
+            ),
+            threads in 1usize..3,
+            seed in any::<u64>(),
+        ) {
+            check_touched_scales((r, c), (br, bc), &boxes, threads, seed);
+        }
+    }
+
+    /// An expert-parallel rank's share: experts 3..4 of 8 of an MXFP4 `[8, Y, G, 16]` tensor (and a dim-0
+    /// eighth of an FP8 [64, 24] tensor with [4, 8] blocks) read 1/8 of their scale bytes, not the whole.
+    #[test]
+    fn a_dim0_eighth_reads_an_eighth_of_the_scales() {
+        let dir = tempfile::tempdir().unwrap();
+        let (e, y, g) = (8u64, 6u64, 2u64);
+        let exps: Vec<u8> = (0..e * y * g).map(|i| 120 + (i % 9) as u8).collect();
+        let q: Vec<u8> = random_bytes(64 * 24, 3).iter().map(|b| b & 0x77).collect();
+        let fscales: Vec<u8> = (0..16 * 3)
+            .flat_map(|i| (1.0 + i as f32).to_le_bytes())
+            .collect();
+        let h = write_file(
+            dir.path(),
+            "ep.safetensors",
+            &[
+                (
+                    "w_blocks",
+                    Dtype::U8,
+                    vec![e, y, g, 16],
+                    random_bytes((e * y * g * 16) as usize, 4),
+                ),
+                ("w_scales", Dtype::U8, vec![e, y, g], exps),
+                ("f", Dtype::F8_E4M3, vec![64, 24], q),
+                ("f_scale_inv", Dtype::F32, vec![16, 3], fscales),
+            ],
+        );
+        let x = g * 32;
+        let mut mx = Item {
+            tensor: h.index("w_blocks").unwrap() as i64,
+            src_base: (3 * y * x) as i64,
+            ndim: 1,
+            scale: 1,
+            ..Item::default()
+        };
+        mx.lengths[0] = (y * x) as i64;
+        mx.src_strides[0] = 1;
+        mx.dst_strides[0] = 1;
+        let mut mxs = Scale {
+            tensor: h.index("w_scales").unwrap() as i64,
+            ndim: 3,
+            ..Scale::default()
+        };
+        mxs.shape[..3].copy_from_slice(&[e as i64, y as i64, x as i64]);
+        mxs.block[..3].copy_from_slice(&[1, 1, 32]);
+        let mut fp = Item {
+            tensor: h.index("f").unwrap() as i64,
+            src_base: 5 * 8 * 24,
+            dest: 1,
+            ndim: 2,
+            scale: 2,
+            ..Item::default()
+        };
+        fp.lengths[..2].copy_from_slice(&[8, 24]);
+        fp.src_strides[..2].copy_from_slice(&[24, 1]);
+        fp.dst_strides[..2].copy_from_slice(&[24, 1]);
+        let mut fps = Scale {
+            tensor: h.index("f_scale_inv").unwrap() as i64,
+            ndim: 2,
+            ..Scale::default()
+        };
+        fps.shape[..2].copy_from_slice(&[64, 24]);
+        fps.block[..2].copy_from_slice(&[4, 8]);
+        for (item, whole_scale, data) in [(mx, e * y * g, y * x / 2), (fp, 16 * 3 * 4, 8 * 24)] {
+            let mut a = vec![0u8; 4 * (y * x) as usize];
+            let mut b = vec![0u8; 4 * 8 * 24];
+            for backend in [Backend::Mmap, Backend::Pread] {
+                let opts = ExecOptions {
+                    backend,
+                    ..ExecOptions::default()
+                };
+                let dest = [
+                    DestBuf::from_mut_slice(&mut a, Dtype::F32),
+                    DestBuf::from_mut_slice(&mut b, Dtype::F32),
+                ];
+                let read = |whole: bool| {
+                    execute_scaled_reading(
+                        std::slice::from_ref(&h),
+                        &dest,
+                        &[item],
+                        &[mxs, fps],
+                        &opts,
+                        whole,
+                    )
+                    .unwrap()
+                    .bytes_read_from_files
+                };
+                // the weight bytes are the same either way (the mmap backend counts the even and odd
+                // nibble runs of a 4-bit box separately): the difference is the scale bytes not read
+                let (part, whole) = (read(false), read(true));
+                assert!(
+                    part >= data + whole_scale / 8,
+                    "{part} {item:?} {backend:?}"
+                );
+                assert_eq!(
+                    whole - part,
+                    whole_scale - whole_scale / 8,
+                    "{item:?} {backend:?}"
+                );
+            }
+            assert!(a.iter().chain(&b).any(|&v| v != 0));
+        }
     }
 }

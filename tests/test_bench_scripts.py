@@ -232,3 +232,16 @@ def test_mxfp4_bench_quick(tmp_path: Path) -> None:
     assert got["hp_region"]["exact"] is True and got["hp_torch"]["exact"] is True
     assert got["hp_region"]["deferred_targets"] == 0 < got["hp_torch"]["deferred_targets"]
     assert got["hp_region"]["output_bytes"] == got["hp_bf16"]["output_bytes"]
+
+
+def test_mxfp4_bench_quick_expert_parallel(tmp_path: Path) -> None:
+    """``--ep 4``: rank 3 of 4 of the quick checkpoint's 4 experts loads its one expert exactly and reads a
+    quarter of the MXFP4 checkpoint (its packed bytes and its scale rows), the torch path everything."""
+    out = tmp_path / "out"
+    args = [str(BENCHES / "mxfp4_bench.py"), "--quick", "--repeats", "1", "--out", str(out), "--ep", "4"]
+    _run([*args, "--loaders", "hp_region,hp_torch", "--data", str(tmp_path / "data")], timeout=300)
+    got = {r["loader"]: r for r in json.loads((out / "mxfp4_bench.json").read_text())["results"]}
+    assert all(r["exact"] is True for r in got.values()), got
+    whole = got["hp_torch"]["checkpoint_bytes"]
+    assert got["hp_torch"]["bytes_read"] == whole
+    assert got["hp_region"]["bytes_read"] * 4 == whole

@@ -266,7 +266,7 @@ def test_block_size_that_does_not_fit_the_grid_is_refused(tmp_path):
 
 def test_plan_counts_the_scale_bytes(tmp_path):
     """``hf.plan`` counts what the engine reads: at world 1 every weight and every scale tensor of an FP8
-    checkpoint (the scales read whole, once each), so the plan's bytes are the checkpoint's data bytes."""
+    checkpoint (each scale's grid rows all touched, read once), so the plan's bytes are the checkpoint's data bytes."""
     model, tensors = _fp8_block("deepseek_v3", (8, 8), tmp_path)
     plan = hf.plan(_zeroed(model), tmp_path)
     scale_bytes = sum(t.numel() * t.element_size() for k, t in tensors.items() if k.endswith("_scale_inv"))
@@ -306,3 +306,29 @@ def test_mxfp4_that_does_not_fit_is_refused_before_reading(tmp_path, monkeypatch
     with pytest.raises(hf.QuantizationError, match=key + "_blocks"):
         hf.load(_zeroed(model), tmp_path)
     assert not calls
+
+
+def test_batch_counts_the_scale_rows_the_engine_reads(tmp_path):
+    """An expert-parallel rank's box (experts 3 and 4 of 8 MXFP4 experts, two items of one scale): the batch
+    counts the packed bytes plus the two experts' scale rows, the engine reads exactly that (pread, no gap),
+    and the values are the torch formula's (scale rows outside the box are never needed)."""
+    from hp_fastload.batch import Batch
+    from hp_fastload.index import CheckpointIndex
+    from hp_fastload.quant import Dequant
+
+    e, y, g = 8, 4, 2
+    gen = torch.Generator().manual_seed(3)
+    blocks = torch.randint(0, 256, (e, y, g, 16), dtype=torch.uint8, generator=gen)
+    scales = torch.randint(120, 134, (e, y, g), dtype=torch.uint8, generator=gen)
+    save_file({"w_blocks": blocks, "w_scales": scales}, str(tmp_path / "model.safetensors"))
+    index = CheckpointIndex.open(tmp_path)
+    spec = Dequant("w_scales", (e, y, g * 32), (1, 1, 32))
+    batch = Batch(index.locate)
+    out = torch.zeros(2, y, g * 32)
+    for k, expert in enumerate((3, 4)):
+        batch.add("w_blocks", expert * y * g * 32, (y * g * 32, g * 32, 1), (1, y, g * 32), out, (k, 0, 0), spec)
+    assert batch.nbytes == 2 * y * g * 16 + 2 * y * g  # two experts' packed bytes and their scale rows
+    stats = batch.execute(1, "pread")
+    assert stats is not None and stats["bytes_read_from_files"] == batch.nbytes
+    want = qc.mxfp4_dequant(blocks[3:5], scales[3:5], torch.float32).transpose(1, 2)
+    assert torch.equal(out, want)

@@ -162,7 +162,16 @@ def _check(family: str, layout: str, loader: str) -> list[str]:
         for name, param in model.state_dict().items():
             if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
                 local = param.to_local() if isinstance(param, DTensor) else param
-                want = local.numel() // 2 + stored[name + "_scales"].numel()  # two 4-bit codes a byte, + scales
+                # the scale rows: every [Y, G] grid row of the experts this shard holds (dim 0 of the blocks)
+                scales = stored[name + "_scales"]
+                experts = torch.arange(scales.shape[0]).view(-1, 1, 1).expand(param.shape).contiguous()
+                if isinstance(param, DTensor):
+                    experts = distribute_tensor(experts, param.device_mesh, param.placements, src_data_rank=None)
+                    experts = experts.to_local()
+                held = int(experts.max() - experts.min() + 1)
+                want = local.numel() // 2 + held * scales[0].numel()  # two 4-bit codes a byte, + the scale rows
+                if layout in ("ep", "fsdp"):
+                    assert held == scales.shape[0] // 2, (name, held)  # an expert split: half the scales
                 if read.get(name) != want:
                     bad.append(f"{name}: reads {read.get(name)} bytes for {local.numel()} local elements")
     return bad

@@ -35,7 +35,7 @@ from .engine import (
 )
 from .errors import PlanError
 from .index import TensorEntry
-from .plan.items import Int64s, Reads
+from .plan.items import Int64s, Reads, ScaleRows, scale_read_nbytes, touched_scale_rows
 from .quant import Dequant
 
 __all__ = ["MAX_NDIM", "Batch", "Located", "Slabs", "engine_casts", "staging_chunks"]
@@ -65,6 +65,8 @@ class Batch:
         self.locate = locate
         self.scales: list[int] = []  # packed scale records (quant.Dequant -> the engine's SCALE_WIDTH fields)
         self._scale_pos: dict[Dequant, int] = {}
+        self._scale_whole: dict[Dequant, int] = {}  # each scale tensor's bytes
+        self._scale_rows: ScaleRows = {}  # the grid rows of each scale the items touch: what the engine reads
         self.headers: list[Any] = []
         self._header_pos: dict[int, int] = {}
         self.dests: list[int] = []
@@ -100,8 +102,20 @@ class Batch:
             record += list(spec.shape) + [1] * (MAX_NDIM - ndim) + list(spec.block) + [1] * (MAX_NDIM - ndim)
             self.scales.extend(record)
             pos = self._scale_pos[spec] = len(self._scale_pos) + 1
-            self.nbytes += scale.nbytes  # the engine reads each scale tensor whole, once per call
+            self._scale_whole[spec] = scale.nbytes
         return pos
+
+    def _count_scale_rows(self, reads: Reads) -> None:
+        """Adds to ``nbytes`` the scale bytes ``reads`` make the engine read beyond the rows it reads already
+        (``touched_scale_rows``: each scale's hull of touched grid rows, once per call)."""
+        for spec, rows in touched_scale_rows(reads).items():
+            whole = self._scale_whole[spec]
+            seen = self._scale_rows.get(spec)
+            if seen is not None:
+                self.nbytes -= scale_read_nbytes(spec, seen, whole)
+                rows = (min(seen[0], rows[0]), max(seen[1], rows[1]))
+            self._scale_rows[spec] = rows
+            self.nbytes += scale_read_nbytes(spec, rows, whole)
 
     def _dest(self, tensor: torch.Tensor) -> int:
         storage = tensor.untyped_storage()
@@ -190,6 +204,7 @@ class Batch:
         records[:, COL_DST_STRIDES : COL_DST_STRIDES + ndim] = dest_strides
         if reads.second is not None:
             records[:, COL_SCALE] = [self._scale(k, s) for k, s in zip(reads.keys, reads.second, strict=True)]
+            self._count_scale_rows(reads)
         self.nbytes += reads.total_nbytes
         self.items.append(records)
         self.count += n

@@ -1,10 +1,13 @@
 """The plan's data: ``ReadItem`` (one strided box of a checkpoint tensor into a box of a target),
 ``Reads`` (a target's items as columns: the one read type), ``DeferredGroup`` (work done on whole tensors), ``LoadPlan``
-(one rank's plan) and ``LoadReport`` (what a load did). Builds nothing: planning lives in the sibling modules.
+(one rank's plan) and ``LoadReport`` (what a load did), with ``touched_scale_rows``: the scale grid rows a set of
+reads makes the engine read (the plan's and the batch's byte counts). Builds nothing: planning lives in the sibling
+modules.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
@@ -16,7 +19,17 @@ import torch
 from ..errors import PlanError
 from ..quant import Dequant, source_nbytes
 
-__all__ = ["DeferredGroup", "LoadPlan", "LoadReport", "ReadItem", "Reads", "TemplateReads"]
+__all__ = [
+    "DeferredGroup",
+    "LoadPlan",
+    "LoadReport",
+    "ReadItem",
+    "Reads",
+    "ScaleRows",
+    "TemplateReads",
+    "scale_read_nbytes",
+    "touched_scale_rows",
+]
 
 
 @dataclass(frozen=True)
@@ -307,6 +320,59 @@ class Reads(Sequence[ReadItem]):
 TemplateReads = Reads
 
 
+#: Per dequantization spec, the first and last dim-0 row of its scale grid that some items touch.
+ScaleRows = dict[Dequant, tuple[int, int]]
+
+
+def touched_scale_rows(reads: Reads, into: ScaleRows | None = None) -> ScaleRows:
+    """The scale grid rows ``reads``' dequantized items touch, per spec, merged into ``into`` (the engine's
+    rule, ``exec::read_scales``: an item touches the dim-0 rows of the quantized tensor from its first element
+    ``storage_base`` to its last ``storage_base + sum((lengths - 1) * storage_strides)``, i.e. grid rows
+    ``row // block[0]``; the engine reads the hull of those rows of each scale, once per call). Exact for
+    dim-0 (expert-parallel, FSDP) shards; a box cut along inner dims reads whole grid rows. Vectorized over the
+    items (a stacked-experts target has one spec per expert)."""
+    out: ScaleRows = {} if into is None else into
+    if reads.second is None:
+        return out
+    ids: dict[Dequant, int] = {}
+    which = np.array([-1 if s is None else ids.setdefault(s, len(ids)) for s in reads.second], dtype=np.int64)
+    live = (which >= 0) & (reads.lengths > 0).all(axis=1)
+    if not live.any():
+        return out
+    specs = list(ids)
+    # per spec: elements per dim-0 row, dim-0 length, dim-0 block (a 0-d spec: one row of one element)
+    dims = [(math.prod(s.shape[1:]), s.shape[0], s.block[0]) if s.shape else (1, 1, 1) for s in specs]
+    inner, rows0, block0 = np.array(dims, dtype=np.int64).reshape(-1, 3).T
+    which = which[live]
+    strides, lengths = reads.storage_strides[live], reads.lengths[live]
+    first = reads.storage_base[live]
+    last = first + ((lengths - 1) * strides).sum(axis=1)
+    lo_row = np.minimum(first // inner[which], rows0[which] - 1) // block0[which]
+    hi_row = np.minimum(last // inner[which], rows0[which] - 1) // block0[which]
+    negative = (strides < 0).any(axis=1)  # the engine refuses these; count the whole grid meanwhile
+    lo_row[negative] = 0
+    hi_row[negative] = ((rows0 + block0 - 1) // block0)[which][negative] - 1
+    lo = np.full(len(specs), np.iinfo(np.int64).max, dtype=np.int64)
+    hi = np.full(len(specs), -1, dtype=np.int64)
+    np.minimum.at(lo, which, lo_row)
+    np.maximum.at(hi, which, hi_row)
+    for spec, a, b in zip(specs, lo.tolist(), hi.tolist(), strict=True):
+        if b < 0:
+            continue  # every item of it is empty
+        seen = out.get(spec)
+        out[spec] = (a, b) if seen is None else (min(seen[0], a), max(seen[1], b))
+    return out
+
+
+def _grid_rows(spec: Dequant) -> int:
+    return -(-spec.shape[0] // spec.block[0]) if spec.shape else 1
+
+
+def scale_read_nbytes(spec: Dequant, rows: tuple[int, int], scale_nbytes: int) -> int:
+    """Bytes the engine reads of the scale tensor of ``spec`` (``scale_nbytes`` in all) for grid ``rows``."""
+    return (rows[1] - rows[0] + 1) * (scale_nbytes // _grid_rows(spec))
+
+
 @dataclass
 class DeferredGroup:
     """Work done on whole tensors on this rank: read ``keys`` whole, convert them with torch (the compute is
@@ -335,24 +401,26 @@ class LoadPlan:
     report: LoadReport
     files: dict[str, str]  # checkpoint key -> the path of the file it is read from (every key the plan reads)
     dequant: dict[str, Dequant] = field(default_factory=dict)  # the quantized keys this rank's reads dequantize
-    #: the scale tensors of the region reads' dequantized keys (key -> bytes): the engine reads each whole
+    #: the scale tensors of the region reads' dequantized keys (key -> bytes of the whole tensor); the engine
+    #: reads the grid rows the items touch (``touched_scale_rows``)
     scale_nbytes: dict[str, int] = field(default_factory=dict)
 
-    @staticmethod
-    def _scales_of(reads: Reads) -> set[str]:
-        return {s.scale for s in reads.second if s is not None} if reads.second is not None else set()
+    def _scale_bytes(self, rows: ScaleRows) -> Iterator[tuple[str, int]]:
+        for spec, touched in rows.items():
+            yield spec.scale, scale_read_nbytes(spec, touched, self.scale_nbytes[spec.scale])
 
     def read_bytes_by_file(self) -> dict[str, int]:
         """Bytes of source data this rank's region reads need, per checkpoint file."""
         out: dict[str, int] = {}
         files = self.files
+        rows: ScaleRows = {}
         for reads in self.region_reads.values():
             for key, n in zip(reads.keys, reads.nbytes.tolist(), strict=True):
                 path = files[key]
                 out[path] = out.get(path, 0) + n
-        scales: set[str] = set().union(*map(self._scales_of, self.region_reads.values()))
-        for key in sorted(scales):  # each scale tensor once, however many targets use it
-            out[files[key]] = out.get(files[key], 0) + self.scale_nbytes[key]
+            touched_scale_rows(reads, rows)
+        for key, n in self._scale_bytes(rows):  # each scale's rows once, however many targets use it
+            out[files[key]] = out.get(files[key], 0) + n
         for path, n in self._deferred_bytes():
             out[path] = out.get(path, 0) + n
         return out
@@ -363,10 +431,10 @@ class LoadPlan:
                 yield self.files[key], n
 
     def read_bytes_by_target(self) -> dict[str, int]:
-        """Source bytes of each region target's reads, the whole scale tensors of its dequantized keys
+        """Source bytes of each region target's reads, the scale grid rows its dequantized items touch
         included."""
         return {
-            name: reads.total_nbytes + sum(self.scale_nbytes[s] for s in self._scales_of(reads))
+            name: reads.total_nbytes + sum(n for _, n in self._scale_bytes(touched_scale_rows(reads)))
             for name, reads in self.region_reads.items()
         }
 
