@@ -96,6 +96,37 @@ def _cached(meta_path: Path, stamp: str) -> dict[str, Any] | None:
     return None
 
 
+def _write_shards(
+    path: Path, entries: list[tuple[str, tuple[int, ...], str]], sizes: list[int], shards: int, data: Any
+) -> tuple[dict[str, list[str]], dict[str, str]]:
+    """``entries`` ``(key, shape, safetensors dtype)`` of ``sizes`` bytes written into about ``shards``
+    safetensors files, one header each; ``data(key, shape, dtype)`` gives a tensor's bytes (a CPU tensor).
+    Returns each file's keys and the weight map."""
+    files: dict[str, list[str]] = {}
+    weight_map: dict[str, str] = {}
+    groups = _peers.shard_groups(sizes, shards)
+    for g, idx in enumerate(groups):
+        name = f"model-{g + 1:05d}-of-{len(groups):05d}.safetensors"
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        off = 0
+        for i in idx:
+            key, shape, dt = entries[i]
+            header[key] = {"dtype": dt, "shape": list(shape), "data_offsets": [off, off + sizes[i]]}
+            off += sizes[i]
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        with open(path / name, "wb") as f:
+            f.write(len(raw).to_bytes(8, "little"))
+            f.write(raw)
+            for i in idx:
+                f.write(memoryview(data(*entries[i]).contiguous().numpy()).cast("B"))
+                weight_map[entries[i][0]] = name
+            f.flush()
+            os.fsync(f.fileno())
+        files[name] = [entries[i][0] for i in idx]
+    return files, weight_map
+
+
 def write_checkpoint(path: Path, keys: list[tuple[str, tuple[int, ...]]], shards: int, device: str) -> dict[str, Any]:
     """Random bf16 (finite) tensors; generated on ``device`` (fast on a GPU), written with one header per file."""
     stamp = json.dumps({"keys": len(keys), "shape0": keys[0][1], "shards": shards, "v": 1})
@@ -108,34 +139,15 @@ def write_checkpoint(path: Path, keys: list[tuple[str, tuple[int, ...]]], shards
     shutil.rmtree(path, ignore_errors=True)
     path.mkdir(parents=True)
     sizes = [math.prod(s) * 2 for _, s in keys]
-    groups = _peers.shard_groups(sizes, shards)
     gen = torch.Generator(device=device).manual_seed(0)
     sums: dict[str, list[int]] = {}
-    files: dict[str, list[str]] = {}
-    weight_map: dict[str, str] = {}
-    for g, idx in enumerate(groups):
-        name = f"model-{g + 1:05d}-of-{len(groups):05d}.safetensors"
-        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-        off = 0
-        for i in idx:
-            key, shape = keys[i]
-            header[key] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [off, off + sizes[i]]}
-            off += sizes[i]
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)
-        with open(path / name, "wb") as f:
-            f.write(len(raw).to_bytes(8, "little"))
-            f.write(raw)
-            for i in idx:
-                key, shape = keys[i]
-                bits = torch.randint(-(2**15), 2**15, shape, dtype=torch.int16, device=device, generator=gen) & ~0x4000
-                t = bits.view(torch.bfloat16)
-                sums[key] = checksum(t)
-                f.write(memoryview(bits.cpu().numpy()).cast("B"))
-                weight_map[key] = name
-            f.flush()
-            os.fsync(f.fileno())
-        files[name] = [keys[i][0] for i in idx]
+
+    def data(key: str, shape: tuple[int, ...], _: str) -> Any:
+        bits = torch.randint(-(2**15), 2**15, shape, dtype=torch.int16, device=device, generator=gen) & ~0x4000
+        sums[key] = checksum(bits.view(torch.bfloat16))
+        return bits.cpu()
+
+    files, weight_map = _write_shards(path, [(k, sh, "BF16") for k, sh in keys], sizes, shards, data)
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     out = {"sums": sums, "shapes": {k: list(s) for k, s in keys}, "files": files}
     meta_path.write_text(json.dumps({"stamp": stamp, "files": out}))
@@ -165,33 +177,17 @@ def write_fp8_checkpoint(path: Path, keys: list[tuple[str, tuple[int, ...]]], sh
     size = {"F8_E4M3": 1, "BF16": 2, "F32": 4}
     sizes = [math.prod(sh) * size[d] for _, sh, d in entries]
     gen = torch.Generator().manual_seed(0)
-    files: dict[str, list[str]] = {}
-    for g, idx in enumerate(_peers.shard_groups(sizes, shards)):
-        name = f"model-{g + 1:05d}-of-{shards:05d}.safetensors"
-        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-        off = 0
-        for i in idx:
-            key, shape, dt = entries[i]
-            header[key] = {"dtype": dt, "shape": list(shape), "data_offsets": [off, off + sizes[i]]}
-            off += sizes[i]
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)
-        with open(path / name, "wb") as f:
-            f.write(len(raw).to_bytes(8, "little"))
-            f.write(raw)
-            for i in idx:
-                key, shape, dt = entries[i]
-                if dt == "F8_E4M3":
-                    t = torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen)
-                    t[(t & 0x7F) == 0x7F] = 0  # no NaN codes
-                elif dt == "F32":
-                    t = torch.rand(shape, generator=gen) * 1e-2 + 1e-4
-                else:
-                    t = torch.randint(-(2**15), 2**15, shape, dtype=torch.int16, generator=gen) & ~0x4000
-                f.write(memoryview(t.contiguous().numpy()).cast("B"))
-            f.flush()
-            os.fsync(f.fileno())
-        files[name] = [entries[i][0] for i in idx]
+
+    def data(key: str, shape: tuple[int, ...], dt: str) -> Any:
+        if dt == "F8_E4M3":
+            t = torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen)
+            t[(t & 0x7F) == 0x7F] = 0  # no NaN codes
+            return t
+        if dt == "F32":
+            return torch.rand(shape, generator=gen) * 1e-2 + 1e-4
+        return torch.randint(-(2**15), 2**15, shape, dtype=torch.int16, generator=gen) & ~0x4000
+
+    files, _ = _write_shards(path, entries, sizes, shards, data)
     config = {"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}}
     (path / "config.json").write_text(json.dumps(config))
     out = {"sums": {}, "shapes": {k: list(sh) for k, sh in keys}, "files": files, "fp8": True}
@@ -226,36 +222,19 @@ def write_mxfp4_checkpoint(path: Path, keys: list[tuple[str, tuple[int, ...]]], 
 
     shutil.rmtree(path, ignore_errors=True)
     path.mkdir(parents=True)
-    entries: list[tuple[str, tuple[int, ...]]] = []
+    entries: list[tuple[str, tuple[int, ...], str]] = []
     for key, (e, a, b) in keys:
-        entries.append((key + "_blocks", (e, b, a // 32, 16)))
-        entries.append((key + "_scales", (e, b, a // 32)))
-    sizes = [math.prod(sh) for _, sh in entries]
+        entries.append((key + "_blocks", (e, b, a // 32, 16), "U8"))
+        entries.append((key + "_scales", (e, b, a // 32), "U8"))
+    sizes = [math.prod(sh) for _, sh, _ in entries]
     gen = torch.Generator().manual_seed(0)
-    files: dict[str, list[str]] = {}
-    for g, idx in enumerate(_peers.shard_groups(sizes, shards)):
-        name = f"model-{g + 1:05d}-of-{shards:05d}.safetensors"
-        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-        off = 0
-        for i in idx:
-            key, shape = entries[i]
-            header[key] = {"dtype": "U8", "shape": list(shape), "data_offsets": [off, off + sizes[i]]}
-            off += sizes[i]
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)
-        with open(path / name, "wb") as f:
-            f.write(len(raw).to_bytes(8, "little"))
-            f.write(raw)
-            for i in idx:
-                key, shape = entries[i]
-                high = 256 if key.endswith("_blocks") else 15
-                t = torch.randint(0, high, shape, dtype=torch.uint8, generator=gen)
-                if key.endswith("_scales"):
-                    t += 120
-                f.write(memoryview(t.contiguous().numpy()).cast("B"))
-            f.flush()
-            os.fsync(f.fileno())
-        files[name] = [entries[i][0] for i in idx]
+
+    def data(key: str, shape: tuple[int, ...], _: str) -> Any:
+        if key.endswith("_blocks"):
+            return torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen)
+        return torch.randint(0, 15, shape, dtype=torch.uint8, generator=gen) + 120
+
+    files, _ = _write_shards(path, entries, sizes, shards, data)
     (path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "mxfp4"}}))
     out = {"sums": {}, "shapes": {k: list(sh) for k, sh in keys}, "files": files, "mxfp4": True}
     meta_path.write_text(json.dumps({"stamp": stamp, "files": out}))

@@ -98,7 +98,7 @@ def test_batch_packs_the_records_read_many_packs(tmp_path: Path) -> None:
     for key, off, n, out in boxes:
         strides = row_major_strides(file.shape(key))
         base = sum(o * s for o, s in zip(off, strides, strict=True))
-        batch.add_from(file, key, base, strides, n, out, (0,) * len(n))
+        batch.add(key, base, strides, n, out, (0,) * len(n), file=file)
     assert np.array_equal(np.concatenate(batch.items), rows)
     assert batch.dests == [v for dest in dests for v in dest]
 

@@ -58,7 +58,7 @@ class Batch:
     """Items of one engine call: headers, destination buffers, scale records and the packed item array.
 
     ``locate(key)`` finds a checkpoint tensor (``CheckpointIndex.locate``); readers without an index give the
-    file with each item (``add_from``) and need it only for the scale tensors of second sources.
+    file with each item (``add(..., file=)``) and need it only for the scale tensors of second sources.
     """
 
     def __init__(self, locate: Callable[[str], Located] | None = None) -> None:
@@ -138,28 +138,17 @@ class Batch:
         dest: torch.Tensor,
         dest_offsets: Sequence[int],
         second: Dequant | None = None,
+        *,
+        file: SafetensorsFile | None = None,
     ) -> None:
         """One strided box of checkpoint tensor ``key`` into ``dest`` at ``dest_offsets`` (``second``: the
-        engine dequantizes it with that scale)."""
-        if self.locate is None:
-            raise PlanError(f"{key}: a batch without an index needs the file (add_from)")
-        where = self.locate(key)
-        reads = Reads.one(key, storage_base, storage_strides, lengths, dest_offsets, where.dtype, second)
-        self.add_reads(reads, dest, [where])
-
-    def add_from(
-        self,
-        file: SafetensorsFile,
-        key: str,
-        storage_base: int,
-        storage_strides: Sequence[int],
-        lengths: Sequence[int],
-        dest: torch.Tensor,
-        dest_offsets: Sequence[int],
-        second: Dequant | None = None,
-    ) -> None:
-        """Like ``add`` with the file given, for readers without an index."""
-        where = TensorEntry.of(file, key)  # KeyError if unknown
+        engine dequantizes it with that scale). ``file``: where ``key`` is, for readers without an index."""
+        if file is not None:
+            where = TensorEntry.of(file, key)  # KeyError if unknown
+        elif self.locate is None:
+            raise PlanError(f"{key}: a batch without an index needs the file of each read")
+        else:
+            where = self.locate(key)
         reads = Reads.one(key, storage_base, storage_strides, lengths, dest_offsets, where.dtype, second)
         self.add_reads(reads, dest, [where])
 

@@ -182,10 +182,10 @@ class HuggingFaceStorageReader(FileSystemReader):
         lengths = tuple(req.lengths)
         src_dtype = file.torch_dtype(key)
         if target.device.type == "cpu" and engine_casts(src_dtype, target.dtype):
-            batch.add_from(file, key, base, strides, lengths, target, (0,) * len(lengths))
+            batch.add(key, base, strides, lengths, target, (0,) * len(lengths), file=file)
         else:
             temp = torch.empty(lengths, dtype=src_dtype)
-            batch.add_from(file, key, base, strides, lengths, temp, (0,) * len(lengths))
+            batch.add(key, base, strides, lengths, temp, (0,) * len(lengths), file=file)
             batch.keep.append(temp)
             batch.after.append(_copier(target, temp))
 
@@ -299,7 +299,7 @@ class QuantizedHuggingFaceStorageReader(HuggingFaceStorageReader):
         lengths = tuple(req.lengths)
         direct = target.device.type == "cpu" and target.dtype == self.target_dtype
         dest = target if direct else torch.empty(lengths, dtype=self.target_dtype)
-        batch.add_from(file, key, base, strides, lengths, dest, (0,) * len(lengths), self._dequant(key))
+        batch.add(key, base, strides, lengths, dest, (0,) * len(lengths), self._dequant(key), file=file)
         if not direct:
             batch.keep.append(dest)
             batch.after.append(_copier(target, dest))

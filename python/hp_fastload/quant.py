@@ -285,6 +285,22 @@ class QuantInfo:
         out.update(c for k in self.dequantized for c in record(k).companions)  # type: ignore[union-attr]
         return out | self.fallback_keys
 
+    def _mxfp4_targets(
+        self, missing: Collection[str], unclaimed: Collection[str], dtype_of_target: Callable[[str], torch.dtype]
+    ) -> Iterator[tuple[QuantTensor, str]]:
+        """The unclaimed MXFP4 ``*_blocks`` (one ``*_scales`` companion, not yet planned) whose dequantized
+        name is a missing float model tensor: ``(blocks, target name)``."""
+        if not missing:  # every target is loaded: nothing for a packed tensor to become
+            return
+        for key in unclaimed:
+            f = self.tensors.record(key)
+            if f is None or f.fmt != MXFP4_FORMAT or len(f.companions) != 1 or key in self.fallback_keys:
+                continue
+            q = self.tensors[key]
+            name = self._missing_target(q, missing)
+            if name is not None and dtype_of_target(name) in _FLOATS:
+                yield q, name
+
     def _missing_target(self, q: QuantTensor | _Found, missing: Collection[str]) -> str | None:
         for name in missing:
             if name == q.dequantized or name.endswith("." + q.dequantized) or q.dequantized.endswith("." + name):
@@ -304,16 +320,7 @@ class QuantInfo:
         out: list[
             tuple[str, list[str], Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]], tuple[int, ...]]
         ] = []
-        if not missing:  # every target is loaded: nothing for a packed tensor to become
-            return out
-        for key in unclaimed:
-            f = self.tensors.record(key)
-            if f is None or f.fmt != MXFP4_FORMAT or len(f.companions) != 1 or key in self.fallback_keys:
-                continue
-            q = self.tensors[key]
-            name = self._missing_target(q, missing)
-            if name is None or dtype_of_target(name) not in _FLOATS:
-                continue
+        for q, name in self._mxfp4_targets(missing, unclaimed, dtype_of_target):
             blocks, scales = q.key, q.companions[0]
             compute = functools.partial(_mxfp4_group, name, blocks, scales)
             shape = tuple(int(n) for n in shape_of(blocks))
@@ -335,16 +342,8 @@ class QuantInfo:
         region path (``mxfp4_region``; the engine dequantizes them in its copy pass): ``(target name,
         region)`` for each. Their sources are then consumed and left out of ``fallbacks``."""
         out: list[tuple[str, Any]] = []
-        if not missing:  # every target is loaded: nothing for a packed tensor to become
-            return out
-        for key in unclaimed:
-            f = self.tensors.record(key)
-            if f is None or f.fmt != MXFP4_FORMAT or len(f.companions) != 1 or key in self.fallback_keys:
-                continue
-            q = self.tensors[key]
-            name = self._missing_target(q, missing)
-            if name is None or dtype_of_target(name) not in _FLOATS:
-                continue
+        for q, name in self._mxfp4_targets(missing, unclaimed, dtype_of_target):
+            key = q.key
             shape = tuple(int(n) for n in shape_of(key))
             scale = q.companions[0]
             if len(shape) < 4 or shape[-1] != 16:
