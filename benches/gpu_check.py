@@ -96,6 +96,15 @@ def _cached(meta_path: Path, stamp: str) -> dict[str, Any] | None:
     return None
 
 
+def _cached_or_fresh(path: Path, meta_path: Path, stamp: str) -> dict[str, Any] | None:
+    """The checkpoint written earlier with this ``stamp``, or None with ``path`` made empty for a new one."""
+    cached = _cached(meta_path, stamp)
+    if cached is None:
+        shutil.rmtree(path, ignore_errors=True)
+        path.mkdir(parents=True)
+    return cached
+
+
 def _write_shards(
     path: Path, entries: list[tuple[str, tuple[int, ...], str]], sizes: list[int], shards: int, data: Any
 ) -> tuple[dict[str, list[str]], dict[str, str]]:
@@ -131,13 +140,11 @@ def write_checkpoint(path: Path, keys: list[tuple[str, tuple[int, ...]]], shards
     """Random bf16 (finite) tensors; generated on ``device`` (fast on a GPU), written with one header per file."""
     stamp = json.dumps({"keys": len(keys), "shape0": keys[0][1], "shards": shards, "v": 1})
     meta_path = path / "checksums.json"
-    cached = _cached(meta_path, stamp)
+    cached = _cached_or_fresh(path, meta_path, stamp)
     if cached is not None:
         return cached
     import torch
 
-    shutil.rmtree(path, ignore_errors=True)
-    path.mkdir(parents=True)
     sizes = [math.prod(s) * 2 for _, s in keys]
     gen = torch.Generator(device=device).manual_seed(0)
     sums: dict[str, list[int]] = {}
@@ -160,13 +167,11 @@ def write_fp8_checkpoint(path: Path, keys: list[tuple[str, tuple[int, ...]]], sh
     ``quantization_config`` DeepSeek-V3 ships; ``shapes`` lists the model tensors (not the scales)."""
     stamp = json.dumps({"keys": len(keys), "shape0": keys[0][1], "shards": shards, "v": "fp8-1"})
     meta_path = path / "checksums.json"
-    cached = _cached(meta_path, stamp)
+    cached = _cached_or_fresh(path, meta_path, stamp)
     if cached is not None:
         return cached
     import torch
 
-    shutil.rmtree(path, ignore_errors=True)
-    path.mkdir(parents=True)
     entries: list[tuple[str, tuple[int, ...], str]] = []
     for key, shape in keys:
         if len(shape) == 2 and "embed" not in key and "lm_head" not in key:
@@ -215,13 +220,11 @@ def write_mxfp4_checkpoint(path: Path, keys: list[tuple[str, tuple[int, ...]]], 
     120..134), with an MXFP4 ``quantization_config``; ``shapes`` lists the model tensors."""
     stamp = json.dumps({"keys": len(keys), "shape0": keys[0][1], "shards": shards, "v": "mxfp4-1"})
     meta_path = path / "checksums.json"
-    cached = _cached(meta_path, stamp)
+    cached = _cached_or_fresh(path, meta_path, stamp)
     if cached is not None:
         return cached
     import torch
 
-    shutil.rmtree(path, ignore_errors=True)
-    path.mkdir(parents=True)
     entries: list[tuple[str, tuple[int, ...], str]] = []
     for key, (e, a, b) in keys:
         entries.append((key + "_blocks", (e, b, a // 32, 16), "U8"))
