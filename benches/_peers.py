@@ -1092,16 +1092,14 @@ def run_e2e(cfg: dict[str, Any]) -> dict[str, Any]:
 # Planning: a DeepSeek-sized header, one virtual rank of 8
 
 
-def run_plan(cfg: dict[str, Any]) -> dict[str, Any]:
+def expert_parallel_model(checkpoint: str, world: int, rank: int) -> Any:
+    """The checkpoint's causal LM on meta, its stacked experts ``Shard(0)`` over ``world`` ranks of torch's fake
+    process group (as rank ``rank``), every other parameter replicated: the planning row's model."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    import hp_fastload
-    from hp_fastload.targets import virtual_rank
-
-    ckpt, world, rank = cfg["ckpt"], cfg["world"], cfg["rank"]
     mesh = fake_world(world, rank)
-    config = AutoConfig.from_pretrained(ckpt)
+    config = AutoConfig.from_pretrained(checkpoint)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     for name, module in list(model.named_modules()):
@@ -1114,6 +1112,17 @@ def run_plan(cfg: dict[str, Any]) -> dict[str, Any]:
             setattr(
                 module, pname, torch.nn.Parameter(as_dtensor(local, mesh, dim, tuple(p.shape)), requires_grad=False)
             )
+    return model
+
+
+def run_plan(cfg: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    import hp_fastload
+    from hp_fastload.targets import virtual_rank
+
+    ckpt, world, rank = cfg["ckpt"], cfg["world"], cfg["rank"]
+    model = expert_parallel_model(ckpt, world, rank)
     from hp_fastload import engine
 
     times = []
