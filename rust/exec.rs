@@ -1079,6 +1079,16 @@ mod tests {
     use proptest::prelude::*;
     use std::io::Write;
 
+    /// A one-dimensional item: `len` contiguous elements of tensor 0 of file 0 into the start of dest 0.
+    fn flat_item(len: i64) -> Item {
+        let mut item = Item {
+            ndim: 1,
+            ..Item::default()
+        };
+        (item.lengths[0], item.src_strides[0], item.dst_strides[0]) = (len, 1, 1);
+        item
+    }
+
     fn write_file(
         dir: &std::path::Path,
         name: &str,
@@ -1361,13 +1371,7 @@ mod tests {
             &[("t", Dtype::BF16, vec![4], vec![0; 8])],
         );
         let original = std::fs::read(&h.path).unwrap();
-        let mut item = Item {
-            ndim: 1,
-            ..Item::default()
-        };
-        item.lengths[0] = 4;
-        item.src_strides[0] = 1;
-        item.dst_strides[0] = 1;
+        let item = flat_item(4);
         let mut mem = vec![1u8; 16];
         let bufs = [DestBuf::from_mut_slice(&mut mem, Dtype::F32)];
         let err = execute_write(
@@ -1408,13 +1412,7 @@ mod tests {
             "w.safetensors",
             &[("t", Dtype::BF16, vec![4], vec![0; 8])],
         );
-        let mut item = Item {
-            ndim: 1,
-            ..Item::default()
-        };
-        item.lengths[0] = 4;
-        item.src_strides[0] = 1;
-        item.dst_strides[0] = 1;
+        let item = flat_item(4);
         let mut mem = vec![7u8; 8];
         let bufs = [DestBuf::from_mut_slice(&mut mem, Dtype::BF16)];
         let write = || {
@@ -1704,11 +1702,7 @@ mod tests {
             "t.safetensors",
             &[("w", Dtype::U8, vec![4096], random_bytes(4096, 1))],
         );
-        let mut item = Item {
-            ndim: 1,
-            ..Item::default()
-        };
-        (item.lengths[0], item.src_strides[0], item.dst_strides[0]) = (4096, 1, 1);
+        let item = flat_item(4096);
         let mut out = vec![0u8; 4096];
         for backend in [Backend::Mmap, Backend::Pread, Backend::Auto] {
             let opts = ExecOptions {
@@ -2048,13 +2042,9 @@ mod tests {
         );
         let mut item = Item {
             tensor: h.index("w_blocks").unwrap() as i64,
-            ndim: 1,
             scale: 1,
-            ..Item::default()
+            ..flat_item(192)
         };
-        item.lengths[0] = 192;
-        item.src_strides[0] = 1;
-        item.dst_strides[0] = 1;
         let scale = |shape: [i64; 3], block: [i64; 3]| {
             let mut s = Scale {
                 tensor: h.index("w_scales").unwrap() as i64,
