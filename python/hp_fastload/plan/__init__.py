@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from ..engine import gc_paused
 from .context import LoadContext, PendingGroup
-from .items import DeferredGroup, LoadPlan, LoadReport, ReadItem, Reads, TemplateReads
+from .items import DeferredGroup, LoadPlan, LoadReport, ReadItem, Reads
 from .orchestrate import plan_load
 from .regions import VECTOR_BLOCKS, BlockCache, region_items
 from .replacement import Replacement, SourceModelView, replacement_of
@@ -41,7 +41,6 @@ __all__ = [
     "Reads",
     "Replacement",
     "SourceModelView",
-    "TemplateReads",
     "gc_paused",
     "plan_load",
     "region_items",

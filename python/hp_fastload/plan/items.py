@@ -26,7 +26,6 @@ __all__ = [
     "ReadItem",
     "Reads",
     "ScaleRows",
-    "TemplateReads",
     "scale_read_nbytes",
     "touched_scale_rows",
 ]
@@ -314,10 +313,6 @@ class Reads(Sequence[ReadItem]):
 
     def __repr__(self) -> str:
         return f"Reads({len(self)} items, {self.total_nbytes} bytes, first {self.keys[0] if self.keys else None!r})"
-
-
-#: The former name of the one read type (its template form was a separate class).
-TemplateReads = Reads
 
 
 #: Per dequantization spec, the first and last dim-0 row of its scale grid that some items touch.
