@@ -43,6 +43,7 @@ pub mod dtype;
 pub mod error;
 pub mod exec;
 pub mod header;
+pub mod keys;
 mod mmap;
 mod overlap;
 #[cfg(feature = "python")]

@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use pyo3::exceptions::{PyFileNotFoundError, PyOSError, PyPermissionError, PyRuntimeError};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyString, PyTuple};
+use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
 
 use crate::dtype::{Dtype, ALL_DTYPES};
 use crate::error::LoadError;
@@ -449,6 +449,33 @@ fn execute<'py>(
     Ok(out)
 }
 
+/// The templates of `names` (see [`crate::keys`]): `(templates, ids, numbers, width)` with `ids` the
+/// little-endian `u32` template index of each name and `numbers` its `width` numbers as little-endian `i64`
+/// (-1 padded); None when a name contains the marker.
+#[pyfunction]
+#[allow(clippy::type_complexity)]
+fn key_templates<'py>(
+    py: Python<'py>,
+    names: &Bound<'py, PyList>,
+) -> PyResult<Option<(Vec<String>, Bound<'py, PyBytes>, Bound<'py, PyBytes>, usize)>> {
+    let owned: Vec<Bound<'py, PyString>> = names
+        .iter()
+        .map(|n| n.cast_into::<PyString>().map_err(PyErr::from))
+        .collect::<PyResult<_>>()?;
+    let strs: Vec<&str> = owned.iter().map(|s| s.to_str()).collect::<PyResult<_>>()?;
+    let Some(t) = py.detach(|| crate::keys::key_templates(&strs)) else {
+        return Ok(None);
+    };
+    let ids: Vec<u8> = t.ids.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let numbers: Vec<u8> = t.numbers.iter().flat_map(|v| v.to_le_bytes()).collect();
+    Ok(Some((
+        t.templates,
+        PyBytes::new(py, &ids),
+        PyBytes::new(py, &numbers),
+        t.width,
+    )))
+}
+
 /// The `hp_fastload._core` module.
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -456,6 +483,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<HeaderEntry>()?;
     m.add_class::<WeightMap>()?;
     m.add_function(wrap_pyfunction!(execute, m)?)?;
+    m.add_function(wrap_pyfunction!(key_templates, m)?)?;
     m.add("MAX_NDIM", MAX_NDIM)?;
     m.add("ITEM_WIDTH", ITEM_WIDTH)?;
     for (name, col) in [

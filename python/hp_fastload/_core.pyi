@@ -79,6 +79,12 @@ class WeightMap:
     def agrees(self, headers: list[SafetensorsHeader]) -> bool:
         """Whether it lists exactly the tensors of ``headers``, which are the files ``files()`` in order."""
 
+def key_templates(names: list[str]) -> tuple[list[str], bytes, bytes, int] | None:
+    """The key templates of ``names`` (``rust/keys.rs``): every numeric dotted component (1-18 digits, no
+    leading zero) replaced by ``#``. ``(templates in order of first appearance, each name's template index as
+    little-endian uint32, each name's numbers as ``width`` little-endian int64 padded with -1, width)``; None
+    when a name contains ``#``."""
+
 def execute(
     headers: list[SafetensorsHeader],
     dests: bytes,

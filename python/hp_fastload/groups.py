@@ -20,6 +20,7 @@ from typing import Any
 
 from .errors import shown_key
 from .rules import _Transform, is_converter, is_renaming
+from .templates import template_groups
 
 if sys.version_info >= (3, 11):  # the regex parser, to derive a rule's literal prefilter
     import re._constants as _sre
@@ -352,12 +353,17 @@ def build_groups(
     *,
     base_model_prefix: str | None = None,
     map_key: Callable[[str], str | None] | None = None,
+    templates: bool = True,
 ) -> tuple[list[LoadGroup], list[str]]:
     """Group checkpoint ``keys`` (already in natural order) by the target they rename to.
 
     Returns ``(groups in first-key order, unexpected checkpoint keys)``. A key whose renamed name is not a
     target is unexpected, unless its converter has several targets, in which case the group is kept and
     the converted outputs decide (one of them may exist).
+
+    The work is done once per key template (``hp_fastload.templates``: layer and expert numbers taken out);
+    ``templates=False``, or a case the template path leaves to it, runs the per-key path, whose result the
+    template path reproduces exactly.
     """
     if map_key is None:
         originals = names = list(keys)
@@ -365,12 +371,19 @@ def build_groups(
         pairs = [(key, map_key(key)) for key in keys]
         originals = [key for key, name in pairs if name is not None]
         names = [name for _, name in pairs if name is not None]
-    # One pass per rule over all keys: renamings chain in order, then the first converter that matches.
+    renamings = [_Prefiltered(r) for r in rules if is_renaming(r)]
+    converters = [_Prefiltered(r) for r in rules if is_converter(r)]
+    if templates:
+        templated = template_groups(originals, names, targets, renamings, converters, base_model_prefix, LoadGroup)
+        if templated is not None:
+            return templated
+    # The per-key path. One pass per rule over all keys: renamings chain in order, then the first converter
+    # that matches.
     current = list(names)
     # Most rules of a mapping match nothing in a given checkpoint: one substring test on all keys joined
     # rules them out (a scan per key and literal cost ~5 ms a rule on 90k keys). Rebuilt after a renaming.
     text = "\n".join(current) if len(current) > 1000 else None
-    for rule in (_Prefiltered(r) for r in rules if is_renaming(r)):
+    for rule in renamings:
         hits = rule.rename_all(current, None, text)
         for i, new_key, _ in hits:
             current[i] = new_key
@@ -379,7 +392,7 @@ def build_groups(
     matched: list[tuple[Any, str] | None] = [None] * len(current)
     renamed = list(current)
     taken = None  # until a converter matched, no index needs checking
-    for rule in (_Prefiltered(r) for r in rules if is_converter(r)):
+    for rule in converters:
         for i, new_key, matched_pattern in rule.rename_all(current, taken, text):
             renamed[i], matched[i] = new_key, (rule.rule, matched_pattern)
             taken = matched

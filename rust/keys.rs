@@ -1,0 +1,198 @@
+//! Key templates: checkpoint key names with their layer and expert numbers taken out.
+//!
+//! A *numeric component* of a dotted name is a component that is a plain decimal number: one to 18 ASCII
+//! digits, without a leading zero (`0` itself is one; `01` is text, since putting it back from its value
+//! would not give the same name). A name's *template* is the name with every numeric component replaced
+//! by [`MARKER`]; its *numbers* are those components' values, in order. `model.layers.3.mlp.experts.17.w1`
+//! is the template `model.layers.#.mlp.experts.#.w1` with numbers `[3, 17]`, and filling the template's
+//! markers with the numbers in order gives the name back.
+//!
+//! The planner renames and groups a checkpoint's keys once per template instead of once per key (a
+//! 90k-tensor DeepSeek-V3 header has ~30 templates).
+
+use std::collections::HashMap;
+use std::hash::BuildHasherDefault;
+
+use crate::header::WordHasher;
+
+/// The character that stands for a numeric component in a template.
+pub const MARKER: char = '#';
+
+/// The most digits a numeric component has (so its value fits an `i64`).
+const MAX_DIGITS: usize = 18;
+
+/// The templates of a list of names.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct KeyTemplates {
+    /// Every distinct template, in order of first appearance.
+    pub templates: Vec<String>,
+    /// Per name, the index of its template in `templates`.
+    pub ids: Vec<u32>,
+    /// The numbers of each name, `width` per name, in template order, padded with -1.
+    pub numbers: Vec<i64>,
+    /// The most numeric components of any name (the row width of `numbers`).
+    pub width: usize,
+}
+
+fn numeric(bytes: &[u8]) -> Option<i64> {
+    if bytes.is_empty() || bytes.len() > MAX_DIGITS || (bytes.len() > 1 && bytes[0] == b'0') {
+        return None;
+    }
+    let mut value = 0i64;
+    for &b in bytes {
+        if !b.is_ascii_digit() {
+            return None;
+        }
+        value = value * 10 + i64::from(b - b'0');
+    }
+    Some(value)
+}
+
+/// The templates of `names`, or None when a name contains [`MARKER`] itself (its template would be
+/// ambiguous) or there are more than `u32::MAX` distinct templates.
+pub fn key_templates<S: AsRef<str>>(names: &[S]) -> Option<KeyTemplates> {
+    let hasher = BuildHasherDefault::<WordHasher>::default();
+    let mut index: HashMap<Vec<u8>, u32, _> = HashMap::with_hasher(hasher);
+    let mut out = KeyTemplates::default();
+    // Numbers of every name back to back; `ends[i]` is where name i's stop (rows padded at the end).
+    let mut flat: Vec<i64> = Vec::with_capacity(names.len() * 2);
+    let mut ends: Vec<usize> = Vec::with_capacity(names.len());
+    let mut template: Vec<u8> = Vec::new();
+    // Consecutive names mostly share one of a few templates (an expert's projections, then the next
+    // expert's): the last few ids are checked before hashing.
+    let mut recent: [u32; 8] = [u32::MAX; 8];
+    for name in names {
+        let name = name.as_ref();
+        if name.as_bytes().contains(&(MARKER as u8)) {
+            return None;
+        }
+        template.clear();
+        let start = flat.len();
+        let bytes = name.as_bytes();
+        let mut from = 0;
+        for i in 0..=bytes.len() {
+            if i < bytes.len() && bytes[i] != b'.' {
+                continue;
+            }
+            match numeric(&bytes[from..i]) {
+                Some(value) => {
+                    template.push(MARKER as u8);
+                    flat.push(value);
+                }
+                None => template.extend_from_slice(&bytes[from..i]),
+            }
+            if i < bytes.len() {
+                template.push(b'.');
+            }
+            from = i + 1;
+        }
+        out.width = out.width.max(flat.len() - start);
+        ends.push(flat.len());
+        let known = recent
+            .iter()
+            .copied()
+            .find(|&id| id != u32::MAX && out.templates[id as usize].as_bytes() == template);
+        let id = match known.or_else(|| index.get(template.as_slice()).copied()) {
+            Some(id) => id,
+            None => {
+                let id = u32::try_from(out.templates.len()).ok()?;
+                // Components are whole UTF-8 text or ASCII digits, cut at ASCII dots: still UTF-8.
+                let text = String::from_utf8(template.clone())
+                    .expect("a template of UTF-8 names is UTF-8");
+                index.insert(template.clone(), id);
+                out.templates.push(text);
+                id
+            }
+        };
+        if !recent.contains(&id) {
+            recent.rotate_right(1);
+            recent[0] = id;
+        }
+        out.ids.push(id);
+    }
+    out.numbers = vec![-1; names.len() * out.width];
+    let mut start = 0;
+    for (row, &end) in out.numbers.chunks_mut(out.width.max(1)).zip(&ends) {
+        row[..end - start].copy_from_slice(&flat[start..end]);
+        start = end;
+    }
+    Some(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fill(template: &str, numbers: &[i64]) -> String {
+        let mut it = numbers.iter();
+        template
+            .split('.')
+            .map(|p| {
+                if p == "#" {
+                    it.next().unwrap().to_string()
+                } else {
+                    p.to_string()
+                }
+            })
+            .collect::<Vec<_>>()
+            .join(".")
+    }
+
+    #[test]
+    fn numbers_out_and_back() {
+        let names = [
+            "model.layers.3.mlp.experts.17.w1.weight",
+            "model.layers.10.mlp.experts.0.w1.weight",
+            "model.embed_tokens.weight",
+            "model.layers.01.x",
+            "0.a",
+            "a.0",
+            "a..b",
+            "a.1234567890123456789.b",
+            "layers.5",
+        ];
+        let t = key_templates(&names).unwrap();
+        assert_eq!(
+            t.templates,
+            [
+                "model.layers.#.mlp.experts.#.w1.weight",
+                "model.embed_tokens.weight",
+                "model.layers.01.x",
+                "#.a",
+                "a.#",
+                "a..b",
+                "a.1234567890123456789.b",
+                "layers.#",
+            ]
+        );
+        assert_eq!(t.ids, [0, 0, 1, 2, 3, 4, 5, 6, 7]);
+        assert_eq!(t.width, 2);
+        assert_eq!(&t.numbers[..4], &[3, 17, 10, 0]);
+        for (i, name) in names.iter().enumerate() {
+            let row = &t.numbers[i * 2..i * 2 + 2];
+            let used: Vec<i64> = row.iter().copied().filter(|&v| v >= 0).collect();
+            assert_eq!(fill(&t.templates[t.ids[i] as usize], &used), *name);
+        }
+    }
+
+    #[test]
+    fn a_marker_in_a_name_refuses() {
+        assert_eq!(key_templates(&["a.#.b"]), None);
+        assert_eq!(key_templates::<&str>(&[]).unwrap().width, 0);
+    }
+}
+
+#[cfg(test)]
+mod timing {
+    #[test]
+    #[ignore]
+    fn time_keys() {
+        let text = std::fs::read_to_string("/tmp/keys.txt").unwrap();
+        let names: Vec<&str> = text.lines().collect();
+        for _ in 0..10 {
+            let t = std::time::Instant::now();
+            let r = super::key_templates(&names).unwrap();
+            eprintln!("{:?} {}", t.elapsed(), r.templates.len());
+        }
+    }
+}
