@@ -48,27 +48,97 @@ fn numeric(bytes: &[u8]) -> Option<i64> {
     Some(value)
 }
 
+/// One run of names' templates (a thread's share).
+struct Part {
+    templates: Vec<String>,
+    ids: Vec<u32>,
+    /// The numbers of every name back to back; `ends[i]` is where name i's stop.
+    flat: Vec<i64>,
+    ends: Vec<usize>,
+    width: usize,
+}
+
+/// Names per thread below which one thread does the whole list.
+const NAMES_PER_THREAD: usize = 16 << 10;
+
 /// The templates of `names`, or None when a name contains [`MARKER`] itself (its template would be
-/// ambiguous) or there are more than `u32::MAX` distinct templates.
-pub fn key_templates<S: AsRef<str>>(names: &[S]) -> Option<KeyTemplates> {
+/// ambiguous) or there are more than `u32::MAX` distinct templates. A long list is cut into runs
+/// templated on scoped threads (at most the machine's cores), then merged in order.
+pub fn key_templates<S: AsRef<str> + Sync>(names: &[S]) -> Option<KeyTemplates> {
+    let threads = crate::exec::default_threads()
+        .min(names.len() / NAMES_PER_THREAD)
+        .max(1);
+    let parts: Vec<Option<Part>> = if threads == 1 {
+        vec![part(names)]
+    } else {
+        let per = names.len().div_ceil(threads);
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = names
+                .chunks(per)
+                .map(|run| scope.spawn(move || part(run)))
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("a template thread panicked"))
+                .collect()
+        })
+    };
+    let mut out = KeyTemplates::default();
+    let mut global: HashMap<String, u32> = HashMap::new();
+    let mut rows: Vec<(Vec<i64>, Vec<usize>)> = Vec::with_capacity(parts.len());
+    for part in parts {
+        let part = part?;
+        let mut remap = Vec::with_capacity(part.templates.len());
+        for text in part.templates {
+            let id = match global.get(&text) {
+                Some(&id) => id,
+                None => {
+                    let id = u32::try_from(out.templates.len()).ok()?;
+                    global.insert(text.clone(), id);
+                    out.templates.push(text);
+                    id
+                }
+            };
+            remap.push(id);
+        }
+        out.ids
+            .extend(part.ids.iter().map(|&id| remap[id as usize]));
+        out.width = out.width.max(part.width);
+        rows.push((part.flat, part.ends));
+    }
+    out.numbers = vec![-1; names.len() * out.width];
+    let mut row_chunks = out.numbers.chunks_mut(out.width.max(1));
+    for (flat, ends) in &rows {
+        let mut start = 0;
+        for (&end, row) in ends.iter().zip(&mut row_chunks) {
+            row[..end - start].copy_from_slice(&flat[start..end]);
+            start = end;
+        }
+    }
+    Some(out)
+}
+
+fn part<S: AsRef<str>>(names: &[S]) -> Option<Part> {
     let hasher = BuildHasherDefault::<WordHasher>::default();
     let mut index: HashMap<Vec<u8>, u32, _> = HashMap::with_hasher(hasher);
-    let mut out = KeyTemplates::default();
-    // Numbers of every name back to back; `ends[i]` is where name i's stop (rows padded at the end).
-    let mut flat: Vec<i64> = Vec::with_capacity(names.len() * 2);
-    let mut ends: Vec<usize> = Vec::with_capacity(names.len());
+    let mut out = Part {
+        templates: Vec::new(),
+        ids: Vec::with_capacity(names.len()),
+        flat: Vec::with_capacity(names.len() * 2),
+        ends: Vec::with_capacity(names.len()),
+        width: 0,
+    };
     let mut template: Vec<u8> = Vec::new();
     // Consecutive names mostly share one of a few templates (an expert's projections, then the next
     // expert's): the last few ids are checked before hashing.
     let mut recent: [u32; 8] = [u32::MAX; 8];
     for name in names {
-        let name = name.as_ref();
-        if name.as_bytes().contains(&(MARKER as u8)) {
+        let bytes = name.as_ref().as_bytes();
+        if bytes.contains(&(MARKER as u8)) {
             return None;
         }
         template.clear();
-        let start = flat.len();
-        let bytes = name.as_bytes();
+        let start = out.flat.len();
         let mut from = 0;
         for i in 0..=bytes.len() {
             if i < bytes.len() && bytes[i] != b'.' {
@@ -77,7 +147,7 @@ pub fn key_templates<S: AsRef<str>>(names: &[S]) -> Option<KeyTemplates> {
             match numeric(&bytes[from..i]) {
                 Some(value) => {
                     template.push(MARKER as u8);
-                    flat.push(value);
+                    out.flat.push(value);
                 }
                 None => template.extend_from_slice(&bytes[from..i]),
             }
@@ -86,8 +156,8 @@ pub fn key_templates<S: AsRef<str>>(names: &[S]) -> Option<KeyTemplates> {
             }
             from = i + 1;
         }
-        out.width = out.width.max(flat.len() - start);
-        ends.push(flat.len());
+        out.width = out.width.max(out.flat.len() - start);
+        out.ends.push(out.flat.len());
         let known = recent
             .iter()
             .copied()
@@ -109,12 +179,6 @@ pub fn key_templates<S: AsRef<str>>(names: &[S]) -> Option<KeyTemplates> {
             recent[0] = id;
         }
         out.ids.push(id);
-    }
-    out.numbers = vec![-1; names.len() * out.width];
-    let mut start = 0;
-    for (row, &end) in out.numbers.chunks_mut(out.width.max(1)).zip(&ends) {
-        row[..end - start].copy_from_slice(&flat[start..end]);
-        start = end;
     }
     Some(out)
 }
@@ -176,23 +240,30 @@ mod tests {
     }
 
     #[test]
+    fn threads_merge_in_order() {
+        let names: Vec<String> = (0..70_000)
+            .map(|i| match i % 3 {
+                0 => format!("l.{}.a", i / 7),
+                1 => format!("l.{}.b.{}", i / 7, i % 5),
+                _ if i > 50_000 => format!("late.{i}"),
+                _ => format!("x{}", i % 4),
+            })
+            .collect();
+        let t = key_templates(&names).unwrap();
+        let one = part(&names).unwrap();
+        assert_eq!(t.templates, one.templates);
+        assert_eq!(t.ids, one.ids);
+        assert_eq!(t.width, 2);
+        for (i, name) in names.iter().enumerate() {
+            let row = &t.numbers[i * 2..i * 2 + 2];
+            let used: Vec<i64> = row.iter().copied().filter(|&v| v >= 0).collect();
+            assert_eq!(fill(&t.templates[t.ids[i] as usize], &used), *name);
+        }
+    }
+
+    #[test]
     fn a_marker_in_a_name_refuses() {
         assert_eq!(key_templates(&["a.#.b"]), None);
         assert_eq!(key_templates::<&str>(&[]).unwrap().width, 0);
-    }
-}
-
-#[cfg(test)]
-mod timing {
-    #[test]
-    #[ignore]
-    fn time_keys() {
-        let text = std::fs::read_to_string("/tmp/keys.txt").unwrap();
-        let names: Vec<&str> = text.lines().collect();
-        for _ in 0..10 {
-            let t = std::time::Instant::now();
-            let r = super::key_templates(&names).unwrap();
-            eprintln!("{:?} {}", t.elapsed(), r.templates.len());
-        }
     }
 }

@@ -1,5 +1,5 @@
-"""The template-grouping measurement (``benches/template_grouping.py``) compares like with like: its unguarded
-template prototype must give ``build_groups``' groups and unexpected keys on the bench layouts it times."""
+"""The template-grouping measurement (``benches/template_grouping.py``) compares like with like: the template
+path and the per-key path must give the same groups and unexpected keys on the bench layouts it times."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ BENCHES = Path(__file__).resolve().parents[1] / "benches"
 
 
 @pytest.mark.parametrize("layout", ["moe", "deepseek"])
-def test_template_prototype_groups_like_build_groups(layout, monkeypatch):
+def test_bench_paths_group_alike(layout, monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHES))
     import compare
     import template_grouping

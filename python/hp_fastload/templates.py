@@ -414,12 +414,7 @@ def template_groups(
         if not multi and template.slots and not any(mask(c) in target_texts for c in candidates):
             unexpected_checks.append((template.origin, template.keys))
             continue
-        rows = numbers[template.keys][:, template.slots]
-        if template.slots:
-            unique, inverse = np.unique(rows, axis=0, return_inverse=True)
-            inverse = inverse.reshape(-1)
-        else:
-            unique, inverse = np.zeros((1, 0), dtype=np.int64), np.zeros(len(template.keys), dtype=np.int64)
+        unique, inverse = _distinct_rows(numbers[template.keys][:, template.slots])
         row_gid = np.full(len(unique), -1, dtype=np.int64)
         absent = np.zeros(len(unique), dtype=bool)
         for u, row in enumerate(unique.tolist()):
@@ -471,6 +466,22 @@ def template_groups(
     groups = [groups[g] for g in np.argsort(firsts, kind="stable").tolist()]
     unexpected = list(map(originals.__getitem__, np.flatnonzero(gid < 0).tolist()))
     return groups, unexpected
+
+
+def _distinct_rows(rows: np.ndarray[Any, Any]) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    """``np.unique(rows, axis=0, return_inverse=True)``, in one pass when equal rows are already adjacent in
+    sorted order (keys come in natural order, so a template's rows do unless a dropped number came first)."""
+    if rows.shape[1] == 0:
+        return np.zeros((1, 0), dtype=np.int64), np.zeros(len(rows), dtype=np.int64)
+    step = rows[1:] - rows[:-1]
+    changed = step != 0
+    moved = changed.any(axis=1)
+    first = np.argmax(changed, axis=1)
+    if bool((step[np.arange(len(step)), first][moved] > 0).all()):
+        inverse = np.concatenate(([0], np.cumsum(moved)))
+        return rows[np.concatenate(([True], moved))], inverse
+    unique, inverse = np.unique(rows, axis=0, return_inverse=True)
+    return unique, inverse.reshape(-1)
 
 
 def _normal(name: str, dotted: str, targets: Collection[str]) -> str:
