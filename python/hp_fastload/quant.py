@@ -674,12 +674,17 @@ def detect(
     not_float = frozenset(listed) if listed is not None else None
     if config is not None and method_of_config:
         exclusions = _exclusions(config)
-        candidates = keys if listed is None else list(filter(member.__contains__, listed))  # (the caller's order)
-        if block is not None:  # the block-fp8 tensors and their scales are not the config's
+        candidates = keys if listed is None else listed  # (the caller's order)
+        if block is not None:  # the block-fp8 tensors and their scales are not the config's (in bulk: a
+            # candidate not in the checkpoint is dropped below, so the names need no presence test here)
             cut = len(_SCALE_INV)
-            known = set(QuantTensors({}, spec, block).among(candidates))
-            known.update(s for s in block.scale_set.intersection(candidates) if s[:-cut] in member)
+            names = frozenset(map(str.__getitem__, block.scales, repeat(slice(None, -cut))))
+            known = names.intersection(candidates).union(
+                s for s in block.scale_set.intersection(candidates) if s[:-cut] in member
+            )
             candidates = [k for k in candidates if k not in known]
+        if listed is not None:
+            candidates = list(filter(member.__contains__, candidates))
         for key in candidates:
             if key in found or key in companions:
                 continue
