@@ -532,13 +532,14 @@ def detect(
     shape_of: Callable[[str], Sequence[int]] | None = None,
     nonfloat: Iterable[str] | None = None,
     not_stored_as: Callable[[Collection[str]], Iterable[str]] | None = None,
-    present: Container[str] | None = None,
+    membership: Container[str] | None = None,
 ) -> QuantInfo:
     """The quantized tensors among ``keys`` (``dtype_of(key)`` / ``shape_of(key)`` give a key's stored dtype
     and shape; without ``shape_of`` nothing is dequantized). ``nonfloat``: the keys whose stored dtype is not
     a float, when the caller has them in bulk (``CheckpointIndex.keys_not_stored_as``); without it the
     ``quantization_config`` scan asks ``dtype_of`` of every key. ``not_stored_as``: that bulk query itself,
-    for :meth:`QuantInfo.check_claim` (see ``QuantInfo.not_stored_as``).
+    for :meth:`QuantInfo.check_claim` (see ``QuantInfo.not_stored_as``). ``membership``: ``key in membership``
+    for exactly the ``keys`` (a ``CheckpointIndex``), when the caller has one; otherwise a set of them is built.
 
     The scan is over names (a key's companions); a tensor's layout, which needs its and its scale's dtype
     and shape, is computed when its :class:`QuantTensor` is first asked for (see :class:`QuantTensors`)."""
@@ -557,7 +558,7 @@ def detect(
         kind: str | None = None,
         why: str = "",
     ) -> None:
-        comps = tuple(c for c in comps if c in member)
+        comps = tuple(c for c in comps if c in present)
         if key in found:  # a second companion: the format is not one the engine dequantizes
             comps = tuple(dict.fromkeys(found[key].companions + comps))
             fmt = found[key].fmt
@@ -617,59 +618,60 @@ def detect(
     # asked for (_BlockScales); otherwise each is recorded here.
     hits = list(compress(keys, map(str.endswith, keys, repeat(_SCAN_SUFFIXES))))
     block: _BlockScales | None = None
+    present: Container[str]
+    scanned: list[str] = []
     if all(map(str.endswith, hits, repeat(_SCALE_INV))) and ".weight.quant_state." not in "\n".join(keys):
-        member = present if present is not None else set(keys)
+        present = membership if membership is not None else set(keys)
         if hits:
-            block = _BlockScales(hits, member, method or "fp8")
-    else:
-        member = set(keys)
-        for key in [k for k in keys if k.endswith(_SCAN_SUFFIXES) or ".weight.quant_state." in k]:
-            if key.endswith("_scale_inv"):
-                value = key[: -len("_scale_inv")]
-                if value in member and value not in found:  # (the common case of add, inlined: 45k of them)
-                    found[value] = _new_found(_Found, (method or "fp8", _BLOCK_FP8, (key,), value, "block", ""))
-                    companions.add(key)
-                elif value in member:
-                    add(value, "fp8", _BLOCK_FP8, [key], kind="block")
-            elif key.endswith("_blocks"):
-                stem = key[: -len("_blocks")]
-                if stem + "_scales" in member:
-                    add(key, "mxfp4", MXFP4_FORMAT, [stem + "_scales"], stem, why="dequantized only as gpt-oss experts")
-            elif key.endswith(".weight_scale"):
-                module = _module(key)
-                if module + ".weight_packed" in member:
-                    add(
-                        module + ".weight_packed",
-                        "compressed-tensors",
-                        "packed int4/fp4 (weight_packed)",
-                        [key, module + ".weight_shape", module + ".weight_zero_point", module + ".weight_global_scale"],
-                        module + ".weight",
-                    )
-                elif module + ".weight" in member:
-                    value = module + ".weight"
-                    if dtype_of(value) == torch.uint8 or module + ".weight_scale_2" in member:
-                        add(
-                            value, "modelopt", "NVFP4 (weight_scale, weight_scale_2)", [key, module + ".weight_scale_2"]
-                        )
-                    else:
-                        add(value, "fp8", "fp8 with a per-tensor or per-channel weight_scale", [key], kind="scale")
-            elif key.endswith(".qweight"):
-                module = _module(key)
+            block = _BlockScales(hits, present, method or "fp8")
+    else:  # another format: every companion recorded here, key by key
+        present = set(keys)
+        scanned = [k for k in keys if k.endswith(_SCAN_SUFFIXES) or ".weight.quant_state." in k]
+    for key in scanned:
+        if key.endswith("_scale_inv"):
+            value = key[: -len("_scale_inv")]
+            if value in present and value not in found:  # (the common case of add, inlined: 45k of them)
+                found[value] = _new_found(_Found, (method or "fp8", _BLOCK_FP8, (key,), value, "block", ""))
+                companions.add(key)
+            elif value in present:
+                add(value, "fp8", _BLOCK_FP8, [key], kind="block")
+        elif key.endswith("_blocks"):
+            stem = key[: -len("_blocks")]
+            if stem + "_scales" in present:
+                add(key, "mxfp4", MXFP4_FORMAT, [stem + "_scales"], stem, why="dequantized only as gpt-oss experts")
+        elif key.endswith(".weight_scale"):
+            module = _module(key)
+            if module + ".weight_packed" in present:
                 add(
-                    key,
-                    "gptq/awq",
-                    "int4 packed (qweight, qzeros, scales)",
-                    [module + ".qzeros", module + ".scales", module + ".g_idx"],
+                    module + ".weight_packed",
+                    "compressed-tensors",
+                    "packed int4/fp4 (weight_packed)",
+                    [key, module + ".weight_shape", module + ".weight_zero_point", module + ".weight_global_scale"],
                     module + ".weight",
                 )
-            elif key.endswith((".weight.absmax", ".weight.quant_map", ".SCB")) or ".weight.quant_state." in key:
-                module = key.split(".weight.", 1)[0] if ".weight." in key else _module(key)
-                if module + ".weight" in member:
-                    add(module + ".weight", "bitsandbytes", "bitsandbytes 4-bit / 8-bit", [key])
-            elif key.endswith(".weight_global_scale"):
-                module = _module(key)
-                if module + ".weight" in member:
-                    add(module + ".weight", "nvfp4", "NVFP4 (weight_global_scale)", [key])
+            elif module + ".weight" in present:
+                value = module + ".weight"
+                if dtype_of(value) == torch.uint8 or module + ".weight_scale_2" in present:
+                    add(value, "modelopt", "NVFP4 (weight_scale, weight_scale_2)", [key, module + ".weight_scale_2"])
+                else:
+                    add(value, "fp8", "fp8 with a per-tensor or per-channel weight_scale", [key], kind="scale")
+        elif key.endswith(".qweight"):
+            module = _module(key)
+            add(
+                key,
+                "gptq/awq",
+                "int4 packed (qweight, qzeros, scales)",
+                [module + ".qzeros", module + ".scales", module + ".g_idx"],
+                module + ".weight",
+            )
+        elif key.endswith((".weight.absmax", ".weight.quant_map", ".SCB")) or ".weight.quant_state." in key:
+            module = key.split(".weight.", 1)[0] if ".weight." in key else _module(key)
+            if module + ".weight" in present:
+                add(module + ".weight", "bitsandbytes", "bitsandbytes 4-bit / 8-bit", [key])
+        elif key.endswith(".weight_global_scale"):
+            module = _module(key)
+            if module + ".weight" in present:
+                add(module + ".weight", "nvfp4", "NVFP4 (weight_global_scale)", [key])
     listed = list(nonfloat) if nonfloat is not None else None
     not_float = frozenset(listed) if listed is not None else None
     if config is not None and method_of_config:
@@ -680,11 +682,11 @@ def detect(
             cut = len(_SCALE_INV)
             names = frozenset(map(str.__getitem__, block.scales, repeat(slice(None, -cut))))
             known = names.intersection(candidates).union(
-                s for s in block.scale_set.intersection(candidates) if s[:-cut] in member
+                s for s in block.scale_set.intersection(candidates) if s[:-cut] in present
             )
             candidates = [k for k in candidates if k not in known]
         if listed is not None:
-            candidates = list(filter(member.__contains__, candidates))
+            candidates = list(filter(present.__contains__, candidates))
         for key in candidates:
             if key in found or key in companions:
                 continue
