@@ -121,10 +121,10 @@ class KeyOrder:
         """``names`` in natural order: the known keys by their position in :attr:`keys` (reports sort tens of
         thousands of unexpected keys, and computing each one's sort key in Python was slow), then any other
         names by :func:`natural_sort_key`."""
-        names = set(names)
+        names = names if isinstance(names, (set, frozenset)) else set(names)
         if len(names) * 8 > len(self.keys):
-            # Many names (the unexpected keys of a big checkpoint): one pass over the ordered keys.
-            known = [k for k in self.keys if k in names]
+            # Many names (the unexpected keys of a big checkpoint): one C-level pass over the ordered keys.
+            known = list(filter(names.__contains__, self.keys))
         else:
             position = self._position
             if position is None:

@@ -22,8 +22,9 @@ import functools
 import json
 import math
 import re
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Container, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import chain, compress, repeat
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -153,23 +154,74 @@ class _Found(NamedTuple):
 
 _new_found = tuple.__new__
 
+_SCALE_INV = "_scale_inv"
+
+
+class _BlockScales:
+    """The block-fp8 tensors of a checkpoint in bulk: the ``X_scale_inv`` keys the companion scan found, ``X``
+    quantized when the checkpoint has it (``present``). Each ``X``'s record (``record``) is made when asked
+    for; the name -> scale mapping is the name (``X`` + ``_scale_inv``), so nothing is built per tensor at
+    detection, and the present values are listed (``values``) only when every one is asked for."""
+
+    def __init__(self, scales: list[str], present: Container[str], method: str) -> None:
+        self.scales = scales  # in the scan's order
+        self.present = present
+        self.method = method
+        self._scale_set: frozenset[str] | None = None
+        self._values: list[str] | None = None
+
+    @property
+    def scale_set(self) -> frozenset[str]:
+        if self._scale_set is None:
+            self._scale_set = frozenset(self.scales)
+        return self._scale_set
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, str) and key + _SCALE_INV in self.scale_set and key in self.present
+
+    def values(self) -> list[str]:
+        """The quantized tensors, in the scan's order (each scale's value the checkpoint has)."""
+        if self._values is None:
+            cut = slice(None, -len(_SCALE_INV))
+            self._values = list(filter(self.present.__contains__, map(str.__getitem__, self.scales, repeat(cut))))
+        return self._values
+
+    def any(self) -> bool:
+        if self._values is not None:
+            return bool(self._values)
+        cut = len(_SCALE_INV)
+        return any(s[:-cut] in self.present for s in self.scales)
+
+    def record(self, key: str) -> _Found:
+        return _new_found(_Found, (self.method, _BLOCK_FP8, (key + _SCALE_INV,), key, "block", ""))
+
 
 class QuantTensors(Mapping[str, QuantTensor]):
     """The quantized tensors of a checkpoint, value key -> :class:`QuantTensor`: the keys (and companions) are
-    the companion scan's, eager; each :class:`QuantTensor`, with its layout (the :class:`Dequant`, or why
-    none), is built on first access and kept, so planning builds those of the tensors a rank claims and reads
-    (a rank of an 8-way expert-parallel load builds ~1/8 of them)."""
+    the companion scan's; each :class:`QuantTensor`, with its layout (the :class:`Dequant`, or why none), is
+    built on first access and kept, so planning builds those of the tensors a rank claims and reads (a rank
+    of an 8-way expert-parallel load builds ~1/8 of them). The common block-fp8 tensors are held in bulk
+    (``_BlockScales``): their scan records too are made on first access."""
 
-    def __init__(self, found: dict[str, _Found], spec: Callable[[str, str, str], tuple[Dequant | None, str]]):
-        self._found = found
+    def __init__(
+        self,
+        found: dict[str, _Found],
+        spec: Callable[[str, str, str], tuple[Dequant | None, str]],
+        block: _BlockScales | None = None,
+    ):
+        self._found = found  # the records made by the scan (every format but the bulk block-fp8 ones)
+        self._block = block
         self._spec = spec
         self._built: dict[str, QuantTensor] = {}
+        self._any: bool | None = None
 
     def __getitem__(self, key: str) -> QuantTensor:
         q = self._built.get(key)
         if q is not None:
             return q
-        f = self._found[key]
+        f = self.record(key)
+        if f is None:
+            raise KeyError(key)
         how, why = self._spec(key, f.companions[0], f.kind) if f.kind is not None else (None, f.why)
         if how is None and not why:
             why = "not dequantized by hp_fastload"
@@ -177,17 +229,44 @@ class QuantTensors(Mapping[str, QuantTensor]):
         return q
 
     def __contains__(self, key: object) -> bool:
-        return key in self._found
+        return key in self._found or (self._block is not None and key in self._block)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._found)
+        if self._block is None:
+            return iter(self._found)
+        return chain(self._block.values(), self._found)  # (the scan's order: the config's keys come last)
 
     def __len__(self) -> int:
-        return len(self._found)
+        return len(self._found) + (len(self._block.values()) if self._block is not None else 0)
+
+    def __bool__(self) -> bool:  # (asked per claimed target: kept)
+        if self._any is None:
+            self._any = bool(self._found) or (self._block is not None and self._block.any())
+        return self._any
 
     def record(self, key: str) -> _Found | None:
         """The scan's record of ``key`` (None: not quantized), without building its :class:`QuantTensor`."""
-        return self._found.get(key)
+        f = self._found.get(key)
+        if f is None and self._block is not None and key in self._block:
+            return self._block.record(key)
+        return f
+
+    def among(self, keys: Iterable[str]) -> list[str]:
+        """The quantized ones of ``keys``, in their order (in bulk: a stacked-experts target has 10^3
+        sources; no call per key)."""
+        found, block = self._found, self._block
+        if block is None:
+            return [k for k in keys if k in found]
+        scales, present = block.scale_set, block.present
+        return [k for k in keys if k in found or (k + _SCALE_INV in scales and k in present)]
+
+    def companions_of(self, keys: Collection[str]) -> set[str]:
+        """The companions of quantized ``keys`` (a block-fp8 tensor's is its name + ``_scale_inv``)."""
+        found = self._found
+        out = {c for k in keys if k in found for c in found[k].companions}
+        if self._block is not None:
+            out.update(map(str.__add__, (k for k in keys if k not in found), repeat(_SCALE_INV)))
+        return out
 
     def built(self) -> list[str]:
         """The keys whose :class:`QuantTensor` (layout included) has been built so far."""
@@ -201,7 +280,6 @@ class QuantInfo:
     method: str | None  # the config's quant_method, None without one
     config: dict[str, Any] | None
     tensors: QuantTensors  # value key -> its description (built on first access)
-    companions: frozenset[str]
     #: the keys whose stored dtype is not a float (None: unknown, ``dtype_of`` is asked)
     nonfloat: frozenset[str] | None = None
     #: the bulk dtype query (``CheckpointIndex.keys_not_stored_as``): ``check_claim`` asks it once per float
@@ -211,6 +289,11 @@ class QuantInfo:
 
     def __bool__(self) -> bool:
         return bool(self.tensors)
+
+    @functools.cached_property
+    def companions(self) -> frozenset[str]:
+        """Every quantized tensor's companions (made when asked for: planning asks ``consumed``)."""
+        return frozenset(self.tensors.companions_of(list(self.tensors)))
 
     dequantized: dict[str, Dequant] = field(default_factory=dict)  # keys planned as dequantizing reads
     #: keys claimed into float targets to be dequantized (-> the target's name and dtype): their layouts are
@@ -233,7 +316,7 @@ class QuantInfo:
         now and record its :class:`Dequant` in ``dequantized``; otherwise (planning, whose sources a rank
         reads only in part) the format is checked here by name, the source recorded in ``claimed``, and its
         layout checked by :meth:`read` for the sources the rank reads."""
-        found = self.tensors._found  # (a stacked-experts target has 10^3 sources: no call per source)
+        tensors = self.tensors  # (a stacked-experts target has 10^3 sources: no call per source)
         floats = target_dtype in _FLOATS
         other = self._stored_other_than(target_dtype) if floats else None
         claim = (target_name, target_dtype)
@@ -242,11 +325,12 @@ class QuantInfo:
         if other is not None:  # the quantized sources not stored as the target's dtype
             if other.isdisjoint(sources):  # (one pass in C: a bf16 checkpoint's weights with scales)
                 return
-            differ = [k for k in sources if k in found and k in other]
+            differ = tensors.among(filter(other.__contains__, sources))
         else:
-            differ = [k for k in sources if k in found and dtype_of(k) != target_dtype]
+            differ = [k for k in tensors.among(sources) if dtype_of(k) != target_dtype]
         for key in differ:
-            f = found[key]
+            f = tensors.record(key)
+            assert f is not None
             if f.kind is not None and floats:
                 if not resolve:
                     self.claimed[key] = claim
@@ -280,9 +364,8 @@ class QuantInfo:
 
     def consumed(self) -> set[str]:
         """The companions of the claimed and dequantized tensors (read with them, so not unexpected)."""
-        record = self.tensors.record
-        out = {c for k in self.claimed for c in record(k).companions}  # type: ignore[union-attr]
-        out.update(c for k in self.dequantized for c in record(k).companions)  # type: ignore[union-attr]
+        out = self.tensors.companions_of(self.claimed)
+        out.update(self.tensors.companions_of(self.dequantized))
         return out | self.fallback_keys
 
     def _mxfp4_targets(
@@ -292,7 +375,7 @@ class QuantInfo:
         name is a missing float model tensor: ``(blocks, target name)``."""
         if not missing:  # every target is loaded: nothing for a packed tensor to become
             return
-        for key in unclaimed:
+        for key in self.tensors.among(unclaimed):
             f = self.tensors.record(key)
             if f is None or f.fmt != MXFP4_FORMAT or len(f.companions) != 1 or key in self.fallback_keys:
                 continue
@@ -364,7 +447,7 @@ class QuantInfo:
         if not missing:
             return
         record = self.tensors.record
-        for key in unclaimed:
+        for key in self.tensors.among(unclaimed):
             f = record(key)
             if f is None:
                 continue
@@ -437,6 +520,11 @@ _SCAN_SUFFIXES = (
 )
 
 
+def _method_of(config: Mapping[str, Any] | None) -> str:
+    """The config's ``quant_method`` (or ``format``), "" without one: a config scan runs only with one."""
+    return str(config.get("quant_method") or config.get("format") or "") if config else ""
+
+
 def detect(
     keys: Iterable[str],
     dtype_of: Callable[[str], torch.dtype],
@@ -444,18 +532,19 @@ def detect(
     shape_of: Callable[[str], Sequence[int]] | None = None,
     nonfloat: Iterable[str] | None = None,
     not_stored_as: Callable[[Collection[str]], Iterable[str]] | None = None,
+    membership: Container[str] | None = None,
 ) -> QuantInfo:
     """The quantized tensors among ``keys`` (``dtype_of(key)`` / ``shape_of(key)`` give a key's stored dtype
     and shape; without ``shape_of`` nothing is dequantized). ``nonfloat``: the keys whose stored dtype is not
     a float, when the caller has them in bulk (``CheckpointIndex.keys_not_stored_as``); without it the
     ``quantization_config`` scan asks ``dtype_of`` of every key. ``not_stored_as``: that bulk query itself,
-    for :meth:`QuantInfo.check_claim` (see ``QuantInfo.not_stored_as``).
+    for :meth:`QuantInfo.check_claim` (see ``QuantInfo.not_stored_as``). ``membership``: ``key in membership``
+    for exactly the ``keys`` (a ``CheckpointIndex``), when the caller has one; otherwise a set of them is built.
 
     The scan is over names (a key's companions); a tensor's layout, which needs its and its scale's dtype
     and shape, is computed when its :class:`QuantTensor` is first asked for (see :class:`QuantTensors`)."""
-    keys = list(keys)
-    present = set(keys)
-    method_of_config = str(config.get("quant_method") or config.get("format") or "") if config else ""
+    keys = keys if isinstance(keys, list) else list(keys)
+    method_of_config = _method_of(config)
     method = method_of_config or None
     found: dict[str, _Found] = {}
     companions: set[str] = set()
@@ -524,7 +613,21 @@ def detect(
             return None, known.replace("{value}", value).replace("{scale}", scale)
         return Dequant(scale, *known), ""
 
-    for key in [k for k in keys if k.endswith(_SCAN_SUFFIXES) or ".weight.quant_state." in k]:
+    # The scan: the keys of a companion's name ending (C-level passes over the names). When every one is a
+    # weight_scale_inv (block fp8, the common case) they are kept in bulk, each value's record made when
+    # asked for (_BlockScales); otherwise each is recorded here.
+    hits = list(compress(keys, map(str.endswith, keys, repeat(_SCAN_SUFFIXES))))
+    block: _BlockScales | None = None
+    present: Container[str]
+    scanned: list[str] = []
+    if all(map(str.endswith, hits, repeat(_SCALE_INV))) and ".weight.quant_state." not in "\n".join(keys):
+        present = membership if membership is not None else set(keys)
+        if hits:
+            block = _BlockScales(hits, present, method or "fp8")
+    else:  # another format: every companion recorded here, key by key
+        present = set(keys)
+        scanned = [k for k in keys if k.endswith(_SCAN_SUFFIXES) or ".weight.quant_state." in k]
+    for key in scanned:
         if key.endswith("_scale_inv"):
             value = key[: -len("_scale_inv")]
             if value in present and value not in found:  # (the common case of add, inlined: 45k of them)
@@ -573,7 +676,17 @@ def detect(
     not_float = frozenset(listed) if listed is not None else None
     if config is not None and method_of_config:
         exclusions = _exclusions(config)
-        candidates = keys if listed is None else [k for k in listed if k in present]  # (the caller's order)
+        candidates = keys if listed is None else listed  # (the caller's order)
+        if block is not None:  # the block-fp8 tensors and their scales are not the config's (in bulk: a
+            # candidate not in the checkpoint is dropped below, so the names need no presence test here)
+            cut = len(_SCALE_INV)
+            names = frozenset(map(str.__getitem__, block.scales, repeat(slice(None, -cut))))
+            known = names.intersection(candidates).union(
+                s for s in block.scale_set.intersection(candidates) if s[:-cut] in present
+            )
+            candidates = [k for k in candidates if k not in known]
+        if listed is not None:
+            candidates = list(filter(present.__contains__, candidates))
         for key in candidates:
             if key in found or key in companions:
                 continue
@@ -585,22 +698,24 @@ def detect(
     return QuantInfo(
         method,
         dict(config) if config is not None else None,
-        QuantTensors(found, spec),
-        frozenset(companions),
+        QuantTensors(found, spec, block),
         not_float,
         not_stored_as,
     )
 
 
 def detect_in_index(index: Any) -> QuantInfo:
-    """:func:`detect` over a ``CheckpointIndex``, with the ``config.json`` next to its first file."""
+    """:func:`detect` over a ``CheckpointIndex``, with the ``config.json`` next to its first file; the index is
+    the keys' membership (no set of its keys is built)."""
     config = read_quant_config(Path(index.files[0].path).parent) if index.files else None
-    nonfloat = index.keys_not_stored_as(_FLOAT_NAMES.values())  # the config scan's dtypes, in bulk
+    # the config scan's dtypes, in bulk (only a quantization_config with a method has a config scan)
+    nonfloat = index.keys_not_stored_as(_FLOAT_NAMES.values()) if _method_of(config) else None
     return detect(
-        index,
+        index.keys(),
         lambda k: index.locate(k).dtype,
         config,
         lambda k: index.locate(k).shape,
         nonfloat,
         index.keys_not_stored_as,
+        index,
     )

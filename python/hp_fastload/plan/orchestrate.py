@@ -29,13 +29,10 @@ log = logging.getLogger("hp_fastload")
 
 
 def _files_of(index: CheckpointIndex, keys: set[str]) -> dict[str, str]:
-    """Each key's file path, a file at a time (a 20k-tensor MoE's keys; a lookup per key was ~2 us)."""
-    if sum(map(len, index.files)) != len(index):  # a key in two files: the index's choice, key by key
-        return {k: index.locate(k).file.path for k in keys}
-    out: dict[str, str] = {}
-    for file in index.files:
-        out.update(dict.fromkeys(keys.intersection(file.keys()), file.path))
-    return out
+    """Each key's file path (the index's choice), from the entries planning located for the rank's reads: in
+    proportion to the keys read, not to every key of every file."""
+    listed = list(keys)
+    return {k: e.file.path for k, e in zip(listed, index.locate_many(listed), strict=True)}
 
 
 def _missing_keys_error(missing: Sequence[str], unexpected: Sequence[str]) -> MissingKeysError:
@@ -73,7 +70,7 @@ def plan_load(
     """
     if replacement is None:
         replacement = replacement_of(model)
-    keys = [k for k in index if k not in claimed_source_keys]
+    keys = [k for k in index if k not in claimed_source_keys] if claimed_source_keys else index.keys()
     prefix = getattr(model, "base_model_prefix", None) or None
     quant = detect_in_index(index)
     claims = Claims(index, targets, quant)
@@ -134,16 +131,17 @@ def plan_load(
                 pending.claims[name] = target
             claims.add_deferred(pending)
     missing = sorted(set(targets) - claims.loaded, key=natural_sort_key)
+    unexpected_names = set(claims.unexpected)  # (sorted once, from a set)
     if quant:
         quant.check_missing(missing, claims.unexpected)
-        consumed = quant.consumed()  # the scales of dequantized tensors are read with them
-        claims.unexpected = [k for k in claims.unexpected if k not in consumed]
+        unexpected_names.difference_update(quant.consumed())  # the scales of dequantized tensors are read with them
+    unexpected = index.natural_sorted(unexpected_names)
     if strict and missing:
-        raise _missing_keys_error(missing, index.natural_sorted(claims.unexpected))
+        raise _missing_keys_error(missing, unexpected)
     report = LoadReport(
         loaded_keys=tuple(sorted(claims.loaded, key=natural_sort_key)),
         missing_keys=tuple(missing),
-        unexpected_keys=tuple(index.natural_sorted(claims.unexpected)),
+        unexpected_keys=tuple(unexpected),
         checkpoint_bytes=index.total_bytes,
         region_targets=len(claims.region_reads),
         deferred_targets=tuple(n for d in claims.deferred for n in d.claims),
