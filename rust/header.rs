@@ -331,8 +331,19 @@ impl NameTable {
 
     /// The position of `key` among `items` (the ones the table was built over).
     fn get<T>(&self, items: &[T], name: impl Fn(&T) -> &str, key: &str) -> Option<usize> {
+        self.get_hashed(items, name, key, Self::hash(key))
+    }
+
+    /// [`NameTable::get`] with `hash` = `NameTable::hash(key)` given (to probe several tables for one key).
+    fn get_hashed<T>(
+        &self,
+        items: &[T],
+        name: impl Fn(&T) -> &str,
+        key: &str,
+        hash: u64,
+    ) -> Option<usize> {
         let mask = self.slots.len().checked_sub(1)?;
-        let mut at = Self::hash(key) as usize & mask;
+        let mut at = hash as usize & mask;
         loop {
             match self.slots[at] {
                 Self::EMPTY => return None,
@@ -341,6 +352,66 @@ impl NameTable {
             }
         }
     }
+}
+
+/// Process-wide small ids of tensor facts, a (dtype, shape) pair: equal ids exactly when dtype and shape are
+/// equal, in every header of the process (ids are never reused or forgotten; a process sees few distinct
+/// facts, a few dozen per checkpoint). Keyed by `[dtype as u64, dims...]`: the length tells the rank apart.
+static FACTS: std::sync::Mutex<Option<FactsTable>> = std::sync::Mutex::new(None);
+
+/// [`FACTS`]' table: `[dtype as u64, dims...]` -> id.
+type FactsTable = HashMap<Vec<u64>, u32, std::hash::BuildHasherDefault<WordHasher>>;
+
+/// The facts id of every name of `names` (see [`FACTS`]), each looked up in the header of `headers` that
+/// has it (callers pass headers that share no name; the header that matched the previous name is tried
+/// first, since a group's names mostly sit in one file), or `Err(i)` for the first name `names[i]` that no
+/// header has. Only the asked names' dtypes and shapes are read: nothing is built per tensor of a header.
+pub fn facts_of(headers: &[&Header], names: &[&str]) -> Result<Vec<u32>, usize> {
+    let mut guard = FACTS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let table = guard.get_or_insert_with(HashMap::default);
+    let mut out = Vec::with_capacity(names.len());
+    let mut first = 0;
+    let mut previous: Option<(&TensorInfo, u32)> = None;
+    let mut key = Vec::new();
+    for (i, &name) in names.iter().enumerate() {
+        let hash = NameTable::hash(name);
+        let found = std::iter::once(first)
+            .chain((0..headers.len()).filter(|&h| h != first))
+            .take(headers.len()) // none when `headers` is empty
+            .find_map(|h| {
+                let header = headers[h];
+                let at = header
+                    .index
+                    .get_hashed(&header.tensors, |t| &t.name, name, hash)?;
+                Some((h, &header.tensors[at]))
+            });
+        let Some((h, tensor)) = found else {
+            return Err(i);
+        };
+        first = h;
+        let id = match previous {
+            Some((p, id)) if p.dtype == tensor.dtype && p.shape == tensor.shape => id,
+            _ => {
+                key.clear();
+                key.push(tensor.dtype as u64);
+                key.extend_from_slice(&tensor.shape);
+                match table.get(key.as_slice()) {
+                    Some(&id) => id,
+                    None => {
+                        let id =
+                            u32::try_from(table.len()).expect("fewer than u32::MAX distinct facts");
+                        table.insert(key.clone(), id);
+                        id
+                    }
+                }
+            }
+        };
+        previous = Some((tensor, id));
+        out.push(id);
+    }
+    Ok(out)
 }
 
 /// The digest of a header's bytes: 64-bit FNV-1a over 8-byte words (then the tail), fixed across builds
@@ -1238,6 +1309,46 @@ mod tests {
             &file(r#"{"__metadata__":{"k":"1","k":"2"}}"#, 0),
             "duplicate key 'k'",
         );
+    }
+
+    #[test]
+    fn facts_of_gives_equal_ids_exactly_for_equal_dtype_and_shape() {
+        let a = parse(&file(
+            r#"{"x":{"dtype":"F32","shape":[2,3],"data_offsets":[0,24]},
+                "y":{"dtype":"F32","shape":[3,2],"data_offsets":[24,48]},
+                "z":{"dtype":"I32","shape":[2,3],"data_offsets":[48,72]},
+                "v":{"dtype":"F32","shape":[6],"data_offsets":[72,96]}}"#,
+            96,
+        ))
+        .unwrap();
+        let b = parse(&file(
+            r#"{"p":{"dtype":"F32","shape":[2,3],"data_offsets":[0,24]},
+                "q":{"dtype":"F32","shape":[2,3,1],"data_offsets":[24,48]}}"#,
+            48,
+        ))
+        .unwrap();
+        let ids = facts_of(&[&a, &b], &["x", "p", "y", "z", "v", "q", "x"]).unwrap();
+        let (x, p, y, z, v, q) = (ids[0], ids[1], ids[2], ids[3], ids[4], ids[5]);
+        assert_eq!(x, p, "same dtype and shape in two files");
+        assert_eq!(ids[6], x, "asked again");
+        for (other, what) in [
+            (y, "shape"),
+            (z, "dtype"),
+            (v, "rank and shape"),
+            (q, "rank"),
+        ] {
+            assert_ne!(x, other, "a different {what}");
+        }
+        assert_ne!(y, v);
+        assert_ne!(q, v);
+        // Process-wide: asked later, from the other header first, the ids are the same.
+        assert_eq!(
+            facts_of(&[&b, &a], &["q", "z", "p"]).unwrap(),
+            vec![q, z, p]
+        );
+        assert_eq!(facts_of(&[&a, &b], &["x", "nope", "p"]), Err(1));
+        assert_eq!(facts_of(&[], &["x"]), Err(0));
+        assert_eq!(facts_of(&[], &[]), Ok(vec![]));
     }
 
     #[test]

@@ -11,8 +11,11 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use pyo3::exceptions::{PyFileNotFoundError, PyOSError, PyPermissionError, PyRuntimeError};
+use pyo3::exceptions::{
+    PyFileNotFoundError, PyKeyError, PyOSError, PyPermissionError, PyRuntimeError,
+};
 use pyo3::prelude::*;
+use pyo3::pybacked::PyBackedStr;
 use pyo3::types::{PyDict, PyString, PyTuple};
 
 use crate::dtype::{Dtype, ALL_DTYPES};
@@ -212,6 +215,22 @@ impl SafetensorsHeader {
             self.inner.path,
             self.inner.tensors.len()
         )
+    }
+
+    /// The facts id (dtype and shape, process-wide; see [`crate::header::facts_of`]) of every name, each
+    /// from the one of `headers` that has it; `KeyError(name)` for the first name none has.
+    #[staticmethod]
+    fn facts<'py>(
+        py: Python<'py>,
+        headers: Vec<PyRef<'_, SafetensorsHeader>>,
+        names: Vec<PyBackedStr>,
+    ) -> PyResult<Bound<'py, PyTuple>> {
+        let refs: Vec<&Header> = headers.iter().map(|h| h.inner.as_ref()).collect();
+        let strs: Vec<&str> = names.iter().map(|n| &**n).collect();
+        match crate::header::facts_of(&refs, &strs) {
+            Ok(ids) => PyTuple::new(py, ids),
+            Err(at) => Err(PyKeyError::new_err(strs[at].to_owned())),
+        }
     }
 }
 
