@@ -414,6 +414,27 @@ pub fn facts_of(headers: &[&Header], names: &[&str]) -> Result<Vec<u32>, usize> 
     Ok(out)
 }
 
+/// Positions (file order) of the tensors of `header` whose safetensors dtype name is not in `dtype_names`.
+pub fn positions_not_of(header: &Header, dtype_names: &[&str]) -> Vec<usize> {
+    // A header has a handful of dtypes: each is judged once, not once per tensor.
+    let mut judged: Vec<(Dtype, bool)> = Vec::new();
+    let mut out = Vec::new();
+    for (i, t) in header.tensors.iter().enumerate() {
+        let listed = match judged.iter().find(|(d, _)| *d == t.dtype) {
+            Some(&(_, listed)) => listed,
+            None => {
+                let listed = dtype_names.contains(&t.dtype.name());
+                judged.push((t.dtype, listed));
+                listed
+            }
+        };
+        if !listed {
+            out.push(i);
+        }
+    }
+    out
+}
+
 /// The digest of a header's bytes: 64-bit FNV-1a over 8-byte words (then the tail), fixed across builds
 /// and platforms, so ranks compare it; ~2 GB/s, a few ms for the largest headers, which parse far slower.
 /// Not a cryptographic hash: it detects accidents (another checkpoint, a rewritten file), not forgeries.
@@ -1349,6 +1370,22 @@ mod tests {
         assert_eq!(facts_of(&[&a, &b], &["x", "nope", "p"]), Err(1));
         assert_eq!(facts_of(&[], &["x"]), Err(0));
         assert_eq!(facts_of(&[], &[]), Ok(vec![]));
+    }
+
+    #[test]
+    fn positions_not_of_keeps_the_unlisted_dtypes_in_file_order() {
+        let h = parse(&file(
+            r#"{"a":{"dtype":"BF16","shape":[2],"data_offsets":[0,4]},
+                "b":{"dtype":"F8_E4M3","shape":[4],"data_offsets":[4,8]},
+                "c":{"dtype":"F32","shape":[1],"data_offsets":[8,12]},
+                "d":{"dtype":"F8_E4M3","shape":[4],"data_offsets":[12,16]}}"#,
+            16,
+        ))
+        .unwrap();
+        assert_eq!(positions_not_of(&h, &["BF16", "F32"]), vec![1, 3]);
+        assert_eq!(positions_not_of(&h, &["F8_E4M3"]), vec![0, 2]);
+        assert_eq!(positions_not_of(&h, &[]), vec![0, 1, 2, 3]);
+        assert!(positions_not_of(&h, &["BF16", "F32", "F8_E4M3"]).is_empty());
     }
 
     #[test]

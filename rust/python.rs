@@ -16,7 +16,7 @@ use pyo3::exceptions::{
 };
 use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedStr;
-use pyo3::types::{PyDict, PyString, PyTuple};
+use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 
 use crate::dtype::{Dtype, ALL_DTYPES};
 use crate::error::LoadError;
@@ -231,6 +231,49 @@ impl SafetensorsHeader {
             Ok(ids) => PyTuple::new(py, ids),
             Err(at) => Err(PyKeyError::new_err(strs[at].to_owned())),
         }
+    }
+
+    /// The tensor names in file order (new string objects; the caller keeps the list).
+    fn names<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(
+            py,
+            self.inner
+                .tensors
+                .iter()
+                .map(|t| PyString::new(py, &t.name)),
+        )
+    }
+
+    /// The [`HeaderEntry`] of the tensor called `name`, built now (nothing is kept), or None when the header
+    /// has no such tensor (or `name` is not a string).
+    fn get(&self, py: Python<'_>, name: &Bound<'_, PyAny>) -> PyResult<Option<HeaderEntry>> {
+        let Ok(name) = name.cast::<PyString>() else {
+            return Ok(None);
+        };
+        let Some(position) = self.inner.index(name.to_str()?) else {
+            return Ok(None);
+        };
+        let t = &self.inner.tensors[position];
+        Ok(Some(HeaderEntry {
+            position,
+            dtype: PyString::intern(py, t.dtype.name()).unbind(),
+            shape: PyTuple::new(py, &t.shape)?.unbind(),
+            begin: t.begin,
+            end: t.end,
+        }))
+    }
+
+    fn __contains__(&self, name: &Bound<'_, PyAny>) -> PyResult<bool> {
+        match name.cast::<PyString>() {
+            Ok(name) => Ok(self.inner.index(name.to_str()?).is_some()),
+            Err(_) => Ok(false),
+        }
+    }
+
+    /// Positions (file order) of the tensors whose safetensors dtype name is not one of `dtype_names`.
+    fn positions_not_of(&self, dtype_names: Vec<PyBackedStr>) -> Vec<usize> {
+        let names: Vec<&str> = dtype_names.iter().map(|n| &**n).collect();
+        crate::header::positions_not_of(&self.inner, &names)
     }
 }
 

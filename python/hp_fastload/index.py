@@ -151,7 +151,7 @@ class CheckpointIndex:
         # The one lookup's memo, filled on first use: most keys of a big MoE are never located.
         self._located: dict[str, TensorEntry] = {}
         self._order = KeyOrder.of_headers(
-            [key for f in files for key in f._entries], [f.header for f in files], key_files
+            [key for f in files for key in f._names], [f.header for f in files], key_files
         )
         self._keys = self._order.keys
         # Every key of every file is indexed, each in its own file: nothing a file has is taken from another
@@ -230,7 +230,7 @@ class CheckpointIndex:
         key_files: dict[str, SafetensorsFile] = {}
         if fast is not None and fast.agrees([f.header for f in opened.values()]):
             for file in opened.values():
-                key_files.update(dict.fromkeys(file._entries, file))
+                key_files.update(dict.fromkeys(file._names, file))
             return cls(list(opened.values()), key_files)
         if weight_map is None:
             weight_map = _weight_map(index_path, text)
@@ -297,7 +297,7 @@ class CheckpointIndex:
         names = frozenset(dtype_names)
         out: list[str] = []
         for file in self.files:
-            found = [k for k, e in file._entries.items() if e.dtype not in names]
+            found = list(map(file._names.__getitem__, file.header.positions_not_of(list(names))))
             if not self._disjoint:  # a key the index takes from another file, or leaves out
                 found = [k for k in found if self._files.get(k) is file]
             out.extend(found)
@@ -309,7 +309,7 @@ class CheckpointIndex:
             raise KeyError(f"checkpoint key is not indexed: {shown_key(key)}")
         # TensorEntry.of, inlined and built with tuple.__new__ (no Python __new__ frame): quantization
         # detection locates every key of a 90k-tensor checkpoint once.
-        header = file._entries[key]
+        header = file.entry(key)
         name = header.dtype
         dtype = _READ_AS.get(name) or file.torch_dtype(key)
         entry = self._located[key] = _new_tuple(
