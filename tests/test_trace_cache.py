@@ -4,6 +4,7 @@ the tensors safetensors reads."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -76,3 +77,17 @@ def test_facts_many_is_the_bulk_form_of_dtype_name_and_shape(ckpt: Path) -> None
     assert CheckpointIndex.open(ckpt.parent).facts_many(keys[::-1]) == facts[::-1]
     with pytest.raises(KeyError, match=r"checkpoint key is not indexed: 'layers\.9\.attn\.q\.weight'"):
         index.facts_many([keys[0], "layers.9.attn.q.weight"])
+
+
+def test_facts_many_takes_each_key_from_the_file_the_index_takes_it_from(tmp_path: Path) -> None:
+    # "w" is in both shards with different shapes; the weight_map takes it from s1: its facts are s1's.
+    save_file({"w": torch.zeros(2, 3), "a": torch.zeros(2, 3)}, str(tmp_path / "s0.safetensors"))
+    save_file({"w": torch.zeros(3, 2), "b": torch.zeros(3, 2)}, str(tmp_path / "s1.safetensors"))
+    weight_map = {"a": "s0.safetensors", "w": "s1.safetensors", "b": "s1.safetensors"}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    index = CheckpointIndex.open(tmp_path)
+    assert index.locate("w").shape == (3, 2)
+    w, a, b = index.facts_many(["w", "a", "b"])
+    assert w == b != a
+    with pytest.raises(KeyError, match="checkpoint key is not indexed: 'c'"):
+        index.facts_many(["a", "c"])
