@@ -278,7 +278,7 @@ impl SafetensorsHeader {
 }
 
 /// One tensor of a header: its position (an item's tensor field), safetensors dtype name, shape and byte
-/// range relative to the data section. Built by `SafetensorsHeader.entry_dict`; read-only.
+/// range relative to the data section. Built by `SafetensorsHeader.entry_dict` and `.get`; read-only.
 #[pyclass(frozen, get_all, module = "hp_fastload._core")]
 struct HeaderEntry {
     position: usize,

@@ -291,9 +291,9 @@ class CheckpointIndex:
 
     def keys_not_stored_as(self, dtype_names: Collection[str]) -> list[str]:
         """The keys whose stored safetensors dtype name (``locate(k).dtype_name``) is not in ``dtype_names``,
-        in no particular order: the bulk form of asking every key's dtype, taken from the headers' entries
-        without locating (building a :class:`TensorEntry` for) any key. Quantization detection asks it once
-        for the non-float tensors of a 90k-tensor checkpoint."""
+        in no particular order: the bulk form of asking every key's dtype, read from the parsed headers in Rust
+        without locating (building a :class:`TensorEntry` or a ``HeaderEntry`` for) any key. Quantization
+        detection asks it once for the non-float tensors of a 90k-tensor checkpoint."""
         names = frozenset(dtype_names)
         out: list[str] = []
         for file in self.files:
