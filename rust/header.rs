@@ -364,7 +364,7 @@ type FactsTable = HashMap<Vec<u64>, u32, std::hash::BuildHasherDefault<WordHashe
 
 /// The facts id of every name of `names` (see [`FACTS`]), each looked up in the header of `headers` that
 /// has it (callers pass headers that share no name; the header that matched the previous name is tried
-/// first, since a group's names mostly sit in one file), or `Err(i)` for the first name `names[i]` that no
+/// first, then the ones after it, since a group's names mostly sit in one file), or `Err(i)` for the first name `names[i]` that no
 /// header has. Only the asked names' dtypes and shapes are read: nothing is built per tensor of a header.
 pub fn facts_of(headers: &[&Header], names: &[&str]) -> Result<Vec<u32>, usize> {
     let mut guard = FACTS
@@ -377,9 +377,10 @@ pub fn facts_of(headers: &[&Header], names: &[&str]) -> Result<Vec<u32>, usize> 
     let mut key = Vec::new();
     for (i, &name) in names.iter().enumerate() {
         let hash = NameTable::hash(name);
-        let found = std::iter::once(first)
-            .chain((0..headers.len()).filter(|&h| h != first))
-            .take(headers.len()) // none when `headers` is empty
+        // From the previous name's header on, wrapping: a group's names that leave a shard (sorted shard
+        // names, keys in natural order) mostly continue in the next one.
+        let found = (0..headers.len())
+            .map(|d| (first + d) % headers.len())
             .find_map(|h| {
                 let header = headers[h];
                 let at = header
