@@ -331,8 +331,19 @@ impl NameTable {
 
     /// The position of `key` among `items` (the ones the table was built over).
     fn get<T>(&self, items: &[T], name: impl Fn(&T) -> &str, key: &str) -> Option<usize> {
+        self.get_hashed(items, name, key, Self::hash(key))
+    }
+
+    /// [`NameTable::get`] with `hash` = `NameTable::hash(key)` given (to probe several tables for one key).
+    fn get_hashed<T>(
+        &self,
+        items: &[T],
+        name: impl Fn(&T) -> &str,
+        key: &str,
+        hash: u64,
+    ) -> Option<usize> {
         let mask = self.slots.len().checked_sub(1)?;
-        let mut at = Self::hash(key) as usize & mask;
+        let mut at = hash as usize & mask;
         loop {
             match self.slots[at] {
                 Self::EMPTY => return None,
@@ -341,6 +352,88 @@ impl NameTable {
             }
         }
     }
+}
+
+/// Process-wide small ids of tensor facts, a (dtype, shape) pair: equal ids exactly when dtype and shape are
+/// equal, in every header of the process (ids are never reused or forgotten; a process sees few distinct
+/// facts, a few dozen per checkpoint). Keyed by `[dtype as u64, dims...]`: the length tells the rank apart.
+static FACTS: std::sync::Mutex<Option<FactsTable>> = std::sync::Mutex::new(None);
+
+/// [`FACTS`]' table: `[dtype as u64, dims...]` -> id.
+type FactsTable = HashMap<Vec<u64>, u32, std::hash::BuildHasherDefault<WordHasher>>;
+
+/// The facts id of every name of `names` (see [`FACTS`]), each looked up in the header of `headers` that
+/// has it (callers pass headers that share no name; the header that matched the previous name is tried
+/// first, then the ones after it, since a group's names mostly sit in one file), or `Err(i)` for the first name `names[i]` that no
+/// header has. Only the asked names' dtypes and shapes are read: nothing is built per tensor of a header.
+pub fn facts_of(headers: &[&Header], names: &[&str]) -> Result<Vec<u32>, usize> {
+    let mut guard = FACTS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let table = guard.get_or_insert_with(HashMap::default);
+    let mut out = Vec::with_capacity(names.len());
+    let mut first = 0;
+    let mut previous: Option<(&TensorInfo, u32)> = None;
+    let mut key = Vec::new();
+    for (i, &name) in names.iter().enumerate() {
+        let hash = NameTable::hash(name);
+        // From the previous name's header on, wrapping: a group's names that leave a shard (sorted shard
+        // names, keys in natural order) mostly continue in the next one.
+        let found = (0..headers.len())
+            .map(|d| (first + d) % headers.len())
+            .find_map(|h| {
+                let header = headers[h];
+                let at = header
+                    .index
+                    .get_hashed(&header.tensors, |t| &t.name, name, hash)?;
+                Some((h, &header.tensors[at]))
+            });
+        let Some((h, tensor)) = found else {
+            return Err(i);
+        };
+        first = h;
+        let id = match previous {
+            Some((p, id)) if p.dtype == tensor.dtype && p.shape == tensor.shape => id,
+            _ => {
+                key.clear();
+                key.push(tensor.dtype as u64);
+                key.extend_from_slice(&tensor.shape);
+                match table.get(key.as_slice()) {
+                    Some(&id) => id,
+                    None => {
+                        let id =
+                            u32::try_from(table.len()).expect("fewer than u32::MAX distinct facts");
+                        table.insert(key.clone(), id);
+                        id
+                    }
+                }
+            }
+        };
+        previous = Some((tensor, id));
+        out.push(id);
+    }
+    Ok(out)
+}
+
+/// Positions (file order) of the tensors of `header` whose safetensors dtype name is not in `dtype_names`.
+pub fn positions_not_of(header: &Header, dtype_names: &[&str]) -> Vec<usize> {
+    // A header has a handful of dtypes: each is judged once, not once per tensor.
+    let mut judged: Vec<(Dtype, bool)> = Vec::new();
+    let mut out = Vec::new();
+    for (i, t) in header.tensors.iter().enumerate() {
+        let listed = match judged.iter().find(|(d, _)| *d == t.dtype) {
+            Some(&(_, listed)) => listed,
+            None => {
+                let listed = dtype_names.contains(&t.dtype.name());
+                judged.push((t.dtype, listed));
+                listed
+            }
+        };
+        if !listed {
+            out.push(i);
+        }
+    }
+    out
 }
 
 /// The digest of a header's bytes: 64-bit FNV-1a over 8-byte words (then the tail), fixed across builds
@@ -1238,6 +1331,62 @@ mod tests {
             &file(r#"{"__metadata__":{"k":"1","k":"2"}}"#, 0),
             "duplicate key 'k'",
         );
+    }
+
+    #[test]
+    fn facts_of_gives_equal_ids_exactly_for_equal_dtype_and_shape() {
+        let a = parse(&file(
+            r#"{"x":{"dtype":"F32","shape":[2,3],"data_offsets":[0,24]},
+                "y":{"dtype":"F32","shape":[3,2],"data_offsets":[24,48]},
+                "z":{"dtype":"I32","shape":[2,3],"data_offsets":[48,72]},
+                "v":{"dtype":"F32","shape":[6],"data_offsets":[72,96]}}"#,
+            96,
+        ))
+        .unwrap();
+        let b = parse(&file(
+            r#"{"p":{"dtype":"F32","shape":[2,3],"data_offsets":[0,24]},
+                "q":{"dtype":"F32","shape":[2,3,1],"data_offsets":[24,48]}}"#,
+            48,
+        ))
+        .unwrap();
+        let ids = facts_of(&[&a, &b], &["x", "p", "y", "z", "v", "q", "x"]).unwrap();
+        let (x, p, y, z, v, q) = (ids[0], ids[1], ids[2], ids[3], ids[4], ids[5]);
+        assert_eq!(x, p, "same dtype and shape in two files");
+        assert_eq!(ids[6], x, "asked again");
+        for (other, what) in [
+            (y, "shape"),
+            (z, "dtype"),
+            (v, "rank and shape"),
+            (q, "rank"),
+        ] {
+            assert_ne!(x, other, "a different {what}");
+        }
+        assert_ne!(y, v);
+        assert_ne!(q, v);
+        // Process-wide: asked later, from the other header first, the ids are the same.
+        assert_eq!(
+            facts_of(&[&b, &a], &["q", "z", "p"]).unwrap(),
+            vec![q, z, p]
+        );
+        assert_eq!(facts_of(&[&a, &b], &["x", "nope", "p"]), Err(1));
+        assert_eq!(facts_of(&[], &["x"]), Err(0));
+        assert_eq!(facts_of(&[], &[]), Ok(vec![]));
+    }
+
+    #[test]
+    fn positions_not_of_keeps_the_unlisted_dtypes_in_file_order() {
+        let h = parse(&file(
+            r#"{"a":{"dtype":"BF16","shape":[2],"data_offsets":[0,4]},
+                "b":{"dtype":"F8_E4M3","shape":[4],"data_offsets":[4,8]},
+                "c":{"dtype":"F32","shape":[1],"data_offsets":[8,12]},
+                "d":{"dtype":"F8_E4M3","shape":[4],"data_offsets":[12,16]}}"#,
+            16,
+        ))
+        .unwrap();
+        assert_eq!(positions_not_of(&h, &["BF16", "F32"]), vec![1, 3]);
+        assert_eq!(positions_not_of(&h, &["F8_E4M3"]), vec![0, 2]);
+        assert_eq!(positions_not_of(&h, &[]), vec![0, 1, 2, 3]);
+        assert!(positions_not_of(&h, &["BF16", "F32", "F8_E4M3"]).is_empty());
     }
 
     #[test]

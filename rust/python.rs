@@ -11,8 +11,11 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use pyo3::exceptions::{PyFileNotFoundError, PyOSError, PyPermissionError, PyRuntimeError};
+use pyo3::exceptions::{
+    PyFileNotFoundError, PyKeyError, PyOSError, PyPermissionError, PyRuntimeError,
+};
 use pyo3::prelude::*;
+use pyo3::pybacked::PyBackedStr;
 use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
 
 use crate::dtype::{Dtype, ALL_DTYPES};
@@ -213,10 +216,69 @@ impl SafetensorsHeader {
             self.inner.tensors.len()
         )
     }
+
+    /// The facts id (dtype and shape, process-wide; see [`crate::header::facts_of`]) of every name, each
+    /// from the one of `headers` that has it; `KeyError(name)` for the first name none has.
+    #[staticmethod]
+    fn facts<'py>(
+        py: Python<'py>,
+        headers: Vec<PyRef<'_, SafetensorsHeader>>,
+        names: Vec<PyBackedStr>,
+    ) -> PyResult<Bound<'py, PyTuple>> {
+        let refs: Vec<&Header> = headers.iter().map(|h| h.inner.as_ref()).collect();
+        let strs: Vec<&str> = names.iter().map(|n| &**n).collect();
+        match crate::header::facts_of(&refs, &strs) {
+            Ok(ids) => PyTuple::new(py, ids),
+            Err(at) => Err(PyKeyError::new_err(strs[at].to_owned())),
+        }
+    }
+
+    /// The tensor names in file order (new string objects; the caller keeps the list).
+    fn names<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(
+            py,
+            self.inner
+                .tensors
+                .iter()
+                .map(|t| PyString::new(py, &t.name)),
+        )
+    }
+
+    /// The [`HeaderEntry`] of the tensor called `name`, built now (nothing is kept), or None when the header
+    /// has no such tensor (or `name` is not a string).
+    fn get(&self, py: Python<'_>, name: &Bound<'_, PyAny>) -> PyResult<Option<HeaderEntry>> {
+        let Ok(name) = name.cast::<PyString>() else {
+            return Ok(None);
+        };
+        let Some(position) = self.inner.index(name.to_str()?) else {
+            return Ok(None);
+        };
+        let t = &self.inner.tensors[position];
+        Ok(Some(HeaderEntry {
+            position,
+            dtype: PyString::intern(py, t.dtype.name()).unbind(),
+            shape: PyTuple::new(py, &t.shape)?.unbind(),
+            begin: t.begin,
+            end: t.end,
+        }))
+    }
+
+    fn __contains__(&self, name: &Bound<'_, PyAny>) -> PyResult<bool> {
+        match name.cast::<PyString>() {
+            Ok(name) => Ok(self.inner.index(name.to_str()?).is_some()),
+            Err(_) => Ok(false),
+        }
+    }
+
+    /// Positions (file order) of the tensors whose safetensors dtype name is not one of `dtype_names`.
+    fn positions_not_of(&self, dtype_names: Vec<PyBackedStr>) -> Vec<usize> {
+        let names: Vec<&str> = dtype_names.iter().map(|n| &**n).collect();
+        crate::header::positions_not_of(&self.inner, &names)
+    }
 }
 
 /// One tensor of a header: its position (an item's tensor field), safetensors dtype name, shape and byte
-/// range relative to the data section. Built by `SafetensorsHeader.entry_dict`; read-only.
+/// range relative to the data section. Built by `SafetensorsHeader.entry_dict` and `.get`; read-only.
 #[pyclass(frozen, get_all, module = "hp_fastload._core")]
 struct HeaderEntry {
     position: usize,

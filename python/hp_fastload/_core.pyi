@@ -65,6 +65,19 @@ class SafetensorsHeader:
     def release_map(self) -> None:
         """Drop the file map kept between reads (frees its page tables; its pages become evictable). A large
         map that no running read uses is unmapped on a short-lived background thread."""
+    @staticmethod
+    def facts(headers: list[SafetensorsHeader], names: list[str]) -> tuple[int, ...]:
+        """A small int per name, equal for two names exactly when their dtypes and shapes are equal (ids are
+        process-wide: they agree across headers), each name taken from the one of ``headers`` that has it
+        (pass headers that share no name); ``KeyError(name)`` for the first name none has."""
+    def names(self) -> list[str]:
+        """The tensor names in file order."""
+    def get(self, name: object) -> HeaderEntry | None:
+        """The :class:`HeaderEntry` of the tensor called ``name``, built on each call, or None when there is
+        none."""
+    def __contains__(self, name: object) -> bool: ...
+    def positions_not_of(self, dtype_names: list[str]) -> list[int]:
+        """Positions (file order) of the tensors whose safetensors dtype name is not in ``dtype_names``."""
 
 class WeightMap:
     """The ``weight_map`` of a ``model.safetensors.index.json``: which file holds each tensor."""

@@ -133,6 +133,11 @@ PathOrFile: TypeAlias = "str | os.PathLike[str] | SafetensorsFile"
 Request: TypeAlias = "tuple[PathOrFile, str, Sequence[int], Sequence[int], torch.Tensor]"
 
 
+#: Headers with at most this many tensors get every HeaderEntry built when parsed (a few hundred microseconds
+#: at most); bigger ones build an entry when it is asked for (see ``SafetensorsFile._entries``).
+EAGER_ENTRIES = 2048
+
+
 class SafetensorsFile:
     """The header of one safetensors file: keys, dtypes, shapes, byte ranges.
 
@@ -145,19 +150,27 @@ class SafetensorsFile:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
         self.header = _core.SafetensorsHeader(self.path)
-        self._entries: dict[str, HeaderEntry] = self.header.entry_dict()
+        #: Every HeaderEntry, built with the header when it has at most EAGER_ENTRIES tensors (``read_many``
+        #: asks for most of a small file's, one dict lookup each); else empty: a big file's entries are built
+        #: when asked for (most keys of a big MoE's shard never are: ~28 ms for DeepSeek-V3's 90k).
+        self._entries: dict[str, HeaderEntry] = {}
+        if len(self.header) <= EAGER_ENTRIES:
+            self._entries = self.header.entry_dict()
+            self._names: list[str] = list(self._entries)
+        else:
+            self._names = self.header.names()
 
     def entry(self, key: str) -> HeaderEntry:
         """The header's record of ``key`` (position, dtype name, shape, byte range); KeyError naming the file
         and key when it has none."""
-        try:
-            return self._entries[key]
-        except KeyError:
-            raise KeyError(f"{self.path}: no tensor named {shown_key(key)}") from None
+        entry = self._entries.get(key) or self.header.get(key)
+        if entry is None:
+            raise KeyError(f"{self.path}: no tensor named {shown_key(key)}")
+        return entry
 
     def keys(self) -> list[str]:
         """Tensor names in file (data offset) order."""
-        return list(self._entries)
+        return list(self._names)
 
     def metadata(self) -> dict[str, str] | None:
         """The ``__metadata__`` strings, or None when the file has none."""
@@ -197,13 +210,13 @@ class SafetensorsFile:
         return self.header.file_size
 
     def __contains__(self, key: object) -> bool:
-        return key in self._entries
+        return key in self._entries or key in self.header
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._names)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._entries)
+        return iter(self._names)
 
     def __repr__(self) -> str:
         return f"SafetensorsFile({self.path!r}, tensors={len(self)})"
@@ -285,7 +298,7 @@ def _fill_item(
     """Validates one request and writes its item row; returns the destination triple."""
     if key not in f:
         raise PlanError(f"{f.path}: no tensor named {shown_key(key)}")
-    entry = f._entries[key]
+    entry = f.entry(key)
     name, shape = entry.dtype, entry.shape
     where = f"{f.path}: tensor {shown_key(key)} (shape {list(shape)}, {name})"
     offs, lens = _ints(offsets, "offsets", key), _ints(lengths, "lengths", key)
@@ -498,7 +511,7 @@ def _pack_requests(
                 if file_id == len(files):
                     files.append(f)
                 where = opened[source] = (f, file_id)
-            entry = where[0]._entries.get(key)
+            entry = where[0]._entries.get(key) or where[0].header.get(key)
         except Exception:  # malformed, unopenable, unhashable: the per-request path says what
             slow.append(k)
             continue

@@ -151,9 +151,13 @@ class CheckpointIndex:
         # The one lookup's memo, filled on first use: most keys of a big MoE are never located.
         self._located: dict[str, TensorEntry] = {}
         self._order = KeyOrder.of_headers(
-            [key for f in files for key in f._entries], [f.header for f in files], key_files
+            [key for f in files for key in f._names], [f.header for f in files], key_files
         )
         self._keys = self._order.keys
+        # Every key of every file is indexed, each in its own file: nothing a file has is taken from another
+        # file or left out (the index's keys are among the files', so counting them tells it).
+        self._disjoint = sum(map(len, files)) == len(key_files)
+        self._headers = [f.header for f in files]
 
     @classmethod
     def open(cls, location: str | os.PathLike[str]) -> CheckpointIndex:
@@ -226,7 +230,7 @@ class CheckpointIndex:
         key_files: dict[str, SafetensorsFile] = {}
         if fast is not None and fast.agrees([f.header for f in opened.values()]):
             for file in opened.values():
-                key_files.update(dict.fromkeys(file._entries, file))
+                key_files.update(dict.fromkeys(file._names, file))
             return cls(list(opened.values()), key_files)
         if weight_map is None:
             weight_map = _weight_map(index_path, text)
@@ -263,23 +267,38 @@ class CheckpointIndex:
 
     def locate_many(self, keys: Iterable[str]) -> list[TensorEntry]:
         """``[locate(k) for k in keys]``, in one pass over the memo (a stacked-experts group or target has
-        ~10^3 sources: packing and the trace cache's signatures ask for all of them at once)."""
+        ~10^3 sources). For dtypes and shapes alone, :meth:`facts_many` locates nothing."""
         keys = keys if isinstance(keys, list) else list(keys)
         found = list(map(self._located.get, keys))
         if None in found:
             found = [e if e is not None else self._locate_new(k) for e, k in zip(found, keys, strict=True)]
         return found  # type: ignore[return-value]
 
+    def facts_many(self, keys: list[str]) -> tuple[int, ...]:
+        """One small int per key, equal for two keys exactly when their ``(locate(k).dtype_name,
+        locate(k).shape)`` are equal: the bulk form of asking each key's stored dtype and shape, read from the
+        headers in Rust without locating (building a :class:`TensorEntry` for) any key. The ids are
+        process-wide, so they compare across files and indexes. The trace cache's signatures ask it for every
+        source of every group (~45k keys of DeepSeek-V3, most of them never read by this rank). ``KeyError``
+        naming the first key the index does not have."""
+        try:
+            if self._disjoint:
+                return _core.SafetensorsHeader.facts(self._headers, keys)
+            # Some key is in several files: ask each key's own file (slow, but only for odd indexes).
+            return tuple(_core.SafetensorsHeader.facts([self._files[k].header], [k])[0] for k in keys)
+        except KeyError as exc:
+            raise KeyError(f"checkpoint key is not indexed: {shown_key(exc.args[0])}") from None
+
     def keys_not_stored_as(self, dtype_names: Collection[str]) -> list[str]:
         """The keys whose stored safetensors dtype name (``locate(k).dtype_name``) is not in ``dtype_names``,
-        in no particular order: the bulk form of asking every key's dtype, taken from the headers' entries
-        without locating (building a :class:`TensorEntry` for) any key. Quantization detection asks it once
-        for the non-float tensors of a 90k-tensor checkpoint."""
+        in no particular order: the bulk form of asking every key's dtype, read from the parsed headers in Rust
+        without locating (building a :class:`TensorEntry` or a ``HeaderEntry`` for) any key. Quantization
+        detection asks it once for the non-float tensors of a 90k-tensor checkpoint."""
         names = frozenset(dtype_names)
         out: list[str] = []
         for file in self.files:
-            found = [k for k, e in file._entries.items() if e.dtype not in names]
-            if len(self.files) > 1 and sum(map(len, self.files)) != len(self):  # a key the index takes elsewhere
+            found = list(map(file._names.__getitem__, file.header.positions_not_of(list(names))))
+            if not self._disjoint:  # a key the index takes from another file, or leaves out
                 found = [k for k in found if self._files.get(k) is file]
             out.extend(found)
         return out
@@ -290,7 +309,7 @@ class CheckpointIndex:
             raise KeyError(f"checkpoint key is not indexed: {shown_key(key)}")
         # TensorEntry.of, inlined and built with tuple.__new__ (no Python __new__ frame): quantization
         # detection locates every key of a 90k-tensor checkpoint once.
-        header = file._entries[key]
+        header = file.entry(key)
         name = header.dtype
         dtype = _READ_AS.get(name) or file.torch_dtype(key)
         entry = self._located[key] = _new_tuple(

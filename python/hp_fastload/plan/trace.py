@@ -137,12 +137,11 @@ class Tracer:
             )
         keys = [k for _, k in group.sources]
         sources = dict(zip(placeholders(len(keys)), keys, strict=True))
-        facts = tuple((e.shape, e.dtype_name) for e in self.index.locate_many(keys))  # per source, in bulk
         signature = (
             id(group.rule),
             self.trace,
             tuple(p for p, _ in group.sources),
-            facts,
+            self.index.facts_many(keys),  # each source's dtype name and shape, as ids: nothing is located
             masked_name(group.target),
             self.shape_of(group.target),
         )
