@@ -307,8 +307,8 @@ class CheckpointIndex:
         file = self._files.get(key)
         if file is None:
             raise KeyError(f"checkpoint key is not indexed: {shown_key(key)}")
-        # TensorEntry.of, inlined and built with tuple.__new__ (no Python __new__ frame): quantization
-        # detection locates every key of a 90k-tensor checkpoint once.
+        # TensorEntry.of, inlined and built with tuple.__new__ (no Python __new__ frame): a plan locates each
+        # key it reads, and the traced groups' sources.
         header = file.entry(key)
         name = header.dtype
         dtype = _READ_AS.get(name) or file.torch_dtype(key)
