@@ -289,6 +289,17 @@ class CheckpointIndex:
         except KeyError as exc:
             raise KeyError(f"checkpoint key is not indexed: {shown_key(exc.args[0])}") from None
 
+    def paths_of(self, keys: Iterable[str]) -> dict[str, str]:
+        """Each key's file path (``locate(k).file.path``), in bulk: taken from the index's key -> file map
+        without locating any key (a plan names the file of each of its reads; a rank reads thousands).
+        ``KeyError`` naming the first key the index does not have."""
+        listed = keys if isinstance(keys, list) else list(keys)
+        try:
+            files = list(map(self._files.__getitem__, listed))
+        except KeyError as exc:
+            raise KeyError(f"checkpoint key is not indexed: {shown_key(exc.args[0])}") from None
+        return dict(zip(listed, (f.path for f in files), strict=True))
+
     def keys_not_stored_as(self, dtype_names: Collection[str]) -> list[str]:
         """The keys whose stored safetensors dtype name (``locate(k).dtype_name``) is not in ``dtype_names``,
         in no particular order: the bulk form of asking every key's dtype, read from the parsed headers in Rust

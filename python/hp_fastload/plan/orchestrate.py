@@ -28,13 +28,6 @@ __all__ = ["plan_load"]
 log = logging.getLogger("hp_fastload")
 
 
-def _files_of(index: CheckpointIndex, keys: set[str]) -> dict[str, str]:
-    """Each key's file path (the index's choice), from the entries planning located for the rank's reads: in
-    proportion to the keys read, not to every key of every file."""
-    listed = list(keys)
-    return {k: e.file.path for k, e in zip(listed, index.locate_many(listed), strict=True)}
-
-
 def _missing_keys_error(missing: Sequence[str], unexpected: Sequence[str]) -> MissingKeysError:
     text = f"Checkpoint did not load {len(missing)} owned model tensors; first keys: {', '.join(missing[:10])}"
     if unexpected:
@@ -163,7 +156,7 @@ def plan_load(
         region_reads,
         [d.plain(index) for d in claims.deferred],
         report,
-        _files_of(index, read_keys),
+        index.paths_of(read_keys),
         dequant,
         {s: index.locate(s).nbytes for s in sorted(scales)},
     )
