@@ -202,6 +202,15 @@ mod tests {
             .join(".")
     }
 
+    /// Every name is its template filled with its numbers.
+    fn assert_round_trip<S: AsRef<str>>(t: &KeyTemplates, names: &[S]) {
+        for (i, name) in names.iter().enumerate() {
+            let row = &t.numbers[i * t.width..(i + 1) * t.width];
+            let used: Vec<i64> = row.iter().copied().filter(|&v| v >= 0).collect();
+            assert_eq!(fill(&t.templates[t.ids[i] as usize], &used), name.as_ref());
+        }
+    }
+
     #[test]
     fn numbers_out_and_back() {
         let names = [
@@ -232,11 +241,7 @@ mod tests {
         assert_eq!(t.ids, [0, 0, 1, 2, 3, 4, 5, 6, 7]);
         assert_eq!(t.width, 2);
         assert_eq!(&t.numbers[..4], &[3, 17, 10, 0]);
-        for (i, name) in names.iter().enumerate() {
-            let row = &t.numbers[i * 2..i * 2 + 2];
-            let used: Vec<i64> = row.iter().copied().filter(|&v| v >= 0).collect();
-            assert_eq!(fill(&t.templates[t.ids[i] as usize], &used), *name);
-        }
+        assert_round_trip(&t, &names);
     }
 
     #[test]
@@ -254,11 +259,7 @@ mod tests {
         assert_eq!(t.templates, one.templates);
         assert_eq!(t.ids, one.ids);
         assert_eq!(t.width, 2);
-        for (i, name) in names.iter().enumerate() {
-            let row = &t.numbers[i * 2..i * 2 + 2];
-            let used: Vec<i64> = row.iter().copied().filter(|&v| v >= 0).collect();
-            assert_eq!(fill(&t.templates[t.ids[i] as usize], &used), *name);
-        }
+        assert_round_trip(&t, &names);
     }
 
     #[test]

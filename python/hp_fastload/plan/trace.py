@@ -113,12 +113,19 @@ class Tracer:
         entry = self.index.locate(key)
         return torch.empty(entry.shape, dtype=entry.dtype, device="meta")
 
-    def _placeholder_leaf(self, placeholders: dict[str, str]) -> Callable[[str], RegionTensor]:
+    def _placeholder_leaf(self, placeholders: dict[str, str], facts: dict[str, int]) -> Callable[[str], RegionTensor]:
+        """Leaves named by placeholder; each source's shape and dtype from the first source with its facts id
+        (a stacked-experts group has ~10^3 sources of one shape: one is located, not all)."""
         index = self.index
+        known: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}
 
         def leaf(key: str) -> RegionTensor:
-            entry = index.locate(key)
-            return RegionTensor.leaf(placeholders[key], entry.shape, entry.dtype)
+            fid = facts[key]
+            shape_dtype = known.get(fid)
+            if shape_dtype is None:
+                entry = index.locate(key)
+                shape_dtype = known[fid] = (entry.shape, entry.dtype)
+            return RegionTensor.leaf(placeholders[key], *shape_dtype)
 
         return leaf
 
@@ -137,18 +144,19 @@ class Tracer:
             )
         keys = [k for _, k in group.sources]
         sources = dict(zip(placeholders(len(keys)), keys, strict=True))
+        facts = self.index.facts_many(keys)  # each source's dtype name and shape, as ids: nothing is located
         signature = (
             id(group.rule),
             self.trace,
             tuple(p for p, _ in group.sources),
-            self.index.facts_many(keys),  # each source's dtype name and shape, as ids: nothing is located
+            facts,
             masked_name(group.target),
             self.shape_of(group.target),
         )
         cached = self.cache.get(signature)
         names = _derive_names(cached.target, cached.names, group.target) if cached is not None else None
         if cached is None or names is None:
-            cached = self._trace(group)
+            cached = self._trace(group, dict(zip(keys, facts, strict=True)))
             self.cache[signature] = cached
             names = cached.names
         shapes = dict(zip(names, cached.shapes, strict=True))
@@ -158,12 +166,12 @@ class Tracer:
             return Traced(dict.fromkeys(names), shapes, dtypes, sources, cached.reason)
         return Traced(dict(zip(names, cached.blocks, strict=True)), shapes, dtypes, sources)
 
-    def _trace(self, group: LoadGroup) -> CacheEntry:
+    def _trace(self, group: LoadGroup, facts: dict[str, int]) -> CacheEntry:
         reason = "legacy loader"
         if self.trace:
             placeholders = {k: f"#{i}" for i, (_, k) in enumerate(group.sources)}
             try:
-                traced = convert_group(group, self.model, self._placeholder_leaf(placeholders))
+                traced = convert_group(group, self.model, self._placeholder_leaf(placeholders, facts))
             except (UnsupportedRegionOp, TypeError, RuntimeError, ValueError, NotImplementedError) as exc:
                 reason = f"{type(exc).__name__}: {exc}"
             else:
