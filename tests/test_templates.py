@@ -247,3 +247,14 @@ def test_a_rule_that_sees_number_lengths_splits_the_template():
     templated, per_key, direct = _both(keys, {"layers.small"}, [rule])
     assert templated == per_key and direct
     assert [k for _, k in templated[0][0][2]] == keys[:10] and templated[1] == keys[10:]
+
+
+@pytest.mark.parametrize("layers, decided", [(2, True), (13, False)])
+def test_a_rule_without_a_prefilter_splits_or_hands_over(layers, decided):
+    # A capture rule with no literal prefilter is applied key by key: the template path splits every template,
+    # up to a quarter of the keys as templates (SPLIT_FLOOR at least); past that, the per-key path decides.
+    keys = _experts(layers, 37)
+    rule = WeightRenaming(r"s(\d+)", r"t\1")  # no literal of two characters: every key is a candidate
+    templated, per_key, direct = _both(keys, _expert_targets(layers), _mixtral_rules(rule), "model")
+    assert templated == per_key
+    assert direct is decided

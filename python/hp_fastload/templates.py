@@ -38,6 +38,8 @@ else:  # pragma: no cover - Python 3.10
 __all__ = ["number_blind", "template_groups"]
 
 MARKER = "#"
+#: Templates (after splitting) up to which the template path goes on whatever the key count.
+SPLIT_FLOOR = 1024
 _DIGITS = frozenset("0123456789")
 #: A numeric component as ``rust/keys.rs`` defines one (no leading zero, at most 18 digits), bounded by dots.
 _NUMERIC = re.compile(r"(?<![^.])(?:0|[1-9][0-9]{0,17})(?![^.])")
@@ -289,9 +291,11 @@ def _apply(
     rule: Any,
     blind: bool,
     converter: bool,
+    limit: int,
 ) -> list[_Template] | None:
     """``rule`` applied to every template (converters: to those no converter matched yet); None when its
-    replacement text has the marker. ``blind``: the rule is a plain, number-blind regex rename."""
+    replacement text has the marker, or when splitting templates into keys would leave more than ``limit``
+    templates (the per-key path is then cheaper). ``blind``: the rule is a plain, number-blind regex rename."""
     literals = rule.literals
     search = rule.rule.compiled_sources.search if blind else None
     replacement = rule.rule.target_patterns[0] if blind else ""
@@ -325,6 +329,8 @@ def _apply(
                     template.match = (rule.rule, pattern)
                 out.append(template)
                 continue
+        if template.slots and len(out) + len(template.keys) + 1 > limit:
+            return None
         pieces = _split(template, numbers) if template.slots else [template]
         for piece in pieces:  # one key: the rule exactly as the per-key path applies it
             new, pattern = rule.rule.rename_source_key(piece.text)
@@ -384,13 +390,16 @@ def template_groups(
     for text, end in zip(texts, bounds.tolist(), strict=True):
         templates.append(_Template(text, list(range(text.count(MARKER))), order[start:end], text))
         start = end
+    # Rules that see numbers split templates into keys; past a quarter of the keys as templates, the per-key
+    # path (one C-level pass per rule) is the cheaper of the two.
+    limit = max(SPLIT_FLOOR, len(names) // 4)
     for rule in renamings:
-        applied = _apply(templates, numbers, rule, rule.direct and _rule_blind(rule), False)
+        applied = _apply(templates, numbers, rule, rule.direct and _rule_blind(rule), False, limit)
         if applied is None:
             return None
         templates = applied
     for rule in converters:
-        applied = _apply(templates, numbers, rule, rule.direct and _rule_blind(rule), True)
+        applied = _apply(templates, numbers, rule, rule.direct and _rule_blind(rule), True, limit)
         if applied is None:
             return None
         templates = applied
