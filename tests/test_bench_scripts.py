@@ -245,3 +245,18 @@ def test_mxfp4_bench_quick_expert_parallel(tmp_path: Path) -> None:
     whole = got["hp_torch"]["checkpoint_bytes"]
     assert got["hp_torch"]["bytes_read"] == whole
     assert got["hp_region"]["bytes_read"] * 4 == whole
+
+
+def test_plan_profile_phases(tmp_path: Path) -> None:
+    """``benches/plan_profile.py CKPT WORLD RANK phases`` on a tiny MoE: every phase timed, the whole plan the
+    largest."""
+    from .tiny_models import tiny_model
+
+    tiny_model("qwen3_moe").save_pretrained(tmp_path / "moe")
+    proc = _run([str(BENCHES / "plan_profile.py"), str(tmp_path / "moe"), "2", "1", "phases"], timeout=300)
+    rows = dict(line.rsplit(None, 1) for line in proc.stdout.splitlines()[1:] if line.strip())
+    labels = ["index open", "targets", "quantization detection", "build_groups", "Tracer.run", "claims", "whole plan"]
+    assert sorted(rows) == sorted(labels)
+    seconds = {k: float(v) for k, v in rows.items()}
+    assert all(v > 0 for k, v in seconds.items() if k != "quantization detection")
+    assert seconds["whole plan"] == max(seconds.values())
