@@ -264,23 +264,13 @@ pub struct WordHasher(u64);
 
 impl Default for WordHasher {
     fn default() -> Self {
-        WordHasher(0xcbf2_9ce4_8422_2325)
+        WordHasher(FNV_OFFSET)
     }
 }
 
 impl std::hash::Hasher for WordHasher {
     fn write(&mut self, bytes: &[u8]) {
-        const PRIME: u64 = 0x0000_0100_0000_01b3;
-        let mut h = self.0 ^ bytes.len() as u64;
-        let mut words = bytes.chunks_exact(8);
-        for w in &mut words {
-            h = (h ^ u64::from_le_bytes(w.try_into().expect("8 bytes"))).wrapping_mul(PRIME);
-            h ^= h >> 29;
-        }
-        for &b in words.remainder() {
-            h = (h ^ u64::from(b)).wrapping_mul(PRIME);
-        }
-        self.0 = h;
+        self.0 = fnv_words(self.0, bytes);
     }
 
     fn finish(&self) -> u64 {
@@ -440,8 +430,18 @@ pub fn positions_not_of(header: &Header, dtype_names: &[&str]) -> Vec<usize> {
 /// and platforms, so ranks compare it; ~2 GB/s, a few ms for the largest headers, which parse far slower.
 /// Not a cryptographic hash: it detects accidents (another checkpoint, a rewritten file), not forgeries.
 pub fn header_digest(bytes: &[u8]) -> u64 {
+    fnv_words(FNV_OFFSET, bytes)
+}
+
+/// FNV-1a's offset basis: the state both [`WordHasher`] and [`header_digest`] start from.
+const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+
+/// `bytes` folded into the state `h`: the length, then FNV-1a over 8-byte little-endian words (with a shift
+/// after each multiply), then the tail bytes. The one definition behind [`WordHasher`] and
+/// [`header_digest`].
+fn fnv_words(h: u64, bytes: &[u8]) -> u64 {
     const PRIME: u64 = 0x0000_0100_0000_01b3;
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325 ^ bytes.len() as u64;
+    let mut h = h ^ bytes.len() as u64;
     let mut words = bytes.chunks_exact(8);
     for w in &mut words {
         h = (h ^ u64::from_le_bytes(w.try_into().expect("8 bytes"))).wrapping_mul(PRIME);
