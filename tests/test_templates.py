@@ -11,7 +11,7 @@ import re
 import pytest
 
 from hp_fastload import _core, rules
-from hp_fastload.groups import _Prefiltered, build_groups, is_converter, is_renaming
+from hp_fastload.groups import _Prefiltered, _prefix_normalize, build_groups, is_converter, is_renaming
 from hp_fastload.index import CheckpointIndex
 from hp_fastload.natural import natural_sorted
 from hp_fastload.rules import Concatenate, MergeModulelist, WeightConverter, WeightRenaming
@@ -43,6 +43,7 @@ def _both(keys, targets, mapping, prefix=None):
         [_Prefiltered(r) for r in mapping if is_renaming(r)],
         [_Prefiltered(r) for r in mapping if is_converter(r)],
         prefix,
+        lambda name: _prefix_normalize(name, prefix, targets),
         lambda t, r, s: (t, r, s),
     )
     return templated, per_key, direct is not None
@@ -258,3 +259,19 @@ def test_a_rule_without_a_prefilter_splits_or_hands_over(layers, decided):
     templated, per_key, direct = _both(keys, _expert_targets(layers), _mixtral_rules(rule), "model")
     assert templated == per_key
     assert direct is decided
+
+
+def test_names_and_targets_that_carry_the_prefix_twice_group_alike():
+    # The prefix normalization of a renamed name is the per-key path's own (``_prefix_normalize``), also for
+    # names and targets that carry the base-model prefix twice.
+    keys = natural_sorted(
+        [f"model.model.layers.{i}.w" for i in range(3)]
+        + [f"model.layers.{i}.v" for i in range(3)]
+        + [f"layers.{i}.u" for i in range(3)]
+        + ["model.model.model.x", "head.w"]
+    )
+    targets = {f"model.layers.{i}.w" for i in range(3)} | {f"model.model.layers.{i}.v" for i in range(2)}
+    targets |= {f"model.layers.{i}.u" for i in range(3)} | {"model.model.x", "model.head.w"}
+    templated, per_key, direct = _both(keys, targets, [], "model")
+    assert templated == per_key and direct
+    assert {g[0] for g in templated[0]} == targets

@@ -374,7 +374,16 @@ def build_groups(
     renamings = [_Prefiltered(r) for r in rules if is_renaming(r)]
     converters = [_Prefiltered(r) for r in rules if is_converter(r)]
     if templates:
-        templated = template_groups(originals, names, targets, renamings, converters, base_model_prefix, LoadGroup)
+        templated = template_groups(
+            originals,
+            names,
+            targets,
+            renamings,
+            converters,
+            base_model_prefix,
+            lambda name: _prefix_normalize(name, base_model_prefix, targets),
+            LoadGroup,
+        )
         if templated is not None:
             return templated
     # The per-key path. One pass per rule over all keys: renamings chain in order, then the first converter

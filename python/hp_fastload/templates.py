@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import re
 import sys
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import numpy as np
@@ -244,10 +244,12 @@ def _whole_markers(text: str) -> bool:
     )
 
 
-def _renamed(template: _Template, numbers: np.ndarray[Any, Any], match: Any, replacement: str) -> str | None:
-    """The template's text with ``match`` (a match in its first key's name) replaced, or None when the
-    template cannot be renamed as a whole (the caller splits it into its keys)."""
-    name, spans = _fill(template.text, numbers[template.keys[0], template.slots].tolist())
+def _renamed(
+    template: _Template, name: str, spans: list[tuple[int, int, int]], match: Any, replacement: str
+) -> str | None:
+    """The template's text with ``match`` replaced, or None when the template cannot be renamed as a whole
+    (the caller splits it into its keys). ``name`` and ``spans``: its first key's name and the markers' places
+    in it (``_fill``), where ``match`` was found."""
     start, end = match.span()
     shift_start = shift_end = 0
     for a, b, _ in spans:
@@ -307,7 +309,7 @@ def _apply(
         if converter and template.match is not None:
             out.append(template)
             continue
-        name, _ = _fill(template.text, numbers[template.keys[0], template.slots].tolist())
+        name, spans = _fill(template.text, numbers[template.keys[0], template.slots].tolist())
         if (
             literals is not None
             and not any(lit in name for lit in literals)
@@ -321,7 +323,7 @@ def _apply(
                 out.append(template)
                 continue
             pattern = _source_pattern(rule.rule, match)
-            text = _renamed(template, numbers, match, replacement) if pattern is not None else None
+            text = _renamed(template, name, spans, match, replacement) if pattern is not None else None
             if text is not None:
                 used = True
                 template.text = text
@@ -367,11 +369,13 @@ def template_groups(
     renamings: Sequence[Any],
     converters: Sequence[Any],
     prefix: str | None,
+    normalize: Callable[[str], str],
     make_group: Any,
 ) -> tuple[list[Any], list[str]] | None:
     """``build_groups``' result for ``names`` (``originals``: the checkpoint keys they stand for), or None
     when the per-key path must decide. ``renamings`` / ``converters``: ``groups._Prefiltered`` rules, in
-    order; ``make_group(target, rule, sources)`` builds a ``LoadGroup``."""
+    order; ``normalize(name)``: the base-model prefix normalization of a renamed name (``prefix`` is that
+    prefix); ``make_group(target, rule, sources)`` builds a ``LoadGroup``."""
     made = _core.key_templates(names)
     target_made = _core.key_templates(list(targets))
     if made is None or target_made is None:
@@ -381,8 +385,8 @@ def template_groups(
     numbers = np.frombuffer(numbers_bytes, dtype=np.int64).reshape(len(names), width)
     target_texts = set(target_made[0])
     dotted = f"{prefix}." if prefix else ""
-    if dotted and (any(t.startswith(dotted + dotted) for t in targets) or MARKER in dotted):
-        return None
+    if mask(dotted) != dotted or MARKER in dotted:
+        return None  # a prefix with a number in it: whether a name starts with it is not the template's to say
     order = np.argsort(ids, kind="stable")
     bounds = np.cumsum(np.bincount(ids, minlength=len(texts)))
     templates = []
@@ -416,8 +420,6 @@ def template_groups(
         rule, pattern = template.match if template.match is not None else (None, None)
         multi = rule is not None and len(rule.target_patterns) > 1
         text = template.text
-        if dotted and text.startswith(dotted + dotted):
-            return None  # the per-key path normalizes such a name its own way
         stripped = text[len(dotted) :] if dotted and text.startswith(dotted) else None
         candidates = [text] + ([stripped] if stripped is not None else []) + ([dotted + text] if dotted else [])
         if not multi and template.slots and not any(mask(c) in target_texts for c in candidates):
@@ -428,7 +430,7 @@ def template_groups(
         absent = np.zeros(len(unique), dtype=bool)
         for u, row in enumerate(unique.tolist()):
             name, _ = _fill(text, row)
-            final = _normal(name, dotted, targets)
+            final = normalize(name)
             if final not in targets:
                 absent[u] = True
                 if not multi:
@@ -491,19 +493,6 @@ def _distinct_rows(rows: np.ndarray[Any, Any]) -> tuple[np.ndarray[Any, Any], np
         return rows[np.concatenate(([True], moved))], inverse
     unique, inverse = np.unique(rows, axis=0, return_inverse=True)
     return unique, inverse.reshape(-1)
-
-
-def _normal(name: str, dotted: str, targets: Collection[str]) -> str:
-    """``groups._normalized`` of one name (no target carries the prefix twice)."""
-    if not dotted:
-        return name
-    if name.startswith(dotted):
-        stripped = name[len(dotted) :]
-        if stripped in targets and not stripped.startswith(dotted):
-            return stripped
-    if dotted + name in targets:
-        return dotted + name
-    return name
 
 
 def _rule_blind(rule: Any) -> bool:
