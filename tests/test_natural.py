@@ -11,6 +11,8 @@ from transformers.core_model_loading import dot_natural_key as hf_dot_natural_ke
 from hp_fastload import natural
 from hp_fastload.index import CheckpointIndex
 
+from .shards import write_sharded
+
 
 def _reference(names):
     return sorted(names, key=lambda n: (hf_dot_natural_key(n), n))
@@ -22,12 +24,7 @@ def test_index_order_and_subsets_match_transformers_ties_by_name(tmp_path):
     names += ["layers." + "9" * 30 + ".w", "layers.7.w", "w_03", "w_3", "w_", ""]
     rng = random.Random(5)
     rng.shuffle(names)
-    shards = [names[0::2], names[1::2]]
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        save_file({n: torch.zeros(1) for n in shard}, str(tmp_path / f"s{i}.safetensors"))
-        weight_map.update(dict.fromkeys(shard, f"s{i}.safetensors"))
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    write_sharded(tmp_path, [names[0::2], names[1::2]])
     index = CheckpointIndex.open(tmp_path)
     assert index.keys() == _reference(names)
     assert natural.natural_sorted(names) == _reference(names)

@@ -15,6 +15,7 @@ from transformers.core_model_loading import rename_source_key as hf_rename_sourc
 from hp_fastload import rules
 from hp_fastload.groups import _Prefiltered, build_groups, rename_key, required_literals
 
+from .shards import write_sharded
 from .tiny_models import FAMILIES, tiny_model
 
 
@@ -100,10 +101,7 @@ def test_natural_sort_key_sorts_like_transformers():
 def test_checkpoint_index_keys_merge_shards_in_natural_order(tmp_path):
     """``SafetensorsHeader.natural_order`` over several shards, and the index built on it, order keys exactly as
     the planner's ``natural_sort_key`` does (ties by name); non-ASCII names are handed back to Python."""
-    import json
     import random
-
-    from safetensors.torch import save_file
 
     from hp_fastload import _core
     from hp_fastload.index import CheckpointIndex
@@ -113,12 +111,7 @@ def test_checkpoint_index_keys_merge_shards_in_natural_order(tmp_path):
     parts += ["٣", "e²"]  # non-ASCII digits: Python's to order
     names = sorted({".".join(rng.choice(parts) for _ in range(rng.randint(1, 5))) for _ in range(2000)})
     rng.shuffle(names)
-    shards = [names[i::3] for i in range(3)]
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        save_file({n: torch.zeros(1) for n in shard}, str(tmp_path / f"s{i}.safetensors"))
-        weight_map.update(dict.fromkeys(shard, f"s{i}.safetensors"))
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    write_sharded(tmp_path, [names[i::3] for i in range(3)])
     index = CheckpointIndex.open(tmp_path)
     every = [key for f in index.files for key in f]
     order, other = _core.SafetensorsHeader.natural_order([f.header for f in index.files])
