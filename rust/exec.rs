@@ -1,6 +1,6 @@
 //! The batch executor: validated runs → sorted, coalesced tasks → scoped worker threads.
 //!
-//! [`execute`] validates the whole batch ([`crate::region::plan`]) before any thread starts, opens and
+//! [`execute`] validates the whole batch ([`crate::plan::plan`]) before any thread starts, opens and
 //! `fstat`s each file it needs (a file shorter than its header says is [`LoadError::Truncated`]; a
 //! replaced or rewritten one is [`LoadError::Changed`]), picks a backend per file, splits large runs so
 //! every thread gets work (a repeated run into groups of repetitions; `make_pieces` says when repetitions
@@ -23,22 +23,23 @@ use std::sync::{Arc, Mutex};
 
 use crate::dest::{with_dense_dst, write_run, write_run_scaled, DestBuf};
 use crate::dtype::Dtype;
-use crate::dtype::{can_dequantize, decode_scales_into, is_scale_dtype, ScaleMap};
 use crate::error::LoadError;
 use crate::header::{FileIdentity, Header};
+use crate::kernels::{can_dequantize, decode_scales_into, is_scale_dtype, ScaleMap};
 use crate::mmap::{open_regular, prefetch, read_exact_at, Mapping};
-use crate::region::{plan, Item, Run, MAX_NDIM};
+use crate::plan::plan;
+use crate::types::{Item, Run, MAX_NDIM};
 
 /// Fraction of needed pages that must be cached for `auto` to pick `mmap`.
 pub const AUTO_MMAP_RESIDENT: f64 = 0.9;
 /// Worker threads per requested thread when some file is read with `pread` (waiting on storage).
 pub const IO_THREAD_FACTOR: usize = 2;
-/// Most threads used by default.
-pub const MAX_DEFAULT_THREADS: usize = 16;
 /// Default [`ExecOptions::pread_gap`]: 64 KiB. A cold Shard(1) slice is read through its gaps anyway by the
 /// kernel's read-ahead (the storage reads are the same either way, docs/perf-notes.md "pread gap"), and one
 /// `pread` per span costs far fewer syscalls than one per ~1 KiB run. Every benchmark in docs/ ran with it.
 pub const DEFAULT_PREAD_GAP: u64 = 64 * 1024;
+pub use crate::threads::{default_threads, MAX_DEFAULT_THREADS};
+
 /// Mapped runs join a task across gaps up to this many bytes (see `make_tasks`).
 const MMAP_JOIN_GAP: u64 = 64 * 1024;
 /// Smallest same-dtype dense run that `pread` reads straight into the destination.
@@ -119,13 +120,6 @@ pub struct ExecStats {
     pub backend: &'static str,
     /// Threads used.
     pub threads: usize,
-}
-
-/// The default thread count: available parallelism capped at [`MAX_DEFAULT_THREADS`].
-pub fn default_threads() -> usize {
-    std::thread::available_parallelism()
-        .map_or(1, |n| n.get())
-        .min(MAX_DEFAULT_THREADS)
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -330,7 +324,7 @@ fn read_scales(
     for (it, s) in items.iter().zip(per_item) {
         let Some((s, _)) = *s else { continue };
         let sc = &scales[s];
-        let ndim = it.ndim as usize; // validated by `region::plan`, like every length and stride below
+        let ndim = it.ndim as usize; // validated by `plan::plan`, like every length and stride below
         let (lens, strides) = (&it.lengths[..ndim], &it.src_strides[..ndim]);
         if lens.contains(&0) {
             continue;
@@ -405,7 +399,7 @@ fn item_scales(
         });
         let d = usize::try_from(it.dest).ok().and_then(|d| dests.get(d));
         let (Some(h), Some(t), Some(d)) = (h, t, d) else {
-            continue; // region::plan names the bad index
+            continue; // plan::plan names the bad index
         };
         if !can_dequantize(t.dtype, d.dtype()) {
             return Err(bad(format!(
@@ -568,7 +562,7 @@ const WRITE_CHUNK: u64 = 8 * 1024 * 1024;
 /// positioned writes from `threads` scoped threads. The files must exist at their final size (at least the
 /// header's `file_len`) with the header already written; they are opened for writing, never truncated or
 /// created. Source and file dtypes must be equal (no cast on the way out). All items are validated first
-/// ([`crate::region::plan_file_major`]); on an I/O error some regions may have been written.
+/// ([`crate::plan::plan_file_major`]); on an I/O error some regions may have been written.
 /// `stats.bytes_copied` counts bytes written; `bytes_read_from_files` stays 0.
 pub fn execute_write(
     files: &[Arc<Header>],
@@ -578,7 +572,7 @@ pub fn execute_write(
 ) -> Result<ExecStats, LoadError> {
     use std::os::unix::fs::FileExt;
 
-    let runs = crate::region::plan_file_major(files, bufs, items)?;
+    let runs = crate::plan::plan_file_major(files, bufs, items)?;
     if let Some(r) = runs
         .iter()
         .find(|r| r.src_dtype != r.dst_dtype || r.src_dtype.is_sub_byte())
@@ -1075,7 +1069,8 @@ fn run_task(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dtype::{cast_dense, Dtype};
+    use crate::dtype::Dtype;
+    use crate::kernels::cast_dense;
     use proptest::prelude::*;
     use std::io::Write;
 
@@ -1771,7 +1766,7 @@ mod tests {
     /// backends and with several threads; bad scales are refused before anything is written.
     #[test]
     fn scaled_items_equal_the_formula() {
-        use crate::dtype::{bf16_to_f32, e4m3fn_to_f32, f32_to_bf16};
+        use crate::kernels::{bf16_to_f32, e4m3fn_to_f32, f32_to_bf16};
         let dir = tempfile::tempdir().unwrap();
         let q: Vec<u8> = random_bytes(35, 9).iter().map(|b| b & 0x77).collect(); // no NaN codes
         let scales: Vec<f32> = (0..6).map(|i| 0.25 + i as f32 * 1.5).collect();
@@ -1899,7 +1894,7 @@ mod tests {
         threads: usize,
         seed: u64,
     ) {
-        use crate::dtype::f32_to_bf16;
+        use crate::kernels::f32_to_bf16;
         let dir = tempfile::tempdir().unwrap();
         let x = g * 32;
         let blocks = random_bytes((e * y * g * 16) as usize, seed);
