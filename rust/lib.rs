@@ -24,7 +24,8 @@
 //! - [`dest`]: destination buffers ([`DestBuf`]) and the only writes through raw destination pointers
 //!   (`unsafe`, fenced). `overlap`: the exact destination-overlap check on runs.
 //! - [`plan`]: validates items and turns them into runs.
-//! - [`exec`]: the executor ([`execute`], [`execute_scaled`], [`exec::execute_write`]).
+//! - [`exec`]: the executor ([`execute`], [`execute_scaled`], [`exec::execute_write`]): `exec/read.rs`,
+//!   `tasks.rs`, `scales.rs`, `write.rs`, `workers.rs`.
 //! - `python` (feature `python`): the pyo3 extension module, the only user of pyo3.
 //!
 //! ```
