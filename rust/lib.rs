@@ -13,7 +13,8 @@
 //! quarter of a warm column read) until [`Header::release_map`]; each reuse passes the same checks as a
 //! fresh map. The Python layer releases the maps when a load or a `read_many` returns.
 //!
-//! Modules, from the bottom layer up (each uses only modules above it in this list):
+//! Modules, from the bottom layer up (each uses only modules above it in this list;
+//! `tools/rust_module_deps.py` checks that there is no cycle):
 //!
 //! - [`error`]: [`LoadError`], the one error type. [`dtype`]: [`Dtype`], codes, names, sizes, cast table.
 //!   [`threads`]: the default thread count.
