@@ -47,6 +47,8 @@ test-slow: build
 lint: lint-rust lint-python
 
 lint-rust:
+	$(PYTHON) tools/rust_module_deps.py --self-test
+	$(PYTHON) tools/rust_module_deps.py
 	cargo fmt --all -- --check
 	cargo clippy --release --all-targets -q -- -D warnings
 	cargo clippy --release --all-targets --features python -q -- -D warnings
