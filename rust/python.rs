@@ -7,12 +7,18 @@
 //! Contract of `execute`: each destination triple `(address, nbytes, dtype code)` must describe memory that
 //! stays valid and is not touched by anyone else until the call returns (the Python layer passes the
 //! storages of live CPU tensors and keeps references to them).
+//!
+//! Signals: while `execute`'s workers run with the interpreter released, the calling thread attaches every
+//! few milliseconds to run `PyErr_CheckSignals` ([`signal_interrupt`]); a handler that raises (SIGINT's
+//! `KeyboardInterrupt`) stops the workers at their next task and `execute` raises that very exception once
+//! they have stopped and the call's descriptors and maps are dropped.
 
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use pyo3::exceptions::{
-    PyFileNotFoundError, PyKeyError, PyOSError, PyPermissionError, PyRuntimeError,
+    PyFileNotFoundError, PyKeyError, PyKeyboardInterrupt, PyOSError, PyPermissionError,
+    PyRuntimeError,
 };
 use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedStr;
@@ -20,7 +26,7 @@ use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
 
 use crate::dtype::{Dtype, ALL_DTYPES};
 use crate::error::LoadError;
-use crate::exec::{execute_scaled as execute_batch, Backend, ExecOptions, Scale};
+use crate::exec::{execute_scaled as execute_batch, Backend, ExecOptions, Interrupt, Scale};
 use crate::header::Header;
 use crate::types::{Item, MAX_NDIM};
 
@@ -80,7 +86,24 @@ fn to_py(py: Python<'_>, err: LoadError) -> PyErr {
         LoadError::Request { .. } => raise(py, "PlanError", message),
         LoadError::Truncated { .. } | LoadError::Changed { .. } => raise(py, "ReadError", message),
         LoadError::WorkerPanicked { .. } => raise(py, "HpFastloadError", message),
+        // Only when no handler's exception was kept (see `execute`).
+        LoadError::Interrupted { .. } => PyKeyboardInterrupt::new_err(message),
     }
+}
+
+/// An [`Interrupt`] that runs the interpreter's pending signal handlers (`PyErr_CheckSignals`, attached for
+/// the moment it takes; a no-op off the main thread) and says stop when one raised, keeping its exception in
+/// `raised` for the caller to raise.
+fn signal_interrupt(raised: Arc<Mutex<Option<PyErr>>>) -> Interrupt {
+    Interrupt::new(move || {
+        Python::attach(|py| match py.check_signals() {
+            Ok(()) => false,
+            Err(err) => {
+                *raised.lock().unwrap_or_else(|p| p.into_inner()) = Some(err);
+                true
+            }
+        })
+    })
 }
 
 /// The parsed headers behind `headers`, shared, for work done with the interpreter released.
@@ -487,9 +510,11 @@ fn execute<'py>(
         ));
     }
     let backend: Backend = backend.parse().map_err(|e| to_py(py, e))?;
+    let raised = Arc::new(Mutex::new(None));
     let opts = ExecOptions {
         threads,
         backend,
+        interrupt: Some(signal_interrupt(Arc::clone(&raised))),
         ..ExecOptions::default()
     };
     let stats = py
@@ -500,7 +525,13 @@ fn execute<'py>(
                 true => crate::exec::execute_write(&files, &dests, &items, &opts),
             }
         })
-        .map_err(|e| to_py(py, e))?;
+        .map_err(|e| {
+            let handler = raised.lock().unwrap_or_else(|p| p.into_inner()).take();
+            match (e, handler) {
+                (LoadError::Interrupted { .. }, Some(err)) => err,
+                (e, _) => to_py(py, e),
+            }
+        })?;
     let out = PyDict::new(py);
     out.set_item("bytes_copied", stats.bytes_copied)?;
     out.set_item("bytes_read_from_files", stats.bytes_read_from_files)?;

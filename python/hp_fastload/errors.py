@@ -17,6 +17,7 @@ __all__ = [
     "HeaderError",
     "HpFastloadError",
     "MissingKeysError",
+    "PeerInterrupted",
     "PlanError",
     "ReadError",
     "TargetError",
@@ -55,6 +56,16 @@ class ReadError(HpFastloadError, OSError):
 class CheckpointMismatchError(HpFastloadError, ValueError):
     """The ranks of one load resolved their checkpoint arguments to different checkpoints (other files,
     sizes or headers). Raised on every rank, naming each rank's location."""
+
+
+class PeerInterrupted(HpFastloadError, RuntimeError):
+    """Another rank of the same ``load`` / ``save`` was interrupted (a signal, such as SIGINT, raised
+    ``KeyboardInterrupt`` there); raised on the ranks that were not, naming the interrupted ranks and the
+    stage. ``ranks``: their numbers."""
+
+    def __init__(self, message: str, ranks: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.ranks = tuple(ranks)
 
 
 class TargetError(HpFastloadError, ValueError):

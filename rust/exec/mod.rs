@@ -8,6 +8,12 @@
 //! `threads` scoped threads that take the next task from an atomic counter (no global pool, so nothing to
 //! re-create after `fork`). A worker panic becomes [`LoadError::WorkerPanicked`].
 //!
+//! Interruption: with [`ExecOptions::interrupt`] set, the calling thread does not read; it coordinates,
+//! asking the [`Interrupt`] every [`INTERRUPT_POLL`] whether to stop (the Python binding checks for a pending
+//! signal there). When it says stop, every worker stops at its next task boundary, the call's descriptors and
+//! fresh maps are dropped as it returns, and the call returns [`LoadError::Interrupted`]. The workers never
+//! look at anything but one atomic flag.
+//!
 //! Backends: `mmap` copies from a read-only map of the file (the header's kept map when its file passes the
 //! identity check, else a new one it then keeps); `pread` reads each task's byte span
 //! into a per-thread buffer (reading through gaps of up to [`ExecOptions::pread_gap`] bytes) and then
@@ -21,7 +27,9 @@
 //! on scoped threads.
 
 use std::str::FromStr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use crate::dest::DestBuf;
 use crate::error::LoadError;
@@ -86,6 +94,51 @@ impl FromStr for Backend {
     }
 }
 
+/// How often the coordinating thread of a call with an [`Interrupt`] asks it whether to stop. A call shorter
+/// than this never asks.
+pub const INTERRUPT_POLL: Duration = Duration::from_millis(5);
+
+/// Whether a running call should stop: asked by the call's coordinating thread (the thread that called
+/// [`execute`]) every [`INTERRUPT_POLL`] while the workers run, never by a worker. Once it returns true the
+/// call stops and returns [`LoadError::Interrupted`] even if every task finished meanwhile (the Python
+/// binding has taken the signal's exception by then and must raise it).
+///
+/// ```
+/// use std::sync::atomic::{AtomicBool, Ordering};
+/// use std::sync::Arc;
+/// use hp_fastload::exec::Interrupt;
+/// let flag = Arc::new(AtomicBool::new(false));
+/// let stop = Interrupt::flag(Arc::clone(&flag));
+/// assert!(!stop.check());
+/// flag.store(true, Ordering::Relaxed);
+/// assert!(stop.check());
+/// ```
+#[derive(Clone)]
+pub struct Interrupt(Arc<dyn Fn() -> bool + Send + Sync>);
+
+impl Interrupt {
+    /// An interrupt that asks `check`.
+    pub fn new(check: impl Fn() -> bool + Send + Sync + 'static) -> Self {
+        Interrupt(Arc::new(check))
+    }
+
+    /// An interrupt that stops the call once `flag` is set (by another thread).
+    pub fn flag(flag: Arc<AtomicBool>) -> Self {
+        Interrupt::new(move || flag.load(Ordering::Relaxed))
+    }
+
+    /// Asks whether to stop.
+    pub fn check(&self) -> bool {
+        (self.0)()
+    }
+}
+
+impl std::fmt::Debug for Interrupt {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Interrupt(..)")
+    }
+}
+
 /// Knobs of one [`execute`] call.
 #[derive(Clone, Debug)]
 pub struct ExecOptions {
@@ -96,6 +149,9 @@ pub struct ExecOptions {
     pub backend: Backend,
     /// `pread` reads through gaps up to this many bytes between runs instead of issuing another read.
     pub pread_gap: u64,
+    /// Asked every [`INTERRUPT_POLL`] by the calling thread (which then reads nothing itself) whether to
+    /// stop; `None`: never stopped, the calling thread is one of the workers.
+    pub interrupt: Option<Interrupt>,
 }
 
 impl Default for ExecOptions {
@@ -104,6 +160,7 @@ impl Default for ExecOptions {
             threads: None,
             backend: Backend::Auto,
             pread_gap: DEFAULT_PREAD_GAP,
+            interrupt: None,
         }
     }
 }

@@ -144,7 +144,7 @@ pub(super) fn execute_scaled_reading(
         items: &per_item,
     };
     stats.bytes_read_from_files =
-        scale_bytes + run_tasks(&tasks, &pieces, &sources, files, stats.threads, &scaled)?;
+        scale_bytes + run_tasks(&tasks, &pieces, &sources, files, stats.threads, &scaled, opts)?;
     Ok(stats)
 }
 
@@ -208,6 +208,7 @@ fn run_tasks(
     files: &[Arc<Header>],
     threads: usize,
     scaled: &Scaled<'_>,
+    opts: &ExecOptions,
 ) -> Result<u64, LoadError> {
     let bytes_read = AtomicU64::new(0);
     // pread tasks ask the kernel to read ahead: the first `lookahead` now, then one more per task taken.
@@ -226,7 +227,7 @@ fn run_tasks(
         }
     };
     (0..lookahead).for_each(prefetch_task);
-    run_workers(threads, tasks.len(), |i, buf| {
+    run_workers(threads, tasks.len(), opts.interrupt.as_ref(), |i, buf| {
         let task = &tasks[i];
         prefetch_task(i + lookahead);
         let result = run_task(task, pieces, sources, files, buf, scaled);
@@ -325,6 +326,7 @@ mod tests {
             threads: Some(c.threads),
             backend: c.backend,
             pread_gap: c.gap,
+            ..ExecOptions::default()
         };
         let dest = [DestBuf::from_mut_slice(&mut out, dd)];
         execute(&[h], &dest, &[layout.item], &opts).unwrap();
@@ -416,6 +418,7 @@ mod tests {
                         threads: Some(threads),
                         backend,
                         pread_gap: gap,
+                        ..ExecOptions::default()
                     };
                     let stats = execute(std::slice::from_ref(&h), &dests, &items, &opts).unwrap();
                     let tag = format!("{backend:?} gap {gap} threads {threads}: {stats:?}");
@@ -467,6 +470,56 @@ mod tests {
         }
         assert_eq!(results[0], results[2]);
         assert_eq!(results[1], results[3]);
+    }
+
+    /// A read whose interrupt says stop from the start (asked after the first poll interval) returns
+    /// `Interrupted` before its last task; the same read without it then copies every byte.
+    #[test]
+    fn an_interrupted_read_stops_and_the_next_one_reads() {
+        use std::sync::atomic::AtomicBool;
+        let dir = tempfile::tempdir().unwrap();
+        let (rows, cols) = (16384u64, 8192u64); // 256 MiB of bf16, a sparse file (the test data is zeros)
+        let path = dir.path().join("sparse.safetensors");
+        let json = format!(
+            r#"{{"w":{{"dtype":"BF16","shape":[{rows},{cols}],"data_offsets":[0,{}]}}}}"#,
+            rows * cols * 2
+        );
+        let mut head = (json.len() as u64).to_le_bytes().to_vec();
+        head.extend_from_slice(json.as_bytes());
+        std::fs::write(&path, &head).unwrap();
+        let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+        f.set_len(head.len() as u64 + rows * cols * 2).unwrap();
+        let h = Arc::new(Header::read(&path).unwrap());
+        let mut item = Item {
+            ndim: 2,
+            ..Item::default()
+        };
+        item.lengths[..2].copy_from_slice(&[rows as i64, cols as i64]);
+        item.src_strides[..2].copy_from_slice(&[cols as i64, 1]);
+        item.dst_strides[..2].copy_from_slice(&[cols as i64, 1]);
+        let mut out = vec![1u8; (rows * cols * 2) as usize];
+        for backend in [Backend::Mmap, Backend::Pread] {
+            out.fill(1);
+            let opts = ExecOptions {
+                threads: Some(1),
+                backend,
+                interrupt: Some(super::super::Interrupt::flag(Arc::new(AtomicBool::new(true)))),
+                ..ExecOptions::default()
+            };
+            let dest = [DestBuf::from_mut_slice(&mut out, Dtype::BF16)];
+            match execute(std::slice::from_ref(&h), &dest, &[item], &opts) {
+                Err(LoadError::Interrupted { done, tasks }) => assert!(done < tasks, "{backend:?}"),
+                other => panic!("{backend:?}: {other:?}"),
+            }
+            assert!(out.contains(&1), "{backend:?}: some bytes were not read");
+            let opts = ExecOptions {
+                backend,
+                ..ExecOptions::default()
+            };
+            let dest = [DestBuf::from_mut_slice(&mut out, Dtype::BF16)];
+            execute(std::slice::from_ref(&h), &dest, &[item], &opts).unwrap();
+            assert!(out.iter().all(|&b| b == 0), "{backend:?}");
+        }
     }
 
     #[test]

@@ -133,9 +133,12 @@ pub fn execute_write(
         }
         Ok(())
     };
-    run_workers(stats.threads, pieces.len(), |i, buf| {
-        write_piece(&pieces[i], buf)
-    })?;
+    run_workers(
+        stats.threads,
+        pieces.len(),
+        opts.interrupt.as_ref(),
+        |i, buf| write_piece(&pieces[i], buf),
+    )?;
     Ok(stats)
 }
 #[cfg(test)]

@@ -1,11 +1,15 @@
 """The agreement protocol: every rank runs a step, the outcomes are all-gathered, and a failure on any rank is raised
 on every rank with the failing rank named; a peer missing from the collective is reported as such rather than left
-to hang.
+to hang. Interrupts: a rank whose step raised ``KeyboardInterrupt`` posts its outcome without waiting and raises at
+once, its peers raise ``PeerInterrupted`` naming it; the wait for the peers is polled, so a signal is answered while
+waiting too (then the rank leaves a notice in the process group's store that its peers' next waits find).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -40,18 +44,48 @@ _REBUILDABLE: dict[str, type[BaseException]] = {
 }
 
 
+#: A rank's outcome of a step, as the first, fixed-size gather carries it.
+_OK, _FAILED, _INTERRUPTED = 0, 1, 2
+#: Longest sleep between two polls of a pending gather (the first polls are shorter).
+_POLL_SECONDS = 0.002
+#: How often a waiting rank looks for a peer's interrupt notice in the store.
+_NOTICE_SECONDS = 0.05
+_NOTICE_KEY = "hp_fastload/interrupted/"
+_sequence = 0  # agreements this process entered: the same count on every rank of a job in step
+
+
 def agree(stage: str, fn: Callable[[], Any], call: str = "hp_fastload.load (or from_pretrained)") -> Any:
     """Run ``fn`` on every rank; if it fails on any rank, every rank raises (same type where possible).
-    ``call``: the entry point every rank must be in, for the message when a peer is absent."""
+    ``call``: the entry point every rank must be in, for the message when a peer is absent.
+
+    The outcomes travel in two gathers: a fixed-size status per rank (polled, so this rank answers a signal
+    while it waits), then, only when some rank failed and none was interrupted, the failures' messages. A rank
+    whose ``fn`` raised ``KeyboardInterrupt`` posts its status without waiting for the gather to complete and
+    re-raises at once; the others raise :class:`~hp_fastload.errors.PeerInterrupted` naming it."""
+    global _sequence
+    _sequence += 1
     result = None
     failure: BaseException | None = None
     try:
         result = fn()
-    except Exception as exc:
+    except (Exception, KeyboardInterrupt) as exc:
         failure = exc
     if not dist_active():
         if failure is not None:
             raise failure
+        return result
+    status = _OK if failure is None else _INTERRUPTED if isinstance(failure, KeyboardInterrupt) else _FAILED
+    statuses = _gather_status(stage, status, call)
+    if failure is not None and status == _INTERRUPTED:
+        raise failure
+    interrupted = [rank for rank, s in enumerate(statuses) if s == _INTERRUPTED]
+    if interrupted:
+        raise errors.PeerInterrupted(
+            f"{stage} was interrupted on rank {', '.join(map(str, interrupted))} (KeyboardInterrupt): every rank "
+            "stops; this rank's tensors and files are as after a failure",
+            interrupted,
+        )
+    if _FAILED not in statuses:
         return result
     payload = None if failure is None else (type(failure).__name__, str(failure))
     gathered: list[Any] = [None] * torch.distributed.get_world_size()
@@ -67,6 +101,73 @@ def agree(stage: str, fn: Callable[[], Any], call: str = "hp_fastload.load (or f
                 raise cls(text)
             raise RuntimeError(text)
     return result
+
+
+def _status_device() -> torch.device:
+    """Where the status gather's tensors live: where torch's own object collectives put them (the current
+    GPU under NCCL), CPU when torch does not say."""
+    get = getattr(torch.distributed.distributed_c10d, "_get_object_coll_device", None)
+    try:
+        return torch.device(get()) if get is not None else torch.device("cpu")
+    except (RuntimeError, ValueError):
+        return torch.device("cpu")
+
+
+def _store() -> Any:
+    get = getattr(torch.distributed.distributed_c10d, "_get_default_store", None)
+    try:
+        return get() if get is not None else None
+    except (RuntimeError, ValueError):
+        return None
+
+
+def _notice(store: Any, sequence: int) -> str | None:
+    """The interrupt notice a peer left in agreement ``sequence`` ("rank r"), if any."""
+    key = f"{_NOTICE_KEY}{sequence}"
+    try:
+        return store.get(key).decode() if store.check([key]) else None
+    except (RuntimeError, ValueError):
+        return None
+
+
+def _gather_status(stage: str, status: int, call: str) -> list[int]:
+    """Every rank's status of this agreement. Posted asynchronously and polled in short sleeps: a signal
+    arriving meanwhile raises here (a notice is left in the store first, for the peers), and a peer's notice
+    from the previous agreement ends the wait with ``PeerInterrupted``. An interrupted rank (``status``) does
+    not wait at all: its status is on its way, the peers' gather completes without it."""
+    world = torch.distributed.get_world_size()
+    device = _status_device()
+    mine = torch.tensor([status], dtype=torch.int64, device=device)
+    out = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+    work = _waiting(stage, lambda: torch.distributed.all_gather(out, mine, async_op=True), call)
+    if status == _INTERRUPTED:
+        return [status]
+    store, sequence = _store(), _sequence
+    started = time.monotonic()
+    looked = started
+    try:
+        sleep = 0.0001
+        while not work.is_completed():
+            time.sleep(sleep)
+            sleep = min(sleep * 2, _POLL_SECONDS)
+            now = time.monotonic()
+            if store is not None and now - looked >= _NOTICE_SECONDS:
+                looked = now
+                noticed = _notice(store, sequence - 1)
+                if noticed is not None:
+                    rank = int(noticed.split()[-1])
+                    raise errors.PeerInterrupted(
+                        f"{stage}: rank {rank} was interrupted (KeyboardInterrupt) while waiting for the others "
+                        "in the previous step; every rank stops",
+                        [rank],
+                    )
+    except KeyboardInterrupt:
+        if store is not None:
+            with contextlib.suppress(RuntimeError, ValueError):
+                store.set(f"{_NOTICE_KEY}{sequence}", f"rank {torch.distributed.get_rank()}")
+        raise
+    _waiting(stage, work.wait, call)
+    return [int(t.item()) for t in out]
 
 
 _COLLECTIVE_FAILURES = ("gloo", "nccl", "connection closed", "connection reset", "timed out", "timeout", "processgroup")
@@ -86,6 +187,15 @@ def _waiting(stage: str, collective: Callable[[], Any], call: str = "hp_fastload
         if not (isinstance(exc, distributed) or any(m in str(exc).lower() for m in _COLLECTIVE_FAILURES)):
             raise
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        store = _store()
+        notices = [n for n in (_notice(store, _sequence - 1), _notice(store, _sequence)) if n] if store else []
+        if notices:
+            raise errors.PeerInterrupted(
+                f"{call.split()[0]}: rank {rank} of {world} waited for the other ranks while {stage.lower()} and "
+                f"the collective failed ({str(exc).splitlines()[0][:300]}): {notices[0]} was interrupted "
+                "(KeyboardInterrupt) while it waited for the others",
+                [int(notices[0].split()[-1])],
+            ) from exc
         raise RuntimeError(
             f"{call.split()[0]}: rank {rank} of {world} waited for the other ranks while {stage.lower()} and "
             f"the collective failed ({str(exc).splitlines()[0][:300]}). Every rank of the default process group "
