@@ -179,6 +179,32 @@ pub(crate) fn prefetch(file: &File, start: u64, end: u64) {
     let _ = unsafe { libc::posix_fadvise(file.as_raw_fd(), off, len, libc::POSIX_FADV_WILLNEED) };
 }
 
+/// Blocks the asynchronous signals (SIGINT, SIGTERM, ...; not the synchronous ones a fault raises: SIGBUS,
+/// SIGSEGV, SIGFPE, SIGILL, SIGTRAP, SIGABRT, SIGSYS) in the calling thread, for an engine worker: the kernel
+/// then delivers a process-directed signal to a thread that can run its handler at once (the call's
+/// coordinating thread, asleep between polls), not to a worker inside an 8 MiB `pread`, whose handler would
+/// run only when the read returned. Best effort: a failure leaves the mask as it was.
+pub(crate) fn block_async_signals() {
+    // SAFETY: `set` is a local sigset_t initialized by sigfillset before any other use; sigdelset and
+    // pthread_sigmask only read and write it and the calling thread's own signal mask.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigfillset(&mut set);
+        for sync in [
+            libc::SIGBUS,
+            libc::SIGSEGV,
+            libc::SIGFPE,
+            libc::SIGILL,
+            libc::SIGTRAP,
+            libc::SIGABRT,
+            libc::SIGSYS,
+        ] {
+            libc::sigdelset(&mut set, sync);
+        }
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+    }
+}
+
 /// What a file that is not a regular file is, for [`LoadError::NotRegular`] (`None` for a regular file).
 fn non_regular_kind(meta: &Metadata) -> Option<&'static str> {
     let t = meta.file_type();

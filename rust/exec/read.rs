@@ -211,7 +211,9 @@ fn run_tasks(
     opts: &ExecOptions,
 ) -> Result<u64, LoadError> {
     let bytes_read = AtomicU64::new(0);
-    // pread tasks ask the kernel to read ahead: the first `lookahead` now, then one more per task taken.
+    // pread tasks ask the kernel to read ahead: the first `lookahead` when task 0 is taken (on a worker, so
+    // that a coordinating thread already watches for interrupts: a hint can take milliseconds per task),
+    // then one more per task taken.
     let lookahead = 2 * threads;
     let prefetch_task = |i: usize| {
         if let Some(t) = tasks.get(i).filter(|t| t.mode != Mode::Mmap) {
@@ -226,10 +228,12 @@ fn run_tasks(
             }
         }
     };
-    (0..lookahead).for_each(prefetch_task);
-    run_workers(threads, tasks.len(), opts.interrupt.as_ref(), |i, buf| {
+    run_workers(threads, tasks.len(), opts.interrupt.as_ref(), |i, buf, stop| {
         let task = &tasks[i];
-        prefetch_task(i + lookahead);
+        let hints = if i == 0 { 1..=lookahead } else { i + lookahead..=i + lookahead };
+        for ahead in hints.take_while(|_| !stop.load(Ordering::Relaxed)) {
+            prefetch_task(ahead);
+        }
         let result = run_task(task, pieces, sources, files, buf, scaled);
         if task.mode != Mode::Mmap {
             if let Some(source) = &sources[task.file] {

@@ -2,7 +2,8 @@
 //! to re-create after `fork`), the first error kept, a worker panic turned into
 //! [`LoadError::WorkerPanicked`], and, with an [`Interrupt`], the calling thread coordinating: it asks the
 //! interrupt every [`INTERRUPT_POLL`] and, when told to stop, raises the one flag the workers check before
-//! each task ([`LoadError::Interrupted`]).
+//! each task ([`LoadError::Interrupted`]). Helper threads block asynchronous signals, so that a SIGINT is
+//! delivered to the calling thread rather than held until a worker's long read returns.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -12,8 +13,9 @@ use std::time::Instant;
 use super::{Interrupt, INTERRUPT_POLL};
 use crate::error::LoadError;
 
-/// Runs `work(i, buffer)` for every task `i` in `0..tasks` on `threads` scoped workers, each taking the next
-/// task until they run out or one fails, with a scratch buffer of its own. Without `interrupt` the calling
+/// Runs `work(i, buffer, stop)` for every task `i` in `0..tasks` on `threads` scoped workers, each taking the
+/// next task until they run out or one fails, with a scratch buffer of its own; `stop` is set once the call
+/// stops (a task error or an interrupt): optional work inside a task (read-ahead hints) looks at it. Without `interrupt` the calling
 /// thread is one of the workers; with one it only coordinates (asking `interrupt` every [`INTERRUPT_POLL`],
 /// woken early when the last worker exits). Returns [`LoadError::Interrupted`] once the interrupt said stop,
 /// else a worker's panic (as [`LoadError::WorkerPanicked`]) before the first task error; after a failure or
@@ -22,7 +24,7 @@ pub(super) fn run_workers(
     threads: usize,
     tasks: usize,
     interrupt: Option<&Interrupt>,
-    work: impl Fn(usize, &mut Vec<u8>) -> Result<(), LoadError> + Sync,
+    work: impl Fn(usize, &mut Vec<u8>, &AtomicBool) -> Result<(), LoadError> + Sync,
 ) -> Result<(), LoadError> {
     let next = AtomicUsize::new(0);
     let done = AtomicUsize::new(0);
@@ -35,7 +37,7 @@ pub(super) fn run_workers(
             if i >= tasks {
                 break;
             }
-            match work(i, &mut buf) {
+            match work(i, &mut buf, &stop) {
                 Ok(()) => {
                     done.fetch_add(1, Ordering::Relaxed);
                 }
@@ -64,6 +66,7 @@ pub(super) fn run_workers(
         };
         running.store(helpers_wanted, Ordering::SeqCst);
         let helper = || {
+            crate::mmap::block_async_signals(); // signals go to the calling thread (see the function)
             let outcome = guarded();
             running.fetch_sub(1, Ordering::SeqCst);
             coordinator.unpark();
@@ -148,7 +151,7 @@ mod tests {
         interrupt: Option<&Interrupt>,
         ran: &AtomicUsize,
     ) -> Result<(), LoadError> {
-        run_workers(threads, tasks, interrupt, |_, _| {
+        run_workers(threads, tasks, interrupt, |_, _, _| {
             std::thread::sleep(Duration::from_millis(1));
             ran.fetch_add(1, Ordering::Relaxed);
             Ok(())
@@ -201,7 +204,7 @@ mod tests {
         assert!(asked.load(Ordering::Relaxed) > 0, "a 20 ms call polls");
         let before = asked.load(Ordering::Relaxed);
         let quick = AtomicUsize::new(0);
-        run_workers(2, 4, Some(&interrupt), |_, _| {
+        run_workers(2, 4, Some(&interrupt), |_, _, _| {
             quick.fetch_add(1, Ordering::Relaxed);
             Ok(())
         })
@@ -214,7 +217,7 @@ mod tests {
     #[test]
     fn errors_win_over_an_unfired_interrupt() {
         let interrupt = Interrupt::new(|| false);
-        let r = run_workers(2, 100, Some(&interrupt), |i, _| match i {
+        let r = run_workers(2, 100, Some(&interrupt), |i, _, _| match i {
             7 => Err(LoadError::request("task 7")),
             _ => Ok(()),
         });

@@ -137,7 +137,7 @@ pub fn execute_write(
         stats.threads,
         pieces.len(),
         opts.interrupt.as_ref(),
-        |i, buf| write_piece(&pieces[i], buf),
+        |i, buf, _| write_piece(&pieces[i], buf),
     )?;
     Ok(stats)
 }

@@ -1,0 +1,318 @@
+"""Ctrl-C during long calls: ``read_many``, ``load`` (one process; two gloo ranks) and ``save`` answer SIGINT with
+``KeyboardInterrupt`` within 0.2 s of the signal, leave no descriptor or map of the checkpoint behind, leave nothing
+at a save's path (a previous directory untouched, no temporary sibling), and the next call in the same process
+works.
+
+The calls are made long by size: a sparse checkpoint (zeros, no disk blocks) of 256 MiB read cold with
+``backend="pread"`` (its page cache dropped with ``posix_fadvise`` first), and a 256 MiB model saved to
+``/dev/shm`` where there is one (tmpfs: the writes are the call, not an ``fsync`` to disk, which no signal can
+shorten). Each call is timed uninterrupted first; the signal is sent a third of that time into the same call,
+from a timer thread of the process itself, and the test asserts the call was cut short. The signals go to child
+processes (one ``python -c`` for the single-process calls, two spawned ranks for the distributed load): a
+SIGINT that missed would otherwise stop pytest itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.helpers.dist import run_distributed
+
+ROWS, COLS = 32768, 4096  # bf16: 256 MiB
+LATENCY_S = 0.2
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _sparse_checkpoint(directory: Path, rows: int = ROWS, cols: int = COLS) -> Path:
+    """A one-tensor ``model.safetensors`` (``w``: bf16 zeros) whose data is a hole: no disk blocks."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "model.safetensors"
+    nbytes = rows * cols * 2
+    header = json.dumps({"w": {"dtype": "BF16", "shape": [rows, cols], "data_offsets": [0, nbytes]}}).encode()
+    header += b" " * (-len(header) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(header)) + header)
+        f.truncate(8 + len(header) + nbytes)
+    return path
+
+
+def _evict(path: Path) -> None:
+    """Drops the file's clean pages from the page cache (no privileges needed), so the next read is cold."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _held(root: Path) -> dict[str, list[str]]:
+    """This process's descriptors and maps of anything under ``root``."""
+    fds = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # the listing's own descriptor, closed since
+            continue
+        if target.startswith(str(root)):
+            fds.append(target)
+    with open("/proc/self/maps", encoding="utf-8") as f:
+        maps = [line.split()[-1] for line in f if str(root) in line]
+    return {"fds": fds, "maps": maps}
+
+
+def _interrupted(call: Any, after: float) -> dict[str, Any]:
+    """Runs ``call()`` with SIGINT sent to this process ``after`` seconds in: the seconds from the signal to
+    the ``KeyboardInterrupt`` (None when none came) and the call's seconds."""
+    sent: list[float] = []
+
+    def fire() -> None:
+        sent.append(time.perf_counter())
+        os.kill(os.getpid(), signal.SIGINT)
+
+    timer = threading.Timer(after, fire)
+    start = time.perf_counter()
+    timer.start()
+    try:
+        outcome = f"returned {call()!r}"[:200]
+    except KeyboardInterrupt:
+        outcome = "KeyboardInterrupt"
+    ended = time.perf_counter()
+    try:
+        timer.join()
+        time.sleep(0.05)  # a signal that came after the call is raised here, not in the caller
+    except KeyboardInterrupt:
+        outcome += " (the signal came after)"
+    return {"outcome": outcome, "latency": ended - sent[0] if sent else None, "seconds": ended - start}
+
+
+def _timed(call: Any) -> float:
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
+
+
+class _Big(torch.nn.Module):
+    def __init__(self, rows: int, cols: int) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(rows, cols, dtype=torch.bfloat16))
+
+
+def single_process_checks(root: str) -> dict[str, Any]:
+    """The child of ``test_single_process_calls``: read_many, load and save, each uninterrupted, interrupted,
+    then again."""
+    import hp_fastload as hf
+
+    base = Path(root)
+    ckpt = base / "ckpt"
+    path = _sparse_checkpoint(ckpt)
+    out: dict[str, Any] = {}
+
+    out_t = torch.ones(ROWS, COLS, dtype=torch.bfloat16)
+
+    def read() -> Any:
+        return hf.read_many([(path, "w", (0, 0), (ROWS, COLS), out_t)], backend="pread")
+
+    _evict(path)
+    full = _timed(read)
+    out_t.fill_(1)
+    _evict(path)
+    cut = _interrupted(read, full / 3)
+    cut["full"] = full
+    cut["left_unread"] = bool((out_t == 1).any())
+    cut["held"] = _held(base)
+    _evict(path)
+    read()
+    cut["again_all_read"] = bool((out_t == 0).all())
+    out["read_many"] = cut
+    del out_t
+
+    model = _Big(ROWS, COLS)
+
+    def load() -> Any:
+        return hf.load(model, ckpt, backend="pread").bytes_read
+
+    _evict(path)
+    full = _timed(load)
+    with torch.no_grad():
+        model.w.fill_(1)
+    _evict(path)
+    cut = _interrupted(load, full / 3)
+    cut["full"] = full
+    cut["left_unread"] = bool((model.w == 1).any())
+    cut["held"] = _held(base)
+    _evict(path)
+    load()
+    cut["again_all_read"] = bool((model.w == 0).all())
+    out["load"] = cut
+
+    shm = Path("/dev/shm")
+    save_root = Path(tempfile.mkdtemp(dir=shm if shm.is_dir() and os.access(shm, os.W_OK) else base))
+    try:
+        target = save_root / "saved"
+        target.mkdir()
+        (target / "previous.txt").write_text("the user's directory")
+        del model
+        model = _Big(ROWS, COLS)  # a fresh module: save reverts the rules a load recorded on a loaded one
+        with torch.no_grad():
+            model.w.fill_(2)
+
+        def save() -> Any:
+            return hf.save(model, target, overwrite=True).bytes_written
+
+        hf.save(_Big(8, 8), save_root / "warm")  # transformers' imports: seconds, not the save's
+        scratch = save_root / "first"
+        full = _timed(lambda: hf.save(model, scratch))
+        cut = _interrupted(save, full / 3)
+        cut["full"] = full
+        cut["held"] = _held(save_root)
+        cut["at_path"] = sorted(p.name for p in target.iterdir())
+        cut["siblings"] = sorted(p.name for p in save_root.iterdir())
+        save()
+        with open(target / "model.safetensors", "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            f.seek(8 + n)
+            first = f.read(2)
+        cut["again"] = sorted(p.name for p in target.iterdir())
+        cut["again_value"] = float(torch.frombuffer(bytearray(first), dtype=torch.bfloat16)[0])
+        out["save"] = cut
+    finally:
+        import shutil
+
+        shutil.rmtree(save_root, ignore_errors=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("interrupt")
+    code = (
+        "import json, sys; from tests.api.test_interrupt import single_process_checks as c; "
+        f"print('RESULT', json.dumps(c({str(root)!r})))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=180, check=False
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, f"child failed ({done.returncode}):\n{done.stdout}\n{done.stderr}"
+    result: dict[str, Any] = json.loads(lines[-1].removeprefix("RESULT "))
+    return result
+
+
+def _check_cut(cut: dict[str, Any], name: str) -> None:
+    assert cut["outcome"] == "KeyboardInterrupt", (name, cut)
+    assert cut["latency"] < LATENCY_S, (name, cut)
+    assert cut["seconds"] < cut["full"], (name, cut)  # the call was cut short, not raised after it finished
+    assert cut["held"] == {"fds": [], "maps": []}, (name, cut)
+
+
+@pytest.mark.parametrize("call", ["read_many", "load"])
+def test_a_read_is_interrupted_promptly_and_the_next_one_reads(single: dict[str, Any], call: str) -> None:
+    cut = single[call]
+    _check_cut(cut, call)
+    assert cut["left_unread"], cut
+    assert cut["again_all_read"], cut
+
+
+def test_an_interrupted_save_leaves_the_previous_directory(single: dict[str, Any]) -> None:
+    cut = single["save"]
+    _check_cut(cut, "save")
+    assert cut["at_path"] == ["previous.txt"], cut
+    assert cut["siblings"] == ["first", "saved", "warm"], cut  # no temporary directory left
+    assert cut["again"] == ["model.safetensors"], cut
+    assert cut["again_value"] == 2.0, cut
+
+
+def _rank_checks(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Each rank loads its Shard(0) half of the sparse checkpoint: uninterrupted, then SIGINT on both ranks
+    (as a terminal's Ctrl-C or torchrun sends it), then SIGINT on rank 0 only, each followed by a load that
+    must work."""
+    import hp_fastload as hf
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    base = Path(root)
+    ckpt = base / "ckpt"
+    if rank == 0:
+        _sparse_checkpoint(ckpt)
+    torch.distributed.barrier()
+    path = ckpt / "model.safetensors"
+    mesh = init_device_mesh("cpu", (world,))
+    model = _Big(1, 1)
+    local = torch.ones(ROWS // world, COLS, dtype=torch.bfloat16)
+    model.w = torch.nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False))
+
+    def load() -> Any:
+        return hf.load(model, ckpt, backend="pread").bytes_read
+
+    def cold() -> None:
+        torch.distributed.barrier()
+        if rank == 0:
+            _evict(path)
+        torch.distributed.barrier()
+        with torch.no_grad():
+            local.fill_(1)
+
+    out: dict[str, Any] = {}
+    cold()
+    full = _timed(load)
+    cold()
+    both = _interrupted(load, full / 3)
+    both["full"] = full
+    both["held"] = _held(base)
+    cold()
+    load()
+    both["again_all_read"] = bool((local == 0).all())
+    out["both"] = both
+    cold()
+    if rank == 0:
+        one = _interrupted(load, full / 3)
+    else:
+        start = time.perf_counter()
+        try:
+            load()
+            one = {"outcome": "returned"}
+        except hf.PeerInterrupted as exc:
+            one = {"outcome": f"PeerInterrupted {exc.ranks}: {exc}"}
+        one["seconds"] = time.perf_counter() - start
+    one["full"] = full
+    one["held"] = _held(base)
+    cold()
+    load()
+    one["again_all_read"] = bool((local == 0).all())
+    out["one"] = one
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    root = tmp_path_factory.mktemp("interrupt-dist")
+    return run_distributed(_rank_checks, 2, str(root), timeout=240)
+
+
+def test_a_two_rank_load_interrupted_on_every_rank(ranks: list[dict[str, Any]]) -> None:
+    for rank, got in enumerate(ranks):
+        _check_cut(got["both"], f"rank {rank}")
+        assert got["both"]["again_all_read"], (rank, got)
+
+
+def test_a_two_rank_load_interrupted_on_one_rank_raises_on_both(ranks: list[dict[str, Any]]) -> None:
+    _check_cut(ranks[0]["one"], "rank 0")
+    other = ranks[1]["one"]
+    assert other["outcome"].startswith("PeerInterrupted (0,)"), other
+    assert "rank 0" in other["outcome"], other
+    assert other["held"] == {"fds": [], "maps": []}, other
+    for rank, got in enumerate(ranks):
+        assert got["one"]["again_all_read"], (rank, got)
