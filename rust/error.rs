@@ -91,7 +91,9 @@ pub enum LoadError {
     /// The call was stopped by its [`crate::exec::Interrupt`] (in Python: a signal such as SIGINT arrived):
     /// the workers stopped at their next task boundary. The destinations (writing: the files) may be
     /// partially written.
-    #[error("interrupted after {done} of {tasks} tasks; the destinations may be partially written")]
+    #[error(
+        "interrupted after {done} of {tasks} tasks; the destinations may be partially written"
+    )]
     Interrupted {
         /// Tasks finished before the workers stopped.
         done: usize,

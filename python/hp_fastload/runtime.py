@@ -1,5 +1,6 @@
 """Facts about the running process that every layer may ask: whether a default process group is up, whether
-this is its rank 0, and the one pause of the cyclic garbage collector around bulk work.
+this is its rank 0, the one pause of the cyclic garbage collector around bulk work, and the deferral of SIGINT
+around collectives that must not be left half done.
 
 Owns no policy: what to do with several ranks (agreement, sharing) lives in ``hp_fastload.dist``.
 """
@@ -8,11 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import signal
+import threading
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
-__all__ = ["dist_active", "gc_paused", "is_rank0", "world_size"]
+__all__ = ["dist_active", "gc_paused", "interrupts_deferred", "is_rank0", "world_size"]
 
 
 def dist_active() -> bool:
@@ -48,3 +52,26 @@ def gc_paused() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
+
+
+@contextlib.contextmanager
+def interrupts_deferred() -> Iterator[None]:
+    """Hold a SIGINT that arrives inside the block and raise its ``KeyboardInterrupt`` when the block is done.
+
+    For work that must not stop half way: an object collective (``all_gather_object`` is two collectives; a
+    ``KeyboardInterrupt`` between them would leave this rank one collective behind its peers for good) and the
+    renames that publish a save. Only on the main thread with Python's default SIGINT handler (elsewhere, or
+    under a handler of the user's, the block runs as it is)."""
+    if threading.current_thread() is not threading.main_thread() or (
+        signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield
+        return
+    held: list[Any] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if held:
+        raise KeyboardInterrupt

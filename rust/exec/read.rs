@@ -143,8 +143,16 @@ pub(super) fn execute_scaled_reading(
         scales: &loaded,
         items: &per_item,
     };
-    stats.bytes_read_from_files =
-        scale_bytes + run_tasks(&tasks, &pieces, &sources, files, stats.threads, &scaled, opts)?;
+    stats.bytes_read_from_files = scale_bytes
+        + run_tasks(
+            &tasks,
+            &pieces,
+            &sources,
+            files,
+            stats.threads,
+            &scaled,
+            opts,
+        )?;
     Ok(stats)
 }
 
@@ -228,21 +236,30 @@ fn run_tasks(
             }
         }
     };
-    run_workers(threads, tasks.len(), opts.interrupt.as_ref(), |i, buf, stop| {
-        let task = &tasks[i];
-        let hints = if i == 0 { 1..=lookahead } else { i + lookahead..=i + lookahead };
-        for ahead in hints.take_while(|_| !stop.load(Ordering::Relaxed)) {
-            prefetch_task(ahead);
-        }
-        let result = run_task(task, pieces, sources, files, buf, scaled);
-        if task.mode != Mode::Mmap {
-            if let Some(source) = &sources[task.file] {
-                source.finish();
+    run_workers(
+        threads,
+        tasks.len(),
+        opts.interrupt.as_ref(),
+        |i, buf, stop| {
+            let task = &tasks[i];
+            let hints = if i == 0 {
+                1..=lookahead
+            } else {
+                i + lookahead..=i + lookahead
+            };
+            for ahead in hints.take_while(|_| !stop.load(Ordering::Relaxed)) {
+                prefetch_task(ahead);
             }
-        }
-        bytes_read.fetch_add(result?, Ordering::Relaxed);
-        Ok(())
-    })?;
+            let result = run_task(task, pieces, sources, files, buf, scaled);
+            if task.mode != Mode::Mmap {
+                if let Some(source) = &sources[task.file] {
+                    source.finish();
+                }
+            }
+            bytes_read.fetch_add(result?, Ordering::Relaxed);
+            Ok(())
+        },
+    )?;
     Ok(bytes_read.into_inner())
 }
 
@@ -507,7 +524,9 @@ mod tests {
             let opts = ExecOptions {
                 threads: Some(1),
                 backend,
-                interrupt: Some(super::super::Interrupt::flag(Arc::new(AtomicBool::new(true)))),
+                interrupt: Some(crate::exec::Interrupt::flag(Arc::new(AtomicBool::new(
+                    true,
+                )))),
                 ..ExecOptions::default()
             };
             let dest = [DestBuf::from_mut_slice(&mut out, Dtype::BF16)];

@@ -210,7 +210,11 @@ mod tests {
         })
         .unwrap();
         assert_eq!(quick.into_inner(), 4);
-        assert_eq!(asked.load(Ordering::Relaxed), before, "a call under 5 ms never asks");
+        assert_eq!(
+            asked.load(Ordering::Relaxed),
+            before,
+            "a call under 5 ms never asks"
+        );
     }
 
     /// A task error still stops the other workers and is returned when no interrupt fired.

@@ -137,7 +137,6 @@ def single_process_checks(root: str) -> dict[str, Any]:
     read()
     cut["again_all_read"] = bool((out_t == 0).all())
     out["read_many"] = cut
-    del out_t
 
     model = _Big(ROWS, COLS)
 
@@ -239,9 +238,10 @@ def _rank_checks(rank: int, world: int, root: str) -> dict[str, Any]:
     """Each rank loads its Shard(0) half of the sparse checkpoint: uninterrupted, then SIGINT on both ranks
     (as a terminal's Ctrl-C or torchrun sends it), then SIGINT on rank 0 only, each followed by a load that
     must work."""
-    import hp_fastload as hf
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
+
+    import hp_fastload as hf
 
     base = Path(root)
     ckpt = base / "ckpt"

@@ -30,7 +30,7 @@ from hp_fastload.errors import CheckpointMismatchError
 from hp_fastload.model.finalize import initialize_missing
 from hp_fastload.model.wrappers import unwrapped
 from hp_fastload.planning.items import LoadReport
-from hp_fastload.runtime import dist_active
+from hp_fastload.runtime import dist_active, interrupts_deferred
 from hp_fastload.source.config import read_config
 
 
@@ -167,7 +167,8 @@ def _agree_config(config: Any) -> None:
         return
     mine = hashlib.blake2b(config.to_json_string(use_diff=False).encode(), digest_size=16).hexdigest()
     gathered: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(gathered, mine)
+    with interrupts_deferred():
+        torch.distributed.all_gather_object(gathered, mine)
     differing = [rank for rank, digest in enumerate(gathered) if digest != gathered[0]]
     if differing:
         more = f" (and {len(differing) - 1} more ranks)" if len(differing) > 1 else ""

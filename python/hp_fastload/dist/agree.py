@@ -18,7 +18,7 @@ import torch
 
 from hp_fastload import errors
 from hp_fastload.convert.quant import QuantizationError
-from hp_fastload.runtime import dist_active
+from hp_fastload.runtime import dist_active, interrupts_deferred
 from hp_fastload.source.location import resolve_checkpoint_location
 
 _REBUILDABLE: dict[str, type[BaseException]] = {
@@ -89,7 +89,8 @@ def agree(stage: str, fn: Callable[[], Any], call: str = "hp_fastload.load (or f
         return result
     payload = None if failure is None else (type(failure).__name__, str(failure))
     gathered: list[Any] = [None] * torch.distributed.get_world_size()
-    _waiting(stage, lambda: torch.distributed.all_gather_object(gathered, payload), call)
+    with interrupts_deferred():
+        _waiting(stage, lambda: torch.distributed.all_gather_object(gathered, payload), call)
     if failure is not None:
         raise failure
     for rank, item in enumerate(gathered):

@@ -11,7 +11,7 @@ import torch
 
 from hp_fastload.dist.agree import agree
 from hp_fastload.errors import PlanError
-from hp_fastload.runtime import dist_active
+from hp_fastload.runtime import dist_active, interrupts_deferred
 
 
 def check_fallbacks_agree(by_rank: list[list[list[str]]]) -> None:
@@ -34,7 +34,8 @@ def broadcast_object(value: Any) -> Any:
     if not dist_active() or torch.distributed.get_world_size() == 1:
         return value
     box = [value if torch.distributed.get_rank() == 0 else None]
-    torch.distributed.broadcast_object_list(box, src=0)
+    with interrupts_deferred():
+        torch.distributed.broadcast_object_list(box, src=0)
     return box[0]
 
 
@@ -42,7 +43,8 @@ def gather_objects(value: Any) -> list[Any]:
     if not dist_active():
         return [value]
     out: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(out, value)
+    with interrupts_deferred():
+        torch.distributed.all_gather_object(out, value)
     return out
 
 

@@ -14,7 +14,7 @@ import torch
 
 from hp_fastload import errors
 from hp_fastload.dist.agree import agree
-from hp_fastload.runtime import dist_active
+from hp_fastload.runtime import dist_active, interrupts_deferred
 from hp_fastload.source.index import CheckpointIndex
 
 #: Blocks of data the ranks compare (``_content_sample``), and their size.
@@ -74,7 +74,8 @@ def agree_checkpoint(location: Path, index: CheckpointIndex) -> None:
         "Comparing the ranks' checkpoints", lambda: (str(location.absolute()), _checkpoint_identity(location, index))
     )
     gathered: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(gathered, mine)
+    with interrupts_deferred():
+        torch.distributed.all_gather_object(gathered, mine)
     reference_location, reference = gathered[0]
     differing = [(rank, where, ident) for rank, (where, ident) in enumerate(gathered) if ident != reference]
     if not differing:
