@@ -175,7 +175,7 @@ def _config_mismatch(model: nn.Module, location: Path) -> str:
 
 
 # The cyclic GC is paused for the whole load: planning and packing a 20k-tensor MoE allocate ~10^5 small
-# objects, and each full collection walks everything the trainer holds (0.3 s of a 0.7 s load).
+# objects, and each full collection walks everything the trainer holds (docs/perf-notes.md).
 @gc_paused()
 def load(
     model: nn.Module,
