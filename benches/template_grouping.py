@@ -1,5 +1,5 @@
-"""What key templates save in ``build_groups``: the template path (``hp_fastload.templates``) against the per-key
-path (``build_groups(..., templates=False)``), timed in the same process, interleaved, on the key lists of
+"""What key templates save in ``build_groups``: the template path (``hp_fastload.convert.templates``) against
+the per-key path (``build_groups(..., templates=False)``), timed in the same process, interleaved, on the key lists of
 ``compare.py``'s MoE and DeepSeek-V3 layouts (no files), and, with ``--checkpoint DIR``, the whole
 ``hp_fastload.plan`` of a fake-world expert-parallel rank through each path (``--world``, ``--rank``;
 ``--plan-only`` skips the key-list timings). CPU times (``time.process_time``); the key-list timings pause the
@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import compare
 
-groups_mod = importlib.import_module("hp_fastload.groups")
+groups_mod = importlib.import_module("hp_fastload.convert.groups")
 plan_mod = importlib.import_module("hp_fastload.planning.orchestrate")  # where plan_load calls build_groups
 PATHS: dict[str, Callable[..., Any]] = {
     "templates": groups_mod.build_groups,
