@@ -8,6 +8,7 @@ rules, and writes them into the local shards of the model's DTensors.
 
 from __future__ import annotations
 
+from .api.rehearse import Rehearsal, as_rank, rehearse
 from .checkpointer import HF_LOADER_ENV, HuggingFaceCheckpointer, load, plan, resolve_hf_loader
 from .engine import HeaderEntry, SafetensorsFile, clear_cache, read_into, read_many
 from .errors import (
@@ -38,16 +39,19 @@ __all__ = [
     "PlanError",
     "QuantizationError",
     "ReadError",
+    "Rehearsal",
     "Replacement",
     "SafetensorsFile",
     "SaveReport",
     "TargetError",
+    "as_rank",
     "clear_cache",
     "from_pretrained",
     "load",
     "plan",
     "read_into",
     "read_many",
+    "rehearse",
     "resolve_hf_loader",
     "save",
 ]

@@ -269,12 +269,19 @@ def plan(
     mesh_override: Any = None,
     revision: str | None = None,
     replacement: Replacement | None = None,
+    rank: int | None = None,
 ) -> LoadPlan:
     """Dry run: what this rank (or a virtual rank, see ``targets.build_targets``'s ``mesh_override``) reads.
 
     Reads headers only. ``LoadPlan.read_bytes_by_file()`` / ``read_bytes_by_target()`` / ``summary()``.
     The arguments are ``load``'s. The plan is plain data (picklable, comparable); its live side is dropped.
+
+    ``rank=r`` plans global rank ``r`` of the model's meshes (``hp_fastload.as_rank(r)``): one process that
+    laid the model out for the whole job (torch's ``fake`` process group of the job's size) plans any rank.
+    A model with tensors on the meta device is planned as this process's own rank (nothing is written, so
+    nothing needs to be materialized).
     """
+    mesh_override = _rank_override(model, mesh_override, rank)
     plan_only, _ = _plan_at(
         unwrapped(model),
         resolve_checkpoint_location(path, revision=revision),
@@ -288,6 +295,28 @@ def plan(
         replacement=replacement,
     )
     return plan_only
+
+
+def _rank_override(model: nn.Module, mesh_override: Any, rank: int | None) -> Any:
+    """``plan``'s ``mesh_override``: the given one, else ``as_rank(rank)``, else (a model with meta tensors)
+    ``as_rank`` of this process's rank."""
+    from .api.rehearse import as_rank
+
+    if rank is not None:
+        if mesh_override is not None:
+            raise ValueError("plan: pass rank or mesh_override, not both")
+        return as_rank(rank)
+    if mesh_override is None and _has_meta(model):
+        return as_rank(torch.distributed.get_rank() if _dist_active() else 0)
+    return mesh_override
+
+
+def _has_meta(model: nn.Module) -> bool:
+    for tensor in (*model.parameters(), *model.buffers()):
+        local = getattr(tensor, "_local_tensor", tensor)
+        if local.device.type == "meta":
+            return True
+    return False
 
 
 def _plan_at(

@@ -1,6 +1,6 @@
 """Named parallel layouts of a transformers model, and planning them for any rank on one machine.
 
-Owns ``hp-fastload plan``'s layouts (``fsdp``, ``tp``, ``tp+fsdp``, ``ep``, ``2d``), each built with torch's own
+Owns ``hp-fastload plan``'s layouts (``fsdp``, ``tp``, ``tp+fsdp``, ``ep``, ``2d``, ``hsdp``), each built with torch's own
 APIs (``fully_shard``, ``parallelize_module``, ``distribute_tensor``) on a model that lives on the meta device,
 and :func:`plan_ranks`: the model built once from the checkpoint's config under torch's ``fake`` process group
 of the full world size (no peers, no tensor bytes), then planned for each requested rank through
@@ -17,14 +17,17 @@ Layouts (``world`` ranks; ``mesh`` is ``(dp, inner)`` for the 2-D ones, default 
 - ``ep``: stacked expert tensors ``Shard(0)`` (by expert) over all ranks, everything else replicated.
 - ``2d``: ``(dp, ep)``: expert tensors ``Shard(0)`` on ``ep`` and ``Shard(1)`` on ``dp``; everything else
   ``Shard(0)`` on ``dp``, replicated on ``ep``.
+- ``hsdp``: ``(replicate, shard)``: ``fully_shard`` of every layer and the root on the 2-D mesh (HSDP: each
+  parameter replicated over the outer dim, ``Shard(0)`` over the inner one).
 
 It does not read tensor bytes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["LAYOUTS", "RankPlan", "apply_layout", "mesh_shape_for", "plan_ranks"]
+__all__ = ["LAYOUTS", "RankPlan", "apply_layout", "laid_out", "mesh_shape_for", "plan_ranks", "rehearse_rank"]
 
 _COLWISE = ("q_proj", "k_proj", "v_proj", "qkv_proj", "gate_proj", "up_proj", "gate_up_proj")
 _ROWWISE = ("o_proj", "down_proj")
@@ -113,6 +116,18 @@ def _tp_plan(module: nn.Module, attention_only: bool, tied: bool = False) -> dic
     return plan
 
 
+def _hsdp(model: nn.Module, world: int, mesh_shape: tuple[int, ...]) -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    replicas, shards = mesh_shape
+    mesh = init_device_mesh("cpu", (replicas, shards), mesh_dim_names=("dp_replicate", "dp_shard"))
+    for layer in _decoder_layers(model):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return f"hsdp: {replicas} replicas x fsdp over {shards} ranks"
+
+
 def _tp(model: nn.Module, world: int, mesh_shape: tuple[int, ...]) -> str:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard
@@ -171,8 +186,9 @@ LAYOUTS: dict[str, Callable[[nn.Module, int, tuple[int, ...]], str]] = {
     "tp+fsdp": _tp_fsdp,
     "ep": _ep,
     "2d": _two_d,
+    "hsdp": _hsdp,
 }
-_TWO_D = {"tp+fsdp", "2d"}
+_TWO_D = {"tp+fsdp", "2d", "hsdp"}
 
 
 def mesh_shape_for(layout: str, world: int, mesh: Sequence[int] | None = None) -> tuple[int, ...]:
@@ -232,6 +248,59 @@ def _meta_model(checkpoint: str, auto_class: str | None) -> nn.Module:
         return cls._from_config(config, dtype=torch.bfloat16)
 
 
+@contextlib.contextmanager
+def laid_out(
+    checkpoint: str, layout: str, world: int, mesh: Sequence[int] | None = None, auto_class: str | None = None
+) -> Iterator[tuple[nn.Module, str, Path, float]]:
+    """The checkpoint's model built on meta under a ``fake`` process group of ``world`` ranks and laid out as
+    ``layout``: yields ``(model, layout description, resolved location, build seconds)``; the process group is
+    destroyed on exit."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from .index import resolve_checkpoint_location
+
+    shape = mesh_shape_for(layout, world, mesh)
+    location = resolve_checkpoint_location(checkpoint)
+    if dist.is_initialized():
+        raise RuntimeError("planning ranks needs a process without a process group (it starts a fake one)")
+    started = time.perf_counter()
+    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+    try:
+        model = _meta_model(str(location), auto_class)
+        description = apply_layout(model, layout, world, shape)
+        yield model, description, location, time.perf_counter() - started
+    finally:
+        dist.destroy_process_group()
+
+
+def _check_ranks(ranks: Sequence[int], world: int) -> None:
+    bad = [r for r in ranks if not 0 <= r < world]
+    if bad:
+        raise ValueError(f"--rank {bad[0]} is not a rank of --world {world} (0..{world - 1})")
+
+
+def rehearse_rank(
+    checkpoint: str,
+    layout: str,
+    world: int,
+    rank: int,
+    mesh: Sequence[int] | None = None,
+    auto_class: str | None = None,
+    **kwargs: Any,
+) -> tuple[str, Any, float]:
+    """Rank ``rank`` of ``layout`` over ``world`` ranks rehearsed in this process (``hp_fastload.rehearse``:
+    its local shards allocated for real and read from the checkpoint); ``(description, Rehearsal, build s)``.
+    ``kwargs`` go to ``rehearse`` (threads, device, staging_bytes)."""
+    from .api.rehearse import rehearse
+
+    _check_ranks([rank], world)
+    mesh_shape_for(layout, world, mesh)
+    with laid_out(checkpoint, layout, world, mesh, auto_class) as (model, description, location, built):
+        report, _ = rehearse(model, location, rank=rank, **kwargs)
+    return description, report, built
+
+
 def plan_ranks(
     checkpoint: str,
     layout: str,
@@ -245,26 +314,12 @@ def plan_ranks(
     The model is built once from the checkpoint's config on meta under a ``fake`` process group of ``world``
     ranks and parallelized with :func:`apply_layout`; each rank is planned with ``virtual_rank``.
     """
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     from .checkpointer import plan as plan_load
-    from .index import resolve_checkpoint_location
     from .targets import virtual_rank
 
-    shape = mesh_shape_for(layout, world, mesh)
-    bad = [r for r in ranks if not 0 <= r < world]
-    if bad:
-        raise ValueError(f"--rank {bad[0]} is not a rank of --world {world} (0..{world - 1})")
-    location = resolve_checkpoint_location(checkpoint)
-    if dist.is_initialized():
-        raise RuntimeError("plan_ranks needs a process without a process group (it starts a fake one)")
-    started = time.perf_counter()
-    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
-    try:
-        model = _meta_model(str(location), auto_class)
-        description = apply_layout(model, layout, world, shape)
-        built = time.perf_counter() - started
+    mesh_shape_for(layout, world, mesh)
+    _check_ranks(ranks, world)
+    with laid_out(checkpoint, layout, world, mesh, auto_class) as (model, description, location, built):
         plans = []
         for rank in ranks:
             t0 = time.perf_counter()
@@ -282,6 +337,4 @@ def plan_ranks(
                     summary=p.summary(),
                 )
             )
-    finally:
-        dist.destroy_process_group()
     return description, plans, built
