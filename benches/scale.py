@@ -57,7 +57,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 #: bump when the generated files change (the cache under bench-out/scale/data is keyed by it)
-VERSION = 1
+VERSION = 2
 FP8_MAX = 448.0
 FP8_BLOCK = (128, 128)
 
@@ -187,9 +187,14 @@ QUANTIZATION_CONFIGS: dict[str, dict[str, Any]] = {
 # The released layout
 
 
-def model_config(spec: ModelSpec, layers: int | None = None, experts: int | None = None) -> Any:
-    """The spec's transformers config, optionally with fewer layers / experts (real widths kept)."""
+def model_config(
+    spec: ModelSpec, layers: int | None = None, experts: int | None = None, overrides: dict[str, Any] | None = None
+) -> Any:
+    """The spec's transformers config, optionally with fewer layers / experts (real widths kept) and other
+    ``overrides`` (e.g. a small vocabulary for the test suite)."""
     config = spec.config()
+    for name, value in (overrides or {}).items():
+        setattr(config, name, value)
     if layers is not None:
         config.num_hidden_layers = layers
         if hasattr(config, "layer_types") and config.layer_types is not None:
@@ -214,7 +219,8 @@ def _is_fp8_weight(key: str, shape: Sequence[int]) -> bool:
     """DeepSeek-V3's release quantizes every 2-D projection weight of the decoder layers (attention, dense and
     expert MLPs, the MTP layer's ``eh_proj``); embeddings, heads, norms and the router stay bf16."""
     return (
-        key.endswith("proj.weight")
+        key.rsplit(".", 2)[-2].split("_proj")[0] != key.rsplit(".", 2)[-2]  # q_a_proj, kv_a_proj_with_mqa, ...
+        and key.endswith(".weight")
         and len(shape) == 2
         and ".layers." in key
         and "shared_head" not in key
@@ -249,7 +255,7 @@ def _mtp_tensors(config: Any, released: dict[str, torch.Tensor], layer: int) -> 
 
 
 def released_layout(
-    spec: ModelSpec, layers: int | None = None, experts: int | None = None
+    spec: ModelSpec, layers: int | None = None, experts: int | None = None, overrides: dict[str, Any] | None = None
 ) -> tuple[Any, dict[str, torch.Tensor], dict[str, Any] | None, int]:
     """``(config, key -> meta tensor as released, quantization_config, parameter count)``.
 
@@ -257,7 +263,7 @@ def released_layout(
     tensors); the quantized releases replace each quantized weight by the tensors the release holds."""
     from hp_fastload.save import released_tensors
 
-    config = model_config(spec, layers, experts)
+    config = model_config(spec, layers, experts, overrides)
     model = meta_model(config)
     parameters = sum(p.numel() for p in model.parameters())
     released = dict(released_tensors(model))
@@ -356,17 +362,18 @@ def write_checkpoint(
     fill: Sequence[str] = (),
     seed: int = 0,
     max_shard_size: str | int | None = None,
+    overrides: dict[str, Any] | None = None,
 ) -> Generated:
     """Write ``spec``'s released checkpoint at ``root`` as sparse files (cached: a matching ``.complete`` stamp
     keeps it). ``fill``: regular expressions (``re.search``) over released keys whose data is written."""
     from hp_fastload.save import shard_files
 
-    stamp = _stamp(spec, layers, experts, fill, seed) + str(max_shard_size)
+    stamp = _stamp(spec, layers, experts, fill, seed) + str(max_shard_size) + json.dumps(overrides, sort_keys=True)
     marker = root / ".complete"
     if marker.is_file() and marker.read_text().split("\n", 1)[0] == stamp:
         return Generated(**json.loads(marker.read_text().split("\n", 1)[1]))
     started = time.perf_counter()
-    config, released, quantization_config, parameters = released_layout(spec, layers, experts)
+    config, released, quantization_config, parameters = released_layout(spec, layers, experts, overrides)
     files, index = shard_files(released, max_shard_size or spec.max_shard_size, parameters)
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)

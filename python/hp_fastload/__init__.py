@@ -8,7 +8,7 @@ rules, and writes them into the local shards of the model's DTensors.
 
 from __future__ import annotations
 
-from .api.rehearse import Rehearsal, as_rank, rehearse
+from .api.rehearse import Rehearsal, as_rank, plan_each, rehearse
 from .checkpointer import HF_LOADER_ENV, HuggingFaceCheckpointer, load, plan, resolve_hf_loader
 from .engine import HeaderEntry, SafetensorsFile, clear_cache, read_into, read_many
 from .errors import (
@@ -49,6 +49,7 @@ __all__ = [
     "from_pretrained",
     "load",
     "plan",
+    "plan_each",
     "read_into",
     "read_many",
     "rehearse",

@@ -1,4 +1,6 @@
-"""Rehearsing one rank of a big job on this machine: ``rehearse(model_on_meta, path, rank=r)``.
+"""Any rank of a big job on this machine: ``rehearse(model_on_meta, path, rank=r)`` (one rank's load, executed
+and measured), ``plan_each(model, path, ranks)`` (many ranks planned, the rank-independent work done once) and
+``as_rank(r)`` (the ``mesh_override`` that names a rank).
 
 Owns the executed dry run: the model's layout is planned for global rank ``r`` (a virtual rank: the model may
 live on the meta device, under torch's ``fake`` process group of the job's world size), the rank's local shards
@@ -14,7 +16,7 @@ import os
 import resource
 import threading
 import time
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,12 +27,13 @@ from torch import nn
 from ..checkpointer import _plan_at
 from ..engine import gc_paused, threads_per_rank
 from ..execute import DEFAULT_STAGING_BYTES, execute_plan
-from ..index import resolve_checkpoint_location
+from ..index import CheckpointIndex, resolve_checkpoint_location
 from ..plan import LoadPlan
-from ..rules import unwrapped
-from ..targets import Target, virtual_rank
+from ..plan.orchestrate import SharedPlanning, plan_load, share_planning
+from ..rules import resolve_mapping, unwrapped
+from ..targets import Target, build_targets, virtual_rank
 
-__all__ = ["Rehearsal", "as_rank", "rehearse"]
+__all__ = ["Rehearsal", "as_rank", "plan_each", "rehearse"]
 
 
 def as_rank(rank: int) -> Any:
@@ -40,6 +43,36 @@ def as_rank(rank: int) -> Any:
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
         raise ValueError(f"rank must be a non-negative int, got {rank!r}")
     return virtual_rank(rank)
+
+
+def plan_each(
+    model: nn.Module,
+    path: str | os.PathLike[str],
+    ranks: Iterable[int],
+    *,
+    weights_mapping: Iterable[Any] | None = None,
+    key_mapping: Mapping[str, str] | None = None,
+    strict: bool = False,
+    revision: str | None = None,
+) -> Iterator[tuple[int, LoadPlan]]:
+    """``(rank, plan)`` for each of ``ranks`` of ``model``'s layout (see :func:`as_rank`), equal to
+    ``hp_fastload.plan(model, path, rank=rank)`` each. The checkpoint's headers are read once, and the groups,
+    their traces and the quantization scan are made once for all ranks (``plan.orchestrate.share_planning``):
+    each rank only builds its targets, claims and intersects its regions."""
+    model = unwrapped(model)
+    location = resolve_checkpoint_location(path, revision=revision)
+    with gc_paused():
+        index = CheckpointIndex.open(location)
+        rules = resolve_mapping(model, weights_mapping, key_mapping)
+    shared: SharedPlanning | None = None
+    first = True
+    for rank in ranks:
+        with gc_paused():
+            targets = build_targets(model, mesh_override=as_rank(rank))
+            if first:
+                shared, first = share_planning(model, index, targets, rules), False
+            plan, _ = plan_load(model, index, targets, rules, strict=strict, shared=shared)
+        yield rank, plan
 
 
 @dataclass
@@ -189,6 +222,7 @@ def rehearse(
     threads: int | None = None,
     device: str | torch.device = "cpu",
     staging_bytes: int = DEFAULT_STAGING_BYTES,
+    backend: str | None = None,
     weights_mapping: Iterable[Any] | None = None,
     key_mapping: Mapping[str, str] | None = None,
     external_target_fqns: Collection[str] = frozenset(),
@@ -200,7 +234,7 @@ def rehearse(
 
     Returns the :class:`Rehearsal` and, with ``keep=True``, the filled local shards by target name (else an empty
     dict: the shards are freed before returning). CUDA shards are filled through the pinned double-buffered
-    stager of ``staging_bytes`` in all. Nothing is written into ``model``.
+    stager of ``staging_bytes`` in all; ``backend`` is the engine's (None: auto). Nothing is written into ``model``.
     """
     model = unwrapped(model)
     device = torch.device(device)
@@ -230,7 +264,7 @@ def rehearse(
         fds_before = fds.peak
         t1 = time.perf_counter()
         try:
-            stats = execute_plan(plan, context, threads=threads, staging_bytes=staging_bytes)
+            stats = execute_plan(plan, context, threads=threads, backend=backend, staging_bytes=staging_bytes)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             read_seconds = time.perf_counter() - t1
