@@ -261,7 +261,7 @@ def released_layout(
 
     The bf16 layout is ``hp_fastload.save``'s (transformers' revert of the model's conversions on meta
     tensors); the quantized releases replace each quantized weight by the tensors the release holds."""
-    from hp_fastload.save import released_tensors
+    from hp_fastload.planning.export import released_tensors
 
     config = model_config(spec, layers, experts, overrides)
     model = meta_model(config)
@@ -366,7 +366,7 @@ def write_checkpoint(
 ) -> Generated:
     """Write ``spec``'s released checkpoint at ``root`` as sparse files (cached: a matching ``.complete`` stamp
     keeps it). ``fill``: regular expressions (``re.search``) over released keys whose data is written."""
-    from hp_fastload.save import shard_files
+    from hp_fastload.planning.export import shard_files
 
     stamp = _stamp(spec, layers, experts, fill, seed) + str(max_shard_size) + json.dumps(overrides, sort_keys=True)
     marker = root / ".complete"

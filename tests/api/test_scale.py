@@ -17,9 +17,10 @@ import torch
 from safetensors import safe_open
 
 import hp_fastload
+from hp_fastload.formats import TORCH_TO_SAFETENSORS
 
-from ..quant_checkpoints import weight_dequant
-from ..tiny_models import FAMILIES, model_class
+from tests.helpers.quant_checkpoints import weight_dequant
+from tests.helpers.tiny_models import FAMILIES, model_class
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benches"))
 import scale  # noqa: E402
@@ -118,7 +119,7 @@ def _local_of(full: torch.Tensor, param: Any, rank: int) -> torch.Tensor:
 def test_released_layouts_are_save_pretrained_headers(tmp_path: Path) -> None:
     """``save.released_tensors`` of a model on meta (the generator's layout) has the keys, shapes and dtypes
     transformers' ``save_pretrained`` writes for the same model materialized, for the families of the five."""
-    from hp_fastload.save import released_tensors
+    from hp_fastload.planning.export import released_tensors
 
     for family in ("qwen3_moe", "deepseek_v3", "gpt_oss"):
         from transformers import AutoConfig
@@ -131,7 +132,7 @@ def test_released_layouts_are_save_pretrained_headers(tmp_path: Path) -> None:
         real.save_pretrained(tmp_path / family)
         with safe_open(str(tmp_path / family / "model.safetensors"), "pt") as f:
             written = {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}  # noqa: SIM118
-        ours = {k: (tuple(t.shape), hp_fastload.engine.TORCH_TO_SAFETENSORS[t.dtype]) for k, t in released_tensors(meta).items()}
+        ours = {k: (tuple(t.shape), TORCH_TO_SAFETENSORS[t.dtype]) for k, t in released_tensors(meta).items()}
         assert ours == written, family
 
 

@@ -24,25 +24,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..checkpointer import _plan_at
-from ..engine import gc_paused, threads_per_rank
-from ..execute import DEFAULT_STAGING_BYTES, execute_plan
-from ..index import CheckpointIndex, resolve_checkpoint_location
-from ..plan import LoadPlan
-from ..plan.orchestrate import SharedPlanning, plan_load, share_planning
-from ..rules import resolve_mapping, unwrapped
-from ..targets import Target, build_targets, virtual_rank
+from hp_fastload.api.load import as_rank, plan_at
+from hp_fastload.convert.rules import resolve_mapping
+from hp_fastload.execute.read import execute_plan
+from hp_fastload.execute.staging import DEFAULT_STAGING_BYTES
+from hp_fastload.execute.threads import threads_per_rank
+from hp_fastload.model.targets import Target, build_targets
+from hp_fastload.model.wrappers import unwrapped
+from hp_fastload.planning.items import LoadPlan
+from hp_fastload.planning.orchestrate import SharedPlanning, plan_load, share_planning
+from hp_fastload.runtime import gc_paused
+from hp_fastload.source.index import CheckpointIndex
+from hp_fastload.source.location import resolve_checkpoint_location
 
 __all__ = ["Rehearsal", "as_rank", "plan_each", "rehearse"]
-
-
-def as_rank(rank: int) -> Any:
-    """A ``mesh_override`` that plans (or rehearses) global rank ``rank`` of the model's meshes: every DTensor's
-    coordinate is the one ``rank`` holds in the world the model was laid out for (a real process group, or
-    torch's ``fake`` one of the job's size). ``hp_fastload.plan(model, path, rank=r)`` is the short form."""
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-        raise ValueError(f"rank must be a non-negative int, got {rank!r}")
-    return virtual_rank(rank)
 
 
 def plan_each(
@@ -242,7 +237,7 @@ def rehearse(
         threads = threads_per_rank()
     location = resolve_checkpoint_location(path, revision=revision)
     t0 = time.perf_counter()
-    plan, context = _plan_at(
+    plan, context = plan_at(
         model,
         Path(location),
         "dcp",

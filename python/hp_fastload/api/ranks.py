@@ -1,0 +1,141 @@
+"""Planning any rank of a job on one machine: a meta model from the checkpoint's config, laid out with a named layout
+under torch's ``fake`` process group (``laid_out``), planned for virtual ranks against the checkpoint
+(``plan_ranks``: ``hp-fastload plan --all-ranks``) or one rank rehearsed (``rehearse_rank``: ``--execute``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from hp_fastload.model.layouts import apply_layout, mesh_shape_for
+
+
+@dataclass
+class RankPlan:
+    """What one rank of a planned layout reads."""
+
+    rank: int
+    bytes_needed: int
+    files: dict[str, int]
+    deferred: list[str]
+    region_targets: int
+    missing: int
+    unexpected: int
+    seconds: float
+    summary: str = field(repr=False, default="")
+
+
+def _meta_model(checkpoint: str, auto_class: str | None) -> nn.Module:
+    import transformers
+
+    from hp_fastload.source.config import read_config
+
+    config = read_config(Path(checkpoint), {})  # a regular config.json (a FIFO would block the read)
+    cls = getattr(transformers, auto_class or "AutoModelForCausalLM", None)
+    if cls is None:
+        raise ValueError(f"--auto-class {auto_class!r} is not a class of transformers")
+    with torch.device("meta"):
+        if hasattr(cls, "from_config"):
+            return cls.from_config(config, dtype=torch.bfloat16)
+        return cls._from_config(config, dtype=torch.bfloat16)
+
+
+@contextlib.contextmanager
+def laid_out(
+    checkpoint: str, layout: str, world: int, mesh: Sequence[int] | None = None, auto_class: str | None = None
+) -> Iterator[tuple[nn.Module, str, Path, float]]:
+    """The checkpoint's model built on meta under a ``fake`` process group of ``world`` ranks and laid out as
+    ``layout``: yields ``(model, layout description, resolved location, build seconds)``; the process group is
+    destroyed on exit."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from hp_fastload.source.location import resolve_checkpoint_location
+
+    shape = mesh_shape_for(layout, world, mesh)
+    location = resolve_checkpoint_location(checkpoint)
+    if dist.is_initialized():
+        raise RuntimeError("planning ranks needs a process without a process group (it starts a fake one)")
+    started = time.perf_counter()
+    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+    try:
+        model = _meta_model(str(location), auto_class)
+        description = apply_layout(model, layout, world, shape)
+        yield model, description, location, time.perf_counter() - started
+    finally:
+        dist.destroy_process_group()
+
+
+def _check_ranks(ranks: Sequence[int], world: int) -> None:
+    bad = [r for r in ranks if not 0 <= r < world]
+    if bad:
+        raise ValueError(f"--rank {bad[0]} is not a rank of --world {world} (0..{world - 1})")
+
+
+def rehearse_rank(
+    checkpoint: str,
+    layout: str,
+    world: int,
+    rank: int,
+    mesh: Sequence[int] | None = None,
+    auto_class: str | None = None,
+    **kwargs: Any,
+) -> tuple[str, Any, float]:
+    """Rank ``rank`` of ``layout`` over ``world`` ranks rehearsed in this process (``hp_fastload.rehearse``:
+    its local shards allocated for real and read from the checkpoint); ``(description, Rehearsal, build s)``.
+    ``kwargs`` go to ``rehearse`` (threads, device, staging_bytes)."""
+    from hp_fastload.api.rehearse import rehearse
+
+    mesh_shape_for(layout, world, mesh)
+    _check_ranks([rank], world)
+    with laid_out(checkpoint, layout, world, mesh, auto_class) as (model, description, location, built):
+        report, _ = rehearse(model, location, rank=rank, **kwargs)
+    return description, report, built
+
+
+def plan_ranks(
+    checkpoint: str,
+    layout: str,
+    world: int,
+    ranks: Sequence[int],
+    mesh: Sequence[int] | None = None,
+    auto_class: str | None = None,
+) -> tuple[str, list[RankPlan], float]:
+    """Plan ``ranks`` of ``world`` under ``layout`` in this process; ``(layout description, plans, build s)``.
+
+    The model is built once from the checkpoint's config on meta under a ``fake`` process group of ``world``
+    ranks and parallelized with :func:`apply_layout`; the ranks are planned by ``hp_fastload.plan_each`` (the
+    headers, groups and traces made once). A rank's ``seconds`` is its own share (the first rank's includes
+    the shared work).
+    """
+    from hp_fastload.api.rehearse import plan_each
+
+    mesh_shape_for(layout, world, mesh)
+    _check_ranks(ranks, world)
+    with laid_out(checkpoint, layout, world, mesh, auto_class) as (model, description, location, built):
+        plans = []
+        t0 = time.perf_counter()
+        for rank, p in plan_each(model, location, ranks):
+            plans.append(
+                RankPlan(
+                    rank=rank,
+                    bytes_needed=p.bytes_needed,
+                    files=dict(sorted(p.read_bytes_by_file().items())),
+                    deferred=[d.label for d in p.deferred],
+                    region_targets=len(p.region_reads),
+                    missing=len(p.report.missing_keys),
+                    unexpected=len(p.report.unexpected_keys),
+                    seconds=time.perf_counter() - t0,
+                    summary=p.summary() if len(ranks) == 1 else "",
+                )
+            )
+            t0 = time.perf_counter()
+    return description, plans, built
