@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
 import os
 import re
 import shutil
@@ -316,9 +315,7 @@ def fp8_block_quantize(w: torch.Tensor, block: tuple[int, int] = FP8_BLOCK) -> t
     return q.contiguous(), scale.contiguous()
 
 
-def _fill_values(
-    key: str, meta: torch.Tensor, released: dict[str, torch.Tensor], seed: int
-) -> dict[str, torch.Tensor]:
+def _fill_values(key: str, meta: torch.Tensor, released: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
     """Random values for ``key`` (and, for an FP8 weight, its scale; for MXFP4 blocks, none other)."""
     gen = torch.Generator().manual_seed(_seed(key, seed))
     shape = tuple(meta.shape)
@@ -577,7 +574,7 @@ def _gb(n: float) -> str:
 def tables(result: dict[str, Any]) -> str:
     lines = ["### Per rank (one rank rehearsed: local shards allocated, its reads executed; warm)", ""]
     lines += [
-        "| model | layout | rank | plan s | read GB | read s | GB/s | × warm rows | local GB | RSS − local GiB | fds |",
+        "| model | layout | rank | plan s | read GB | read s | GB/s | x warm rows | local GB | RSS - local GiB | fds |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in result["per_rank"]:
@@ -590,13 +587,13 @@ def tables(result: dict[str, Any]) -> str:
         )
     lines += ["", "### Job (`--all-ranks`: every rank planned in one process)", ""]
     lines += [
-        "| model | layout | ranks | wall s | peak RSS GiB | total storage GB | per node GB (min–max) | checkpoint GB |",
+        "| model | layout | ranks | wall s | peak RSS GiB | total storage GB | per node GB (min-max) | checkpoint GB |",
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for row in result["jobs"]:
         lines.append(
             f"| {row['model']} | {row['layout']} | {row['world']} | {row['seconds']:.1f} | "
-            f"{row['peak_rss'] / 2**30:.2f} | {_gb(row['total_bytes'])} | {_gb(row['node_bytes_min'])}–"
+            f"{row['peak_rss'] / 2**30:.2f} | {_gb(row['total_bytes'])} | {_gb(row['node_bytes_min'])}-"
             f"{_gb(row['node_bytes_max'])} | {_gb(row['checkpoint_bytes'])} |"
         )
     return "\n".join(lines) + "\n"

@@ -18,12 +18,11 @@ from safetensors import safe_open
 
 import hp_fastload
 from hp_fastload.formats import TORCH_TO_SAFETENSORS
-
 from tests.helpers.quant_checkpoints import weight_dequant
 from tests.helpers.tiny_models import FAMILIES, model_class
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benches"))
-import scale  # noqa: E402
+import scale
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -99,7 +98,7 @@ def _st(path: Path) -> dict[str, Any]:
     index_file = path / "model.safetensors.index.json"
     if not index_file.is_file():
         with safe_open(str(path / "model.safetensors"), "pt") as f:
-            index = dict.fromkeys(f.keys(), "model.safetensors")  # noqa: SIM118
+            index = dict.fromkeys(f.keys(), "model.safetensors")
     else:
         index = json.loads(index_file.read_text())["weight_map"]
     handles = {name: safe_open(str(path / name), "pt") for name in set(index.values())}
@@ -173,7 +172,12 @@ def test_rehearsed_rank_is_bit_exact_and_bounded(qwen3: Path, fake_world: Any) -
             prefix = name.rsplit(".", 1)[0]
             if name.endswith("gate_up_proj"):
                 per = [
-                    torch.cat([st[k].get_tensor(k) for k in (f"{prefix}.{e}.gate_proj.weight", f"{prefix}.{e}.up_proj.weight")])
+                    torch.cat(
+                        [
+                            st[k].get_tensor(k)
+                            for k in (f"{prefix}.{e}.gate_proj.weight", f"{prefix}.{e}.up_proj.weight")
+                        ]
+                    )
                     for e in range(4)
                 ]
             else:

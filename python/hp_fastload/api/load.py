@@ -28,8 +28,8 @@ from hp_fastload.dist.identity import agree_checkpoint
 from hp_fastload.errors import HeaderError
 from hp_fastload.execute.read import execute_plan
 from hp_fastload.execute.threads import threads_per_rank
-from hp_fastload.model.regions import virtual_rank
 from hp_fastload.model.finalize import non_persistent_buffers, recreate_buffers, retie
+from hp_fastload.model.regions import virtual_rank
 from hp_fastload.model.targets import build_targets
 from hp_fastload.model.wrappers import unwrapped
 from hp_fastload.planning.context import LoadContext

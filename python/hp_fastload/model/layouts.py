@@ -1,8 +1,8 @@
 """Named parallel layouts of a transformers model, and planning them for any rank on one machine.
 
-Owns ``hp-fastload plan``'s layouts (``fsdp``, ``tp``, ``tp+fsdp``, ``ep``, ``2d``, ``hsdp``), each built with torch's own
-APIs (``fully_shard``, ``parallelize_module``, ``distribute_tensor``) on a model that lives on the meta device,
-and :func:`plan_ranks`: the model built once from the checkpoint's config under torch's ``fake`` process group
+Owns ``hp-fastload plan``'s layouts (``fsdp``, ``tp``, ``tp+fsdp``, ``ep``, ``2d``, ``hsdp``), each built with
+torch's own APIs (``fully_shard``, ``parallelize_module``, ``distribute_tensor``) on a model that lives on the meta
+device, and :func:`plan_ranks`: the model built once from the checkpoint's config under torch's ``fake`` process group
 of the full world size (no peers, no tensor bytes), then planned for each requested rank through
 ``targets.virtual_rank``. The same layout functions run on real ranks give the same plans (tests compare them
 with ``hp_fastload.plan`` on gloo ranks).

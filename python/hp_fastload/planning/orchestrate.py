@@ -5,7 +5,6 @@ dequantization fallbacks, runs the strict check and builds the ``LoadPlan`` and 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
@@ -13,8 +12,8 @@ from typing import Any
 
 from hp_fastload.convert.detect import detect_in_index
 from hp_fastload.convert.groups import LoadGroup, build_groups
-from hp_fastload.errors import MissingKeysError
 from hp_fastload.convert.quant_info import QuantInfo
+from hp_fastload.errors import MissingKeysError
 from hp_fastload.model.targets import Target
 from hp_fastload.planning.claims import Claims
 from hp_fastload.planning.context import LoadContext, PendingGroup
@@ -28,9 +27,9 @@ from hp_fastload.planning.replacement import (
     replacement_routes,
 )
 from hp_fastload.planning.trace import Traced, Tracer
+from hp_fastload.runtime import gc_paused
 from hp_fastload.source.index import CheckpointIndex
 from hp_fastload.source.natural import natural_sort_key
-from hp_fastload.runtime import gc_paused
 
 __all__ = ["SharedPlanning", "plan_load", "share_planning"]
 
