@@ -99,7 +99,8 @@ pub(super) fn execute_scaled_reading(
     for ((h, &used), ranges) in files.iter().zip(&used).zip(&probes) {
         sources.push(match used {
             true => {
-                let mut source = open_source(h, opts.backend, ranges, kept_open < KEEP_OPEN.min(threads))?;
+                let mut source =
+                    open_source(h, opts.backend, ranges, kept_open < KEEP_OPEN.min(threads))?;
                 kept_open += usize::from(source.file.get_mut().is_ok_and(|f| f.is_some()));
                 Some(source)
             }
