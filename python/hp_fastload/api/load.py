@@ -29,6 +29,7 @@ from hp_fastload.errors import HeaderError
 from hp_fastload.execute.read import execute_plan
 from hp_fastload.execute.threads import threads_per_rank
 from hp_fastload.model.finalize import non_persistent_buffers, recreate_buffers, retie
+from hp_fastload.model.regions import virtual_rank
 from hp_fastload.model.targets import build_targets
 from hp_fastload.model.wrappers import unwrapped
 from hp_fastload.planning.context import LoadContext
@@ -93,12 +94,19 @@ def plan(
     mesh_override: Any = None,
     revision: str | None = None,
     replacement: Replacement | None = None,
+    rank: int | None = None,
 ) -> LoadPlan:
     """Dry run: what this rank (or a virtual rank, see ``targets.build_targets``'s ``mesh_override``) reads.
 
     Reads headers only. ``LoadPlan.read_bytes_by_file()`` / ``read_bytes_by_target()`` / ``summary()``.
     The arguments are ``load``'s. The plan is plain data (picklable, comparable); its live side is dropped.
+
+    ``rank=r`` plans global rank ``r`` of the model's meshes (:func:`as_rank`): one process that laid the model
+    out for the whole job (torch's ``fake`` process group of the job's size) plans any rank. A model with
+    tensors on the meta device is planned as this process's own rank (nothing is written, so nothing needs
+    to be materialized).
     """
+    mesh_override = _rank_override(model, mesh_override, rank)
     plan_only, _ = plan_at(
         unwrapped(model),
         resolve_checkpoint_location(path, revision=revision),
@@ -112,6 +120,35 @@ def plan(
         replacement=replacement,
     )
     return plan_only
+
+
+def as_rank(rank: int) -> Any:
+    """A ``mesh_override`` that plans (or rehearses) global rank ``rank`` of the model's meshes: every DTensor's
+    coordinate is the one ``rank`` holds in the world the model was laid out for (a real process group, or
+    torch's ``fake`` one of the job's size). ``hp_fastload.plan(model, path, rank=r)`` is the short form."""
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise ValueError(f"rank must be a non-negative int, got {rank!r}")
+    return virtual_rank(rank)
+
+
+def _rank_override(model: nn.Module, mesh_override: Any, rank: int | None) -> Any:
+    """``plan``'s ``mesh_override``: the given one, else ``as_rank(rank)``, else (a model with meta tensors)
+    ``as_rank`` of this process's rank."""
+    if rank is not None:
+        if mesh_override is not None:
+            raise ValueError("plan: pass rank or mesh_override, not both")
+        return as_rank(rank)
+    if mesh_override is None and _has_meta(model):
+        return as_rank(torch.distributed.get_rank() if dist_active() else 0)
+    return mesh_override
+
+
+def _has_meta(model: nn.Module) -> bool:
+    for tensor in (*model.parameters(), *model.buffers()):
+        local = getattr(tensor, "_local_tensor", tensor)
+        if local.device.type == "meta":
+            return True
+    return False
 
 
 def plan_at(

@@ -113,8 +113,37 @@ def _mesh(text: str) -> tuple[int, ...]:
     return shape
 
 
+def _rehearse(args: argparse.Namespace) -> int:
+    from hp_fastload.api.ranks import rehearse_rank
+
+    description, report, build_s = rehearse_rank(
+        args.checkpoint,
+        args.layout,
+        args.world,
+        args.rank,
+        args.mesh,
+        args.auto_class,
+        threads=args.threads,
+        device=args.device,
+        staging_bytes=args.staging_mib << 20,
+    )
+    if args.json:
+        row = {"layout": args.layout, "description": description, "world": args.world, "build_seconds": build_s}
+        json.dump({**row, **report.as_dict()}, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    print(f"layout {args.layout}: {description}; model built on meta in {build_s:.2f} s")
+    print(f"rank {args.rank} of {args.world} executed: {report.summary()}")
+    return 0
+
+
 def _plan(args: argparse.Namespace) -> int:
     from hp_fastload.api.ranks import plan_ranks
+
+    if args.execute:
+        if args.all_ranks:
+            raise ValueError("--execute rehearses one rank (--rank); it cannot be combined with --all-ranks")
+        return _rehearse(args)
 
     ranks = list(range(args.world)) if args.all_ranks else [args.rank]
     description, plans, build_s = plan_ranks(
@@ -169,15 +198,27 @@ def _register_plan(subparsers: Any) -> None:
         default="tp+fsdp",
         help="fsdp: FSDP2 per layer and root; tp: tensor parallel linears and embedding; tp+fsdp: tensor-parallel "
         "attention on the inner mesh dim, FSDP2 on the outer; ep: experts sharded by expert, the rest replicated; "
-        "2d: experts by expert on the inner dim and FSDP-like on the outer (default tp+fsdp)",
+        "2d: experts by expert on the inner dim and FSDP-like on the outer; hsdp: FSDP2 on the inner dim, replicated "
+        "on the outer (default tp+fsdp)",
     )
     p.add_argument(
         "--mesh",
         type=_mesh,
         default=None,
-        help="the 2-D mesh of tp+fsdp and 2d as OUTERxINNER, e.g. 2x4 (default WORLD/2 x 2)",
+        help="the 2-D mesh of tp+fsdp, 2d and hsdp as OUTERxINNER, e.g. 2x4 (default WORLD/2 x 2)",
     )
     p.add_argument("--all-ranks", action="store_true", help="plan every rank: a per-rank and a per-node table")
+    p.add_argument(
+        "--execute",
+        action="store_true",
+        help="rehearse --rank: allocate its local shards for real, read them from the checkpoint and report bytes, "
+        "seconds, GB/s, peak RSS and open descriptors",
+    )
+    p.add_argument("--threads", type=int, default=None, help="engine threads for --execute (default: the cores)")
+    p.add_argument("--device", default="cpu", help="where --execute puts the local shards: cpu (default) or cuda")
+    p.add_argument(
+        "--staging-mib", type=int, default=512, help="pinned staging of --execute --device cuda, MiB (default 512)"
+    )
     p.add_argument(
         "--ranks-per-node", type=int, default=8, help="ranks per node for the --all-ranks node table (default 8)"
     )
