@@ -381,6 +381,9 @@ def load(
     share_replicated: bool = False,
     replacement: Replacement | None = None,
     finalize: bool = True,
+    share: str | None = None,
+    ranks_per_node: int | None = None,
+    share_budget_bytes: int | None = None,
 ) -> LoadReport:
     """Fill ``model``'s parameters and persistent buffers (DTensor shards or plain) from a HF checkpoint.
 
@@ -388,7 +391,10 @@ def load(
     preserved). ``strict`` raises ``MissingKeysError`` (a ``RuntimeError``) before any byte is read when model
     tensors would stay missing; unexpected checkpoint keys are only logged. ``share_replicated=True`` (region
     loader, several ranks) has one replica of each replicated DTensor read it and broadcast it to the others
-    (``share``).
+    (``share``). ``share="job"`` reads every checkpoint byte once per job and sends each rank only the bytes its
+    shards need (``jobload``; ``ranks_per_node`` defaults to ``$LOCAL_WORLD_SIZE``, ``share_budget_bytes`` bounds
+    each rank's staging and messages per round); ``"auto"`` picks ``"job"`` or ``"none"`` from the cost model;
+    ``"none"`` (default) is every rank reading its own regions.
     ``threads`` defaults to this process's cores divided by the ranks on its node (``LOCAL_WORLD_SIZE``).
     ``replacement`` (an ``hp_fastload.Replacement``) is the second stage of a model whose modules were
     replaced after the checkpoint's layout was fixed; None takes it from the model's
@@ -407,6 +413,9 @@ def load(
         raise TypeError(f"load() needs a live nn.Module to write into, got {type(model).__name__}")
     model = unwrapped(model)  # torch.compile / DDP: the wrapped module's names and rules (same tensors)
     name = resolve_hf_loader(loader)
+    from .jobload import resolve_share
+
+    sharing = resolve_share(share, share_replicated)
     start = time.perf_counter()
     if threads is None:
         threads = threads_per_rank()
@@ -432,25 +441,56 @@ def load(
     )
     load_plan, context = planned_pair
     replicas = None
-    if share_replicated and name == "dcp" and _dist_active() and torch.distributed.get_world_size() > 1:
+    multi = _dist_active() and torch.distributed.get_world_size() > 1
+    if sharing == "replicated" and name == "dcp" and multi:
         from .share import plan_replicas
 
         replicas = plan_replicas(map(context.target, load_plan.region_reads))
+    job = None
+    if sharing in ("job", "auto") and name == "dcp" and multi:  # --- job-wide reads (issue 24) ---
+        job = _agree_job_plan(
+            model,
+            index,
+            load_plan,
+            sharing,
+            ranks_per_node,
+            share_budget_bytes,
+            weights_mapping=weights_mapping,
+            key_mapping=key_mapping,
+            external_target_fqns=external_target_fqns,
+            claimed_source_keys=claimed_source_keys,
+            replacement=replacement,
+            loader=name,
+        )
     total = load_plan.bytes_needed
     update, close = _progress_bar(total, progress)
     try:
-        stats = _agree(
-            "Reading the pretrained checkpoint",
-            lambda: execute_plan(
+        if job is not None:
+            from .jobload import run_job
+
+            stats: Any = run_job(
+                job,
+                torch.distributed.get_rank(),
                 load_plan,
                 context,
-                legacy=name == "legacy",
+                agree=_agree,
                 threads=threads,
                 backend=backend,
                 progress=update,
-                skip=replicas.skip if replicas is not None else frozenset(),
-            ),
-        )
+            )
+        else:
+            stats = _agree(
+                "Reading the pretrained checkpoint",
+                lambda: execute_plan(
+                    load_plan,
+                    context,
+                    legacy=name == "legacy",
+                    threads=threads,
+                    backend=backend,
+                    progress=update,
+                    skip=replicas.skip if replicas is not None else frozenset(),
+                ),
+            )
     finally:
         close()
         for file in context.index.files:  # a finished load keeps no page tables of the checkpoint mapped
@@ -480,6 +520,9 @@ def load(
         loader=name,
         retied_keys=tuple(retied),
         unfilled_buffers=tuple(unfilled),
+        bytes_received=int(getattr(stats, "bytes_received", 0) or stats.extra.get("bytes_received", 0)),
+        bytes_sent=int(getattr(stats, "bytes_sent", 0)),
+        share="job" if job is not None else ("replicated" if replicas is not None else "none"),
     )
     if report.unexpected_keys:
         log.warning(
@@ -489,6 +532,57 @@ def load(
         )
     log.info(report.summary())
     return report
+
+
+def _agree_job_plan(
+    model: nn.Module,
+    index: CheckpointIndex,
+    load_plan: LoadPlan,
+    sharing: str,
+    per_node: int | None,
+    budget: int | None,
+    *,
+    weights_mapping: Iterable[Any] | None,
+    key_mapping: Mapping[str, str] | None,
+    external_target_fqns: Collection[str],
+    claimed_source_keys: Collection[str],
+    replacement: Replacement | None,
+    loader: str,
+) -> Any:
+    """The job-wide plan, computed on every rank and agreed by its digest (one all-gather of a hash); None
+    when ``share="auto"`` prefers every rank reading its own regions (the same choice on every rank)."""
+    from .jobload import DEFAULT_BUDGET_BYTES, DEFAULT_CHUNK_BYTES, auto_prefers_job, plan_for_load, ranks_per_node
+
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    job = _agree(
+        "Planning the job-wide reads",
+        lambda: plan_for_load(
+            model,
+            index,
+            load_plan,
+            rank,
+            world,
+            rules=resolve_mapping(model, weights_mapping, key_mapping),
+            loader=loader,
+            external_target_fqns=external_target_fqns,
+            claimed_source_keys=claimed_source_keys,
+            replacement=replacement,
+            per_node=ranks_per_node(per_node, world),
+            budget_bytes=budget or DEFAULT_BUDGET_BYTES,
+            chunk_bytes=min(DEFAULT_CHUNK_BYTES, (budget or DEFAULT_BUDGET_BYTES) // 4),
+        ),
+    )
+    digests: list[Any] = [None] * world
+    _waiting("agreeing on the job-wide plan", lambda: torch.distributed.all_gather_object(digests, job.digest))
+    differing = [r for r, d in enumerate(digests) if d != digests[0]]
+    if differing:
+        raise errors.PlanError(
+            f"the ranks computed different job-wide plans (rank 0 vs ranks {differing[:8]}): the model's layout "
+            "or the checkpoint differs between ranks; use share='none'"
+        )
+    if sharing == "auto" and not auto_prefers_job(job):
+        return None
+    return job
 
 
 def _record_used_rules(model: nn.Module, context: LoadContext) -> None:

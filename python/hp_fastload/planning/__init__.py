@@ -1,0 +1,1 @@
+"""Planning layer additions: the job-wide plan (``jobwide``)."""

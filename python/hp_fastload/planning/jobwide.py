@@ -1,0 +1,635 @@
+"""The job-wide plan: every checkpoint byte any rank needs is read from storage once per job, by one reader
+rank, and each rank is sent exactly the bytes its own read items touch.
+
+Owns, as pure functions over plain arrays (no process group, no bytes):
+
+- ``StorageMap``: every checkpoint tensor placed on one global byte axis (the files end to end), so that a
+  rank's needs are sorted intervals and the union over ranks is a merge;
+- ``rank_needs``: a rank's ``LoadPlan`` -> the element intervals of each checkpoint tensor its region reads
+  touch (exact runs: a strided box is many runs, never its bounding box), the scale rows of FP8 items included;
+- ``plan_job``: all ranks' needs -> ``JobPlan``: the union cut into chunks (large coalesced read requests that
+  never cross a file), one reader per chunk (a rank that needs it where that keeps the nodes' read bytes
+  balanced, else the least-loaded node's least-loaded rank), rounds that keep each rank's staging and
+  message memory within a budget, and per round the messages ``reader -> receiver`` (the receiver's intervals
+  within the reader's chunks, in axis order). Deterministic: every rank computes the same plan from the same
+  needs, and ``JobPlan.digest`` is the one value the ranks compare;
+- the cost model (``predict``): per-node storage, network in/out and the predicted cold-start time of three
+  strategies (``none``: every rank reads its own needs; ``node``: each node reads the union of its ranks'
+  needs once; ``job``: this plan), with the formulas in docs/job-wide.md.
+
+What it does not own: planning a rank (``plan_load``), moving bytes (``execute.deliver``).
+Items the delivery cannot run from memory (MXFP4 nibbles, deferred groups) are not needs: each rank reads
+them itself (``local_keys``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..errors import PlanError
+from ..plan.items import LoadPlan, Reads, touched_scale_rows
+
+__all__ = [
+    "DEFAULT_BUDGET_BYTES",
+    "DEFAULT_CHUNK_BYTES",
+    "JobPlan",
+    "Needs",
+    "Prediction",
+    "StorageMap",
+    "delivered_rows",
+    "item_runs",
+    "plan_job",
+    "predict",
+    "rank_needs",
+]
+
+Int64s = np.ndarray[Any, np.dtype[np.int64]]
+
+#: Target size of one read request (a chunk): Run:ai's object-store default is 8 MiB, Orbax uses 128 MiB.
+DEFAULT_CHUNK_BYTES = 32 << 20
+#: The smallest chunk ``plan_job`` cuts for balance's sake (smaller tensors still make smaller pieces).
+MIN_CHUNK_BYTES = 4096
+#: Per-rank memory of one round: chunks read (staging) + messages sent + messages received.
+DEFAULT_BUDGET_BYTES = 512 << 20
+
+
+def _i64(values: Any) -> Int64s:
+    return np.ascontiguousarray(values, dtype=np.int64)
+
+
+@dataclass(frozen=True, eq=False)
+class StorageMap:
+    """Every checkpoint tensor on one byte axis: file ``f`` occupies ``[file_g0[f], file_g0[f] + size)``;
+    tensor ``keys[k]`` starts at ``g0[k]`` (its data, in that file) and holds ``nbytes[k]`` bytes of
+    ``itemsize[k]``-byte elements (the dtype it is read as: sub-byte dtypes are their packed bytes)."""
+
+    keys: tuple[str, ...]
+    key_id: dict[str, int]
+    g0: Int64s
+    nbytes: Int64s
+    itemsize: Int64s
+    file_of: Int64s
+    file_g0: Int64s
+    file_names: tuple[str, ...]
+
+    @classmethod
+    def build(cls, tensors: Sequence[tuple[str, int, int, int, int]], files: Sequence[tuple[str, int]]) -> StorageMap:
+        """``tensors``: ``(key, file number, absolute byte offset in the file, nbytes, itemsize)``;
+        ``files``: ``(name, size)`` in the order the ranks agree on (the index's)."""
+        sizes = _i64([size for _, size in files])
+        file_g0 = _i64(np.concatenate([[0], np.cumsum(sizes)[:-1]]) if len(files) else [])
+        rows = sorted(tensors, key=lambda t: (t[1], t[2], t[0]))
+        keys = tuple(t[0] for t in rows)
+        file_of = _i64([t[1] for t in rows])
+        g0 = file_g0[file_of] + _i64([t[2] for t in rows]) if rows else _i64([])
+        return cls(
+            keys,
+            {k: i for i, k in enumerate(keys)},
+            _i64(g0),
+            _i64([t[3] for t in rows]),
+            _i64([t[4] for t in rows]),
+            file_of,
+            file_g0,
+            tuple(name for name, _ in files),
+        )
+
+    @classmethod
+    def of_index(cls, index: Any) -> StorageMap:
+        """The map of a ``CheckpointIndex`` (every key of every file, headers only)."""
+        files = list(index.files)
+        number = {id(f): i for i, f in enumerate(files)}
+        tensors = []
+        for key in index.keys():
+            entry = index.locate(key)
+            begin, _ = entry.file.offsets(key)
+            tensors.append((key, number[id(entry.file)], begin, entry.nbytes, entry.dtype.itemsize))
+        return cls.build(tensors, [(f.path.rsplit("/", 1)[-1], f.file_size) for f in files])
+
+    def digest(self) -> str:
+        h = hashlib.blake2b(digest_size=16)
+        h.update("\0".join(self.keys).encode())
+        for array in (self.g0, self.nbytes, self.itemsize, self.file_g0):
+            h.update(array.tobytes())
+        return h.hexdigest()
+
+
+@dataclass(frozen=True, eq=False)
+class Needs:
+    """One rank's needs: sorted, disjoint element intervals ``[start, end)`` of checkpoint tensors ``key``
+    (``StorageMap`` numbers), merged per tensor."""
+
+    key: Int64s
+    start: Int64s
+    end: Int64s
+
+    @classmethod
+    def empty(cls) -> Needs:
+        return cls(_i64([]), _i64([]), _i64([]))
+
+    def g_bounds(self, smap: StorageMap) -> tuple[Int64s, Int64s]:
+        """The intervals on the global byte axis."""
+        size = smap.itemsize[self.key]
+        base = smap.g0[self.key]
+        return base + self.start * size, base + self.end * size
+
+    def nbytes(self, smap: StorageMap) -> int:
+        return int(((self.end - self.start) * smap.itemsize[self.key]).sum())
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Needs):
+            return NotImplemented
+        return all(np.array_equal(getattr(self, n), getattr(other, n)) for n in ("key", "start", "end"))
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def _merge(smap: StorageMap, key: Int64s, start: Int64s, end: Int64s) -> Needs:
+    """Sorted, merged intervals per key (touching or overlapping intervals of one key become one). Sorted on
+    the global axis, where tensors are disjoint: a running maximum of the ends never leaks into the next key."""
+    keep = end > start
+    key, start, end = key[keep], start[keep], end[keep]
+    if not len(key):
+        return Needs.empty()
+    size = smap.itemsize[key]
+    glo = smap.g0[key] + start * size
+    ghi = smap.g0[key] + end * size
+    order = np.argsort(glo, kind="stable")
+    key, glo, ghi = key[order], glo[order], ghi[order]
+    run_end = np.maximum.accumulate(ghi)
+    new = np.ones(len(key), dtype=bool)
+    new[1:] = (key[1:] != key[:-1]) | (glo[1:] > run_end[:-1])
+    first = np.flatnonzero(new)
+    last = np.append(first[1:], len(key)) - 1
+    k = key[first]
+    size, base = smap.itemsize[k], smap.g0[k]
+    return Needs(_i64(k), _i64((glo[first] - base) // size), _i64((run_end[last] - base) // size))
+
+
+def item_runs(lengths: Sequence[int], strides: Sequence[int]) -> tuple[Int64s, int]:
+    """The element runs of one strided box, relative to its base: ``(run starts, run length)``.
+
+    Dims are ordered by stride; the innermost contiguous dims collapse into the run (the engine's "longest
+    contiguous span"), the others enumerate run starts. Length-1 and stride-0 dims add nothing. Negative
+    strides are refused (the engine refuses them too)."""
+    dims = [(int(s), int(n)) for s, n in zip(strides, lengths, strict=True) if int(n) != 1]
+    if any(n == 0 for _, n in dims):
+        return _i64([]), 0
+    if any(s < 0 for s, _ in dims):
+        raise PlanError(f"a read with negative strides {tuple(strides)}")
+    dims = sorted((s, n) for s, n in dims if s != 0)
+    run = 1
+    while dims and dims[0][0] == run:
+        run *= dims[0][1]
+        dims.pop(0)
+    starts = np.zeros(1, dtype=np.int64)
+    for s, n in dims:
+        starts = (starts[:, None] + np.arange(n, dtype=np.int64)[None, :] * s).reshape(-1)
+    return np.sort(starts), run
+
+
+def delivered_rows(reads: Reads, dequantized_packed: Iterable[str] = ()) -> Int64s:
+    """The rows of ``reads`` the job-wide delivery runs from memory: all but MXFP4 items (nibble codes
+    dequantized by the engine), which each rank reads itself."""
+    if reads.second is None:
+        return np.arange(len(reads), dtype=np.int64)
+    packed = set(dequantized_packed)
+    keep = [i for i, (k, s) in enumerate(zip(reads.keys, reads.second, strict=True)) if s is None or k not in packed]
+    return _i64(keep)
+
+
+def _reads_intervals(reads: Reads, smap: StorageMap, out: list[tuple[Int64s, Int64s, Int64s]]) -> None:
+    """Appends the element intervals of every item of ``reads`` (grouped by box pattern: the items of one
+    pattern share their relative runs)."""
+    if not len(reads):
+        return
+    keys = _i64([smap.key_id[k] for k in reads.keys])
+    patterns: dict[bytes, list[int]] = {}
+    packed = np.concatenate([reads.lengths, reads.storage_strides], axis=1)
+    for i, row in enumerate(packed):
+        patterns.setdefault(row.tobytes(), []).append(i)
+    ndim = reads.ndim
+    for rows_list in patterns.values():
+        rows = _i64(rows_list)
+        r0 = int(rows[0])
+        rel, run = item_runs(reads.lengths[r0].tolist(), reads.storage_strides[r0].tolist())
+        if run == 0 or not len(rel):
+            continue
+        starts = (reads.storage_base[rows][:, None] + rel[None, :]).reshape(-1)
+        key = np.repeat(keys[rows], len(rel))
+        out.append((key, starts, starts + run))
+    del ndim
+
+
+def rank_needs(plan: LoadPlan, smap: StorageMap, packed: Iterable[str] = ()) -> Needs:
+    """What one rank's region reads touch, as merged element intervals per checkpoint tensor: each item's
+    exact runs, and for dequantized FP8 items the scale rows the engine reads (``touched_scale_rows``).
+    ``packed``: MXFP4 keys, left to the rank itself (``delivered_rows``); deferred groups are not needs."""
+    packed = set(packed)
+    parts: list[tuple[Int64s, Int64s, Int64s]] = []
+    for reads in plan.region_reads.values():
+        rows = delivered_rows(reads, packed)
+        part = reads if len(rows) == len(reads) else reads.take(rows)
+        _reads_intervals(part, smap, parts)
+        for spec, (lo, hi) in touched_scale_rows(part).items():
+            k = smap.key_id[spec.scale]
+            grid_rows = -(-spec.shape[0] // spec.block[0]) if spec.shape else 1
+            per_row = int(smap.nbytes[k] // smap.itemsize[k]) // grid_rows
+            parts.append((_i64([k]), _i64([lo * per_row]), _i64([(hi + 1) * per_row])))
+    if not parts:
+        return Needs.empty()
+    return _merge(smap, *(np.concatenate(column) for column in zip(*parts, strict=True)))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The job plan
+
+
+@dataclass(eq=False)
+class JobPlan:
+    """The job-wide plan (see the module docstring). Per chunk ``c``: its axis range ``[chunk_lo, chunk_hi)``,
+    its reader, its round. ``pieces_*``: what the reader reads, the union of every rank's needs within each
+    chunk (per tensor: ``(chunk, key, element start, element end)``). ``split[r]``: rank ``r``'s needs cut at
+    chunk boundaries, as ``(chunk, key, start, end)`` in axis order: the rows it receives."""
+
+    world: int
+    ranks_per_node: int
+    smap: StorageMap
+    needs: list[Needs]
+    chunk_lo: Int64s
+    chunk_hi: Int64s
+    chunk_reader: Int64s
+    chunk_round: Int64s
+    rounds: int
+    pieces_chunk: Int64s
+    pieces_key: Int64s
+    pieces_start: Int64s
+    pieces_end: Int64s
+    split: list[tuple[Int64s, Int64s, Int64s, Int64s]]
+    budget_bytes: int
+    chunk_bytes: int
+    digest: str = ""
+    _node_of: Int64s = field(default_factory=lambda: _i64([]))
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.ranks_per_node
+
+    @property
+    def nodes(self) -> int:
+        return -(-self.world // self.ranks_per_node)
+
+    def pieces_of(self, chunks: Int64s) -> Int64s:
+        """Rows of the pieces of ``chunks`` (sorted chunk numbers)."""
+        lo = np.searchsorted(self.pieces_chunk, chunks, "left")
+        hi = np.searchsorted(self.pieces_chunk, chunks, "right")
+        return _i64(np.concatenate([np.arange(a, b) for a, b in zip(lo, hi, strict=True)]) if len(chunks) else [])
+
+    def piece_bytes(self) -> Int64s:
+        return (self.pieces_end - self.pieces_start) * self.smap.itemsize[self.pieces_key]
+
+    def rows_bytes(self, rank: int) -> Int64s:
+        chunk, key, start, end = self.split[rank]
+        return (end - start) * self.smap.itemsize[key]
+
+    def messages(self, rank: int, rnd: int) -> tuple[dict[int, Int64s], dict[int, Int64s]]:
+        """Round ``rnd``'s messages of ``rank``: ``(sends, receives)``, each ``peer -> rows`` (of the peer's
+        ``split`` for sends, of this rank's for receives), in axis order; a rank's own chunks appear in its
+        receives under its own number (copied, not sent)."""
+        sends: dict[int, list[Int64s]] = {}
+        mine = np.flatnonzero((self.chunk_reader == rank) & (self.chunk_round == rnd))
+        if len(mine):
+            for peer in range(self.world):
+                chunk = self.split[peer][0]
+                rows = np.flatnonzero(np.isin(chunk, mine))
+                if len(rows) and peer != rank:
+                    sends[peer] = [rows]
+        chunk = self.split[rank][0]
+        in_round = np.flatnonzero(self.chunk_round[chunk] == rnd) if len(chunk) else _i64([])
+        receives: dict[int, list[Int64s]] = {}
+        if len(in_round):
+            readers = self.chunk_reader[chunk[in_round]]
+            for reader in np.unique(readers).tolist():
+                receives[int(reader)] = [in_round[readers == reader]]
+        return ({p: _i64(r[0]) for p, r in sends.items()}, {p: _i64(r[0]) for p, r in receives.items()})
+
+    # -- measures ----------------------------------------------------------------------------------------
+
+    def bytes_read(self) -> Int64s:
+        """Storage bytes each rank reads."""
+        out = np.zeros(self.world, dtype=np.int64)
+        np.add.at(out, self.chunk_reader[self.pieces_chunk], self.piece_bytes())
+        return out
+
+    def bytes_received(self) -> Int64s:
+        """Bytes each rank receives from other ranks."""
+        out = np.zeros(self.world, dtype=np.int64)
+        for r in range(self.world):
+            chunk = self.split[r][0]
+            out[r] = int(self.rows_bytes(r)[self.chunk_reader[chunk] != r].sum())
+        return out
+
+    def bytes_sent(self) -> Int64s:
+        out = np.zeros(self.world, dtype=np.int64)
+        for r in range(self.world):
+            chunk = self.split[r][0]
+            remote = self.chunk_reader[chunk] != r
+            np.add.at(out, self.chunk_reader[chunk[remote]], self.rows_bytes(r)[remote])
+        return out
+
+    def node_bytes_read(self) -> Int64s:
+        per_rank = self.bytes_read()
+        out = np.zeros(self.nodes, dtype=np.int64)
+        np.add.at(out, np.arange(self.world) // self.ranks_per_node, per_rank)
+        return out
+
+    def cross_node(self) -> tuple[Int64s, Int64s]:
+        """Bytes each node sends to and receives from other nodes."""
+        out_b = np.zeros(self.nodes, dtype=np.int64)
+        in_b = np.zeros(self.nodes, dtype=np.int64)
+        for r in range(self.world):
+            chunk = self.split[r][0]
+            reader_node = self.chunk_reader[chunk] // self.ranks_per_node
+            remote = reader_node != r // self.ranks_per_node
+            nbytes = self.rows_bytes(r)[remote]
+            in_b[r // self.ranks_per_node] += int(nbytes.sum())
+            np.add.at(out_b, reader_node[remote], nbytes)
+        return out_b, in_b
+
+    def request_sizes(self) -> Int64s:
+        """Bytes read per chunk (one coalesced request each)."""
+        out = np.zeros(len(self.chunk_lo), dtype=np.int64)
+        np.add.at(out, self.pieces_chunk, self.piece_bytes())
+        return out
+
+
+def _split_at_chunks(
+    needs: Needs, smap: StorageMap, bounds: Int64s
+) -> tuple[Int64s, Int64s, Int64s, Int64s]:
+    """``needs`` cut at the chunk boundaries ``bounds`` (sorted axis positions, the chunks' starts), as
+    ``(chunk, key, start, end)``; every interval lies inside some chunk's range once cut."""
+    if not len(needs.key):
+        return _i64([]), _i64([]), _i64([]), _i64([])
+    glo, ghi = needs.g_bounds(smap)
+    c0 = np.searchsorted(bounds, glo, "right") - 1
+    c1 = np.searchsorted(bounds, ghi - 1, "right") - 1
+    count = c1 - c0 + 1
+    rows = np.repeat(np.arange(len(glo)), count)
+    chunk = np.repeat(c0, count) + (np.arange(len(rows)) - np.repeat(np.cumsum(count) - count, count))
+    size = smap.itemsize[needs.key[rows]]
+    base = smap.g0[needs.key[rows]]
+    lo = np.maximum(glo[rows], bounds[chunk])
+    nxt = np.append(bounds, np.iinfo(np.int64).max)[chunk + 1]
+    hi = np.minimum(ghi[rows], nxt)
+    return _i64(chunk), _i64(needs.key[rows]), _i64((lo - base) // size), _i64((hi - base) // size)
+
+
+def _chunk_bounds(union: Needs, smap: StorageMap, chunk_bytes: int) -> Int64s:
+    """Chunk starts on the axis: a new chunk at each file start and wherever the current one would pass
+    ``chunk_bytes`` of needed data; cuts fall on element boundaries of the tensor they cut."""
+    glo, ghi = union.g_bounds(smap)
+    file_of = smap.file_of[union.key]
+    starts: list[int] = []
+    filled = 0
+    current_file = -1
+    for i in range(len(glo)):
+        lo, hi, f = int(glo[i]), int(ghi[i]), int(file_of[i])
+        if f != current_file or filled >= chunk_bytes:
+            starts.append(lo)
+            filled = 0
+            current_file = f
+        while filled + (hi - lo) > chunk_bytes:
+            size = int(smap.itemsize[union.key[i]])
+            base = int(smap.g0[union.key[i]])
+            cut = lo + max(chunk_bytes - filled, size)
+            cut = base + (cut - base) // size * size
+            if cut <= lo:
+                cut = lo + size
+            if cut >= hi:
+                break
+            starts.append(cut)
+            lo, filled = cut, 0
+        filled += hi - lo
+    return _i64(starts)
+
+
+def _choose_readers(
+    holders: list[Int64s], sizes: Int64s, world: int, ranks_per_node: int, slack: float
+) -> Int64s:
+    """One reader per chunk, largest chunks first: the holder on the least-loaded node (then the least-loaded
+    rank, then the lowest); when every holder's node is more than ``slack`` x the ideal per-node share above the
+    least-loaded node, that node's least-loaded rank reads it instead (one more send, better balance)."""
+    nodes = -(-world // ranks_per_node)
+    node_load = np.zeros(nodes, dtype=np.int64)
+    rank_load = np.zeros(world, dtype=np.int64)
+    reader = np.full(len(sizes), -1, dtype=np.int64)
+    share = max(1.0, float(sizes.sum()) / nodes)
+    for c in np.lexsort((np.arange(len(sizes)), -sizes)).tolist():
+        h = holders[c]
+        size = int(sizes[c])
+        if not len(h):
+            continue
+        hn = h // ranks_per_node
+        best = int(h[np.lexsort((h, rank_load[h], node_load[hn]))[0]])
+        low_node = int(np.argmin(node_load))
+        if node_load[best // ranks_per_node] - node_load[low_node] > slack * share:
+            members = np.arange(low_node * ranks_per_node, min(world, (low_node + 1) * ranks_per_node))
+            best = int(members[np.lexsort((members, rank_load[members]))[0]])
+        reader[c] = best
+        node_load[best // ranks_per_node] += size
+        rank_load[best] += size
+    return reader
+
+
+def _rounds(plan: JobPlan, sizes: Int64s, budget: int) -> Int64s:
+    """Rounds in axis order: a round closes before a chunk that would take some rank past ``budget`` bytes
+    (its reads + sends + receives in the round); a chunk alone over the budget is a round of its own."""
+    n = len(sizes)
+    per_rank_chunk: list[dict[int, int]] = [{} for _ in range(n)]
+    for r in range(plan.world):
+        chunk = plan.split[r][0]
+        if not len(chunk):
+            continue
+        nbytes = plan.rows_bytes(r)
+        totals = np.zeros(n, dtype=np.int64)
+        np.add.at(totals, chunk, nbytes)
+        for c in np.flatnonzero(totals).tolist():
+            reader = int(plan.chunk_reader[c])
+            amount = int(totals[c])
+            if reader != r:  # received by r, sent by the reader
+                per_rank_chunk[c][r] = per_rank_chunk[c].get(r, 0) + amount
+                per_rank_chunk[c][reader] = per_rank_chunk[c].get(reader, 0) + amount
+    out = np.zeros(n, dtype=np.int64)
+    used: dict[int, int] = {}
+    rnd = 0
+    for c in range(n):
+        cost = dict(per_rank_chunk[c])
+        reader = int(plan.chunk_reader[c])
+        cost[reader] = cost.get(reader, 0) + int(sizes[c])
+        if used and any(used.get(r, 0) + b > budget for r, b in cost.items()):
+            rnd += 1
+            used = {}
+        for r, b in cost.items():
+            used[r] = used.get(r, 0) + b
+        out[c] = rnd
+    return out
+
+
+def plan_job(
+    needs: Sequence[Needs],
+    smap: StorageMap,
+    *,
+    ranks_per_node: int,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    budget_bytes: int = DEFAULT_BUDGET_BYTES,
+    slack: float = 0.05,
+) -> JobPlan:
+    """The job-wide plan for ``needs`` (one per rank, in rank order); see the module docstring."""
+    world = len(needs)
+    if ranks_per_node < 1:
+        raise ValueError(f"ranks_per_node must be at least 1, got {ranks_per_node}")
+    chunk_bytes = max(1, min(chunk_bytes, budget_bytes // 4 or 1))
+    if world:
+        union = _merge(smap, *(np.concatenate([getattr(n, f) for n in needs]) for f in ("key", "start", "end")))
+    else:
+        union = Needs.empty()
+    nodes = -(-world // ranks_per_node) if world else 1
+    # chunks small enough that each node's share is many chunks (balance), never below MIN_CHUNK_BYTES
+    chunk_bytes = min(chunk_bytes, max(MIN_CHUNK_BYTES, union.nbytes(smap) // (8 * nodes)))
+    bounds = _chunk_bounds(union, smap, chunk_bytes)
+    pc, pk, ps, pe = _split_at_chunks(union, smap, bounds)
+    split = [_split_at_chunks(n, smap, bounds) for n in needs]
+    nchunks = len(bounds)
+    sizes = np.zeros(nchunks, dtype=np.int64)
+    np.add.at(sizes, pc, (pe - ps) * smap.itemsize[pk])
+    holder_lists: list[list[int]] = [[] for _ in range(nchunks)]
+    for r, (chunk, *_rest) in enumerate(split):
+        for c in np.unique(chunk).tolist():
+            holder_lists[c].append(r)
+    holders = [_i64(h) for h in holder_lists]
+    reader = _choose_readers(holders, sizes, world, ranks_per_node, slack)
+    hi = np.append(bounds[1:], bounds[-1] if nchunks else 0)
+    if nchunks:  # each chunk ends at its last piece's end
+        last_piece = np.searchsorted(pc, np.arange(nchunks), "right") - 1
+        hi = smap.g0[pk[last_piece]] + pe[last_piece] * smap.itemsize[pk[last_piece]]
+    plan = JobPlan(
+        world=world,
+        ranks_per_node=ranks_per_node,
+        smap=smap,
+        needs=list(needs),
+        chunk_lo=bounds,
+        chunk_hi=_i64(hi),
+        chunk_reader=reader,
+        chunk_round=np.zeros(nchunks, dtype=np.int64),
+        rounds=0,
+        pieces_chunk=pc,
+        pieces_key=pk,
+        pieces_start=ps,
+        pieces_end=pe,
+        split=split,
+        budget_bytes=budget_bytes,
+        chunk_bytes=chunk_bytes,
+    )
+    plan.chunk_round = _rounds(plan, sizes, budget_bytes)
+    plan.rounds = int(plan.chunk_round.max()) + 1 if nchunks else 0
+    h = hashlib.blake2b(digest_size=16)
+    h.update(smap.digest().encode())
+    h.update(f"{world}/{ranks_per_node}/{chunk_bytes}/{budget_bytes}".encode())
+    for array in (plan.chunk_lo, plan.chunk_reader, plan.chunk_round, pc, pk, ps, pe):
+        h.update(array.tobytes())
+    for n in needs:
+        for array in (n.key, n.start, n.end):
+            h.update(array.tobytes())
+    plan.digest = h.hexdigest()
+    return plan
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The cost model
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One strategy's predicted cold start: per-node storage bytes and cross-node bytes, and the time."""
+
+    strategy: str
+    node_read: tuple[int, ...]
+    node_out: tuple[int, ...]
+    node_in: tuple[int, ...]
+    seconds: float
+
+    @property
+    def total_read(self) -> int:
+        return sum(self.node_read)
+
+    @property
+    def read_balance(self) -> float:
+        mean = self.total_read / max(1, len(self.node_read))
+        return max(self.node_read) / mean if mean else 1.0
+
+
+def _union_bytes(needs: Sequence[Needs], smap: StorageMap) -> int:
+    if not needs:
+        return 0
+    merged = _merge(smap, *(np.concatenate([getattr(n, f) for n in needs]) for f in ("key", "start", "end")))
+    return merged.nbytes(smap)
+
+
+def predict(
+    plan: JobPlan,
+    *,
+    storage_gbps: float,
+    network_gbps: float,
+    storage_total_gbps: float | None = None,
+    round_latency_s: float = 0.0,
+) -> list[Prediction]:
+    """Predicted cold start of the strategies ``none``, ``node`` and ``job`` (docs/job-wide.md).
+
+    Per node ``n``: ``t_n = max(read_n / S, out_n / N, in_n / N)`` with ``S`` the storage bandwidth a node
+    gets and ``N`` its network bandwidth (GB/s, each direction); the job takes ``max_n t_n``, and at least
+    ``sum(read) / S_total`` when the file system caps the aggregate (``storage_total_gbps``). ``job`` adds
+    ``rounds x round_latency_s`` (one agreement per round). Only cross-node bytes cost network time.
+    """
+    if storage_gbps <= 0 or network_gbps <= 0:
+        raise ValueError("storage and network bandwidths must be positive")
+    rpn, nodes = plan.ranks_per_node, plan.nodes
+    per_node = [plan.needs[n * rpn : (n + 1) * rpn] for n in range(nodes)]
+    zeros = (0,) * nodes
+
+    def seconds(read: Sequence[int], out: Sequence[int], inn: Sequence[int], extra: float = 0.0) -> float:
+        t = max(
+            max(r / (storage_gbps * 1e9), o / (network_gbps * 1e9), i / (network_gbps * 1e9))
+            for r, o, i in zip(read, out, inn, strict=True)
+        )
+        if storage_total_gbps:
+            t = max(t, sum(read) / (storage_total_gbps * 1e9))
+        return t + extra
+
+    none_read = tuple(sum(n.nbytes(plan.smap) for n in group) for group in per_node)
+    node_read = tuple(_union_bytes(group, plan.smap) for group in per_node)
+    job_read = tuple(int(x) for x in plan.node_bytes_read())
+    out_b, in_b = plan.cross_node()
+    job_out, job_in = tuple(int(x) for x in out_b), tuple(int(x) for x in in_b)
+    return [
+        Prediction("none", none_read, zeros, zeros, seconds(none_read, zeros, zeros)),
+        Prediction("node", node_read, zeros, zeros, seconds(node_read, zeros, zeros)),
+        Prediction(
+            "job", job_read, job_out, job_in, seconds(job_read, job_out, job_in, plan.rounds * round_latency_s)
+        ),
+    ]
+
+
+def median(values: Iterable[int]) -> float:
+    data = sorted(values)
+    if not data:
+        return 0.0
+    mid = len(data) // 2
+    return float(data[mid]) if len(data) % 2 else (data[mid - 1] + data[mid]) / 2
+
+
+def ratio(a: float, b: float) -> float:
+    return a / b if b else math.nan
