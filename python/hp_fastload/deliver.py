@@ -108,14 +108,14 @@ def _read_round(
                 view = views[entry.dtype] = staging.view(entry.dtype)
             n = int(ends[i] - starts[i])
             batch.add(key, int(starts[i]), (1,), (n,), view, (int(offsets[i]) // int(size[i]),))
-        _read_with_retries(job, c, batch, threads, backend, stats)
+        _read_with_retries(job, rank, c, batch, threads, backend, stats)
     stats.seconds_read += time.perf_counter() - t0
     glo = smap.g0[keys] + starts * size
     return staging.numpy(), glo, glo + nbytes, offsets
 
 
 def _read_with_retries(
-    job: JobPlan, chunk: int, batch: Batch, threads: int | None, backend: str | None, stats: DeliveryStats
+    job: JobPlan, rank: int, chunk: int, batch: Batch, threads: int | None, backend: str | None, stats: DeliveryStats
 ) -> None:
     counter = _Counter()
     for attempt in range(READ_ATTEMPTS):
@@ -132,7 +132,7 @@ def _read_with_retries(
                 base = int(smap.file_g0[f])
                 tried = f" after {attempt + 1} attempts" if code in TRANSIENT_ERRNOS else ""
                 raise ReadError(
-                    f"{smap.file_names[f]}: reading bytes [{lo - base}, {hi - base}) failed{tried}: {exc}"
+                    f"rank {rank}: {smap.file_names[f]}: reading bytes [{lo - base}, {hi - base}) failed{tried}: {exc}"
                 ) from exc
             stats.read_retries += 1
             time.sleep(RETRY_SLEEP_S * (attempt + 1))

@@ -144,7 +144,7 @@ def _load(family: str, layout: str, share: str, **kwargs: Any) -> tuple[list[str
 def _make_check(family: str, layout: str) -> Any:
     def check(rank: int, world: int) -> dict[str, Any]:
         bad, report = _load(family, layout, "job")
-        _, none = _load(family, layout, "none") if layout in ("tp_dp", "hsdp") else ([], None)
+        _, none = _load(family, layout, "none") if layout == "hsdp" else ([], None)
         return {
             "bad": bad,
             "read": report.bytes_read,
