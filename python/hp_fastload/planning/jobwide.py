@@ -388,25 +388,77 @@ def _split_at_chunks(
     return _i64(chunk), _i64(needs.key[rows]), _i64((lo - base) // size), _i64((hi - base) // size)
 
 
-def _chunk_bounds(union: Needs, smap: StorageMap, chunk_bytes: int) -> Int64s:
-    """Chunk starts on the axis: a new chunk at each file start and wherever the current one would pass
-    ``chunk_bytes`` of needed data; cuts fall on element boundaries of the tensor they cut."""
+def _holder_cuts(union: Needs, needs: Sequence[Needs], smap: StorageMap, min_run: int) -> Int64s:
+    """Axis positions where the set of ranks needing the bytes changes and both sides are runs of at least
+    ``min_run`` bytes with one holder set: cutting a chunk there lets a rank that needs a run read it (no send),
+    while a strided layout (a column slice changes holders every row) stays in large chunks."""
+    points = [np.concatenate(n.g_bounds(smap)) for n in needs if len(n.key)]
+    if not points:
+        return _i64([])
+    edges = np.unique(np.concatenate(points))
+    if len(edges) < 2:
+        return _i64([])
+    seg_lo, seg_hi = edges[:-1], edges[1:]
+    signature = np.zeros(len(seg_lo), dtype=np.uint64)
+    for r, n in enumerate(needs):
+        if not len(n.key):
+            continue
+        lo, hi = n.g_bounds(smap)
+        a = np.searchsorted(seg_lo, lo, "left")
+        b = np.searchsorted(seg_lo, hi, "left")
+        cover = np.zeros(len(seg_lo) + 1, dtype=np.int64)
+        np.add.at(cover, a, 1)
+        np.add.at(cover, b, -1)
+        held = np.cumsum(cover[:-1]) > 0
+        signature[held] ^= np.uint64((r * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) & 0xFFFFFFFFFFFFFFFF)
+    live = signature != 0
+    seg_lo, seg_hi, signature = seg_lo[live], seg_hi[live], signature[live]
+    if not len(seg_lo):
+        return _i64([])
+    change = np.flatnonzero(signature[1:] != signature[:-1]) + 1
+    run_first = np.concatenate([[0], change])
+    run_last = np.concatenate([change, [len(seg_lo)]]) - 1
+    run_bytes = np.add.reduceat(seg_hi - seg_lo, run_first)
+    big = run_bytes >= min_run
+    cuts = [int(seg_lo[run_first[i]]) for i in range(1, len(run_first)) if big[i] and big[i - 1]]
+    del run_last, union
+    return _i64(cuts)
+
+
+def _chunk_bounds(union: Needs, smap: StorageMap, chunk_bytes: int, cuts: Int64s | None = None) -> Int64s:
+    """Chunk starts on the axis: a new chunk at each file start, at each of ``cuts`` (holder changes), and
+    wherever the current one would pass ``chunk_bytes`` of needed data; cuts fall on element boundaries of the
+    tensor they cut."""
     glo, ghi = union.g_bounds(smap)
     file_of = smap.file_of[union.key]
+    forced = sorted(set(cuts.tolist())) if cuts is not None else []
     starts: list[int] = []
     filled = 0
     current_file = -1
+    f_i = 0
     for i in range(len(glo)):
         lo, hi, f = int(glo[i]), int(ghi[i]), int(file_of[i])
+        size = int(smap.itemsize[union.key[i]])
+        base = int(smap.g0[union.key[i]])
         if f != current_file or filled >= chunk_bytes:
             starts.append(lo)
             filled = 0
             current_file = f
-        while filled + (hi - lo) > chunk_bytes:
-            size = int(smap.itemsize[union.key[i]])
-            base = int(smap.g0[union.key[i]])
-            cut = lo + max(chunk_bytes - filled, size)
-            cut = base + (cut - base) // size * size
+        while f_i < len(forced) and forced[f_i] <= lo:
+            if forced[f_i] == lo and starts[-1] != lo:
+                starts.append(lo)
+                filled = 0
+            f_i += 1
+        while True:
+            nxt_forced = forced[f_i] if f_i < len(forced) and forced[f_i] < hi else None
+            limit = lo + max(chunk_bytes - filled, size)
+            if nxt_forced is not None and nxt_forced <= limit:
+                cut = nxt_forced
+                f_i += 1
+            elif filled + (hi - lo) > chunk_bytes:
+                cut = base + (limit - base) // size * size
+            else:
+                break
             if cut <= lo:
                 cut = lo + size
             if cut >= hi:
@@ -414,7 +466,7 @@ def _chunk_bounds(union: Needs, smap: StorageMap, chunk_bytes: int) -> Int64s:
             starts.append(cut)
             lo, filled = cut, 0
         filled += hi - lo
-    return _i64(starts)
+    return _i64(sorted(set(starts)))
 
 
 def _choose_readers(
@@ -436,7 +488,7 @@ def _choose_readers(
         hn = h // ranks_per_node
         best = int(h[np.lexsort((h, rank_load[h], node_load[hn]))[0]])
         low_node = int(np.argmin(node_load))
-        if node_load[best // ranks_per_node] - node_load[low_node] > slack * share:
+        if node_load[best // ranks_per_node] - node_load[low_node] > slack * share + size:
             members = np.arange(low_node * ranks_per_node, min(world, (low_node + 1) * ranks_per_node))
             best = int(members[np.lexsort((members, rank_load[members]))[0]])
         reader[c] = best
@@ -500,7 +552,8 @@ def plan_job(
     nodes = -(-world // ranks_per_node) if world else 1
     # chunks small enough that each node's share is many chunks (balance), never below MIN_CHUNK_BYTES
     chunk_bytes = min(chunk_bytes, max(MIN_CHUNK_BYTES, union.nbytes(smap) // (8 * nodes)))
-    bounds = _chunk_bounds(union, smap, chunk_bytes)
+    cuts = _holder_cuts(union, needs, smap, max(1, chunk_bytes // 4))
+    bounds = _chunk_bounds(union, smap, chunk_bytes, cuts)
     pc, pk, ps, pe = _split_at_chunks(union, smap, bounds)
     split = [_split_at_chunks(n, smap, bounds) for n in needs]
     nchunks = len(bounds)
