@@ -551,7 +551,8 @@ def _agree_job_plan(
 ) -> Any:
     """The job-wide plan, computed on every rank and agreed by its digest (one all-gather of a hash); None
     when ``share="auto"`` prefers every rank reading its own regions (the same choice on every rank)."""
-    from .jobload import DEFAULT_BUDGET_BYTES, DEFAULT_CHUNK_BYTES, auto_prefers_job, plan_for_load, ranks_per_node
+    from .jobload import auto_prefers_job, plan_for_load, ranks_per_node
+    from .planning.jobwide import DEFAULT_BUDGET_BYTES, DEFAULT_CHUNK_BYTES
 
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     job = _agree(

@@ -142,12 +142,22 @@ def _simulate(args: argparse.Namespace) -> int:
     )
     print(f"{'node':>6} {'storage GB':>12} {'sent GB':>10} {'received GB':>12}")
     for n, (r, o, i) in enumerate(
-        zip(result["per_node_storage_bytes"], result["per_node_sent_bytes"], result["per_node_received_bytes"])
+        zip(
+            result["per_node_storage_bytes"],
+            result["per_node_sent_bytes"],
+            result["per_node_received_bytes"],
+            strict=True,
+        )
     ):
         print(f"{n:>6} {r / gb:>12.3f} {o / gb:>10.3f} {i / gb:>12.3f}")
     print(f"{'rank':>6} {'needs GB':>10} {'received GB':>12} {'read GB':>9}")
     for r, (need, got, read) in enumerate(
-        zip(result["per_rank_needed_bytes"], result["per_rank_received_bytes"], result["per_rank_read_bytes"])
+        zip(
+            result["per_rank_needed_bytes"],
+            result["per_rank_received_bytes"],
+            result["per_rank_read_bytes"],
+            strict=True,
+        )
     ):
         print(f"{r:>6} {need / gb:>10.3f} {got / gb:>12.3f} {read / gb:>9.3f}")
     t4 = result["t4_plan_seconds"]
@@ -155,8 +165,8 @@ def _simulate(args: argparse.Namespace) -> int:
         f"T1 read/needed {result['t1_read_over_needed']:.4f}; T2 max received/needed "
         f"{result['t2_max_received_over_needed']:.4f}; T3 node read balance {result['t3_node_read_balance']:.3f}, "
         f"median request {result['t3_median_request_bytes'] / 2**20:.1f} MiB over {result['chunks']} chunks, "
-        f"{result['rounds']} rounds; T4 planned in {t4['total']:.2f} s (all ranks' needs {t4['all_ranks_needs']:.2f} s, "
-        f"job plan {t4['job_plan']:.2f} s)"
+        f"{result['rounds']} rounds; T4 planned in {t4['total']:.2f} s "
+        f"(all ranks' needs {t4['all_ranks_needs']:.2f} s, job plan {t4['job_plan']:.2f} s)"
     )
     print(f"predicted cold start at {args.storage_gbps} GB/s storage and {args.network_gbps} GB/s network per node:")
     for strategy, seconds in result["predicted_seconds"].items():

@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import errno
 import time
-from datetime import timedelta
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import numpy as np
@@ -275,10 +275,7 @@ def _scales_of(storage: MemoryStorage, item: Any, spec: Any) -> torch.Tensor:
 def _run_item(storage: MemoryStorage, local: torch.Tensor, item: Any, dtype: torch.dtype, spec: Any) -> None:
     key = storage.smap.key_id[item.source]
     src = _packed_view(storage, key, dtype, item)
-    if spec is not None:
-        values = src.to(torch.float32) * _scales_of(storage, item, spec)
-    else:
-        values = src
+    values = src.to(torch.float32) * _scales_of(storage, item, spec) if spec is not None else src
     if item.post:
         values = apply_post(values.clone(), item.post)
     view = local
@@ -346,7 +343,7 @@ def deliver(
                 last_use[d] = max(last_use.get(d, -1), rnd)
     if -1 in by_round:  # nothing to wait for: cannot happen for items with bytes
         raise ReadError(f"rank {rank}: {len(by_round[-1])} items need bytes the job plan never delivers")
-    split_chunk, split_key, split_start, split_end = job.split[rank]
+    _split_chunk, split_key, split_start, split_end = job.split[rank]
     split_bytes = (split_end - split_start) * smap.itemsize[split_key]
 
     def run_ready(rnd: int) -> None:
@@ -362,10 +359,12 @@ def deliver(
     with torch.no_grad():
         for rnd in range(job.rounds):
             sends, receives = job.messages(rank, rnd)
+
+            def read_this_round(rnd: int = rnd) -> tuple[np.ndarray, Any, Any, Any]:
+                return _read_round(job, rank, rnd, index, threads, backend, stats)
+
             outcome = _agree_or_local(
-                agree,
-                f"Reading round {rnd + 1} of {job.rounds} of the job-wide plan",
-                lambda rnd=rnd: _read_round(job, rank, rnd, index, threads, backend, stats),
+                agree, f"Reading round {rnd + 1} of {job.rounds} of the job-wide plan", read_this_round
             )
             staging, piece_lo, piece_hi, piece_off = outcome
             del piece_hi

@@ -25,8 +25,6 @@ from .errors import PlanError
 from .index import CheckpointIndex
 from .plan import LoadContext, LoadPlan, Replacement
 from .planning.jobwide import (
-    DEFAULT_BUDGET_BYTES,
-    DEFAULT_CHUNK_BYTES,
     JobPlan,
     Needs,
     StorageMap,
@@ -94,7 +92,9 @@ def all_rank_needs(
     seen: dict[Any, Needs] = {}
     out: list[Needs] = []
     for r in range(world):
-        targets = build_targets(model, external_target_fqns=frozenset(external_target_fqns), mesh_override=virtual_rank(r))
+        targets = build_targets(
+            model, external_target_fqns=frozenset(external_target_fqns), mesh_override=virtual_rank(r)
+        )
         signature = tuple((name, t.region if t.error is None else t.error) for name, t in targets.items())
         needs = seen.get(signature)
         if needs is None:
@@ -209,7 +209,5 @@ def run_job(
     stats.bytes_read += delivered.bytes_read
     stats.bytes_sent = delivered.bytes_sent
     stats.bytes_received = delivered.bytes_received
-    stats.extra.update(
-        rounds=delivered.rounds, read_retries=delivered.read_retries, items_from_memory=delivered.items
-    )
+    stats.extra.update(rounds=delivered.rounds, read_retries=delivered.read_retries, items_from_memory=delivered.items)
     return stats

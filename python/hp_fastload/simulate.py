@@ -70,9 +70,7 @@ def simulate(
             replacement=None,
         )
         t1 = time.perf_counter()
-        job = plan_job(
-            needs, smap, ranks_per_node=ranks_per_node, budget_bytes=budget_bytes, chunk_bytes=chunk_bytes
-        )
+        job = plan_job(needs, smap, ranks_per_node=ranks_per_node, budget_bytes=budget_bytes, chunk_bytes=chunk_bytes)
         t2 = time.perf_counter()
     finally:
         dist.destroy_process_group()

@@ -133,9 +133,7 @@ def _load(family: str, layout: str, share: str, **kwargs: Any) -> tuple[list[str
 
     root = Path(os.environ[ROOT_ENV]) / family
     model = _build(family, layout)
-    report = hf.load(
-        model, root, share=share, ranks_per_node=RANKS_PER_NODE, share_budget_bytes=BUDGET, **kwargs
-    )
+    report = hf.load(model, root, share=share, ranks_per_node=RANKS_PER_NODE, share_budget_bytes=BUDGET, **kwargs)
     assert not report.missing_keys and not report.unexpected_keys, report
     bad, _ = _compare(model, torch.load(root / "reference.pt"))
     return bad, report

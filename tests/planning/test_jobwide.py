@@ -14,7 +14,8 @@ from hp_fastload.planning.jobwide import Needs, StorageMap, item_runs, plan_job,
 
 
 def _naive_elements(base: int, lengths: tuple[int, ...], strides: tuple[int, ...]) -> set[int]:
-    return {base + sum(i * s for i, s in zip(index, strides)) for index in itertools.product(*map(range, lengths))}
+    boxes = itertools.product(*map(range, lengths))
+    return {base + sum(i * s for i, s in zip(index, strides, strict=True)) for index in boxes}
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -43,7 +44,7 @@ def _smap(sizes: list[int], files: int = 2) -> StorageMap:
 
 
 def _needs(smap: StorageMap, rows: list[tuple[int, int, int]]) -> Needs:
-    k, s, e = (np.array(c, dtype=np.int64) for c in zip(*rows)) if rows else ([], [], [])
+    k, s, e = (np.array(c, dtype=np.int64) for c in zip(*rows, strict=True)) if rows else ([], [], [])
     from hp_fastload.planning.jobwide import _merge
 
     return _merge(smap, np.asarray(k, dtype=np.int64), np.asarray(s, dtype=np.int64), np.asarray(e, dtype=np.int64))
@@ -51,7 +52,7 @@ def _needs(smap: StorageMap, rows: list[tuple[int, int, int]]) -> Needs:
 
 def _bytes_of(smap: StorageMap, needs: Needs) -> set[int]:
     lo, hi = needs.g_bounds(smap)
-    return {b for a, z in zip(lo.tolist(), hi.tolist()) for b in range(a, z)}
+    return {b for a, z in zip(lo.tolist(), hi.tolist(), strict=True) for b in range(a, z)}
 
 
 def _random_job(seed: int, world: int = 6) -> tuple[StorageMap, list[Needs]]:
@@ -75,14 +76,14 @@ def test_every_needed_byte_is_read_once_and_each_rank_gets_its_own(seed: int) ->
     job = plan_job(needs, smap, ranks_per_node=2, chunk_bytes=1024, budget_bytes=6000)
     union = set().union(*(_bytes_of(smap, n) for n in needs))
     read: list[int] = []
-    for c, k, s, e in zip(job.pieces_chunk, job.pieces_key, job.pieces_start, job.pieces_end):
+    for c, k, s, e in zip(job.pieces_chunk, job.pieces_key, job.pieces_start, job.pieces_end, strict=True):
         base, size = int(smap.g0[k]), int(smap.itemsize[k])
         assert job.chunk_lo[c] <= base + s * size and base + e * size <= job.chunk_hi[c]
         read.extend(range(base + int(s) * size, base + int(e) * size))
     assert sorted(read) == sorted(union)  # T1 = 1 exactly: nothing twice, nothing missing, no gaps read
     assert int(job.bytes_read().sum()) == len(union)
     for r, n in enumerate(needs):
-        chunk, key, start, end = job.split[r]
+        _chunk, key, start, end = job.split[r]
         got = Needs(key, start, end)
         assert _bytes_of(smap, got) == _bytes_of(smap, n)  # rows = needs, cut at chunk bounds
         assert int(job.rows_bytes(r).sum()) == n.nbytes(smap)
@@ -144,5 +145,5 @@ def test_predict_formulas() -> None:
     assert sum(job_read) == total
     out_b, in_b = by["job"].node_out, by["job"].node_in
     assert in_b == (2 * (total - job_read[0]), 2 * (total - job_read[1])) and out_b == (in_b[1], in_b[0])
-    want = max(max(r / 1e9, o / 2e9, i / 2e9) for r, o, i in zip(job_read, out_b, in_b))
+    want = max(max(r / 1e9, o / 2e9, i / 2e9) for r, o, i in zip(job_read, out_b, in_b, strict=True))
     assert by["job"].seconds == pytest.approx(want)

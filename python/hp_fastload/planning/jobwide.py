@@ -105,7 +105,7 @@ class StorageMap:
         files = list(index.files)
         number = {id(f): i for i, f in enumerate(files)}
         tensors = []
-        for key in index.keys():
+        for key in index:
             entry = index.locate(key)
             begin, _ = entry.file.offsets(key)
             tensors.append((key, number[id(entry.file)], begin, entry.nbytes, entry.dtype.itemsize))
@@ -293,7 +293,7 @@ class JobPlan:
         return (self.pieces_end - self.pieces_start) * self.smap.itemsize[self.pieces_key]
 
     def rows_bytes(self, rank: int) -> Int64s:
-        chunk, key, start, end = self.split[rank]
+        _chunk, key, start, end = self.split[rank]
         return (end - start) * self.smap.itemsize[key]
 
     def messages(self, rank: int, rnd: int) -> tuple[dict[int, Int64s], dict[int, Int64s]]:
@@ -367,9 +367,7 @@ class JobPlan:
         return out
 
 
-def _split_at_chunks(
-    needs: Needs, smap: StorageMap, bounds: Int64s
-) -> tuple[Int64s, Int64s, Int64s, Int64s]:
+def _split_at_chunks(needs: Needs, smap: StorageMap, bounds: Int64s) -> tuple[Int64s, Int64s, Int64s, Int64s]:
     """``needs`` cut at the chunk boundaries ``bounds`` (sorted axis positions, the chunks' starts), as
     ``(chunk, key, start, end)``; every interval lies inside some chunk's range once cut."""
     if not len(needs.key):
@@ -469,9 +467,7 @@ def _chunk_bounds(union: Needs, smap: StorageMap, chunk_bytes: int, cuts: Int64s
     return _i64(sorted(set(starts)))
 
 
-def _choose_readers(
-    holders: list[Int64s], sizes: Int64s, world: int, ranks_per_node: int, slack: float
-) -> Int64s:
+def _choose_readers(holders: list[Int64s], sizes: Int64s, world: int, ranks_per_node: int, slack: float) -> Int64s:
     """One reader per chunk, largest chunks first: the holder on the least-loaded node (then the least-loaded
     rank, then the lowest); when every holder's node is more than ``slack`` x the ideal per-node share above the
     least-loaded node, that node's least-loaded rank reads it instead (one more send, better balance)."""
@@ -670,9 +666,7 @@ def predict(
     return [
         Prediction("none", none_read, zeros, zeros, seconds(none_read, zeros, zeros)),
         Prediction("node", node_read, zeros, zeros, seconds(node_read, zeros, zeros)),
-        Prediction(
-            "job", job_read, job_out, job_in, seconds(job_read, job_out, job_in, plan.rounds * round_latency_s)
-        ),
+        Prediction("job", job_read, job_out, job_in, seconds(job_read, job_out, job_in, plan.rounds * round_latency_s)),
     ]
 
 
