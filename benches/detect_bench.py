@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from hp_fastload import quant
-from hp_fastload.index import CheckpointIndex
+from hp_fastload.source.index import CheckpointIndex
 
 
 def _fp8_keys(layers: int, experts: int) -> tuple[list[str], dict[str, torch.dtype]]:

@@ -56,7 +56,7 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=256)
     parser.add_argument("--checkpoint", default=None, help="reuse a checkpoint directory written before")
     args = parser.parse_args()
-    from hp_fastload.simulate import simulate
+    from hp_fastload.api.ranks import simulate
 
     root = Path(args.checkpoint) if args.checkpoint else Path(tempfile.mkdtemp(prefix="hpf_jobwide_"))
     if not (root / "config.json").exists():

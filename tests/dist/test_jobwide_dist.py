@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 import torch
 
-from .. import quant_checkpoints as qc
-from ..dist_utils import run_distributed, run_subchecks, subcheck_values
-from ..tiny_models import model_class
+from tests.helpers import quant_checkpoints as qc
+from tests.helpers.dist import run_distributed, run_subchecks, subcheck_values
+from tests.helpers.tiny_models import model_class
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
@@ -164,7 +164,7 @@ CASES = [(family, layout) for family in FAMILIES for layout in LAYOUTS]
 
 def check_transient_read_error_is_retried(rank: int, world: int) -> dict[str, Any]:
     """Rank 1's first chunk read fails with EIO once: retried, the load completes with the same values."""
-    from hp_fastload import deliver
+    from hp_fastload.execute import deliver
 
     calls = {"n": 0}
     original = deliver.read_chunk
@@ -186,8 +186,8 @@ def check_transient_read_error_is_retried(rank: int, world: int) -> dict[str, An
 def check_permanent_read_error_raises_everywhere(rank: int, world: int) -> str:
     """Rank 2's reads keep failing with EIO: every rank raises a ReadError naming rank 2, the file and the
     byte range."""
-    from hp_fastload import deliver
     from hp_fastload.errors import ReadError
+    from hp_fastload.execute import deliver
 
     original = deliver.read_chunk
 
@@ -208,7 +208,7 @@ def check_permanent_read_error_raises_everywhere(rank: int, world: int) -> str:
 def check_rank_failing_mid_delivery_is_named(rank: int, world: int) -> str:
     """Rank 3 raises while packing its messages (after the reads were agreed): it raises its own error, the
     others raise naming rank 3 once their wait for it times out (last check: the group is left unusable)."""
-    from hp_fastload import deliver
+    from hp_fastload.execute import deliver
 
     original = deliver._pack
 

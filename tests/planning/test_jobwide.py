@@ -10,7 +10,9 @@ import random
 import numpy as np
 import pytest
 
-from hp_fastload.planning.jobwide import Needs, StorageMap, item_runs, plan_job, predict
+from hp_fastload.planning.jobcost import predict
+from hp_fastload.planning.jobneeds import Needs, StorageMap, item_runs
+from hp_fastload.planning.jobwide import plan_job
 
 
 def _naive_elements(base: int, lengths: tuple[int, ...], strides: tuple[int, ...]) -> set[int]:
@@ -45,9 +47,11 @@ def _smap(sizes: list[int], files: int = 2) -> StorageMap:
 
 def _needs(smap: StorageMap, rows: list[tuple[int, int, int]]) -> Needs:
     k, s, e = (np.array(c, dtype=np.int64) for c in zip(*rows, strict=True)) if rows else ([], [], [])
-    from hp_fastload.planning.jobwide import _merge
+    from hp_fastload.planning.jobneeds import merge_needs
 
-    return _merge(smap, np.asarray(k, dtype=np.int64), np.asarray(s, dtype=np.int64), np.asarray(e, dtype=np.int64))
+    return merge_needs(
+        smap, np.asarray(k, dtype=np.int64), np.asarray(s, dtype=np.int64), np.asarray(e, dtype=np.int64)
+    )
 
 
 def _bytes_of(smap: StorageMap, needs: Needs) -> set[int]:

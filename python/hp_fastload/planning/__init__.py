@@ -1,1 +1,1 @@
-"""Planning layer additions: the job-wide plan (``jobwide``)."""
+"""Planning: checkpoint headers + rules + model layout -> one rank's read items. Never touches tensor bytes."""

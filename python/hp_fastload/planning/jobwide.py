@@ -1,55 +1,29 @@
 """The job-wide plan: every checkpoint byte any rank needs is read from storage once per job, by one reader
 rank, and each rank is sent exactly the bytes its own read items touch.
 
-Owns, as pure functions over plain arrays (no process group, no bytes):
+Owns ``plan_job``: all ranks' needs (``planning.jobneeds``) -> ``JobPlan``: the union cut into chunks (large
+coalesced read requests that never cross a file, cut where the set of ranks needing the bytes changes), one
+reader per chunk (a rank that needs it where that keeps the nodes' read bytes balanced, else the least-loaded
+node's least-loaded rank), rounds that keep each rank's staging and message memory within a budget, and per
+round the messages ``reader -> receiver`` (the receiver's intervals within the reader's chunks, in axis
+order). Deterministic: every rank computes the same plan from the same needs, and ``JobPlan.digest`` is the one
+value the ranks compare. Pure: no process group, no bytes.
 
-- ``StorageMap``: every checkpoint tensor placed on one global byte axis (the files end to end), so that a
-  rank's needs are sorted intervals and the union over ranks is a merge;
-- ``rank_needs``: a rank's ``LoadPlan`` -> the element intervals of each checkpoint tensor its region reads
-  touch (exact runs: a strided box is many runs, never its bounding box), the scale rows of FP8 items included;
-- ``plan_job``: all ranks' needs -> ``JobPlan``: the union cut into chunks (large coalesced read requests that
-  never cross a file), one reader per chunk (a rank that needs it where that keeps the nodes' read bytes
-  balanced, else the least-loaded node's least-loaded rank), rounds that keep each rank's staging and
-  message memory within a budget, and per round the messages ``reader -> receiver`` (the receiver's intervals
-  within the reader's chunks, in axis order). Deterministic: every rank computes the same plan from the same
-  needs, and ``JobPlan.digest`` is the one value the ranks compare;
-- the cost model (``predict``): per-node storage, network in/out and the predicted cold-start time of three
-  strategies (``none``: every rank reads its own needs; ``node``: each node reads the union of its ranks'
-  needs once; ``job``: this plan), with the formulas in docs/job-wide.md.
-
-What it does not own: planning a rank (``plan_load``), moving bytes (``execute.deliver``).
-Items the delivery cannot run from memory (MXFP4 nibbles, deferred groups) are not needs: each rank reads
-them itself (``local_keys``).
+What it does not own: planning a rank (``plan_load``), the cost model (``jobcost``), moving bytes
+(``execute.deliver``).
 """
 
 from __future__ import annotations
 
 import hashlib
-import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
-from ..errors import PlanError
-from ..plan.items import LoadPlan, Reads, touched_scale_rows
+from hp_fastload.planning.jobneeds import Int64s, Needs, StorageMap, as_int64, merge_needs
 
-__all__ = [
-    "DEFAULT_BUDGET_BYTES",
-    "DEFAULT_CHUNK_BYTES",
-    "JobPlan",
-    "Needs",
-    "Prediction",
-    "StorageMap",
-    "delivered_rows",
-    "item_runs",
-    "plan_job",
-    "predict",
-    "rank_needs",
-]
-
-Int64s = np.ndarray[Any, np.dtype[np.int64]]
+__all__ = ["DEFAULT_BUDGET_BYTES", "DEFAULT_CHUNK_BYTES", "MIN_CHUNK_BYTES", "JobPlan", "plan_job"]
 
 #: Target size of one read request (a chunk): Run:ai's object-store default is 8 MiB, Orbax uses 128 MiB.
 DEFAULT_CHUNK_BYTES = 32 << 20
@@ -57,194 +31,6 @@ DEFAULT_CHUNK_BYTES = 32 << 20
 MIN_CHUNK_BYTES = 4096
 #: Per-rank memory of one round: chunks read (staging) + messages sent + messages received.
 DEFAULT_BUDGET_BYTES = 512 << 20
-
-
-def _i64(values: Any) -> Int64s:
-    return np.ascontiguousarray(values, dtype=np.int64)
-
-
-@dataclass(frozen=True, eq=False)
-class StorageMap:
-    """Every checkpoint tensor on one byte axis: file ``f`` occupies ``[file_g0[f], file_g0[f] + size)``;
-    tensor ``keys[k]`` starts at ``g0[k]`` (its data, in that file) and holds ``nbytes[k]`` bytes of
-    ``itemsize[k]``-byte elements (the dtype it is read as: sub-byte dtypes are their packed bytes)."""
-
-    keys: tuple[str, ...]
-    key_id: dict[str, int]
-    g0: Int64s
-    nbytes: Int64s
-    itemsize: Int64s
-    file_of: Int64s
-    file_g0: Int64s
-    file_names: tuple[str, ...]
-
-    @classmethod
-    def build(cls, tensors: Sequence[tuple[str, int, int, int, int]], files: Sequence[tuple[str, int]]) -> StorageMap:
-        """``tensors``: ``(key, file number, absolute byte offset in the file, nbytes, itemsize)``;
-        ``files``: ``(name, size)`` in the order the ranks agree on (the index's)."""
-        sizes = _i64([size for _, size in files])
-        file_g0 = _i64(np.concatenate([[0], np.cumsum(sizes)[:-1]]) if len(files) else [])
-        rows = sorted(tensors, key=lambda t: (t[1], t[2], t[0]))
-        keys = tuple(t[0] for t in rows)
-        file_of = _i64([t[1] for t in rows])
-        g0 = file_g0[file_of] + _i64([t[2] for t in rows]) if rows else _i64([])
-        return cls(
-            keys,
-            {k: i for i, k in enumerate(keys)},
-            _i64(g0),
-            _i64([t[3] for t in rows]),
-            _i64([t[4] for t in rows]),
-            file_of,
-            file_g0,
-            tuple(name for name, _ in files),
-        )
-
-    @classmethod
-    def of_index(cls, index: Any) -> StorageMap:
-        """The map of a ``CheckpointIndex`` (every key of every file, headers only)."""
-        files = list(index.files)
-        number = {id(f): i for i, f in enumerate(files)}
-        tensors = []
-        for key in index:
-            entry = index.locate(key)
-            begin, _ = entry.file.offsets(key)
-            tensors.append((key, number[id(entry.file)], begin, entry.nbytes, entry.dtype.itemsize))
-        return cls.build(tensors, [(f.path.rsplit("/", 1)[-1], f.file_size) for f in files])
-
-    def digest(self) -> str:
-        h = hashlib.blake2b(digest_size=16)
-        h.update("\0".join(self.keys).encode())
-        for array in (self.g0, self.nbytes, self.itemsize, self.file_g0):
-            h.update(array.tobytes())
-        return h.hexdigest()
-
-
-@dataclass(frozen=True, eq=False)
-class Needs:
-    """One rank's needs: sorted, disjoint element intervals ``[start, end)`` of checkpoint tensors ``key``
-    (``StorageMap`` numbers), merged per tensor."""
-
-    key: Int64s
-    start: Int64s
-    end: Int64s
-
-    @classmethod
-    def empty(cls) -> Needs:
-        return cls(_i64([]), _i64([]), _i64([]))
-
-    def g_bounds(self, smap: StorageMap) -> tuple[Int64s, Int64s]:
-        """The intervals on the global byte axis."""
-        size = smap.itemsize[self.key]
-        base = smap.g0[self.key]
-        return base + self.start * size, base + self.end * size
-
-    def nbytes(self, smap: StorageMap) -> int:
-        return int(((self.end - self.start) * smap.itemsize[self.key]).sum())
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Needs):
-            return NotImplemented
-        return all(np.array_equal(getattr(self, n), getattr(other, n)) for n in ("key", "start", "end"))
-
-    __hash__ = None  # type: ignore[assignment]
-
-
-def _merge(smap: StorageMap, key: Int64s, start: Int64s, end: Int64s) -> Needs:
-    """Sorted, merged intervals per key (touching or overlapping intervals of one key become one). Sorted on
-    the global axis, where tensors are disjoint: a running maximum of the ends never leaks into the next key."""
-    keep = end > start
-    key, start, end = key[keep], start[keep], end[keep]
-    if not len(key):
-        return Needs.empty()
-    size = smap.itemsize[key]
-    glo = smap.g0[key] + start * size
-    ghi = smap.g0[key] + end * size
-    order = np.argsort(glo, kind="stable")
-    key, glo, ghi = key[order], glo[order], ghi[order]
-    run_end = np.maximum.accumulate(ghi)
-    new = np.ones(len(key), dtype=bool)
-    new[1:] = (key[1:] != key[:-1]) | (glo[1:] > run_end[:-1])
-    first = np.flatnonzero(new)
-    last = np.append(first[1:], len(key)) - 1
-    k = key[first]
-    size, base = smap.itemsize[k], smap.g0[k]
-    return Needs(_i64(k), _i64((glo[first] - base) // size), _i64((run_end[last] - base) // size))
-
-
-def item_runs(lengths: Sequence[int], strides: Sequence[int]) -> tuple[Int64s, int]:
-    """The element runs of one strided box, relative to its base: ``(run starts, run length)``.
-
-    Dims are ordered by stride; the innermost contiguous dims collapse into the run (the engine's "longest
-    contiguous span"), the others enumerate run starts. Length-1 and stride-0 dims add nothing. Negative
-    strides are refused (the engine refuses them too)."""
-    dims = [(int(s), int(n)) for s, n in zip(strides, lengths, strict=True) if int(n) != 1]
-    if any(n == 0 for _, n in dims):
-        return _i64([]), 0
-    if any(s < 0 for s, _ in dims):
-        raise PlanError(f"a read with negative strides {tuple(strides)}")
-    dims = sorted((s, n) for s, n in dims if s != 0)
-    run = 1
-    while dims and dims[0][0] == run:
-        run *= dims[0][1]
-        dims.pop(0)
-    starts = np.zeros(1, dtype=np.int64)
-    for s, n in dims:
-        starts = (starts[:, None] + np.arange(n, dtype=np.int64)[None, :] * s).reshape(-1)
-    return np.sort(starts), run
-
-
-def delivered_rows(reads: Reads, dequantized_packed: Iterable[str] = ()) -> Int64s:
-    """The rows of ``reads`` the job-wide delivery runs from memory: all but MXFP4 items (nibble codes
-    dequantized by the engine), which each rank reads itself."""
-    if reads.second is None:
-        return np.arange(len(reads), dtype=np.int64)
-    packed = set(dequantized_packed)
-    keep = [i for i, (k, s) in enumerate(zip(reads.keys, reads.second, strict=True)) if s is None or k not in packed]
-    return _i64(keep)
-
-
-def _reads_intervals(reads: Reads, smap: StorageMap, out: list[tuple[Int64s, Int64s, Int64s]]) -> None:
-    """Appends the element intervals of every item of ``reads`` (grouped by box pattern: the items of one
-    pattern share their relative runs)."""
-    if not len(reads):
-        return
-    keys = _i64([smap.key_id[k] for k in reads.keys])
-    patterns: dict[bytes, list[int]] = {}
-    packed = np.concatenate([reads.lengths, reads.storage_strides], axis=1)
-    for i, row in enumerate(packed):
-        patterns.setdefault(row.tobytes(), []).append(i)
-    ndim = reads.ndim
-    for rows_list in patterns.values():
-        rows = _i64(rows_list)
-        r0 = int(rows[0])
-        rel, run = item_runs(reads.lengths[r0].tolist(), reads.storage_strides[r0].tolist())
-        if run == 0 or not len(rel):
-            continue
-        starts = (reads.storage_base[rows][:, None] + rel[None, :]).reshape(-1)
-        key = np.repeat(keys[rows], len(rel))
-        out.append((key, starts, starts + run))
-    del ndim
-
-
-def rank_needs(plan: LoadPlan, smap: StorageMap, packed: Iterable[str] = ()) -> Needs:
-    """What one rank's region reads touch, as merged element intervals per checkpoint tensor: each item's
-    exact runs, and for dequantized FP8 items the scale rows the engine reads (``touched_scale_rows``).
-    ``packed``: MXFP4 keys, left to the rank itself (``delivered_rows``); deferred groups are not needs."""
-    packed = set(packed)
-    parts: list[tuple[Int64s, Int64s, Int64s]] = []
-    for reads in plan.region_reads.values():
-        rows = delivered_rows(reads, packed)
-        part = reads if len(rows) == len(reads) else reads.take(rows)
-        _reads_intervals(part, smap, parts)
-        for spec, (lo, hi) in touched_scale_rows(part).items():
-            k = smap.key_id[spec.scale]
-            grid_rows = -(-spec.shape[0] // spec.block[0]) if spec.shape else 1
-            per_row = int(smap.nbytes[k] // smap.itemsize[k]) // grid_rows
-            parts.append((_i64([k]), _i64([lo * per_row]), _i64([(hi + 1) * per_row])))
-    if not parts:
-        return Needs.empty()
-    return _merge(smap, *(np.concatenate(column) for column in zip(*parts, strict=True)))
-
 
 # ---------------------------------------------------------------------------------------------------------
 # The job plan
@@ -274,7 +60,7 @@ class JobPlan:
     budget_bytes: int
     chunk_bytes: int
     digest: str = ""
-    _node_of: Int64s = field(default_factory=lambda: _i64([]))
+    _node_of: Int64s = field(default_factory=lambda: as_int64([]))
 
     def node_of(self, rank: int) -> int:
         return rank // self.ranks_per_node
@@ -287,7 +73,7 @@ class JobPlan:
         """Rows of the pieces of ``chunks`` (sorted chunk numbers)."""
         lo = np.searchsorted(self.pieces_chunk, chunks, "left")
         hi = np.searchsorted(self.pieces_chunk, chunks, "right")
-        return _i64(np.concatenate([np.arange(a, b) for a, b in zip(lo, hi, strict=True)]) if len(chunks) else [])
+        return as_int64(np.concatenate([np.arange(a, b) for a, b in zip(lo, hi, strict=True)]) if len(chunks) else [])
 
     def piece_bytes(self) -> Int64s:
         return (self.pieces_end - self.pieces_start) * self.smap.itemsize[self.pieces_key]
@@ -309,13 +95,13 @@ class JobPlan:
                 if len(rows) and peer != rank:
                     sends[peer] = [rows]
         chunk = self.split[rank][0]
-        in_round = np.flatnonzero(self.chunk_round[chunk] == rnd) if len(chunk) else _i64([])
+        in_round = np.flatnonzero(self.chunk_round[chunk] == rnd) if len(chunk) else as_int64([])
         receives: dict[int, list[Int64s]] = {}
         if len(in_round):
             readers = self.chunk_reader[chunk[in_round]]
             for reader in np.unique(readers).tolist():
                 receives[int(reader)] = [in_round[readers == reader]]
-        return ({p: _i64(r[0]) for p, r in sends.items()}, {p: _i64(r[0]) for p, r in receives.items()})
+        return ({p: as_int64(r[0]) for p, r in sends.items()}, {p: as_int64(r[0]) for p, r in receives.items()})
 
     # -- measures ----------------------------------------------------------------------------------------
 
@@ -371,7 +157,7 @@ def _split_at_chunks(needs: Needs, smap: StorageMap, bounds: Int64s) -> tuple[In
     """``needs`` cut at the chunk boundaries ``bounds`` (sorted axis positions, the chunks' starts), as
     ``(chunk, key, start, end)``; every interval lies inside some chunk's range once cut."""
     if not len(needs.key):
-        return _i64([]), _i64([]), _i64([]), _i64([])
+        return as_int64([]), as_int64([]), as_int64([]), as_int64([])
     glo, ghi = needs.g_bounds(smap)
     c0 = np.searchsorted(bounds, glo, "right") - 1
     c1 = np.searchsorted(bounds, ghi - 1, "right") - 1
@@ -383,7 +169,7 @@ def _split_at_chunks(needs: Needs, smap: StorageMap, bounds: Int64s) -> tuple[In
     lo = np.maximum(glo[rows], bounds[chunk])
     nxt = np.append(bounds, np.iinfo(np.int64).max)[chunk + 1]
     hi = np.minimum(ghi[rows], nxt)
-    return _i64(chunk), _i64(needs.key[rows]), _i64((lo - base) // size), _i64((hi - base) // size)
+    return as_int64(chunk), as_int64(needs.key[rows]), as_int64((lo - base) // size), as_int64((hi - base) // size)
 
 
 def _holder_cuts(union: Needs, needs: Sequence[Needs], smap: StorageMap, min_run: int) -> Int64s:
@@ -392,10 +178,10 @@ def _holder_cuts(union: Needs, needs: Sequence[Needs], smap: StorageMap, min_run
     while a strided layout (a column slice changes holders every row) stays in large chunks."""
     points = [np.concatenate(n.g_bounds(smap)) for n in needs if len(n.key)]
     if not points:
-        return _i64([])
+        return as_int64([])
     edges = np.unique(np.concatenate(points))
     if len(edges) < 2:
-        return _i64([])
+        return as_int64([])
     seg_lo, seg_hi = edges[:-1], edges[1:]
     signature = np.zeros(len(seg_lo), dtype=np.uint64)
     for r, n in enumerate(needs):
@@ -412,7 +198,7 @@ def _holder_cuts(union: Needs, needs: Sequence[Needs], smap: StorageMap, min_run
     live = signature != 0
     seg_lo, seg_hi, signature = seg_lo[live], seg_hi[live], signature[live]
     if not len(seg_lo):
-        return _i64([])
+        return as_int64([])
     change = np.flatnonzero(signature[1:] != signature[:-1]) + 1
     run_first = np.concatenate([[0], change])
     run_last = np.concatenate([change, [len(seg_lo)]]) - 1
@@ -420,7 +206,7 @@ def _holder_cuts(union: Needs, needs: Sequence[Needs], smap: StorageMap, min_run
     big = run_bytes >= min_run
     cuts = [int(seg_lo[run_first[i]]) for i in range(1, len(run_first)) if big[i] and big[i - 1]]
     del run_last, union
-    return _i64(cuts)
+    return as_int64(cuts)
 
 
 def _chunk_bounds(union: Needs, smap: StorageMap, chunk_bytes: int, cuts: Int64s | None = None) -> Int64s:
@@ -464,7 +250,7 @@ def _chunk_bounds(union: Needs, smap: StorageMap, chunk_bytes: int, cuts: Int64s
             starts.append(cut)
             lo, filled = cut, 0
         filled += hi - lo
-    return _i64(sorted(set(starts)))
+    return as_int64(sorted(set(starts)))
 
 
 def _choose_readers(holders: list[Int64s], sizes: Int64s, world: int, ranks_per_node: int, slack: float) -> Int64s:
@@ -542,7 +328,7 @@ def plan_job(
         raise ValueError(f"ranks_per_node must be at least 1, got {ranks_per_node}")
     chunk_bytes = max(1, min(chunk_bytes, budget_bytes // 4 or 1))
     if world:
-        union = _merge(smap, *(np.concatenate([getattr(n, f) for n in needs]) for f in ("key", "start", "end")))
+        union = merge_needs(smap, *(np.concatenate([getattr(n, f) for n in needs]) for f in ("key", "start", "end")))
     else:
         union = Needs.empty()
     nodes = -(-world // ranks_per_node) if world else 1
@@ -559,7 +345,7 @@ def plan_job(
     for r, (chunk, *_rest) in enumerate(split):
         for c in np.unique(chunk).tolist():
             holder_lists[c].append(r)
-    holders = [_i64(h) for h in holder_lists]
+    holders = [as_int64(h) for h in holder_lists]
     reader = _choose_readers(holders, sizes, world, ranks_per_node, slack)
     hi = np.append(bounds[1:], bounds[-1] if nchunks else 0)
     if nchunks:  # each chunk ends at its last piece's end
@@ -571,7 +357,7 @@ def plan_job(
         smap=smap,
         needs=list(needs),
         chunk_lo=bounds,
-        chunk_hi=_i64(hi),
+        chunk_hi=as_int64(hi),
         chunk_reader=reader,
         chunk_round=np.zeros(nchunks, dtype=np.int64),
         rounds=0,
@@ -595,88 +381,3 @@ def plan_job(
             h.update(array.tobytes())
     plan.digest = h.hexdigest()
     return plan
-
-
-# ---------------------------------------------------------------------------------------------------------
-# The cost model
-
-
-@dataclass(frozen=True)
-class Prediction:
-    """One strategy's predicted cold start: per-node storage bytes and cross-node bytes, and the time."""
-
-    strategy: str
-    node_read: tuple[int, ...]
-    node_out: tuple[int, ...]
-    node_in: tuple[int, ...]
-    seconds: float
-
-    @property
-    def total_read(self) -> int:
-        return sum(self.node_read)
-
-    @property
-    def read_balance(self) -> float:
-        mean = self.total_read / max(1, len(self.node_read))
-        return max(self.node_read) / mean if mean else 1.0
-
-
-def _union_bytes(needs: Sequence[Needs], smap: StorageMap) -> int:
-    if not needs:
-        return 0
-    merged = _merge(smap, *(np.concatenate([getattr(n, f) for n in needs]) for f in ("key", "start", "end")))
-    return merged.nbytes(smap)
-
-
-def predict(
-    plan: JobPlan,
-    *,
-    storage_gbps: float,
-    network_gbps: float,
-    storage_total_gbps: float | None = None,
-    round_latency_s: float = 0.0,
-) -> list[Prediction]:
-    """Predicted cold start of the strategies ``none``, ``node`` and ``job`` (docs/job-wide.md).
-
-    Per node ``n``: ``t_n = max(read_n / S, out_n / N, in_n / N)`` with ``S`` the storage bandwidth a node
-    gets and ``N`` its network bandwidth (GB/s, each direction); the job takes ``max_n t_n``, and at least
-    ``sum(read) / S_total`` when the file system caps the aggregate (``storage_total_gbps``). ``job`` adds
-    ``rounds x round_latency_s`` (one agreement per round). Only cross-node bytes cost network time.
-    """
-    if storage_gbps <= 0 or network_gbps <= 0:
-        raise ValueError("storage and network bandwidths must be positive")
-    rpn, nodes = plan.ranks_per_node, plan.nodes
-    per_node = [plan.needs[n * rpn : (n + 1) * rpn] for n in range(nodes)]
-    zeros = (0,) * nodes
-
-    def seconds(read: Sequence[int], out: Sequence[int], inn: Sequence[int], extra: float = 0.0) -> float:
-        t = max(
-            max(r / (storage_gbps * 1e9), o / (network_gbps * 1e9), i / (network_gbps * 1e9))
-            for r, o, i in zip(read, out, inn, strict=True)
-        )
-        if storage_total_gbps:
-            t = max(t, sum(read) / (storage_total_gbps * 1e9))
-        return t + extra
-
-    none_read = tuple(sum(n.nbytes(plan.smap) for n in group) for group in per_node)
-    node_read = tuple(_union_bytes(group, plan.smap) for group in per_node)
-    job_read = tuple(int(x) for x in plan.node_bytes_read())
-    out_b, in_b = plan.cross_node()
-    job_out, job_in = tuple(int(x) for x in out_b), tuple(int(x) for x in in_b)
-    return [
-        Prediction("none", none_read, zeros, zeros, seconds(none_read, zeros, zeros)),
-        Prediction("node", node_read, zeros, zeros, seconds(node_read, zeros, zeros)),
-        Prediction("job", job_read, job_out, job_in, seconds(job_read, job_out, job_in, plan.rounds * round_latency_s)),
-    ]
-
-
-def median(values: Iterable[int]) -> float:
-    data = sorted(values)
-    if not data:
-        return 0.0
-    mid = len(data) // 2
-    return float(data[mid]) if len(data) % 2 else (data[mid - 1] + data[mid]) / 2
-
-
-def ratio(a: float, b: float) -> float:
-    return a / b if b else math.nan

@@ -1,0 +1,181 @@
+"""Planning any rank of a job on one machine: a meta model from the checkpoint's config, laid out with a named layout
+for a virtual rank, planned against the checkpoint (``hp-fastload plan --all-ranks``), and the job-wide plan of
+such a layout with its measures (``simulate``: ``hp-fastload plan --all-ranks --share job``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from hp_fastload.model.layouts import apply_layout, mesh_shape_for
+
+
+@dataclass
+class RankPlan:
+    """What one rank of a planned layout reads."""
+
+    rank: int
+    bytes_needed: int
+    files: dict[str, int]
+    deferred: list[str]
+    region_targets: int
+    missing: int
+    unexpected: int
+    seconds: float
+    summary: str = field(repr=False, default="")
+
+
+def _meta_model(checkpoint: str, auto_class: str | None) -> nn.Module:
+    import transformers
+
+    from hp_fastload.source.config import read_config
+
+    config = read_config(Path(checkpoint), {})  # a regular config.json (a FIFO would block the read)
+    cls = getattr(transformers, auto_class or "AutoModelForCausalLM", None)
+    if cls is None:
+        raise ValueError(f"--auto-class {auto_class!r} is not a class of transformers")
+    with torch.device("meta"):
+        if hasattr(cls, "from_config"):
+            return cls.from_config(config, dtype=torch.bfloat16)
+        return cls._from_config(config, dtype=torch.bfloat16)
+
+
+def plan_ranks(
+    checkpoint: str,
+    layout: str,
+    world: int,
+    ranks: Sequence[int],
+    mesh: Sequence[int] | None = None,
+    auto_class: str | None = None,
+) -> tuple[str, list[RankPlan], float]:
+    """Plan ``ranks`` of ``world`` under ``layout`` in this process; ``(layout description, plans, build s)``.
+
+    The model is built once from the checkpoint's config on meta under a ``fake`` process group of ``world``
+    ranks and parallelized with :func:`apply_layout`; each rank is planned with ``virtual_rank``.
+    """
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from hp_fastload.api.load import plan as plan_load
+    from hp_fastload.model.regions import virtual_rank
+    from hp_fastload.source.location import resolve_checkpoint_location
+
+    shape = mesh_shape_for(layout, world, mesh)
+    bad = [r for r in ranks if not 0 <= r < world]
+    if bad:
+        raise ValueError(f"--rank {bad[0]} is not a rank of --world {world} (0..{world - 1})")
+    location = resolve_checkpoint_location(checkpoint)
+    if dist.is_initialized():
+        raise RuntimeError("plan_ranks needs a process without a process group (it starts a fake one)")
+    started = time.perf_counter()
+    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+    try:
+        model = _meta_model(str(location), auto_class)
+        description = apply_layout(model, layout, world, shape)
+        built = time.perf_counter() - started
+        plans = []
+        for rank in ranks:
+            t0 = time.perf_counter()
+            p = plan_load(model, location, mesh_override=virtual_rank(rank))
+            plans.append(
+                RankPlan(
+                    rank=rank,
+                    bytes_needed=p.bytes_needed,
+                    files=dict(sorted(p.read_bytes_by_file().items())),
+                    deferred=[d.label for d in p.deferred],
+                    region_targets=len(p.region_reads),
+                    missing=len(p.report.missing_keys),
+                    unexpected=len(p.report.unexpected_keys),
+                    seconds=time.perf_counter() - t0,
+                    summary=p.summary(),
+                )
+            )
+    finally:
+        dist.destroy_process_group()
+    return description, plans, built
+
+
+def simulate(
+    checkpoint: str,
+    layout: str,
+    world: int,
+    *,
+    mesh: Sequence[int] | None = None,
+    auto_class: str | None = None,
+    ranks_per_node: int = 8,
+    storage_gbps: float = 2.0,
+    network_gbps: float = 12.5,
+    storage_total_gbps: float | None = None,
+    budget_bytes: int | None = None,
+    chunk_bytes: int | None = None,
+    round_latency_s: float = 0.0,
+) -> dict[str, Any]:
+    """The job-wide plan of ``layout`` over ``world`` ranks, planned in this process as one rank of the job
+    would (headers only, under a ``fake`` process group), and its measures (``planning.simulate.measures``),
+    with the seconds of each planning phase (``t4_plan_seconds``: T4 is their total)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from hp_fastload.convert.rules import resolve_mapping
+    from hp_fastload.planning.jobneeds import StorageMap
+    from hp_fastload.planning.jobranks import rank_needs_by_planning as all_rank_needs
+    from hp_fastload.planning.jobwide import DEFAULT_BUDGET_BYTES, DEFAULT_CHUNK_BYTES, plan_job
+    from hp_fastload.planning.simulate import measures
+    from hp_fastload.source.index import CheckpointIndex
+    from hp_fastload.source.location import resolve_checkpoint_location
+
+    shape = mesh_shape_for(layout, world, mesh)
+    location = resolve_checkpoint_location(checkpoint)
+    if dist.is_initialized():
+        raise RuntimeError("simulate needs a process without a process group (it starts a fake one)")
+    started = time.perf_counter()
+    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+    try:
+        model = _meta_model(str(location), auto_class)
+        description = apply_layout(model, layout, world, shape)
+        built = time.perf_counter() - started
+        t0 = time.perf_counter()
+        index = CheckpointIndex.open(location)
+        smap = StorageMap.of_index(index)
+        needs = all_rank_needs(
+            model,
+            index,
+            smap,
+            world,
+            rules=resolve_mapping(model, None, None),
+            loader="dcp",
+            external_target_fqns=frozenset(),
+            claimed_source_keys=frozenset(),
+            replacement=None,
+        )
+        t1 = time.perf_counter()
+        job = plan_job(
+            needs,
+            smap,
+            ranks_per_node=ranks_per_node,
+            budget_bytes=budget_bytes or DEFAULT_BUDGET_BYTES,
+            chunk_bytes=chunk_bytes or DEFAULT_CHUNK_BYTES,
+        )
+        t2 = time.perf_counter()
+    finally:
+        dist.destroy_process_group()
+    out = measures(
+        job,
+        needs,
+        checkpoint_bytes=index.total_bytes,
+        storage_gbps=storage_gbps,
+        network_gbps=network_gbps,
+        storage_total_gbps=storage_total_gbps,
+        round_latency_s=round_latency_s,
+    )
+    out["layout"] = description
+    out["model_build_seconds"] = built
+    out["t4_plan_seconds"] = {"all_ranks_needs": t1 - t0, "job_plan": t2 - t1, "total": t2 - t0}
+    return out

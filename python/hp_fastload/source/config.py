@@ -1,0 +1,62 @@
+"""Side files of a checkpoint, read once: ``config.json`` through ``AutoConfig`` and its ``quantization_config`` (a
+FIFO or socket in its place is refused, never read).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+from pathlib import Path
+from typing import Any
+
+from hp_fastload.formats import CONFIG_NAME
+
+
+def read_config_json(directory: str | Path) -> dict[str, Any] | None:
+    """``directory/config.json`` as a dict, or None when there is none or it is not a JSON object (a FIFO or
+    socket there is refused, never read; an unreadable or malformed file only loses what it would tell)."""
+    from hp_fastload.source.location import read_regular_file
+
+    try:
+        raw = read_regular_file(Path(directory) / CONFIG_NAME)
+        config = json.loads(raw) if raw is not None else None
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def read_quant_config(directory: str | Path) -> dict[str, Any] | None:
+    """The ``quantization_config`` of ``directory/config.json`` (or its ``compression_config``), or None."""
+    config = read_config_json(directory)
+    if config is None:
+        return None
+    quant = config.get("quantization_config") or config.get("compression_config")
+    if isinstance(quant, dict):
+        return quant
+    text_config = config.get("text_config")
+    if isinstance(text_config, dict) and isinstance(text_config.get("quantization_config"), dict):
+        return dict(text_config["quantization_config"])
+    return None
+
+
+def read_config(location: Path, config_overrides: dict[str, Any]) -> Any:
+    """The checkpoint's ``config.json`` through ``AutoConfig`` (``config_overrides`` applied); refused unopened
+    when it is missing or not a regular file (a FIFO or a device would block the read)."""
+    folder = location if location.is_dir() else location.parent
+    config_path = folder / CONFIG_NAME
+    if not config_path.is_file():
+        what = "is a FIFO, socket or device, not a regular file" if config_path.exists() else "does not exist"
+        raise FileNotFoundError(
+            errno.ENOENT,
+            f"{config_path} {what}: the model is built from the checkpoint's config.json; build the model "
+            "yourself and call hp_fastload.load(model, path)",
+            str(config_path),
+        )
+    try:
+        from transformers import AutoConfig
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "building the model from a checkpoint's config.json needs transformers (pip install transformers); "
+            "without it, build the model yourself and call hp_fastload.load(model, path)"
+        ) from exc
+    return AutoConfig.from_pretrained(folder, **config_overrides)
