@@ -29,8 +29,7 @@ from hp_fastload.planning.context import LoadContext
 from hp_fastload.planning.items import LoadPlan
 from hp_fastload.planning.jobcost import predict
 from hp_fastload.planning.jobneeds import StorageMap, delivered_rows, rank_needs
-from hp_fastload.planning.jobranks import packed_keys
-from hp_fastload.planning.jobranks import rank_needs_by_planning as all_rank_needs
+from hp_fastload.planning.jobranks import all_rank_needs, packed_keys
 from hp_fastload.planning.jobwide import DEFAULT_BUDGET_BYTES, DEFAULT_CHUNK_BYTES, JobPlan, plan_job
 from hp_fastload.planning.replacement import Replacement
 from hp_fastload.source.index import CheckpointIndex

@@ -160,13 +160,14 @@ def _simulate(args: argparse.Namespace) -> int:
         )
     ):
         print(f"{r:>6} {need / gb:>10.3f} {got / gb:>12.3f} {read / gb:>9.3f}")
-    t4 = result["t4_plan_seconds"]
+    t4, cpu = result["t4_plan_seconds"], result["t4_plan_cpu_seconds"]
     print(
         f"T1 read/needed {result['t1_read_over_needed']:.4f}; T2 max received/needed "
         f"{result['t2_max_received_over_needed']:.4f}; T3 node read balance {result['t3_node_read_balance']:.3f}, "
         f"median request {result['t3_median_request_bytes'] / 2**20:.1f} MiB over {result['chunks']} chunks, "
-        f"{result['rounds']} rounds; T4 planned in {t4['total']:.2f} s "
-        f"(all ranks' needs {t4['all_ranks_needs']:.2f} s, job plan {t4['job_plan']:.2f} s)"
+        f"{result['rounds']} rounds; T4 job-wide planning {t4['t4']:.2f} s ({cpu['t4']:.2f} s CPU): whole plan "
+        f"{t4['whole_plan']:.2f} s, all ranks' needs {t4['all_ranks_needs']:.2f} s, job plan {t4['job_plan']:.2f} s "
+        f"(headers {t4['headers']:.2f} s, shared with the rank's own load)"
     )
     print(f"predicted cold start at {args.storage_gbps} GB/s storage and {args.network_gbps} GB/s network per node:")
     for strategy, seconds in result["predicted_seconds"].items():

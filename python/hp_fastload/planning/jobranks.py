@@ -19,6 +19,7 @@ distinct layout). Pure: headers, the rules and the model's layout; nothing is re
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Sequence
 from typing import Any
 
@@ -203,8 +204,28 @@ def _structure(reads: Reads) -> tuple[bytes, ...]:
     )
 
 
+class _Specs:
+    """Per dequantization spec (``quant.Dequant``), once: ``(elements per dim-0 row, dim-0 rows, dim-0 block,
+    scale key number, scale elements per grid row)``, the numbers ``items.touched_scale_rows`` uses."""
+
+    def __init__(self, smap: StorageMap) -> None:
+        self.smap = smap
+        self.rows: dict[Any, tuple[int, int, int, int, int]] = {}
+
+    def __call__(self, spec: Any) -> tuple[int, int, int, int, int]:
+        hit = self.rows.get(spec)
+        if hit is None:
+            inner, rows0, block0 = (
+                (math.prod(spec.shape[1:]), spec.shape[0], spec.block[0]) if spec.shape else (1, 1, 1)
+            )
+            k = self.smap.key_id[spec.scale]
+            per_row = int(self.smap.nbytes[k] // self.smap.itemsize[k]) // -(-rows0 // block0)
+            hit = self.rows[spec] = (inner, rows0, block0, k, per_row)
+        return hit
+
+
 def _scale_rows(
-    reads: Reads, cut: _Cut, smap: StorageMap, world: int, out: list[tuple[Int64s, Int64s, Int64s, Int64s]]
+    reads: Reads, cut: _Cut, specs_of: _Specs, world: int, out: list[tuple[Int64s, Int64s, Int64s, Int64s]]
 ) -> None:
     """The scale rows each rank's cut items of ``reads`` touch (``items.touched_scale_rows`` per rank, for
     this target alone, as ``rank_needs`` takes them) appended to ``out`` as intervals of the scale tensors."""
@@ -217,8 +238,7 @@ def _scale_rows(
     if not live.any():
         return
     specs = list(ids)
-    dims = [(int(np.prod(s.shape[1:])), s.shape[0], s.block[0]) if s.shape else (1, 1, 1) for s in specs]
-    inner, rows0, block0 = np.array(dims, dtype=np.int64).reshape(-1, 3).T
+    inner, rows0, block0, scale_key, per_row = np.array([specs_of(s) for s in specs], dtype=np.int64).reshape(-1, 5).T
     which, ranks = which[live], cut.rank[live]
     strides = reads.storage_strides[cut.item[live]]
     first = cut.base[live]
@@ -232,10 +252,8 @@ def _scale_rows(
     np.maximum.at(hi, slot, hi_row)
     used = np.flatnonzero(hi >= 0)
     spec_of = used % len(specs)
-    keys = as_int64([smap.key_id[s.scale] for s in specs])[spec_of]
-    grid = -(-rows0 // block0)
-    per_row = (smap.nbytes[keys] // smap.itemsize[keys]) // grid[spec_of]
-    out.append((used // len(specs), keys, lo[used] * per_row, (hi[used] + 1) * per_row))
+    rows = per_row[spec_of]
+    out.append((used // len(specs), scale_key[spec_of], lo[used] * rows, (hi[used] + 1) * rows))
 
 
 def all_rank_needs(
@@ -272,6 +290,7 @@ def needs_from_whole_plan(
     cuts: dict[tuple[Any, ...], _Cut] = {}
     parts: list[tuple[Int64s, Int64s, Int64s, Int64s]] = []
     key_id = smap.key_id
+    specs_of = _Specs(smap)
     for name, reads in plan.region_reads.items():
         rows = delivered_rows(reads, packed)
         if not len(rows):
@@ -285,7 +304,7 @@ def needs_from_whole_plan(
         if len(cut.run_item):
             keys = as_int64([key_id[k] for k in part.keys])
             parts.append((cut.run_rank, keys[cut.run_item], cut.run_start, cut.run_end))
-        _scale_rows(part, cut, smap, world, parts)
+        _scale_rows(part, cut, specs_of, world, parts)
     if not parts:
         return [Needs.empty() for _ in range(world)]
     rank, key, start, end = (as_int64(np.concatenate(column)) for column in zip(*parts, strict=True))
