@@ -1,12 +1,15 @@
 """``load(..., share="job")`` on 4 gloo ranks in 2 simulated nodes (issue 24): every layout of the issue
-(FSDP, TP x DP, HSDP, EP with replicated attention, 2-D), bf16 and FP8, bit-exact against transformers'
-``from_pretrained`` cut with torch's ``distribute_tensor``; storage bytes read once per job (T1) and each rank
-receiving about its own shard (T2); faults: a transient read error retried, a permanent one raised on every
-rank naming the file and byte range, a rank failing mid-delivery named by the others.
+(FSDP, TP x DP, HSDP, EP with replicated attention, 2-D) once, bf16 (FSDP, TP x DP, HSDP) or FP8 (EP, 2-D),
+bit-exact against transformers' ``from_pretrained`` cut with torch's ``distribute_tensor``; storage bytes
+read once per job (T1) and each rank receiving about its own shard (T2); faults: a transient read error
+retried, a permanent one raised on every rank naming the file and byte range, a rank failing mid-delivery
+named by the others.
 
-One spawn runs every check. The parent writes a bf16 Qwen3-MoE checkpoint in several files
-(``save_pretrained``) and an FP8 block-quantized DeepSeek-V3 one, and the references (``from_pretrained``).
-A small round budget makes every load take several rounds and chunks.
+One spawn runs every check; each rank builds each family's model once and loads deep copies. Which bytes
+each rank needs, on every layout and both families, is tested without a spawn (tests/planning/
+test_jobranks.py). The parent writes a bf16 Qwen3-MoE checkpoint in several files (``save_pretrained``) and
+an FP8 block-quantized DeepSeek-V3 one, and the references (``from_pretrained``). A small round budget makes
+every load take several rounds and chunks.
 """
 
 from __future__ import annotations
@@ -29,8 +32,16 @@ ROOT_ENV = "HPF_JOBWIDE_ROOT"
 WORLD = 4
 RANKS_PER_NODE = 2
 BUDGET = 48 << 10  # bytes per rank per round: several rounds even for tiny checkpoints
-LAYOUTS = ("fsdp", "tp_dp", "hsdp", "ep", "2d")
 FAMILIES = {"qwen3_moe": None, "deepseek_v3": (8, 8)}
+#: each layout once: bf16 for the replicated layouts, FP8 (dequantized at the receiver) for the expert ones
+CASES = [
+    ("qwen3_moe", "fsdp"),
+    ("qwen3_moe", "tp_dp"),
+    ("qwen3_moe", "hsdp"),
+    ("deepseek_v3", "ep"),
+    ("deepseek_v3", "2d"),
+]
+_BASE: dict[str, Any] = {}
 
 
 def _write(root: Path) -> None:
@@ -85,12 +96,16 @@ def _placements(layout: str, name: str, shape: tuple[int, ...]) -> list[Any]:
 
 
 def _build(family: str, layout: str) -> Any:
+    import copy
+
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import distribute_tensor
 
-    model = qc.build_model(family, seed=1)
+    if family not in _BASE:
+        _BASE[family] = qc.build_model(family, seed=1)
+    model = copy.deepcopy(_BASE[family])
     if layout == "fsdp":
         mesh = init_device_mesh("cpu", (WORLD,))
         for layer in model.model.layers:
@@ -159,9 +174,6 @@ def _make_check(family: str, layout: str) -> Any:
     return check
 
 
-CASES = [(family, layout) for family in FAMILIES for layout in LAYOUTS]
-
-
 def check_transient_read_error_is_retried(rank: int, world: int) -> dict[str, Any]:
     """Rank 1's first chunk read fails with EIO once: retried, the load completes with the same values."""
     from hp_fastload.execute import deliver
@@ -218,7 +230,7 @@ def check_rank_failing_mid_delivery_is_named(rank: int, world: int) -> str:
         return original(*args, **kwargs)
 
     deliver._pack = failing
-    deliver.WAIT_TIMEOUT_S = 5.0
+    deliver.WAIT_TIMEOUT_S = 2.0
     try:
         with pytest.raises(RuntimeError) as caught:
             _load("qwen3_moe", "ep", "job")
