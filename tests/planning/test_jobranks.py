@@ -51,7 +51,7 @@ def fake_world() -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def _meta_model(family: str, path: Path) -> Any:
+def meta_model(family: str, path: Path) -> Any:
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path)
@@ -81,7 +81,7 @@ def test_needs_from_the_whole_plan_equal_planning_each_rank(
     checkpoints: dict[str, Path], fake_world: None, family: str, layout: str
 ) -> None:
     path = checkpoints[family]
-    model = _meta_model(family, path)
+    model = meta_model(family, path)
     if layout == "hsdp":
         _hsdp(model)
     else:

@@ -32,7 +32,7 @@ class RankPlan:
     summary: str = field(repr=False, default="")
 
 
-def _meta_model(checkpoint: str, auto_class: str | None) -> nn.Module:
+def meta_model(checkpoint: str, auto_class: str | None) -> nn.Module:
     import transformers
 
     from hp_fastload.source.config import read_config
@@ -77,7 +77,7 @@ def plan_ranks(
     started = time.perf_counter()
     dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
     try:
-        model = _meta_model(str(location), auto_class)
+        model = meta_model(str(location), auto_class)
         description = apply_layout(model, layout, world, shape)
         built = time.perf_counter() - started
         plans = []
@@ -138,7 +138,7 @@ def simulate(
     started = time.perf_counter()
     dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
     try:
-        model = _meta_model(str(location), auto_class)
+        model = meta_model(str(location), auto_class)
         description = apply_layout(model, layout, world, shape)
         built = time.perf_counter() - started
         marks = [(time.perf_counter(), time.process_time())]
