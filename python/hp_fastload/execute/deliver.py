@@ -22,6 +22,7 @@ It decides nothing: who reads what is the plan's.
 from __future__ import annotations
 
 import errno
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -220,31 +221,36 @@ def _box_elements(base: int, strides: tuple[int, ...], lengths: tuple[int, ...])
 
 def _packed_view(storage: MemoryStorage, key: int, dtype: torch.dtype, item: Any) -> torch.Tensor:
     """The item's source elements as a strided view of its tensor's packed buffer when the packing keeps the
-    box affine (the usual case: rows cut the same way), else a gathered copy."""
-    lengths, strides, base = item.lengths, item.storage_strides, item.storage_base
+    box affine (the usual case: rows cut the same way), else a gathered copy.
+
+    Checked per contiguous run of the box, not per element: the dims that collapse into the run (as
+    ``jobneeds.item_runs`` collapses them) must keep their strides, each run must be packed without a gap (its
+    last element ``run - 1`` after its first), and the runs' first elements must follow the affine map."""
+    lengths, strides, base = tuple(item.lengths), tuple(item.storage_strides), int(item.storage_base)
     typed = storage.typed(key, dtype)
-    numel = 1
-    for n in lengths:
-        numel *= n
-    if numel == 0:
+    if math.prod(lengths) == 0:
         return typed[:0].reshape(lengths)
     p0 = int(storage.packed_index(key, np.array([base], dtype=np.int64))[0])
-    new_strides = []
-    for d, (s, n) in enumerate(zip(strides, lengths, strict=True)):
-        if n == 1:
-            new_strides.append(0)
-            continue
-        del d
-        p1 = int(storage.packed_index(key, np.array([base + s], dtype=np.int64))[0])
-        new_strides.append(p1 - p0)
-    # verify on the corners and a sample of the box (exact check on every element below a size)
-    elements = _box_elements(base, strides, lengths) if numel <= (1 << 22) else None
-    if elements is not None:
-        packed = storage.packed_index(key, elements)
-        expected = _box_elements(p0, tuple(new_strides), lengths)
-        if np.array_equal(packed, expected) and p0 >= 0 and int(expected.max()) < typed.numel():
-            return typed.as_strided(lengths, tuple(new_strides), p0)
-        return typed[torch.from_numpy(packed)].reshape(lengths)
+    steps = np.array([base + s for s, n in zip(strides, lengths, strict=True) if n != 1], dtype=np.int64)
+    moved = iter((storage.packed_index(key, steps) - p0).tolist() if len(steps) else [])
+    new_strides = tuple(next(moved) if n != 1 else 0 for n in lengths)
+    dims = sorted((s, d) for d, (s, n) in enumerate(zip(strides, lengths, strict=True)) if n != 1 and s != 0)
+    run, collapsed = 1, set()
+    for s, d in dims:
+        if s != run:
+            break
+        run *= lengths[d]
+        collapsed.add(d)
+    reduced = tuple(1 if d in collapsed else n for d, n in enumerate(lengths))
+    starts = _box_elements(base, strides, reduced)
+    expected = _box_elements(p0, new_strides, reduced)
+    affine = all(new_strides[d] == strides[d] for d in collapsed)
+    if affine:
+        first = storage.packed_index(key, starts)
+        last = storage.packed_index(key, starts + (run - 1))
+        affine = bool(np.array_equal(first, expected) and np.array_equal(last - first, np.full_like(first, run - 1)))
+    if affine and int(expected.max()) + run - 1 < typed.numel():
+        return typed.as_strided(lengths, new_strides, p0)
     elements = _box_elements(base, strides, lengths)
     return typed[torch.from_numpy(storage.packed_index(key, elements))].reshape(lengths)
 
