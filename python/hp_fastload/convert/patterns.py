@@ -7,20 +7,14 @@ from __future__ import annotations
 
 import functools
 import re
-import sys
 from collections.abc import Callable, Sequence
 from itertools import compress, repeat
 from operator import contains
 from typing import Any
 
+from hp_fastload.convert.regex_ast import constants as _sre
+from hp_fastload.convert.regex_ast import parser as _sre_parse
 from hp_fastload.convert.rules import Transform
-
-if sys.version_info >= (3, 11):  # the regex parser, to derive a rule's literal prefilter
-    import re._constants as _sre
-    import re._parser as _sre_parse
-else:  # pragma: no cover - Python 3.10
-    import sre_constants as _sre
-    import sre_parse as _sre_parse
 
 
 def _plain_matcher(rule: Any) -> bool:
