@@ -22,11 +22,12 @@ import torch
 from torch import nn
 
 from hp_fastload import errors
+from hp_fastload.api.jobload import JobStats, agree_job_plan, resolve_share, run_job
 from hp_fastload.convert.rules import resolve_mapping
 from hp_fastload.dist.agree import agree, resolve_location_each
 from hp_fastload.dist.identity import agree_checkpoint
 from hp_fastload.errors import HeaderError
-from hp_fastload.execute.read import execute_plan
+from hp_fastload.execute.read import ExecStats, execute_plan
 from hp_fastload.execute.threads import threads_per_rank
 from hp_fastload.model.finalize import non_persistent_buffers, recreate_buffers, retie
 from hp_fastload.model.regions import virtual_rank
@@ -239,6 +240,9 @@ def load(
     share_replicated: bool = False,
     replacement: Replacement | None = None,
     finalize: bool = True,
+    share: str | None = None,
+    ranks_per_node: int | None = None,
+    share_budget_bytes: int | None = None,
 ) -> LoadReport:
     """Fill ``model``'s parameters and persistent buffers (DTensor shards or plain) from a HF checkpoint.
 
@@ -246,7 +250,10 @@ def load(
     preserved). ``strict`` raises ``MissingKeysError`` (a ``RuntimeError``) before any byte is read when model
     tensors would stay missing; unexpected checkpoint keys are only logged. ``share_replicated=True`` (region
     loader, several ranks) has one replica of each replicated DTensor read it and broadcast it to the others
-    (``share``).
+    (``dist.share``). ``share="job"`` reads every checkpoint byte once per job and sends each rank only the bytes
+    its shards need (``api.jobload``; ``ranks_per_node`` defaults to ``$LOCAL_WORLD_SIZE``,
+    ``share_budget_bytes`` bounds each rank's staging and messages per round); ``"auto"`` picks ``"job"`` or
+    ``"none"`` from the cost model; ``"none"`` (default) is every rank reading its own regions.
     ``threads`` defaults to this process's cores divided by the ranks on its node (``LOCAL_WORLD_SIZE``).
     ``replacement`` (an ``hp_fastload.Replacement``) is the second stage of a model whose modules were
     replaced after the checkpoint's layout was fixed; None takes it from the model's
@@ -265,6 +272,7 @@ def load(
         raise TypeError(f"load() needs a live nn.Module to write into, got {type(model).__name__}")
     model = unwrapped(model)  # torch.compile / DDP: the wrapped module's names and rules (same tensors)
     name = resolve_hf_loader(loader)
+    sharing = resolve_share(share, share_replicated)
     start = time.perf_counter()
     if threads is None:
         threads = threads_per_rank()
@@ -290,25 +298,55 @@ def load(
     )
     load_plan, context = planned_pair
     replicas = None
-    if share_replicated and name == "dcp" and dist_active() and torch.distributed.get_world_size() > 1:
+    multi = dist_active() and torch.distributed.get_world_size() > 1
+    if sharing == "replicated" and name == "dcp" and multi:
         from hp_fastload.dist.share import plan_replicas
 
         replicas = plan_replicas(map(context.target, load_plan.region_reads))
+    job = None
+    if sharing in ("job", "auto") and name == "dcp" and multi:  # job-wide reads (docs/job-wide.md)
+        job = agree_job_plan(
+            model,
+            index,
+            load_plan,
+            sharing,
+            ranks_per_node,
+            share_budget_bytes,
+            weights_mapping=weights_mapping,
+            key_mapping=key_mapping,
+            external_target_fqns=external_target_fqns,
+            claimed_source_keys=claimed_source_keys,
+            replacement=replacement,
+            loader=name,
+        )
     total = load_plan.bytes_needed
     update, close = _progress_bar(total, progress)
     try:
-        stats = agree(
-            "Reading the pretrained checkpoint",
-            lambda: execute_plan(
+        stats: ExecStats | JobStats
+        if job is not None:
+            stats = run_job(
+                job,
+                torch.distributed.get_rank(),
                 load_plan,
                 context,
-                legacy=name == "legacy",
+                agree=agree,
                 threads=threads,
                 backend=backend,
                 progress=update,
-                skip=replicas.skip if replicas is not None else frozenset(),
-            ),
-        )
+            )
+        else:
+            stats = agree(
+                "Reading the pretrained checkpoint",
+                lambda: execute_plan(
+                    load_plan,
+                    context,
+                    legacy=name == "legacy",
+                    threads=threads,
+                    backend=backend,
+                    progress=update,
+                    skip=replicas.skip if replicas is not None else frozenset(),
+                ),
+            )
     finally:
         close()
         for file in context.index.files:  # a finished load keeps no page tables of the checkpoint mapped
@@ -333,6 +371,11 @@ def load(
         seconds=seconds,
         retied_keys=tuple(retied),
         unfilled_buffers=tuple(unfilled),
+        bytes_received=stats.bytes_received
+        if isinstance(stats, JobStats)
+        else int(stats.extra.get("bytes_received", 0)),
+        bytes_sent=stats.bytes_sent if isinstance(stats, JobStats) else 0,
+        share="job" if job is not None else ("replicated" if replicas is not None else "none"),
     )
     if report.unexpected_keys:
         log.warning(

@@ -1,6 +1,7 @@
 """Planning any rank of a job on one machine: a meta model from the checkpoint's config, laid out with a named layout
 under torch's ``fake`` process group (``laid_out``), planned for virtual ranks against the checkpoint
-(``plan_ranks``: ``hp-fastload plan --all-ranks``) or one rank rehearsed (``rehearse_rank``: ``--execute``).
+(``plan_ranks``: ``hp-fastload plan --all-ranks``), one rank rehearsed (``rehearse_rank``: ``--execute``), or the
+job-wide plan of such a layout with its measures (``simulate``: ``hp-fastload plan --all-ranks --share job``).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class RankPlan:
     summary: str = field(repr=False, default="")
 
 
-def _meta_model(checkpoint: str, auto_class: str | None) -> nn.Module:
+def meta_model(checkpoint: str, auto_class: str | None) -> nn.Module:
     import transformers
 
     from hp_fastload.source.config import read_config
@@ -67,7 +68,7 @@ def laid_out(
     started = time.perf_counter()
     dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
     try:
-        model = _meta_model(str(location), auto_class)
+        model = meta_model(str(location), auto_class)
         description = apply_layout(model, layout, world, shape)
         yield model, description, location, time.perf_counter() - started
     finally:
@@ -139,3 +140,73 @@ def plan_ranks(
             )
             t0 = time.perf_counter()
     return description, plans, built
+
+
+def simulate(
+    checkpoint: str,
+    layout: str,
+    world: int,
+    *,
+    mesh: Sequence[int] | None = None,
+    auto_class: str | None = None,
+    ranks_per_node: int = 8,
+    storage_gbps: float = 2.0,
+    network_gbps: float = 12.5,
+    storage_total_gbps: float | None = None,
+    budget_bytes: int | None = None,
+    chunk_bytes: int | None = None,
+    round_latency_s: float = 0.0,
+) -> dict[str, Any]:
+    """The job-wide plan of ``layout`` over ``world`` ranks, planned in this process as one rank of the job
+    would (headers only, under a ``fake`` process group), and its measures (``planning.simulate.measures``),
+    with the seconds of each planning phase (``t4_plan_seconds``: T4 is their total)."""
+    from hp_fastload.convert.rules import resolve_mapping
+    from hp_fastload.planning.jobneeds import StorageMap
+    from hp_fastload.planning.jobranks import needs_from_whole_plan, whole_plan
+    from hp_fastload.planning.jobwide import DEFAULT_BUDGET_BYTES, DEFAULT_CHUNK_BYTES, plan_job
+    from hp_fastload.planning.simulate import measures
+    from hp_fastload.source.index import CheckpointIndex
+
+    with laid_out(checkpoint, layout, world, mesh, auto_class) as (model, description, location, built):
+        marks = [(time.perf_counter(), time.process_time())]
+        index = CheckpointIndex.open(location)
+        smap = StorageMap.of_index(index)
+        marks.append((time.perf_counter(), time.process_time()))
+        whole, targets = whole_plan(
+            model,
+            index,
+            rules=resolve_mapping(model, None, None),
+            loader="dcp",
+            external_target_fqns=frozenset(),
+            claimed_source_keys=frozenset(),
+            replacement=None,
+        )
+        marks.append((time.perf_counter(), time.process_time()))
+        needs = needs_from_whole_plan(whole, targets, index, smap, world)
+        marks.append((time.perf_counter(), time.process_time()))
+        job = plan_job(
+            needs,
+            smap,
+            ranks_per_node=ranks_per_node,
+            budget_bytes=budget_bytes or DEFAULT_BUDGET_BYTES,
+            chunk_bytes=chunk_bytes or DEFAULT_CHUNK_BYTES,
+        )
+        marks.append((time.perf_counter(), time.process_time()))
+    out = measures(
+        job,
+        needs,
+        checkpoint_bytes=index.total_bytes,
+        storage_gbps=storage_gbps,
+        network_gbps=network_gbps,
+        storage_total_gbps=storage_total_gbps,
+        round_latency_s=round_latency_s,
+    )
+    out["layout"] = description
+    out["model_build_seconds"] = built
+    phases = ("headers", "whole_plan", "all_ranks_needs", "job_plan")
+    for name, clock in (("t4_plan_seconds", 0), ("t4_plan_cpu_seconds", 1)):
+        spans = {p: marks[i + 1][clock] - marks[i][clock] for i, p in enumerate(phases)}
+        spans["total"] = marks[-1][clock] - marks[0][clock]
+        spans["t4"] = spans["whole_plan"] + spans["all_ranks_needs"] + spans["job_plan"]
+        out[name] = spans
+    return out

@@ -43,6 +43,11 @@ class LoadReport:
     #: non-persistent buffers nothing re-created after the load: after ``to_empty`` they hold garbage until
     #: the caller sets them (``finalize.recreate_buffers`` recomputes those of transformers models)
     unfilled_buffers: tuple[str, ...] = field(default=(), compare=False)
+    #: bytes this rank received from / sent to other ranks (``share="job"`` or ``"replicated"``)
+    bytes_received: int = field(default=0, compare=False)
+    bytes_sent: int = field(default=0, compare=False)
+    #: the sharing strategy that ran: ``"none"``, ``"job"`` or ``"replicated"``
+    share: str = field(default="", compare=False)
 
     def summary(self) -> str:
         rate = self.bytes_read / self.seconds / 1e9 if self.seconds > 0 else 0.0
@@ -53,6 +58,11 @@ class LoadReport:
             f"in {self.seconds:.3f} s ({rate:.2f} GB/s); {self.region_targets} region targets, "
             f"{len(self.deferred_targets)} deferred"
         )
+        if self.bytes_received or self.bytes_sent or self.share not in ("", "none"):
+            text += (
+                f"; share={self.share or 'none'}: received {self.bytes_received / 1e6:.1f} MB, "
+                f"sent {self.bytes_sent / 1e6:.1f} MB"
+            )
         if self.retied_keys:
             text += f"; re-tied {len(self.retied_keys)} ({', '.join(self.retied_keys[:3])})"
         if self.unfilled_buffers:
