@@ -138,8 +138,8 @@ def _gather_status(stage: str, status: int, call: str) -> list[int]:
     not wait at all: its status is on its way, the peers' gather completes without it."""
     world = torch.distributed.get_world_size()
     device = _status_device()
-    mine = torch.tensor([status], dtype=torch.int64, device=device)
-    out = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+    mine = torch.tensor([status], dtype=torch.uint8, device=device)
+    out = [torch.zeros(1, dtype=torch.uint8, device=device) for _ in range(world)]
     work = _waiting(stage, lambda: torch.distributed.all_gather(out, mine, async_op=True), call)
     if status == _INTERRUPTED:
         return [status]
