@@ -208,7 +208,7 @@ pub struct Scale {
     pub block: [i64; MAX_NDIM],
 }
 
-/// A validated [`Scale`] with the grid's strides and, once [`read_scales`] ran, the values of the cells the
+/// A validated [`Scale`] with the grid's strides and, once [`read_scale_cells`] ran, the values of the cells the
 /// batch's items touch decoded in place (the other cells stay 0.0 and are never looked up).
 struct LoadedScale {
     values: Vec<f32>,
@@ -315,17 +315,16 @@ fn check_scale(k: usize, s: &Scale, files: &[Arc<Header>]) -> Result<LoadedScale
     })
 }
 
-/// Reads, for each scale, the grid cells that the validated `items` referencing it touch (one contiguous
-/// range: the hull of their dim-0 grid rows, [`LoadedScale::cells_of`]) with one `pread`, decoded into their
-/// place of a zeroed full-length vector, so the kernels index it as the whole grid. `whole` reads each used
-/// scale whole (the reference the tests compare with).
-fn read_scales(
-    scales: &mut [LoadedScale],
+/// For each scale, the grid cells that the validated `items` referencing it touch (one contiguous range: the
+/// hull of their dim-0 grid rows, [`LoadedScale::cells_of`]), which [`read_scale_cells`] reads and decodes into
+/// their place of a zeroed full-length vector, so the kernels index it as the whole grid. `whole` takes each
+/// used scale whole (the reference the tests compare with).
+fn scale_cells(
+    scales: &[LoadedScale],
     items: &[Item],
     per_item: &ItemScales,
-    files: &[Arc<Header>],
     whole: bool,
-) -> Result<(), LoadError> {
+) -> Vec<Option<(u64, u64)>> {
     let mut hull: Vec<Option<(u64, u64)>> = vec![None; scales.len()];
     for (it, s) in items.iter().zip(per_item) {
         let Some((s, _)) = *s else { continue };
@@ -349,22 +348,44 @@ fn read_scales(
         let h = hull[s].get_or_insert(cells);
         *h = (h.0.min(cells.0), h.1.max(cells.1));
     }
-    for (sc, hull) in scales.iter_mut().zip(hull) {
-        let Some((c0, c1)) = hull.map(|h| if whole { (0, sc.cells) } else { h }) else {
+    hull.iter()
+        .zip(scales)
+        .map(|(h, sc)| h.map(|h| if whole { (0, sc.cells) } else { h }))
+        .collect()
+}
+
+/// The absolute file byte range of grid cells `[c0, c1)` of scale `sc`.
+fn scale_byte_range(sc: &LoadedScale, (c0, c1): (u64, u64), files: &[Arc<Header>]) -> (u64, u64) {
+    let h = &files[sc.file];
+    let t = &h.tensors[sc.tensor];
+    let size = t.dtype.byte_size().expect("scale dtypes are byte-sized") as u64;
+    let start = h.data_start + t.begin + c0 * size;
+    (start, start + (c1 - c0) * size)
+}
+
+/// Reads and decodes the given cells of each scale ([`scale_cells`]), from the staged bytes of its file when
+/// there are some (object storage), else with one `pread`.
+fn read_scale_cells(
+    scales: &mut [LoadedScale],
+    cells: &[Option<(u64, u64)>],
+    files: &[Arc<Header>],
+    staged: Option<&[Option<Arc<Mapping>>]>,
+) -> Result<(), LoadError> {
+    for (sc, &cells) in scales.iter_mut().zip(cells) {
+        let Some((c0, c1)) = cells else {
             continue; // no item uses it
         };
         let h = &files[sc.file];
         let t = &h.tensors[sc.tensor];
-        let size = t.dtype.byte_size().expect("scale dtypes are byte-sized") as u64;
-        let mut raw = vec![0u8; ((c1 - c0) * size) as usize];
-        let (file, _) = open_regular(&h.path)?;
-        read_exact_at(
-            &file,
-            &mut raw,
-            h.data_start + t.begin + c0 * size,
-            &h.path,
-            h.file_len,
-        )?;
+        let (start, end) = scale_byte_range(sc, (c0, c1), files);
+        let mut raw = vec![0u8; (end - start) as usize];
+        match staged.and_then(|s| s[sc.file].as_ref()) {
+            Some(map) => raw.copy_from_slice(&map.bytes()[start as usize..end as usize]),
+            None => {
+                let (file, _) = open_regular(&h.path)?;
+                read_exact_at(&file, &mut raw, start, &h.path, h.file_len)?;
+            }
+        }
         sc.values = vec![0.0f32; sc.cells as usize]; // zeroed pages: untouched cells cost no memory
         decode_scales_into(t.dtype, &raw, &mut sc.values[c0 as usize..c1 as usize]);
         sc.bytes = raw.len() as u64;
@@ -453,7 +474,7 @@ fn item_scales(
 /// Like [`execute`], with dequantization: an item whose [`Item::scale`] is `k > 0` multiplies each element
 /// by its block's scale from `scales[k - 1]` (in `f32`) before the one rounding into the destination.
 /// Scales and items are validated, then each scale's grid rows that the items touch are read (once per
-/// call, `read_scales`; counted in `bytes_read_from_files`), before any destination byte is written.
+/// call, `read_scale_cells`; counted in `bytes_read_from_files`), before any destination byte is written.
 pub fn execute_scaled(
     files: &[Arc<Header>],
     dests: &[DestBuf<'_>],
@@ -461,10 +482,66 @@ pub fn execute_scaled(
     scales: &[Scale],
     opts: &ExecOptions,
 ) -> Result<ExecStats, LoadError> {
-    execute_scaled_reading(files, dests, items, scales, opts, false)
+    execute_scaled_reading(files, dests, items, scales, opts, false, None)
 }
 
-/// [`execute_scaled`]; `whole_scales` reads every scale whole (the tests' reference for the touched rows).
+// ---- Staged sources (object storage, `crate::objstore`): the one hook of another byte source. ----
+
+/// Brings the bytes a call needs into memory: given, per file, the sorted absolute byte ranges the validated
+/// items (and their scales) read (empty for a file the call does not read), returns per file a map holding
+/// those bytes at their file offsets, or `None` to read that file from the file system as usual. Called once,
+/// after validation and before any destination byte is written.
+pub(crate) type Stage<'a> =
+    &'a dyn Fn(&[Vec<(u64, u64)>]) -> Result<Vec<Option<Arc<Mapping>>>, LoadError>;
+
+/// [`execute_scaled`] over files whose bytes `stage` provides (see [`Stage`]).
+pub(crate) fn execute_staged(
+    files: &[Arc<Header>],
+    dests: &[DestBuf<'_>],
+    items: &[Item],
+    scales: &[Scale],
+    opts: &ExecOptions,
+    stage: Stage<'_>,
+) -> Result<ExecStats, LoadError> {
+    execute_scaled_reading(files, dests, items, scales, opts, false, Some(stage))
+}
+
+/// Per file, the absolute byte ranges that `runs` and the scale `cells` read, sorted (repetitions one range
+/// each; a repeated run whose repetitions touch is one range).
+fn needed_ranges(
+    runs: &[Run],
+    scales: &[LoadedScale],
+    cells: &[Option<(u64, u64)>],
+    files: &[Arc<Header>],
+) -> Vec<Vec<(u64, u64)>> {
+    let mut out: Vec<Vec<(u64, u64)>> = vec![Vec::new(); files.len()];
+    for r in runs {
+        let extent = r.run_extent();
+        if r.reps == 1 || r.rep_src_stride <= extent {
+            out[r.file].push((r.src_off, r.src_end()));
+        } else {
+            let ranges = &mut out[r.file];
+            for k in 0..r.reps {
+                let at = r.src_off + k * r.rep_src_stride;
+                ranges.push((at, at + extent));
+            }
+        }
+    }
+    for (sc, c) in scales.iter().zip(cells) {
+        if let Some(c) = c {
+            out[sc.file].push(scale_byte_range(sc, *c, files));
+        }
+    }
+    for ranges in &mut out {
+        ranges.sort_unstable();
+    }
+    out
+}
+
+// ---- end of staged sources ----
+
+/// [`execute_scaled`]; `whole_scales` reads every scale whole (the tests' reference for the touched rows);
+/// `stage` provides files' bytes from elsewhere ([`execute_staged`]).
 fn execute_scaled_reading(
     files: &[Arc<Header>],
     dests: &[DestBuf<'_>],
@@ -472,6 +549,7 @@ fn execute_scaled_reading(
     scales: &[Scale],
     opts: &ExecOptions,
     whole_scales: bool,
+    stage: Option<Stage<'_>>,
 ) -> Result<ExecStats, LoadError> {
     let mut loaded: Vec<LoadedScale> = scales
         .iter()
@@ -480,8 +558,13 @@ fn execute_scaled_reading(
         .collect::<Result<_, _>>()?;
     let per_item = item_scales(files, dests, items, &loaded)?;
     let runs = plan(files, dests, items)?;
+    let mut staged = None;
     if !runs.is_empty() {
-        read_scales(&mut loaded, items, &per_item, files, whole_scales)?;
+        let cells = scale_cells(&loaded, items, &per_item, whole_scales);
+        if let Some(stage) = stage {
+            staged = Some(stage(&needed_ranges(&runs, &loaded, &cells, files))?);
+        }
+        read_scale_cells(&mut loaded, &cells, files, staged.as_deref())?;
     }
     let scale_bytes: u64 = loaded.iter().map(|s| s.bytes).sum();
     let threads = opts.threads.unwrap_or_else(default_threads).max(1);
@@ -505,8 +588,14 @@ fn execute_scaled_reading(
     };
     let mut sources: Vec<Option<Source>> = Vec::with_capacity(files.len());
     let mut kept_open = 0;
-    for ((h, &used), ranges) in files.iter().zip(&used).zip(&probes) {
+    for (f, ((h, &used), ranges)) in files.iter().zip(&used).zip(&probes).enumerate() {
+        let kept = staged.as_ref().and_then(|s: &Vec<Option<Arc<Mapping>>>| s[f].clone());
         sources.push(match used {
+            true if kept.is_some() => Some(Source {
+                map: kept,
+                file: Mutex::new(None),
+                pending: AtomicUsize::new(0),
+            }),
             true => {
                 let mut source = open_source(h, opts.backend, ranges, kept_open < KEEP_OPEN)?;
                 kept_open += usize::from(source.file.get_mut().is_ok_and(|f| f.is_some()));

@@ -45,6 +45,8 @@ pub mod exec;
 pub mod header;
 pub mod keys;
 mod mmap;
+#[cfg(feature = "s3")]
+pub mod objstore;
 mod overlap;
 #[cfg(feature = "python")]
 mod python;

@@ -13,7 +13,7 @@ use std::os::unix::fs::{FileExt, FileTypeExt, OpenOptionsExt};
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
-use memmap2::{Advice, Mmap, MmapOptions};
+use memmap2::{Advice, Mmap, MmapMut, MmapOptions};
 
 use crate::error::LoadError;
 
@@ -163,6 +163,41 @@ impl Mapping {
             return 0.0;
         }
         f64::from(resident) / f64::from(asked)
+    }
+}
+
+/// Writable anonymous memory the size of a file, filled at the offsets a call needs (object storage): only the
+/// pages written are backed by memory; the others read as zeros and are never touched by the copy, which reads
+/// only the filled ranges. [`Staging::into_mapping`] makes it the read-only [`Mapping`] the executor copies from.
+pub struct Staging {
+    map: MmapMut,
+}
+
+impl Staging {
+    /// `len` bytes of zeroed, lazily backed memory (no swap reserved: a file larger than RAM stages fine as
+    /// long as the bytes written fit).
+    pub(crate) fn new(len: u64, what: &Path) -> Result<Staging, LoadError> {
+        let len = usize::try_from(len).map_err(|_| LoadError::request("object too large to stage"))?;
+        let map = MmapOptions::new()
+            .len(len.max(1))
+            .no_reserve_swap()
+            .map_anon()
+            .map_err(|e| LoadError::io(what, &e))?;
+        Ok(Staging { map })
+    }
+
+    /// The staged bytes, writable.
+    pub(crate) fn bytes_mut(&mut self) -> &mut [u8] {
+        &mut self.map
+    }
+
+    /// The staged bytes as a read-only [`Mapping`].
+    pub(crate) fn into_mapping(self, what: &Path) -> Result<Mapping, LoadError> {
+        let map = self
+            .map
+            .make_read_only()
+            .map_err(|e| LoadError::io(what, &e))?;
+        Ok(Mapping { map })
     }
 }
 

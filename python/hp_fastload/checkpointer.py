@@ -196,6 +196,10 @@ def _checkpoint_identity(location: Path, index: CheckpointIndex) -> tuple[list[t
     size and its header digest (computed by the header parser from the bytes it read), and a digest of a
     sample of the data (``_content_sample``). Where the files are is not part of it: node-local copies of
     one checkpoint agree."""
+    from .source import objstore
+
+    if isinstance(location, objstore.ObjectLocation):  # ETags name the content: no data sample
+        return objstore.checkpoint_identity(location, index.files), ""  # type: ignore[return-value]
     root = location if location.is_dir() else location.parent
     files = sorted((os.path.relpath(f.path, root), f.file_size, f.header.digest) for f in index.files)
     return files, _content_sample(index, root)
@@ -339,6 +343,10 @@ _COMPARED_CONFIG_FIELDS = ("model_type", "num_hidden_layers", "hidden_size", "vo
 
 def _config_mismatch(model: nn.Module, location: Path) -> str:
     """Where the checkpoint's ``config.json`` and the model's config disagree (architecture, depth, size)."""
+    from .source import objstore
+
+    if isinstance(location, objstore.ObjectLocation):
+        return ""  # an object checkpoint's config is not fetched for a hint
     config_path = (location if location.is_dir() else location.parent) / "config.json"
     config = getattr(model, "config", None)
     if config is None:

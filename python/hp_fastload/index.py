@@ -114,8 +114,9 @@ def _resolve_hub(repo_id: str, revision: str | None, cache_first: bool = False) 
 
 def resolve_checkpoint_location(
     path: str | os.PathLike[str], *, revision: str | None = None, cache_first: bool = False
-) -> Path:
-    """A local file or directory for ``path``; Hub ids go through huggingface_hub (offline-aware).
+) -> Any:
+    """A local file or directory for ``path``; Hub ids go through huggingface_hub (offline-aware); an
+    ``s3://bucket/prefix`` URL gives a ``source.objstore.ObjectLocation``.
 
     ``cache_first``: try the local Hub cache before asking the Hub (``load`` resolves on rank 0 first, then
     on the other ranks with it, so a job does not send one request per rank).
@@ -123,6 +124,10 @@ def resolve_checkpoint_location(
     text = os.fspath(path)
     if not text:
         raise ValueError("pretrained_path must be provided: got an empty checkpoint path")
+    from .source.objstore import ObjectLocation, is_object_url
+
+    if is_object_url(text):  # s3://bucket/prefix: a Path would fold the '//'
+        return ObjectLocation.parse(text)
     local = Path(text).expanduser()
     if local.is_file():
         if local.suffix != ".safetensors":
@@ -162,6 +167,13 @@ class CheckpointIndex:
     @classmethod
     def open(cls, location: str | os.PathLike[str]) -> CheckpointIndex:
         """Index a resolved location (see ``resolve_checkpoint_location``)."""
+        from .source import objstore
+
+        if isinstance(location, objstore.ObjectLocation):
+            files, key_files = objstore.open_index(location)
+            for file in files:
+                _refuse_torch_sharded(file)
+            return cls(files, key_files)
         path = Path(location)
         if path.is_file():
             file = open_file(path)

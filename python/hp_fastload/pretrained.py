@@ -69,7 +69,14 @@ def _checkpoint_dtype(location: Path) -> torch.dtype:
     floating dtype (float8/float4 skipped) among the tensors of the first shard in name order (in key order),
     else that shard's first tensor's dtype; float32 for an empty checkpoint. Headers only."""
     from .index import INDEX_NAME, CheckpointIndex
+    from .source import objstore
 
+    if isinstance(location, objstore.ObjectLocation):
+        index = CheckpointIndex.open(location)
+        if not index.files:
+            return torch.float32
+        first = min(index.files, key=lambda f: location.relative(f.path))
+        return _first_dtype(first)
     folder = location if location.is_dir() else location.parent
     index_path = folder / INDEX_NAME
     if location.is_dir() and index_path.is_file():
@@ -82,6 +89,12 @@ def _checkpoint_dtype(location: Path) -> torch.dtype:
     if not index.files:
         return torch.float32
     first = min(index.files, key=lambda f: os.path.relpath(f.path, folder))
+    return _first_dtype(first)
+
+
+def _first_dtype(first: Any) -> torch.dtype:
+    """The first floating dtype (float8/float4 skipped) among ``first``'s tensors in key order, else its first
+    tensor's dtype (see ``_checkpoint_dtype``)."""
     dtypes = [first.torch_dtype(key) for key in sorted(first.keys())]
     for value in dtypes:
         if value.is_floating_point and "float8_" not in str(value) and "float4_" not in str(value):
@@ -108,6 +121,10 @@ def _default_device(bound: Any) -> torch.device:
 def _read_config(location: Path, config_overrides: dict[str, Any]) -> Any:
     """The checkpoint's ``config.json`` through ``AutoConfig`` (``config_overrides`` applied); refused unopened
     when it is missing or not a regular file (a FIFO or a device would block the read)."""
+    from .source import objstore
+
+    if isinstance(location, objstore.ObjectLocation):
+        return _read_object_config(location, config_overrides)
     folder = location if location.is_dir() else location.parent
     config_path = folder / "config.json"
     if not config_path.is_file():
@@ -126,6 +143,29 @@ def _read_config(location: Path, config_overrides: dict[str, Any]) -> Any:
             "without it, build the model yourself and call hp_fastload.load(model, path)"
         ) from exc
     return AutoConfig.from_pretrained(folder, **config_overrides)
+
+
+def _read_object_config(location: Any, config_overrides: dict[str, Any]) -> Any:
+    """``_read_config`` of an object checkpoint: its ``config.json`` object, parsed by ``AutoConfig`` from a
+    temporary directory."""
+    import tempfile
+
+    from transformers import AutoConfig
+
+    from .source import objstore
+
+    url = location.child("config.json")
+    raw = objstore.read_side_object(url)
+    if raw is None:
+        raise FileNotFoundError(
+            errno.ENOENT,
+            f"{url} does not exist: the model is built from the checkpoint's config.json; build the model "
+            "yourself and call hp_fastload.load(model, url)",
+            url,
+        )
+    with tempfile.TemporaryDirectory(prefix="hp_fastload-config-") as tmp:
+        Path(tmp, "config.json").write_bytes(raw)
+        return AutoConfig.from_pretrained(tmp, **config_overrides)
 
 
 def from_pretrained(
