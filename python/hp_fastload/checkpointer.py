@@ -199,7 +199,7 @@ def _checkpoint_identity(location: Path, index: CheckpointIndex) -> tuple[list[t
     from .source import objstore
 
     if isinstance(location, objstore.ObjectLocation):  # ETags name the content: no data sample
-        return objstore.checkpoint_identity(location, index.files), ""  # type: ignore[return-value]
+        return objstore.checkpoint_identity(location, index.files)
     root = location if location.is_dir() else location.parent
     files = sorted((os.path.relpath(f.path, root), f.file_size, f.header.digest) for f in index.files)
     return files, _content_sample(index, root)

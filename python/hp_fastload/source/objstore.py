@@ -237,12 +237,14 @@ def open_index(location: ObjectLocation) -> tuple[list[SafetensorsFile], dict[st
     return files, key_files
 
 
-def checkpoint_identity(location: ObjectLocation, files: list[SafetensorsFile]) -> list[tuple[str, int, int, str]]:
-    """What ranks compare: each object's name relative to the prefix, size, header digest and ETag (an ETag
-    names the object's content, so no data sample is read)."""
-    out = []
-    for f in files:
+def checkpoint_identity(
+    location: ObjectLocation, files: list[SafetensorsFile]
+) -> tuple[list[tuple[str, int, int]], str]:
+    """What ranks compare, as for files: each object's name relative to the prefix, size and header digest,
+    and in place of a data sample the objects' ETags (an ETag names the content: no data is read)."""
+    named = sorted((location.relative(f.path), f) for f in files)
+    etags = []
+    for name, f in named:
         ident = f.header.object_identity
-        etag = (ident[0] if ident else None) or ""
-        out.append((location.relative(f.path), f.file_size, f.header.digest, etag))
-    return sorted(out)
+        etags.append(f"{name}={(ident[0] if ident else None) or ''}")
+    return [(name, f.file_size, f.header.digest) for name, f in named], "etags:" + ",".join(etags)
