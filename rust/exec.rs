@@ -482,7 +482,7 @@ pub fn execute_scaled(
     scales: &[Scale],
     opts: &ExecOptions,
 ) -> Result<ExecStats, LoadError> {
-    execute_scaled_reading(files, dests, items, scales, opts, false, None)
+    execute_scaled_reading(files, dests, items, scales, opts, false)
 }
 
 // ---- Staged sources (object storage, `crate::objstore`): the one hook of another byte source. ----
@@ -495,6 +495,7 @@ pub(crate) type Stage<'a> =
     &'a dyn Fn(&[Vec<(u64, u64)>]) -> Result<Vec<Option<Arc<Mapping>>>, LoadError>;
 
 /// [`execute_scaled`] over files whose bytes `stage` provides (see [`Stage`]).
+#[cfg(feature = "s3")]
 pub(crate) fn execute_staged(
     files: &[Arc<Header>],
     dests: &[DestBuf<'_>],
@@ -503,7 +504,7 @@ pub(crate) fn execute_staged(
     opts: &ExecOptions,
     stage: Stage<'_>,
 ) -> Result<ExecStats, LoadError> {
-    execute_scaled_reading(files, dests, items, scales, opts, false, Some(stage))
+    execute_scaled_from(files, dests, items, scales, opts, false, Some(stage))
 }
 
 /// Per file, the absolute byte ranges that `runs` and the scale `cells` read, sorted (repetitions one range
@@ -540,9 +541,20 @@ fn needed_ranges(
 
 // ---- end of staged sources ----
 
-/// [`execute_scaled`]; `whole_scales` reads every scale whole (the tests' reference for the touched rows);
-/// `stage` provides files' bytes from elsewhere ([`execute_staged`]).
+/// [`execute_scaled`]; `whole_scales` reads every scale whole (the tests' reference for the touched rows).
 fn execute_scaled_reading(
+    files: &[Arc<Header>],
+    dests: &[DestBuf<'_>],
+    items: &[Item],
+    scales: &[Scale],
+    opts: &ExecOptions,
+    whole_scales: bool,
+) -> Result<ExecStats, LoadError> {
+    execute_scaled_from(files, dests, items, scales, opts, whole_scales, None)
+}
+
+/// [`execute_scaled_reading`]; `stage` provides files' bytes from elsewhere ([`execute_staged`]).
+fn execute_scaled_from(
     files: &[Arc<Header>],
     dests: &[DestBuf<'_>],
     items: &[Item],
@@ -589,7 +601,9 @@ fn execute_scaled_reading(
     let mut sources: Vec<Option<Source>> = Vec::with_capacity(files.len());
     let mut kept_open = 0;
     for (f, ((h, &used), ranges)) in files.iter().zip(&used).zip(&probes).enumerate() {
-        let kept = staged.as_ref().and_then(|s: &Vec<Option<Arc<Mapping>>>| s[f].clone());
+        let kept = staged
+            .as_ref()
+            .and_then(|s: &Vec<Option<Arc<Mapping>>>| s[f].clone());
         sources.push(match used {
             true if kept.is_some() => Some(Source {
                 map: kept,

@@ -13,7 +13,9 @@ use std::os::unix::fs::{FileExt, FileTypeExt, OpenOptionsExt};
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
-use memmap2::{Advice, Mmap, MmapMut, MmapOptions};
+#[cfg(feature = "s3")]
+use memmap2::MmapMut;
+use memmap2::{Advice, Mmap, MmapOptions};
 
 use crate::error::LoadError;
 
@@ -169,15 +171,18 @@ impl Mapping {
 /// Writable anonymous memory the size of a file, filled at the offsets a call needs (object storage): only the
 /// pages written are backed by memory; the others read as zeros and are never touched by the copy, which reads
 /// only the filled ranges. [`Staging::into_mapping`] makes it the read-only [`Mapping`] the executor copies from.
+#[cfg(feature = "s3")]
 pub struct Staging {
     map: MmapMut,
 }
 
+#[cfg(feature = "s3")]
 impl Staging {
     /// `len` bytes of zeroed, lazily backed memory (no swap reserved: a file larger than RAM stages fine as
     /// long as the bytes written fit).
     pub(crate) fn new(len: u64, what: &Path) -> Result<Staging, LoadError> {
-        let len = usize::try_from(len).map_err(|_| LoadError::request("object too large to stage"))?;
+        let len =
+            usize::try_from(len).map_err(|_| LoadError::request("object too large to stage"))?;
         let map = MmapOptions::new()
             .len(len.max(1))
             .no_reserve_swap()

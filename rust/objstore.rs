@@ -226,7 +226,8 @@ fn object_error(bucket: &str, key: &str, what: &str, err: object_store::Error) -
         object_store::Error::NotFound { .. } => "no such object".to_string(),
         object_store::Error::PermissionDenied { .. } => "access denied".to_string(),
         object_store::Error::Unauthenticated { .. } => {
-            "the credentials were refused (check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY)".to_string()
+            "the credentials were refused (check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY)"
+                .to_string()
         }
         _ => what.to_string(),
     };
@@ -283,7 +284,8 @@ async fn fetch_into(
             Ok(()) => return Ok(()),
             Err(e) if transient(&e) && attempt < settings.attempts => {
                 RETRIES.fetch_add(1, Ordering::Relaxed);
-                let wait = Duration::from_millis(100 << (attempt - 1).min(4)).min(Duration::from_secs(2));
+                let wait =
+                    Duration::from_millis(100 << (attempt - 1).min(4)).min(Duration::from_secs(2));
                 tokio::time::sleep(wait).await;
             }
             Err(e) => return Err(e),
@@ -327,7 +329,10 @@ async fn fetch_once(
                 bucket: f.bucket.clone(),
                 key: f.key.clone(),
                 status: None,
-                reason: format!("range {range:?}: the server sent more than {} bytes", out.len()),
+                reason: format!(
+                    "range {range:?}: the server sent more than {} bytes",
+                    out.len()
+                ),
             });
         }
         out[at..end].copy_from_slice(&chunk);
@@ -339,7 +344,10 @@ async fn fetch_once(
             bucket: f.bucket.clone(),
             key: f.key.clone(),
             status: None,
-            reason: format!("range {range:?}: the body ended after {at} of {} bytes", out.len()),
+            reason: format!(
+                "range {range:?}: the body ended after {at} of {} bytes",
+                out.len()
+            ),
         });
     }
     REQUESTS.fetch_add(1, Ordering::Relaxed);
@@ -371,11 +379,21 @@ async fn fetch_head(
                 let meta = got.meta.clone();
                 match got.bytes().await {
                     Ok(bytes) => Ok((bytes.to_vec(), meta)),
-                    Err(e) => Err(object_error(bucket, key, "GET of the length prefix failed", e)),
+                    Err(e) => Err(object_error(
+                        bucket,
+                        key,
+                        "GET of the length prefix failed",
+                        e,
+                    )),
                 }
             }
             // An empty object has no byte 0: a 416 for the range.
-            Err(e) => Err(object_error(bucket, key, "GET of the length prefix failed", e)),
+            Err(e) => Err(object_error(
+                bucket,
+                key,
+                "GET of the length prefix failed",
+                e,
+            )),
         };
         match result {
             Ok((bytes, meta)) => {
@@ -411,7 +429,10 @@ async fn open_one(
     if prefix.len() < 8 || f.size < 8 {
         return Err(LoadError::header(
             &path,
-            format!("object has {} bytes, fewer than the 8-byte length prefix", f.size),
+            format!(
+                "object has {} bytes, fewer than the 8-byte length prefix",
+                f.size
+            ),
         ));
     }
     let n = u64::from_le_bytes(prefix[..8].try_into().expect("8 bytes"));
@@ -427,7 +448,10 @@ async fn open_one(
     if n > crate::header::MAX_HEADER_LEN {
         return Err(LoadError::header(
             &path,
-            format!("header length {n} is over the limit of {} bytes", crate::header::MAX_HEADER_LEN),
+            format!(
+                "header length {n} is over the limit of {} bytes",
+                crate::header::MAX_HEADER_LEN
+            ),
         ));
     }
     let mut buf = vec![0u8; 8 + n as usize];
@@ -448,13 +472,13 @@ pub fn open_headers(urls: &[String]) -> Result<Vec<(Header, ObjectFile)>, LoadEr
     let settings = client.settings.clone();
     let concurrency = settings.concurrency;
     client.rt.block_on(async {
-        let opened: Vec<Result<(Header, ObjectFile), LoadError>> =
-            futures::stream::iter(jobs.into_iter().map(|(store, bucket, key, url)| {
-                open_one(store, bucket, key, url, &settings)
-            }))
-            .buffered(concurrency)
-            .collect()
-            .await;
+        let opened: Vec<Result<(Header, ObjectFile), LoadError>> = futures::stream::iter(
+            jobs.into_iter()
+                .map(|(store, bucket, key, url)| open_one(store, bucket, key, url, &settings)),
+        )
+        .buffered(concurrency)
+        .collect()
+        .await;
         opened.into_iter().collect()
     })
 }
@@ -527,7 +551,8 @@ pub fn coalesce(ranges: &[(u64, u64)], piece: u64) -> Vec<Range<u64>> {
                 continue;
             }
             let need = last.2 + (b - a);
-            if a - last.1 <= COALESCE_GAP && (b - last.0) * COALESCE_SLACK <= need * (COALESCE_SLACK + 1)
+            if a - last.1 <= COALESCE_GAP
+                && (b - last.0) * COALESCE_SLACK <= need * (COALESCE_SLACK + 1)
             {
                 *last = (last.0, b, need);
                 continue;
@@ -585,7 +610,10 @@ fn stage(
     let mut jobs = Vec::new();
     for (f, staging) in stagings.iter_mut().enumerate() {
         let Some(staging) = staging else { continue };
-        let (obj, store) = (objects[f].as_ref().expect("staged"), stores[f].as_ref().expect("staged"));
+        let (obj, store) = (
+            objects[f].as_ref().expect("staged"),
+            stores[f].as_ref().expect("staged"),
+        );
         let mut rest: &mut [u8] = staging.bytes_mut();
         let mut base = 0u64;
         for r in &plans[f] {
@@ -684,7 +712,10 @@ mod tests {
     #[test]
     fn coalescing_joins_small_gaps_only_and_cuts_pieces() {
         // Touching and overlapping ranges join.
-        assert_eq!(coalesce(&[(0, 10), (10, 20), (15, 30)], 1 << 20), vec![0..30]);
+        assert_eq!(
+            coalesce(&[(0, 10), (10, 20), (15, 30)], 1 << 20),
+            vec![0..30]
+        );
         // A 4 KiB gap between 4 KiB rows (a column half) is half the bytes: not joined.
         let rows: Vec<(u64, u64)> = (0..4).map(|i| (i * 8192, i * 8192 + 4096)).collect();
         assert_eq!(coalesce(&rows, 1 << 20).len(), 4);
@@ -695,7 +726,10 @@ mod tests {
         assert_eq!(coalesce(&[(0, 25)], 10), vec![0..10, 10..20, 20..25]);
         // Fetched never exceeds needed by more than 1/32.
         let many: Vec<(u64, u64)> = (0..1000).map(|i| (i * 1100, i * 1100 + 1000)).collect();
-        let fetched: u64 = coalesce(&many, u64::MAX).iter().map(|r| r.end - r.start).sum();
+        let fetched: u64 = coalesce(&many, u64::MAX)
+            .iter()
+            .map(|r| r.end - r.start)
+            .sum();
         assert!(fetched * 32 <= 1000 * 1000 * 33, "{fetched}");
     }
 }

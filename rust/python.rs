@@ -105,8 +105,10 @@ struct SafetensorsHeader {
 // ---- Object storage (feature `s3`, rust/objstore.rs) ----
 #[cfg(feature = "s3")]
 type Object = crate::objstore::ObjectFile;
+/// No object storage in this build: no header has an object.
 #[cfg(not(feature = "s3"))]
-type Object = ();
+#[derive(Clone)]
+struct Object;
 
 /// `ObjectStoreError(message)` with its `bucket`, `key` and `status` attributes set.
 fn object_error(

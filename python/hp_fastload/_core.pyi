@@ -19,6 +19,8 @@ SCALE_WIDTH: Final[int]
 CAST_FLOATS: Final[tuple[str, ...]]
 DTYPE_CODES: Final[dict[str, int]]
 DEFAULT_THREADS: Final[int]
+#: Whether this build has the object-storage backend (Rust feature ``s3``).
+HAS_OBJECT_STORE: Final[bool]
 
 class HeaderEntry:
     """One tensor of a header (read-only): position in the header (an item's tensor field), safetensors dtype
@@ -42,6 +44,14 @@ class SafetensorsHeader:
     """A parsed, validated safetensors header (the file is re-checked before every read)."""
 
     def __new__(cls, path: str | os.PathLike[str]) -> SafetensorsHeader: ...
+    @staticmethod
+    def open_objects(urls: list[str]) -> list[SafetensorsHeader]:
+        """The headers of objects ``s3://bucket/key``, fetched together with ranged GETs (the 8-byte length, then
+        the header); ``path`` is the URL. Reads through such a header fetch the needed ranges
+        (``rust/objstore.rs``). ``ObjectStoreError`` naming bucket, key and HTTP status on failure."""
+    @property
+    def object_identity(self) -> tuple[str | None, int] | None:
+        """``(ETag, size)`` of the object the header was fetched from; None for a file."""
     @property
     def path(self) -> str: ...
     @property
@@ -123,3 +133,16 @@ def execute(
     tensor's bytes in the file (positioned writes; the files exist at their final size with their headers
     written; dtypes must be equal). ``backend`` is ignored; bytes_copied counts bytes written.
     """
+
+def read_object(url: str) -> bytes | None:
+    """The whole object at ``s3://bucket/key`` (an index, ``config.json``); None when it does not exist."""
+
+def list_objects(url: str) -> list[str]:
+    """The keys one level under ``s3://bucket/prefix/``, sorted."""
+
+def object_identity(url: str) -> tuple[str | None, int]:
+    """``(ETag, size)`` of the object at ``url`` now (one HEAD)."""
+
+def object_counters(reset: bool = False) -> tuple[int, int, int]:
+    """Process-wide ``(bytes fetched, GET requests, retries)`` of the object-storage backend; ``reset`` zeroes
+    them after reading."""

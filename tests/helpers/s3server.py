@@ -98,7 +98,9 @@ class S3Server:
                 client.create_bucket(Bucket=bucket)
             self.buckets.add(bucket)
         for path in sorted(p for p in local.rglob("*") if p.is_file()):
-            client.put_object(Bucket=bucket, Key=f"{prefix}/{path.relative_to(local).as_posix()}", Body=path.read_bytes())
+            client.put_object(
+                Bucket=bucket, Key=f"{prefix}/{path.relative_to(local).as_posix()}", Body=path.read_bytes()
+            )
         return f"s3://{bucket}/{prefix}"
 
     def alive(self) -> bool:
@@ -134,7 +136,9 @@ def start(root: Path, timeout: float = START_TIMEOUT) -> S3Server:
     args += ["-s3.port.iceberg=0", "-s3.port.lance=0", "-master.volumeSizeLimitMB=64", "-volume.max=20"]
     log = root / "weed.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(
+            args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
     server = S3Server(proc, f"http://127.0.0.1:{ports['s3.port']}", root, log)
     deadline = time.monotonic() + timeout
     last: Exception | None = None

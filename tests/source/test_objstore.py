@@ -91,7 +91,10 @@ def _header_bytes(local: Path) -> int:
 
 def test_load_matches_safetensors_and_fetches_only_what_it_needs(server: dict[str, Any]) -> None:
     objstore.clear_cache()
-    reference = {**load_file(str(server["local"] / "s0.safetensors")), **load_file(str(server["local"] / "s1.safetensors"))}
+    reference = {
+        **load_file(str(server["local"] / "s0.safetensors")),
+        **load_file(str(server["local"] / "s1.safetensors")),
+    }
     model = _model()
     _core.object_counters(reset=True)
     report = hf.load(model, server["url"])
@@ -120,7 +123,9 @@ def test_plan_from_s3_equals_plan_from_files(server: dict[str, Any]) -> None:
     remote = hf.plan(_model(), server["url"])
     local = hf.plan(_model(), server["local"])
     assert remote.bytes_needed == local.bytes_needed
-    assert sorted(map(str, remote.read_bytes_by_target().items())) == sorted(map(str, local.read_bytes_by_target().items()))
+    assert sorted(map(str, remote.read_bytes_by_target().items())) == sorted(
+        map(str, local.read_bytes_by_target().items())
+    )
 
 
 def test_missing_object_names_bucket_key_and_status(server: dict[str, Any]) -> None:

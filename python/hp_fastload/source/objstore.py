@@ -107,7 +107,10 @@ def _apply_shared_config() -> None:
     creds_file = Path(os.environ.get("AWS_SHARED_CREDENTIALS_FILE") or home / "credentials")
     config_file = Path(os.environ.get("AWS_CONFIG_FILE") or home / "config")
     found: dict[str, str] = {}
-    for file, section in ((config_file, f"profile {profile}" if profile != "default" else "default"), (creds_file, profile)):
+    for file, section in (
+        (config_file, f"profile {profile}" if profile != "default" else "default"),
+        (creds_file, profile),
+    ):
         parser = configparser.RawConfigParser()
         try:
             parser.read(file)
@@ -177,9 +180,9 @@ def read_side_object(url: str) -> bytes | None:
 def _check_shard_name(index_url: str, name: object) -> str:
     """A ``weight_map`` file name that stays under the checkpoint's prefix: a non-empty string without NUL,
     not absolute, with no ``..`` component; :class:`HeaderError` otherwise (before any shard is fetched)."""
-    if isinstance(name, str) and name and "\x00" not in name and not name.startswith("/"):
-        if ".." not in name.split("/") and "\\" not in name:
-            return name
+    ok = isinstance(name, str) and name and "\x00" not in name and not name.startswith("/")
+    if ok and ".." not in name.split("/") and "\\" not in name:  # type: ignore[union-attr]
+        return name  # type: ignore[return-value]
     raise HeaderError(
         f"index {index_url} has weight_map entry {shown_key(name)}, a shard path outside the checkpoint prefix "
         "(shard names must be relative paths inside it: not empty, no NUL, not absolute, no '..' component); "
@@ -232,7 +235,9 @@ def open_index(location: ObjectLocation) -> tuple[list[SafetensorsFile], dict[st
     for file in files:
         for key in file:
             if key in key_files:
-                raise HeaderError(f"tensor {shown_key(key)} is stored in two files: {key_files[key].path} and {file.path}")
+                raise HeaderError(
+                    f"tensor {shown_key(key)} is stored in two files: {key_files[key].path} and {file.path}"
+                )
             key_files[key] = file
     return files, key_files
 
