@@ -170,10 +170,10 @@ class CheckpointIndex:
         from .source import objstore
 
         if isinstance(location, objstore.ObjectLocation):
-            files, key_files = objstore.open_index(location)
-            for file in files:
+            object_files, object_keys = objstore.open_index(location)
+            for file in object_files:
                 _refuse_torch_sharded(file)
-            return cls(files, key_files)
+            return cls(object_files, object_keys)
         path = Path(location)
         if path.is_file():
             file = open_file(path)

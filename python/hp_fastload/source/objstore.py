@@ -160,10 +160,9 @@ def open_objects(urls: list[str]) -> list[SafetensorsFile]:
         for url, header in zip(missing, headers, strict=True):
             file = SafetensorsFile(url, header=header)
             out[url] = file
-            ident = header.object_identity
-            assert ident is not None
+            ident = header.object_identity or (None, header.file_size)
             with _cache_lock:
-                _cache[url] = ((ident[0], ident[1]), file)
+                _cache[url] = (ident, file)
                 _cache.move_to_end(url)
                 while len(_cache) > _CACHE_SIZE:
                     _cache.popitem(last=False)
@@ -180,9 +179,9 @@ def read_side_object(url: str) -> bytes | None:
 def _check_shard_name(index_url: str, name: object) -> str:
     """A ``weight_map`` file name that stays under the checkpoint's prefix: a non-empty string without NUL,
     not absolute, with no ``..`` component; :class:`HeaderError` otherwise (before any shard is fetched)."""
-    ok = isinstance(name, str) and name and "\x00" not in name and not name.startswith("/")
-    if ok and ".." not in name.split("/") and "\\" not in name:  # type: ignore[union-attr]
-        return name  # type: ignore[return-value]
+    plain = isinstance(name, str) and name and "\x00" not in name and "\\" not in name
+    if plain and isinstance(name, str) and not name.startswith("/") and ".." not in name.split("/"):
+        return name
     raise HeaderError(
         f"index {index_url} has weight_map entry {shown_key(name)}, a shard path outside the checkpoint prefix "
         "(shard names must be relative paths inside it: not empty, no NUL, not absolute, no '..' component); "
