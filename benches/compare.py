@@ -1,7 +1,7 @@
 """hp_fastload against every peer that runs here, in one run: one table, one JSON, one plot, PASS/FAIL targets.
 
     python benches/compare.py                 # full run (~20 min on 2 cores): 2.6 GB dense + 20k-tensor MoE
-    python benches/compare.py --quick         # tiny sizes, seconds; used by tests/test_bench_scripts.py and CI
+    python benches/compare.py --quick         # tiny sizes, seconds; used by tests/benches/test_bench_scripts.py and CI
 
 Every configuration (loader x workload x placement x regime) runs in a fresh worker process (``--quick`` groups
 them into two workers to stay fast), ``--repeats`` times, and the median is reported. After timing, every

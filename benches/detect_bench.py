@@ -1,4 +1,4 @@
-"""Time quantization detection (``hp_fastload.quant``), GC paused as planning does.
+"""Time quantization detection (``hp_fastload.convert.detect``), GC paused as planning does.
 
 Usage:
   ``python benches/detect_bench.py CHECKPOINT [CALLS]``: ``detect_in_index`` on the checkpoint's index, CALLS
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from hp_fastload import quant
-from hp_fastload.index import CheckpointIndex
+from hp_fastload.source.index import CheckpointIndex
 
 
 def _fp8_keys(layers: int, experts: int) -> tuple[list[str], dict[str, torch.dtype]]:

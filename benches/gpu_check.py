@@ -410,9 +410,6 @@ def _child(cfg: dict[str, Any]) -> dict[str, Any]:
         with contextlib.suppress(ImportError):
             import transformers  # noqa: F401
         extra["import_transformers_seconds"] = time.perf_counter() - t
-        import hp_fastload.checkpointer as ck
-
-        ck._dist_active = lambda: False  # type: ignore[assignment]  # one process; no peers to agree with
 
         def make(key: str, shape: list[int]) -> Any:
             t = params[key]

@@ -1,7 +1,7 @@
 """MXFP4 experts into bf16 tensors: the region path against the torch path and a bf16 load, in one run.
 
     python benches/mxfp4_bench.py              # gpt-oss-20b expert shapes, 8 experts x 2 layers (~400 MB bf16)
-    python benches/mxfp4_bench.py --quick      # tiny, seconds (tests/test_bench_scripts.py)
+    python benches/mxfp4_bench.py --quick      # tiny, seconds (tests/benches/test_bench_scripts.py)
     python benches/mxfp4_bench.py --ep 8 --loaders hp_region,hp_bf16   # expert-parallel rank 3 of 8
 
 The checkpoint holds gpt-oss's MXFP4 experts as it ships them (uint8 ``*_blocks`` of e2m1 pairs, uint8 e8m0
@@ -72,9 +72,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     import hp_fastload as hf
-    import hp_fastload.checkpointer as ck
 
-    ck._dist_active = lambda: False  # type: ignore[assignment]  # one process
     ckpt, loader = Path(spec["ckpt"]), spec["loader"]
     keys = [(k, tuple(s)) for k, s in spec["keys"]]
     files = sorted(str(p) for p in ckpt.glob("*.safetensors"))
@@ -99,10 +97,10 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
             report = hf.load(model, str(ckpt), strict=True, loader="legacy" if loader == "hp_torch" else "dcp")
             bytes_read = report.bytes_read
         else:  # one rank of a fake world: plan + execute, without the cross-rank agreement collectives
-            from hp_fastload.checkpointer import _plan_at
-            from hp_fastload.execute import execute_plan
+            from hp_fastload.api.load import plan_at
+            from hp_fastload.execute.read import execute_plan
 
-            plan, context = _plan_at(
+            plan, context = plan_at(
                 model,
                 ckpt,
                 "legacy" if loader == "hp_torch" else "dcp",

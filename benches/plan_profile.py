@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _peers
 import hp_fastload
 from hp_fastload import engine
-from hp_fastload.targets import virtual_rank
+from hp_fastload.model.regions import virtual_rank
 
 
 def main() -> None:
@@ -49,7 +49,7 @@ def main() -> None:
 def phases(model: Any, checkpoint: str, rank: int) -> None:
     """Median seconds per phase: each planner function wrapped by a timer for the runs, then restored."""
     from hp_fastload import checkpointer, index
-    from hp_fastload.plan import claims, orchestrate, trace
+    from hp_fastload.planning import claims, orchestrate, trace
 
     spent: dict[str, float] = {}
 

@@ -1,7 +1,7 @@
 """FP8 checkpoints into bf16 models: hp_fastload against transformers and torch DCP, in one run (issue 13).
 
     python benches/quant_bench.py            # DeepSeek-shaped FP8 checkpoint of ~1.1 GB (64 experts x 10 layers)
-    python benches/quant_bench.py --quick    # tiny, seconds (tests/test_bench_scripts.py)
+    python benches/quant_bench.py --quick    # tiny, seconds (tests/benches/test_bench_scripts.py)
 
 The checkpoint has DeepSeek-V3's layout (per-expert tensors, e4m3 weights with fp32 ``weight_scale_inv`` over
 128x128 blocks, ``kv_a_proj_with_mqa`` of 576 rows: a ragged last block) and the ``quantization_config`` the real
@@ -277,10 +277,10 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
 
                 hf.load(model, ckpt)
             else:  # one rank of a fake world: plan + execute, without the cross-rank agreement collectives
-                from hp_fastload.checkpointer import _plan_at
-                from hp_fastload.execute import execute_plan
+                from hp_fastload.api.load import plan_at
+                from hp_fastload.execute.read import execute_plan
 
-                plan, context = _plan_at(
+                plan, context = plan_at(
                     model,
                     Path(ckpt),
                     "dcp",
@@ -298,7 +298,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
             import torch.distributed.checkpoint as dcp
 
             if loader == "hp_dcp_reader":
-                from hp_fastload.dcp import QuantizedHuggingFaceStorageReader as Reader
+                from hp_fastload.api.dcp import QuantizedHuggingFaceStorageReader as Reader
             else:
                 from torch.distributed.checkpoint.quantized_hf_storage import (
                     QuantizedHuggingFaceStorageReader as Reader,

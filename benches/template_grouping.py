@@ -1,5 +1,5 @@
-"""What key templates save in ``build_groups``: the template path (``hp_fastload.templates``) against the per-key
-path (``build_groups(..., templates=False)``), timed in the same process, interleaved, on the key lists of
+"""What key templates save in ``build_groups``: the template path (``hp_fastload.convert.templates``) against
+the per-key path (``build_groups(..., templates=False)``), timed in the same process, interleaved, on the key lists of
 ``compare.py``'s MoE and DeepSeek-V3 layouts (no files), and, with ``--checkpoint DIR``, the whole
 ``hp_fastload.plan`` of a fake-world expert-parallel rank through each path (``--world``, ``--rank``;
 ``--plan-only`` skips the key-list timings). CPU times (``time.process_time``); the key-list timings pause the
@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import compare
 
-groups_mod = importlib.import_module("hp_fastload.groups")
-plan_mod = importlib.import_module("hp_fastload.plan.orchestrate")  # where plan_load calls build_groups
+groups_mod = importlib.import_module("hp_fastload.convert.groups")
+plan_mod = importlib.import_module("hp_fastload.planning.orchestrate")  # where plan_load calls build_groups
 PATHS: dict[str, Callable[..., Any]] = {
     "templates": groups_mod.build_groups,
     "per-key": functools.partial(groups_mod.build_groups, templates=False),
@@ -64,7 +64,7 @@ def _cpu_ms(fn: Callable[[], Any]) -> float:
 def bench_groups(name: str, config: dict[str, Any], keys: list[str], reps: int) -> bool:
     from hp_fastload import _core
     from hp_fastload import rules as rules_mod
-    from hp_fastload.natural import natural_sorted
+    from hp_fastload.source.natural import natural_sorted
 
     model = _meta_model(config)
     targets = dict.fromkeys(model.state_dict())
@@ -92,7 +92,7 @@ def bench_plan(checkpoint: str, world: int, rank: int, reps: int) -> None:
     import _peers
     import hp_fastload
     from hp_fastload import engine
-    from hp_fastload.targets import virtual_rank
+    from hp_fastload.model.regions import virtual_rank
 
     model = _peers.expert_parallel_model(checkpoint, world, rank)
     original = plan_mod.build_groups

@@ -65,7 +65,7 @@ const NAMES_PER_THREAD: usize = 16 << 10;
 /// ambiguous) or there are more than `u32::MAX` distinct templates. A long list is cut into runs
 /// templated on scoped threads (at most the machine's cores), then merged in order.
 pub fn key_templates<S: AsRef<str> + Sync>(names: &[S]) -> Option<KeyTemplates> {
-    let threads = crate::exec::default_threads()
+    let threads = crate::threads::default_threads()
         .min(names.len() / NAMES_PER_THREAD)
         .max(1);
     let parts: Vec<Option<Part>> = if threads == 1 {

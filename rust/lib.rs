@@ -13,6 +13,22 @@
 //! quarter of a warm column read) until [`Header::release_map`]; each reuse passes the same checks as a
 //! fresh map. The Python layer releases the maps when a load or a `read_many` returns.
 //!
+//! Modules, from the bottom layer up (each uses only modules above it in this list;
+//! `tools/rust_module_deps.py` checks that there is no cycle):
+//!
+//! - [`error`]: [`LoadError`], the one error type. [`dtype`]: [`Dtype`], codes, names, sizes, cast table.
+//!   [`threads`]: the default thread count.
+//! - [`types`]: plain data: [`Item`] (a read request), [`types::Run`] (a planned strided copy), [`MAX_NDIM`].
+//! - [`kernels`]: scalar conversions, cast kernels, dequantizing kernels (fp8 and MXFP4 with block scales).
+//! - `mmap`: maps, page residency, positioned reads (`unsafe`, fenced). [`header`]: strict safetensors
+//!   headers ([`Header`]), weight maps, natural order. [`keys`]: key templates.
+//! - [`dest`]: destination buffers ([`DestBuf`]) and the only writes through raw destination pointers
+//!   (`unsafe`, fenced). `overlap`: the exact destination-overlap check on runs.
+//! - [`plan`]: validates items and turns them into runs.
+//! - [`exec`]: the executor ([`execute`], [`execute_scaled`], [`exec::execute_write`]): `exec/read.rs`,
+//!   `tasks.rs`, `scales.rs`, `write.rs`, `workers.rs`.
+//! - `python` (feature `python`): the pyo3 extension module, the only user of pyo3.
+//!
 //! ```
 //! use std::sync::Arc;
 //! use hp_fastload::{execute, DestBuf, Dtype, ExecOptions, Header, Item};
@@ -43,18 +59,21 @@ pub mod dtype;
 pub mod error;
 pub mod exec;
 pub mod header;
+pub mod kernels;
 pub mod keys;
 mod mmap;
 #[cfg(feature = "s3")]
 pub mod objstore;
 mod overlap;
+pub mod plan;
 #[cfg(feature = "python")]
 mod python;
-pub mod region;
+pub mod threads;
+pub mod types;
 
 pub use dest::DestBuf;
 pub use dtype::Dtype;
 pub use error::LoadError;
 pub use exec::{execute, execute_scaled, Backend, ExecOptions, ExecStats, Scale};
 pub use header::{Header, TensorInfo};
-pub use region::{Item, MAX_NDIM};
+pub use types::{Item, MAX_NDIM};

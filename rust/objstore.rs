@@ -37,7 +37,7 @@ use crate::error::LoadError;
 use crate::exec::{execute_staged, ExecOptions, ExecStats, Scale};
 use crate::header::Header;
 use crate::mmap::{Mapping, Staging};
-use crate::region::Item;
+use crate::types::Item;
 
 /// One object's identity when its header was read.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -18,7 +18,7 @@
 //! each decided in O(1) — instead of 32M expanded elements sorted
 //! ```
 
-use crate::region::Run;
+use crate::types::Run;
 
 /// Most pairs of progressions with intersecting spans compared before giving up.
 pub(crate) const PAIR_BUDGET: u64 = 1 << 22;

@@ -22,7 +22,7 @@ use crate::dtype::{Dtype, ALL_DTYPES};
 use crate::error::LoadError;
 use crate::exec::{execute_scaled as execute_batch, Backend, ExecOptions, Scale};
 use crate::header::Header;
-use crate::region::{Item, MAX_NDIM};
+use crate::types::{Item, MAX_NDIM};
 
 // The packed item's int64 fields, exported to Python as `COL_*` (the one definition of the layout): file,
 // tensor, src_base, dest, dst_base, ndim, then lengths, source strides and destination strides, `MAX_NDIM`
@@ -711,6 +711,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
         codes.set_item(d.name(), d.code())?;
     }
     m.add("DTYPE_CODES", codes)?;
-    m.add("DEFAULT_THREADS", crate::exec::default_threads())?;
+    m.add("DEFAULT_THREADS", crate::threads::default_threads())?;
     Ok(())
 }

@@ -8,9 +8,13 @@ rules, and writes them into the local shards of the model's DTensors.
 
 from __future__ import annotations
 
-from .checkpointer import HF_LOADER_ENV, HuggingFaceCheckpointer, load, plan, resolve_hf_loader
-from .engine import HeaderEntry, SafetensorsFile, clear_cache, read_into, read_many
-from .errors import (
+from hp_fastload.api.checkpointer import HuggingFaceCheckpointer
+from hp_fastload.api.load import HF_LOADER_ENV, load, plan, resolve_hf_loader
+from hp_fastload.api.pretrained import from_pretrained
+from hp_fastload.api.read import read_into, read_many
+from hp_fastload.api.save import SaveReport, save
+from hp_fastload.convert.quant import QuantizationError
+from hp_fastload.errors import (
     CheckpointMismatchError,
     HeaderError,
     HpFastloadError,
@@ -19,10 +23,10 @@ from .errors import (
     ReadError,
     TargetError,
 )
-from .plan import ConversionError, LoadPlan, LoadReport, Replacement
-from .pretrained import from_pretrained
-from .quant import QuantizationError
-from .save import SaveReport, save
+from hp_fastload.planning.items import LoadPlan, LoadReport
+from hp_fastload.planning.replacement import Replacement
+from hp_fastload.planning.trace import ConversionError
+from hp_fastload.source.files import HeaderEntry, SafetensorsFile, clear_cache
 
 __all__ = [
     "HF_LOADER_ENV",

@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from ..dist_utils import run_distributed, run_subchecks, subcheck_values
 from ..helpers import s3server
+from ..helpers.dist import run_distributed, run_subchecks, subcheck_values
 
 pytestmark = [
     pytest.mark.distributed,
@@ -69,7 +69,7 @@ def check_bit_exact_and_share(rank: int, world: int) -> tuple[list[str], int, in
     from torch.distributed.tensor import distribute_tensor
 
     import hp_fastload as hf
-    from hp_fastload import _core
+    import hp_fastload._core as _core
 
     local = Path(os.environ["HPF_S3_LOCAL"])
     full = {**load_file(str(local / "s0.safetensors")), **load_file(str(local / "s1.safetensors"))}

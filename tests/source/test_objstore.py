@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 import hp_fastload as hf
-from hp_fastload import _core
+import hp_fastload._core as _core
 from hp_fastload.errors import HeaderError, ObjectStoreError
 from hp_fastload.source import objstore
 

@@ -5,7 +5,7 @@ Owns: recognising object URLs (:func:`is_object_url`, :class:`ObjectLocation`), 
 the ``*.safetensors`` objects under the prefix) with every header fetched by ranged GETs in the Rust backend
 (``rust/objstore.rs``), the header cache keyed on each object's ETag and size, reading side objects
 (``config.json``), and what ranks compare to agree on an object checkpoint. The plan, the items, the batch and
-the report are the files' own: a :class:`~hp_fastload.engine.SafetensorsFile` whose header came from an object
+the report are the files' own: a :class:`~hp_fastload.source.files.SafetensorsFile` whose header came from an object
 makes the engine fetch the byte ranges each batch needs (coalesced, many in flight) before copying them.
 
 Credentials, region and endpoint come from the standard ``AWS_*`` environment variables (``AWS_ENDPOINT_URL``,
@@ -24,14 +24,13 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import _core
-from ..engine import SafetensorsFile
-from ..errors import HeaderError, ObjectStoreError, shown_key
+import hp_fastload._core as _core
+from hp_fastload.errors import HeaderError, ObjectStoreError, shown_key
+from hp_fastload.formats import INDEX_NAME, SINGLE_NAME
+from hp_fastload.source.files import SafetensorsFile
 
 __all__ = ["ObjectLocation", "is_object_url", "open_index", "read_side_object", "checkpoint_identity"]
 
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
 _SCHEMES = ("s3://", "s3a://")
 
 

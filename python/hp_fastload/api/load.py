@@ -1,0 +1,315 @@
+"""The user-facing loaders: ``load``, ``plan``, ``HuggingFaceCheckpointer``, ``resolve_hf_loader``.
+
+Owns the seed's contract (hyper-parallel's ``HuggingFaceCheckpointer``): loader resolution, argument checks,
+the two loaders (``legacy``: whole tensors, converted on the host, sliced; ``dcp``: exact region reads),
+cross-rank agreement on failures (every rank raises when one fails, nobody hangs), the report, progress and
+the one summary log line. Planning lives in ``plan``, reading in ``execute``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Collection, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from hp_fastload import errors
+from hp_fastload.convert.rules import resolve_mapping
+from hp_fastload.dist.agree import agree, resolve_location_each
+from hp_fastload.dist.identity import agree_checkpoint
+from hp_fastload.errors import HeaderError
+from hp_fastload.execute.read import execute_plan
+from hp_fastload.execute.threads import threads_per_rank
+from hp_fastload.model.finalize import non_persistent_buffers, recreate_buffers, retie
+from hp_fastload.model.targets import build_targets
+from hp_fastload.model.wrappers import unwrapped
+from hp_fastload.planning.context import LoadContext
+from hp_fastload.planning.items import LoadPlan, LoadReport
+from hp_fastload.planning.orchestrate import plan_load
+from hp_fastload.planning.replacement import Replacement
+from hp_fastload.runtime import dist_active, gc_paused, is_rank0
+from hp_fastload.source.config import read_config_json
+from hp_fastload.source.index import CheckpointIndex
+from hp_fastload.source.location import Location, folder_of, resolve_checkpoint_location
+
+HF_LOADER_ENV = "HYPER_PARALLEL_HF_LOADER"
+
+# The loaders of the hyper-parallel seed, under the seed's names: "legacy" reads whole tensors and converts them
+# with torch; "dcp" is the region loader (conversions compiled into checkpoint coordinates, each rank reading only
+# its regions). Despite its name it is not torch DCP, which hp_fastload.dcp plugs into as a storage reader.
+LOADERS = ("legacy", "dcp")
+
+DEFAULT_LOADER = "dcp"
+
+
+def resolve_hf_loader(loader: str | None = None) -> str:
+    """The loader name: the argument, else ``$HYPER_PARALLEL_HF_LOADER``, else ``"dcp"`` (case-insensitive)."""
+    value = loader if loader is not None else os.environ.get(HF_LOADER_ENV) or DEFAULT_LOADER
+    name = str(value).strip().lower()
+    if name not in LOADERS:
+        raise ValueError(
+            f"Unknown pretrained loader {value!r}; expected one of {', '.join(LOADERS)} "
+            f"(set through the loader argument or {HF_LOADER_ENV})"
+        )
+    return name
+
+
+log = logging.getLogger("hp_fastload")
+
+
+def _progress_bar(total: int, enabled: bool | None) -> tuple[Callable[[int], None] | None, Callable[[], None]]:
+    rank0 = is_rank0()
+    if enabled is False or not rank0 or total <= 0:
+        return None, lambda: None
+    if enabled is None and not sys.stderr.isatty():
+        return None, lambda: None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None, lambda: None
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="Loading weights", leave=False)
+    return bar.update, bar.close
+
+
+@gc_paused()
+def plan(
+    model: nn.Module,
+    path: str | os.PathLike[str],
+    *,
+    weights_mapping: Iterable[Any] | None = None,
+    key_mapping: Mapping[str, str] | None = None,
+    strict: bool = False,
+    loader: str | None = None,
+    external_target_fqns: Collection[str] = frozenset(),
+    claimed_source_keys: Collection[str] = frozenset(),
+    mesh_override: Any = None,
+    revision: str | None = None,
+    replacement: Replacement | None = None,
+) -> LoadPlan:
+    """Dry run: what this rank (or a virtual rank, see ``targets.build_targets``'s ``mesh_override``) reads.
+
+    Reads headers only. ``LoadPlan.read_bytes_by_file()`` / ``read_bytes_by_target()`` / ``summary()``.
+    The arguments are ``load``'s. The plan is plain data (picklable, comparable); its live side is dropped.
+    """
+    plan_only, _ = plan_at(
+        unwrapped(model),
+        resolve_checkpoint_location(path, revision=revision),
+        resolve_hf_loader(loader),
+        weights_mapping=weights_mapping,
+        key_mapping=key_mapping,
+        strict=strict,
+        external_target_fqns=external_target_fqns,
+        claimed_source_keys=claimed_source_keys,
+        mesh_override=mesh_override,
+        replacement=replacement,
+    )
+    return plan_only
+
+
+def plan_at(
+    model: nn.Module,
+    location: Location,
+    loader: str,
+    *,
+    weights_mapping: Iterable[Any] | None,
+    key_mapping: Mapping[str, str] | None,
+    strict: bool,
+    external_target_fqns: Collection[str],
+    claimed_source_keys: Collection[str],
+    mesh_override: Any = None,
+    replacement: Replacement | None = None,
+    index: CheckpointIndex | None = None,
+) -> tuple[LoadPlan, LoadContext]:
+    """Headers, targets and rules of one (possibly virtual) rank, planned (the plan and its live side);
+    nothing is read. The cyclic GC is paused throughout (``runtime.gc_paused``; free when the caller, a public
+    entry point, already paused it)."""
+    with gc_paused():
+        if index is None:
+            index = CheckpointIndex.open(location)
+        targets = build_targets(
+            model, external_target_fqns=frozenset(external_target_fqns), mesh_override=mesh_override
+        )
+        rules = resolve_mapping(model, weights_mapping, key_mapping)
+    try:
+        return plan_load(
+            model,
+            index,
+            targets,
+            rules,
+            strict=strict,
+            trace=loader == "dcp",
+            claimed_source_keys=frozenset(claimed_source_keys),
+            loader=loader,
+            replacement=replacement,
+        )
+    except errors.MissingKeysError as exc:
+        hint = _config_mismatch(model, location)
+        if not hint:
+            raise
+        raise errors.MissingKeysError(f"{exc} {hint}", exc.missing_keys, exc.unexpected_keys) from None
+
+
+_COMPARED_CONFIG_FIELDS = ("model_type", "num_hidden_layers", "hidden_size", "vocab_size")
+
+
+def _config_mismatch(model: nn.Module, location: Location) -> str:
+    """Where the checkpoint's ``config.json`` and the model's config disagree (architecture, depth, size)."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return ""
+    try:
+        saved = read_config_json(folder_of(location))
+    except (HeaderError, OSError):  # a FIFO (or an object store error) there only loses the hint
+        return ""
+    if saved is None:
+        return ""
+    ours = config.to_dict() if hasattr(config, "to_dict") else vars(config)
+    text_saved, text_ours = saved.get("text_config") or {}, ours.get("text_config") or {}
+    differences = []
+    for key in _COMPARED_CONFIG_FIELDS:
+        theirs = saved.get(key, text_saved.get(key))
+        mine = ours.get(key, text_ours.get(key) if isinstance(text_ours, dict) else None)
+        if theirs is not None and mine is not None and theirs != mine:
+            differences.append(f"{key} {theirs!r} in the checkpoint, {mine!r} in the model")
+    return f"The checkpoint's config.json disagrees: {'; '.join(differences)}." if differences else ""
+
+
+# The cyclic GC is paused for the whole load: planning and packing a 20k-tensor MoE allocate ~10^5 small
+# objects, and each full collection walks everything the trainer holds (docs/perf-notes.md).
+@gc_paused()
+def load(
+    model: nn.Module,
+    path: str | os.PathLike[str],
+    *,
+    weights_mapping: Iterable[Any] | None = None,
+    key_mapping: Mapping[str, str] | None = None,
+    strict: bool = True,
+    loader: str | None = None,
+    threads: int | None = None,
+    progress: bool | None = None,
+    external_target_fqns: Collection[str] = frozenset(),
+    claimed_source_keys: Collection[str] = frozenset(),
+    backend: str | None = None,
+    revision: str | None = None,
+    share_replicated: bool = False,
+    replacement: Replacement | None = None,
+    finalize: bool = True,
+) -> LoadReport:
+    """Fill ``model``'s parameters and persistent buffers (DTensor shards or plain) from a HF checkpoint.
+
+    Every rank of the default process group must call it together. Writes in place (parameter identity is
+    preserved). ``strict`` raises ``MissingKeysError`` (a ``RuntimeError``) before any byte is read when model
+    tensors would stay missing; unexpected checkpoint keys are only logged. ``share_replicated=True`` (region
+    loader, several ranks) has one replica of each replicated DTensor read it and broadcast it to the others
+    (``share``).
+    ``threads`` defaults to this process's cores divided by the ranks on its node (``LOCAL_WORLD_SIZE``).
+    ``replacement`` (an ``hp_fastload.Replacement``) is the second stage of a model whose modules were
+    replaced after the checkpoint's layout was fixed; None takes it from the model's
+    ``_hp_replacement_weight_conversions`` / ``_hp_checkpoint_source_shapes`` when both are set.
+
+    ``finalize`` (default) also finishes what a checkpoint does not hold (``finalize``): tied weights that
+    parallelization or ``to_empty`` untied are tied again before planning (transformers models, through
+    ``tie_weights()``), and non-persistent buffers (rotary ``inv_freq``...) are recomputed after reading
+    through the model's own ``initialize_weights()``, as ``from_pretrained`` does; buffers nothing re-created
+    are listed in ``LoadReport.unfilled_buffers``.
+
+    A model wrapped by ``torch.compile`` or ``DistributedDataParallel`` is loaded through the module it wraps
+    (``rules.unwrapped``): the same tensors, under the checkpoint's names.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"load() needs a live nn.Module to write into, got {type(model).__name__}")
+    model = unwrapped(model)  # torch.compile / DDP: the wrapped module's names and rules (same tensors)
+    name = resolve_hf_loader(loader)
+    start = time.perf_counter()
+    if threads is None:
+        threads = threads_per_rank()
+
+    location = resolve_location_each(path, revision)
+    index = agree("Reading the checkpoint headers", lambda: CheckpointIndex.open(location))
+    agree_checkpoint(location, index)
+    retied: list[str] = agree("Tying the model's tied weights", lambda: retie(model)) if finalize else []
+    planned_pair: tuple[LoadPlan, LoadContext] = agree(
+        "Planning the pretrained load",
+        lambda: plan_at(
+            model,
+            location,
+            name,
+            index=index,
+            weights_mapping=weights_mapping,
+            key_mapping=key_mapping,
+            strict=strict,
+            external_target_fqns=external_target_fqns,
+            claimed_source_keys=claimed_source_keys,
+            replacement=replacement,
+        ),
+    )
+    load_plan, context = planned_pair
+    replicas = None
+    if share_replicated and name == "dcp" and dist_active() and torch.distributed.get_world_size() > 1:
+        from hp_fastload.dist.share import plan_replicas
+
+        replicas = plan_replicas(map(context.target, load_plan.region_reads))
+    total = load_plan.bytes_needed
+    update, close = _progress_bar(total, progress)
+    try:
+        stats = agree(
+            "Reading the pretrained checkpoint",
+            lambda: execute_plan(
+                load_plan,
+                context,
+                legacy=name == "legacy",
+                threads=threads,
+                backend=backend,
+                progress=update,
+                skip=replicas.skip if replicas is not None else frozenset(),
+            ),
+        )
+    finally:
+        close()
+        for file in context.index.files:  # a finished load keeps no page tables of the checkpoint mapped
+            file.header.release_map()
+    if replicas is not None:  # every rank's reads succeeded (agreed above): safe to enter the broadcasts
+        from hp_fastload.dist.share import broadcast_replicas
+
+        stats.extra["bytes_received"] = broadcast_replicas(replicas)
+    for name in load_plan.region_reads:
+        context.target(name).tensor._is_hf_initialized = True  # type: ignore[attr-defined]
+    for deferred in load_plan.deferred:
+        for name in deferred.claims.values():
+            context.target(name).tensor._is_hf_initialized = True  # type: ignore[attr-defined]
+    _record_used_rules(model, context)
+    unfilled = recreate_buffers(model) if finalize else [name for name, _ in non_persistent_buffers(model)]
+    seconds = time.perf_counter() - start
+    # The plan's report (keys, checkpoint bytes, the loader) with what executing it measured.
+    report = dataclasses.replace(
+        load_plan.report,
+        bytes_read=stats.bytes_read,
+        bytes_needed=total,
+        seconds=seconds,
+        retied_keys=tuple(retied),
+        unfilled_buffers=tuple(unfilled),
+    )
+    if report.unexpected_keys:
+        log.warning(
+            "Ignored %d checkpoint tensors not owned by this model; first keys: %s",
+            len(report.unexpected_keys),
+            ", ".join(map(errors.shown_key, report.unexpected_keys[:10])),
+        )
+    log.info(report.summary())
+    return report
+
+
+def _record_used_rules(model: nn.Module, context: LoadContext) -> None:
+    """``model._weight_conversions`` (and, with replacements, the per-stage lists) for reverse conversion."""
+    with contextlib.suppress(AttributeError, TypeError):  # modules that refuse new attributes
+        model._weight_conversions = context.used_rules  # type: ignore[assignment]
+        if context.used_replacement_rules:
+            model._hp_used_base_weight_conversions = context.used_base_rules  # type: ignore[assignment]
+            model._hp_used_replacement_weight_conversions = context.used_replacement_rules  # type: ignore[assignment]

@@ -1,0 +1,222 @@
+"""``hp_fastload.from_pretrained``: a training script's whole prologue in one call.
+
+Owns the sequence a trainer writes by hand before its first step: read the checkpoint's config, build the
+transformers model on the meta device (under transformers' own ``from_pretrained`` init contexts), parallelize
+it (the caller's ``parallelize(model)``, or transformers' own ``DistributedConfig`` through the same
+``prepare_distribute_model`` / ``maybe_distribute_model`` that transformers applies to its meta model),
+materialize it with ``to_empty``, fill it with :func:`hp_fastload.load` (which re-ties tied weights and
+recomputes the non-persistent buffers, see ``finalize``) and put it in eval mode, as transformers does. Every
+rank calls it with the same arguments.
+
+It does not read tensors itself, decide regions, or apply conversion rules: ``load`` does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from hp_fastload.api.load import load
+from hp_fastload.dist.agree import agree, resolve_location_each
+from hp_fastload.errors import CheckpointMismatchError
+from hp_fastload.model.finalize import initialize_missing
+from hp_fastload.model.wrappers import unwrapped
+from hp_fastload.planning.items import LoadReport
+from hp_fastload.runtime import dist_active
+from hp_fastload.source.config import read_config
+from hp_fastload.source.location import Location
+from hp_fastload.source.objstore import ObjectLocation
+
+
+def _model_class(auto_class: Any) -> Any:
+    import transformers
+
+    if auto_class is None:
+        return transformers.AutoModelForCausalLM
+    if isinstance(auto_class, str):
+        found = getattr(transformers, auto_class, None)
+        if found is None:
+            raise ValueError(f"auto_class={auto_class!r} is not a class of transformers")
+        return found
+    return auto_class
+
+
+def _dtype(dtype: Any, config: Any, location: Location) -> torch.dtype:
+    """``None`` or ``"auto"``: the config's dtype, else the checkpoint's (:func:`_checkpoint_dtype`), as
+    transformers v5's ``from_pretrained`` (whose default is ``"auto"``) chooses."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is None or dtype == "auto":
+        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        if dtype is None:
+            return _checkpoint_dtype(location)
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    value = getattr(torch, str(dtype).removeprefix("torch."), None)
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"dtype={dtype!r} is not a torch dtype")
+    return value
+
+
+def _checkpoint_dtype(location: Location) -> torch.dtype:
+    """transformers' choice for a config without a dtype: the index's ``metadata.dtype``, else the first
+    floating dtype (float8/float4 skipped) among the tensors of the first shard in name order (in key order),
+    else that shard's first tensor's dtype; float32 for an empty checkpoint. Headers only."""
+    from hp_fastload.formats import INDEX_NAME
+    from hp_fastload.source.index import CheckpointIndex
+
+    if isinstance(location, ObjectLocation):
+        index = CheckpointIndex.open(location)
+        if not index.files:
+            return torch.float32
+        first = min(index.files, key=lambda f: location.relative(f.path))
+        return _first_dtype(first)
+    folder = location if location.is_dir() else location.parent
+    index_path = folder / INDEX_NAME
+    if location.is_dir() and index_path.is_file():
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            named = json.loads(index_path.read_bytes()).get("metadata", {}).get("dtype")
+            value = getattr(torch, str(named).removeprefix("torch."), None) if named else None
+            if isinstance(value, torch.dtype):
+                return value
+    index = CheckpointIndex.open(location)
+    if not index.files:
+        return torch.float32
+    first = min(index.files, key=lambda f: os.path.relpath(f.path, folder))
+    return _first_dtype(first)
+
+
+def _first_dtype(first: Any) -> torch.dtype:
+    """The first floating dtype (float8/float4 skipped) among ``first``'s tensors in key order, else its first
+    tensor's dtype (see ``_checkpoint_dtype``)."""
+    dtypes = [first.torch_dtype(key) for key in sorted(first.keys())]
+    for value in dtypes:
+        if value.is_floating_point and "float8_" not in str(value) and "float4_" not in str(value):
+            return value
+    return dtypes[0] if dtypes else torch.float32
+
+
+def _init_contexts(dtype: torch.dtype) -> list[Any]:
+    """transformers' own model-init contexts of ``from_pretrained``: meta device, ``dtype`` as the default, and
+    ties deferred until the weights are loaded (a tied lm_head would hide from the tp plan's parameter names)."""
+    from transformers import PreTrainedModel
+
+    return list(PreTrainedModel.get_init_context(dtype, False, False, None))
+
+
+def _default_device(bound: Any) -> torch.device:
+    if bound is not None:
+        return torch.device(bound)
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) if dist_active() else 0)
+    return torch.device("cpu")
+
+
+def from_pretrained(
+    path_or_hub_id: str | os.PathLike[str],
+    *,
+    parallelize: Callable[[nn.Module], Any] | None = None,
+    distributed_config: Any = None,
+    device: str | torch.device | None = None,
+    dtype: Any = None,
+    auto_class: Any = None,
+    revision: str | None = None,
+    strict: bool = True,
+    output_loading_info: bool = False,
+    **config_overrides: Any,
+) -> Any:
+    """A parallelized transformers model filled from ``path_or_hub_id``; ``(model, report)`` with
+    ``output_loading_info=True``.
+
+    Steps, on every rank: the checkpoint's ``config.json`` (``config_overrides`` applied, as
+    ``AutoConfig.from_pretrained`` takes them) → ``auto_class`` (default ``AutoModelForCausalLM``; a class or
+    its name) built on the meta device in ``dtype`` (default ``"auto"``: the config's, else the checkpoint's,
+    as transformers chooses) → parallelized by ``parallelize(model)`` (FSDP2 / TP / EP, anything that turns
+    parameters into DTensors in place; a returned module replaces the model) or by transformers'
+    ``DistributedConfig`` (tp, fsdp, ep plans of the model) →
+    ``to_empty(device)`` (default: the device transformers bound this rank to, else ``cuda:LOCAL_RANK``, else
+    CPU) → :func:`hp_fastload.load` with ``strict`` (tied weights re-tied, non-persistent buffers recomputed
+    through the model's own init; with ``strict=False``, what the checkpoint lacks initialized by the model's own
+    ``initialize_weights()``, as transformers does) → ``eval()``.
+
+    Not covered: quantized checkpoints, ``device_map`` offloading, remote code, adapters; build such a model
+    yourself and call ``hp_fastload.load`` on it.
+    """
+    if parallelize is not None and distributed_config is not None:
+        raise ValueError("pass either parallelize or distributed_config, not both")
+    if parallelize is not None and not callable(parallelize):
+        raise TypeError(f"parallelize must be a callable taking the model, got {type(parallelize).__name__}")
+    location = resolve_location_each(path_or_hub_id, revision)
+    # Each step that can fail on one rank alone is agreed on: the others raise too instead of waiting in
+    # load's first collective.
+    config = agree("Reading the checkpoint's config.json", lambda: read_config(location, config_overrides))
+    _agree_config(config)
+    model = agree(
+        "Building and parallelizing the model",
+        lambda: _build(location, config, auto_class, dtype, parallelize, distributed_config, device),
+    )
+    report: LoadReport = load(model, str(location), strict=strict)  # an s3:// URL or a path
+    # strict=False: what the checkpoint does not hold is fresh from to_empty (whatever the allocator left there);
+    # transformers initializes it. Agreed on every rank (the collective does not depend on the report).
+    agree(
+        "Initializing the tensors the checkpoint does not hold",
+        lambda: initialize_missing(unwrapped(model)) if report.missing_keys else None,
+    )
+    model.eval()
+    return (model, report) if output_loading_info else model
+
+
+def _agree_config(config: Any) -> None:
+    """Every rank raises :class:`~hp_fastload.CheckpointMismatchError` unless the ranks read the same config
+    (``load`` compares the safetensors files, not ``config.json``; node-local copies can differ in it)."""
+    if not dist_active() or torch.distributed.get_world_size() == 1:
+        return
+    mine = hashlib.blake2b(config.to_json_string(use_diff=False).encode(), digest_size=16).hexdigest()
+    gathered: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, mine)
+    differing = [rank for rank, digest in enumerate(gathered) if digest != gathered[0]]
+    if differing:
+        more = f" (and {len(differing) - 1} more ranks)" if len(differing) > 1 else ""
+        raise CheckpointMismatchError(
+            "the ranks read different configs from the checkpoint's config.json (with config_overrides): rank "
+            f"{differing[0]}'s differs from rank 0's{more}. Pass every rank the same checkpoint and the same overrides"
+        )
+
+
+def _build(
+    location: Location,
+    config: Any,
+    auto_class: Any,
+    dtype: Any,
+    parallelize: Callable[[nn.Module], Any] | None,
+    distributed_config: Any,
+    device: str | torch.device | None,
+) -> nn.Module:
+    """The model on meta, parallelized, materialized on ``device`` (not yet filled)."""
+    cls = _model_class(auto_class)
+    torch_dtype = _dtype(dtype, config, location)
+    with contextlib.ExitStack() as stack:
+        for context in _init_contexts(torch_dtype):
+            stack.enter_context(context)
+        if hasattr(cls, "from_config"):
+            model = cls.from_config(config, dtype=torch_dtype)
+        else:
+            model = cls._from_config(config, dtype=torch_dtype)
+    bound = None
+    if distributed_config is not None:
+        distributed_config, bound, mesh_manager = type(model).prepare_distribute_model(distributed_config)
+        model = type(model).maybe_distribute_model(model, distributed_config, mesh_manager)
+    elif parallelize is not None:
+        model.tie_weights()  # the user's layout sees tied weights as one parameter (FSDP2 cannot tie later)
+        returned = parallelize(model)
+        if isinstance(returned, nn.Module):
+            model = returned
+    model.to_empty(device=device if device is not None else _default_device(bound))
+    return model

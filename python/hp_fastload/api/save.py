@@ -1,0 +1,298 @@
+"""Export: ``save(model, path)``, the load run backwards, every rank writing its own regions of the output.
+
+Owns the released layout (keys, shapes and dtypes as transformers' ``save_pretrained`` writes them: tied
+tensors dropped and the conversions reverted by transformers' own code, run on meta tensors of the global
+shapes, so no data moves), the deterministic file layout (transformers' shard split, safetensors' header and
+data order), the temporary sibling directory and its atomic rename, the choice of one writer per replicated
+region, the write batches (the load plan of each rank's local shards against the virtual checkpoint, handed
+to the engine in the write direction; device shards through pinned double-buffered host slabs), the torch
+fallback for targets whose conversion has no exact region inverse, and the cross-rank agreement that makes a
+failure on any rank leave nothing at ``path``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import secrets
+import shutil
+import time
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from hp_fastload.api.load import plan_at
+from hp_fastload.dist.collectives import (
+    agree_in_save,
+    broadcast_object,
+    check_fallbacks_agree,
+    check_visible,
+    gather_objects,
+)
+from hp_fastload.errors import PlanError
+from hp_fastload.execute.staging import DEFAULT_BATCH_BYTES
+from hp_fastload.execute.write import (
+    WriteStats,
+    create_files,
+    finish_files,
+    fsync_dir,
+    sync_written,
+    write_regions,
+    write_whole,
+)
+from hp_fastload.formats import INDEX_NAME
+from hp_fastload.model.targets import Target
+from hp_fastload.planning.context import LoadContext
+from hp_fastload.planning.export import (
+    ExportLayout,
+    check_coverage,
+    check_writers,
+    conversions,
+    export_layout,
+    forward_rules,
+    planned_bytes,
+)
+from hp_fastload.planning.items import LoadPlan
+from hp_fastload.runtime import gc_paused, is_rank0
+from hp_fastload.source.index import CheckpointIndex
+
+
+@dataclass
+class SaveReport:
+    """What ``save`` wrote. ``bytes_written``: this rank's positioned writes (tensor data);
+    ``bytes_written_by_rank``: every rank's, indexed by rank. ``fallbacks``: checkpoint keys whose conversion
+    had no exact region inverse, computed with torch from the gathered tensor and written by rank 0."""
+
+    path: str
+    files: list[str]
+    tensors: int
+    total_bytes: int
+    bytes_written: int
+    bytes_written_by_rank: list[int]
+    fallbacks: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def summary(self) -> str:
+        return (
+            f"saved {self.tensors} tensors in {len(self.files)} files ({self.total_bytes / 1e9:.3f} GB) to "
+            f"{self.path} in {self.seconds:.2f} s; this rank wrote {self.bytes_written / 1e9:.3f} GB"
+            + (f"; {len(self.fallbacks)} tensors through torch" if self.fallbacks else "")
+        )
+
+
+def _check_destination(path: Path, overwrite: bool) -> None:
+    if path.is_symlink():  # the swap would replace the link, not what it points to
+        raise FileExistsError(
+            f"{path} is a symbolic link (to {os.readlink(path)}); refusing to replace it: pass the directory it "
+            "points to"
+        )
+    if path.exists() and not path.is_dir():
+        raise FileExistsError(f"{path} exists and is not a directory; refusing to replace it")
+    if path.is_dir() and any(path.iterdir()) and not overwrite:
+        raise FileExistsError(f"{path} is a non-empty directory; pass overwrite=True to replace it")
+    path.parent.mkdir(parents=True, exist_ok=True)  # as save_pretrained's makedirs
+
+
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swaps two directory entries (Linux ``renameat2(RENAME_EXCHANGE)``); False if unsupported."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd = -100
+    rc = renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE)
+    if rc != 0:
+        errno = ctypes.get_errno()
+        if errno in (22, 38, 95):  # EINVAL, ENOSYS, EOPNOTSUPP: the file system cannot exchange
+            return False
+        raise OSError(errno, os.strerror(errno), str(b))
+    return True
+
+
+def _publish(tmp: Path, path: Path, overwrite: bool) -> None:
+    """Moves the finished ``tmp`` to ``path``: a plain rename, or, over an existing directory, an atomic
+    exchange (the old directory is removed only once the new one is in place and its entry synced).
+
+    Without ``RENAME_EXCHANGE`` the old directory is moved aside first; if moving the new one in then fails,
+    the old one is put back before the error propagates. Once the new directory is at ``path`` the save has
+    succeeded: an old directory that cannot be removed is left (hidden, next to ``path``) with a warning."""
+    _check_destination(path, overwrite)  # again: something may have appeared there while the ranks wrote
+    if not path.exists() or not any(path.iterdir()):
+        os.rename(tmp, path)  # over an empty directory too: rename(2) replaces it atomically
+        fsync_dir(path.parent)
+        return
+    if _exchange(tmp, path):
+        old = tmp  # tmp now holds the previous directory
+    else:
+        old = path.with_name(f".{path.name}.hp_old-{secrets.token_hex(4)}")
+        os.rename(path, old)
+        try:
+            os.rename(tmp, path)
+        except BaseException:
+            os.rename(old, path)  # the user's directory back at path
+            raise
+    fsync_dir(path.parent)  # the new entry durable before the previous directory goes
+    try:
+        shutil.rmtree(old)
+    except OSError as exc:
+        warnings.warn(
+            f"hp_fastload.save: the checkpoint is at {path}, but its previous directory could not be removed "
+            f"and is left at {old} ({exc})",
+            stacklevel=3,
+        )
+
+
+@gc_paused()
+def save(
+    model: nn.Module,
+    path: str | os.PathLike[str],
+    *,
+    max_shard_size: int | str = "5GB",
+    weights_mapping: Iterable[Any] | None = None,
+    overwrite: bool = False,
+    threads: int | None = None,
+    batch_bytes: int = DEFAULT_BATCH_BYTES,
+) -> SaveReport:
+    """Write ``model`` as a Hugging Face checkpoint at ``path``: what ``save_pretrained`` of the gathered
+    model writes, without gathering. Every rank of the default process group calls it together.
+
+    Keys, shapes and dtypes are the released ones (ties removed, conversions reverted by transformers, from
+    ``weights_mapping``, else ``model._weight_conversions``, else the model's transformers mapping); the
+    files are split by ``max_shard_size`` as transformers does. Every rank writes the bytes of its own local
+    shards into a temporary sibling directory (one replica per replicated region); the directory is renamed
+    into place only when every rank succeeded. A failure on any rank raises on every rank and leaves nothing
+    at ``path``. An existing non-empty directory is refused unless ``overwrite=True`` (then swapped
+    atomically). Returns a :class:`SaveReport`.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"save() needs an nn.Module, got {type(model).__name__}")
+    start = time.perf_counter()
+    path = Path(os.path.abspath(os.fspath(path)))
+    rules = forward_rules(model, weights_mapping)
+    agree_in_save("Checking the save destination", lambda: _check_destination(path, overwrite))
+    layout: ExportLayout = agree_in_save(
+        "Planning the save layout", lambda: export_layout(model, rules, max_shard_size)
+    )
+    token, first_path = broadcast_object((secrets.token_hex(6), str(path)))
+    tmp = path.with_name(f".{path.name}.hp_save-{token}")
+    stats = WriteStats()
+    created = done = False
+    try:
+        created = True
+        agree_in_save("Creating the output files", lambda: create_files(tmp, layout) if is_rank0() else None)
+        agree_in_save("Finding the output files", lambda: check_visible(tmp, path, first_path))
+        planned_pair: tuple[LoadPlan, LoadContext] = agree_in_save(
+            "Planning the save",
+            lambda: plan_at(
+                model,
+                tmp,
+                "dcp",
+                weights_mapping=rules,
+                key_mapping=None,
+                strict=False,
+                external_target_fqns=frozenset(),
+                claimed_source_keys=frozenset(),
+            ),
+        )
+        save_plan, context = planned_pair
+        try:
+            agree_in_save("Checking the save plan", lambda: check_coverage(save_plan))
+            groups, fallback = _fallback_groups(save_plan, context)
+            planned = gather_objects(
+                agree_in_save("Planning the writers", lambda: planned_bytes(save_plan, context, fallback, groups))
+            )
+            check_writers(planned, layout)  # the same list on every rank: all raise or none
+            check_fallbacks_agree(gather_objects([keys for keys, _ in groups]))  # likewise
+            agree_in_save(
+                "Writing the checkpoint",
+                lambda: write_regions(save_plan, context, fallback, threads, batch_bytes, stats),
+            )
+            fallbacks = broadcast_object(_run_fallbacks(model, rules, context.index, groups, threads, stats))
+            agree_in_save("Syncing the written files", lambda: sync_written(save_plan, stats.files, tmp))
+        finally:
+            for file in context.index.files:
+                file.header.release_map()
+        agree_in_save("Finishing the checkpoint", lambda: finish_files(tmp, layout, model) if is_rank0() else None)
+        agree_in_save("Publishing the checkpoint", lambda: _publish(tmp, path, overwrite) if is_rank0() else None)
+        done = True
+    finally:
+        if created and not done and is_rank0():
+            shutil.rmtree(tmp, ignore_errors=True)
+    by_rank = gather_objects(stats.bytes_written)
+    return SaveReport(
+        path=str(path),
+        files=[f.name for f in layout.files] + ([INDEX_NAME] if layout.index is not None else []),
+        tensors=len(layout.released),
+        total_bytes=sum(f.size for f in layout.files),
+        bytes_written=stats.bytes_written,
+        bytes_written_by_rank=[int(b) for b in by_rank],
+        fallbacks=list(fallbacks),
+        seconds=time.perf_counter() - start,
+    )
+
+
+def _fallback_groups(
+    save_plan: LoadPlan, context: LoadContext
+) -> tuple[list[tuple[list[str], list[Target]]], set[str]]:
+    """Targets the region writes cannot invert exactly: deferred groups (untraceable conversions) and
+    region reads with an elementwise post-op. Each entry: (checkpoint keys, targets), in plan order."""
+    groups: list[tuple[list[str], list[Target]]] = []
+    names: set[str] = set()
+    for deferred in save_plan.deferred:
+        targets = list({id(t): t for t in map(context.target, deferred.claims.values())}.values())
+        groups.append((list(dict.fromkeys(deferred.keys)), targets))
+        names.update(t.names[0] for t in targets)
+    for name, items in save_plan.region_reads.items():
+        if items.post is not None:  # some item has an elementwise post-op
+            groups.append((sorted(set(items.keys)), [context.target(name)]))
+            names.add(name)
+    return groups, names
+
+
+def _run_fallbacks(
+    model: nn.Module,
+    rules: list[Any] | None,
+    index: CheckpointIndex,
+    groups: list[tuple[list[str], list[Target]]],
+    threads: int | None,
+    stats: WriteStats,
+) -> list[str]:
+    """Gathers each fallback group's targets (every rank, same order), reverts them with transformers on rank
+    0 and writes the checkpoint tensors whole there. Returns the keys written this way (on rank 0; [] on the others).
+
+    One agreement per group: the gathers of a group are collectives, so a rank whose revert or write of a
+    group failed must not go on to the next group's gathers while the others wait in the agreement (the
+    ranks would sit in different collectives: gloo aborts the process, NCCL hangs)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    rank0 = is_rank0()
+
+    def one_group(keys: list[str], targets: list[Target]) -> list[str]:
+        with torch.no_grad():  # every collective of the group first, then the local work that may fail
+            gathered = [t.tensor.full_tensor() if t.is_dtensor else t.tensor.detach() for t in targets]  # type: ignore[attr-defined]
+        if not rank0:
+            return []
+        state = {alias: full.cpu() for target, full in zip(targets, gathered, strict=True) for alias in target.names}
+        with conversions(model, rules):
+            reverted = revert_weight_conversion(cast(Any, model), state)
+        missing = [key for key in keys if key not in reverted]
+        if missing:
+            raise PlanError(f"the reverse conversion of {', '.join(t.name for t in targets)} did not give {missing}")
+        write_whole(index, {key: reverted[key] for key in keys}, threads, stats)
+        return keys
+
+    written: list[str] = []
+    for keys, targets in groups:
+        written.extend(
+            agree_in_save(f"Writing {keys[0]} (converted with torch)", lambda k=keys, t=targets: one_group(k, t))
+        )
+    return written

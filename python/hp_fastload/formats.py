@@ -1,0 +1,104 @@
+"""Format constants in one place: safetensors dtype names and their torch dtypes, sub-byte dtypes, checkpoint file
+names, and the engine's item record layout (``MAX_NDIM``, ``ITEM_WIDTH``, the ``COL_*`` columns), exported by
+``_core``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import hp_fastload._core as _core
+from hp_fastload.errors import PlanError
+
+MAX_NDIM: int = _core.MAX_NDIM
+
+
+# The item layout, defined once in the engine (rust/python.rs) and exported by it.
+ITEM_WIDTH: int = _core.ITEM_WIDTH
+
+
+COL_FILE: int = _core.COL_FILE
+
+
+COL_TENSOR: int = _core.COL_TENSOR
+
+
+COL_SRC_BASE: int = _core.COL_SRC_BASE
+
+
+COL_DEST: int = _core.COL_DEST
+
+
+COL_DST_BASE: int = _core.COL_DST_BASE
+
+
+COL_NDIM: int = _core.COL_NDIM
+
+
+COL_LENGTHS: int = _core.COL_LENGTHS
+
+
+COL_SRC_STRIDES: int = _core.COL_SRC_STRIDES
+
+
+COL_DST_STRIDES: int = _core.COL_DST_STRIDES
+
+
+COL_SCALE: int = _core.COL_SCALE
+
+
+#: safetensors dtype name -> the engine's integer code.
+DTYPE_CODES: dict[str, int] = dict(_core.DTYPE_CODES)
+
+
+#: Bits per element of the dtypes smaller than a byte.
+SUB_BYTE_BITS: dict[str, int] = {"F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
+
+
+_TORCH_NAMES = {
+    "bool": "BOOL",
+    "uint8": "U8",
+    "int8": "I8",
+    "int16": "I16",
+    "uint16": "U16",
+    "int32": "I32",
+    "uint32": "U32",
+    "int64": "I64",
+    "uint64": "U64",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "float32": "F32",
+    "float64": "F64",
+    "complex64": "C64",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+    "float8_e4m3fnuz": "F8_E4M3FNUZ",
+    "float8_e5m2fnuz": "F8_E5M2FNUZ",
+    "float8_e8m0fnu": "F8_E8M0",
+}
+
+
+#: torch dtype -> safetensors dtype name (only the dtypes this torch build has).
+TORCH_TO_SAFETENSORS: dict[torch.dtype, str] = {
+    getattr(torch, attr): name for attr, name in _TORCH_NAMES.items() if hasattr(torch, attr)
+}
+
+
+#: safetensors dtype name -> torch dtype (sub-byte dtypes are absent: see the module docstring).
+SAFETENSORS_TO_TORCH: dict[str, torch.dtype] = {name: dt for dt, name in TORCH_TO_SAFETENSORS.items()}
+
+
+def safetensors_dtype_name(dtype: torch.dtype) -> str:
+    """The safetensors name of a torch dtype (``torch.bfloat16`` -> ``"BF16"``)."""
+    try:
+        return TORCH_TO_SAFETENSORS[dtype]
+    except KeyError:
+        raise PlanError(f"torch dtype {dtype} has no safetensors equivalent") from None
+
+
+INDEX_NAME = "model.safetensors.index.json"
+
+
+SINGLE_NAME = "model.safetensors"
+#: The model configuration next to the weights (architecture, sizes, ``quantization_config``).
+CONFIG_NAME = "config.json"

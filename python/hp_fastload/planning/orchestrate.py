@@ -1,0 +1,180 @@
+"""``plan_load``: one rank's plan from the checkpoint index, the model's targets and the rules: groups the
+keys, traces each group, claims the outputs (with the replacement stage when there is one), adds the
+dequantization fallbacks, runs the strict check and builds the ``LoadPlan`` and its ``LoadReport``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
+
+from hp_fastload.convert.detect import detect_in_index
+from hp_fastload.convert.groups import build_groups
+from hp_fastload.errors import MissingKeysError
+from hp_fastload.model.targets import Target
+from hp_fastload.planning.claims import Claims
+from hp_fastload.planning.context import LoadContext, PendingGroup
+from hp_fastload.planning.intersect import region_items
+from hp_fastload.planning.items import LoadPlan, LoadReport
+from hp_fastload.planning.replacement import (
+    Replacement,
+    SourceModelView,
+    plan_replacement_stage,
+    replacement_of,
+    replacement_routes,
+)
+from hp_fastload.planning.trace import Tracer
+from hp_fastload.source.index import CheckpointIndex
+from hp_fastload.source.natural import natural_sort_key
+
+log = logging.getLogger("hp_fastload")
+
+
+def _missing_keys_error(missing: Sequence[str], unexpected: Sequence[str]) -> MissingKeysError:
+    text = f"Checkpoint did not load {len(missing)} owned model tensors; first keys: {', '.join(missing[:10])}"
+    if unexpected:
+        text += (
+            f". The checkpoint also holds {len(unexpected)} tensors this model does not own (first: "
+            f"{', '.join(unexpected[:5])}): is it a checkpoint of another architecture, depth or size, or does it "
+            "need a weights_mapping / key_mapping?"
+        )
+    return MissingKeysError(text, missing, unexpected)
+
+
+def plan_load(
+    model: Any,
+    index: CheckpointIndex,
+    targets: dict[str, Target],
+    rules: Sequence[Any],
+    *,
+    strict: bool = True,
+    trace: bool = True,
+    claimed_source_keys: Collection[str] = frozenset(),
+    map_key: Callable[[str], str | None] | None = None,
+    loader: str = "dcp",
+    replacement: Replacement | None = None,
+) -> tuple[LoadPlan, LoadContext]:
+    """Plan one rank's load: the plain ``LoadPlan`` and the ``LoadContext`` that executes it. Raises (before
+    any byte is read) on strict misses and bad targets.
+
+    ``trace=False`` plans every group as deferred (the legacy loader). ``replacement`` (default:
+    ``replacement_of(model)``) adds the replacement modules' second stage. The cyclic garbage collector is
+    paused: planning a 100k-tensor checkpoint allocates a few hundred thousand small objects, which would
+    trigger several full collections of everything the process holds (a model, torch's modules) for nothing.
+    """
+    if replacement is None:
+        replacement = replacement_of(model)
+    keys = [k for k in index if k not in claimed_source_keys] if claimed_source_keys else index.keys()
+    prefix = getattr(model, "base_model_prefix", None) or None
+    quant = detect_in_index(index)
+    claims = Claims(index, targets, quant)
+    used_replacements: list[Any] = []
+    if replacement is not None and replacement.rules and replacement.source_shapes:
+        base_rules = [r for r in rules if not any(r is x for x in replacement.rules)]
+        view = SourceModelView(model, dict(replacement.source_shapes))
+        groups, unexpected = build_groups(keys, view.shapes, base_rules, base_model_prefix=prefix, map_key=map_key)
+        claims.unexpected.extend(unexpected)
+        routes = replacement_routes(view.shapes, targets, replacement.rules)
+        tracer = Tracer(index, view, view.shapes.get, trace)
+        for group in groups:
+            traced = tracer.run(group)
+            direct = []
+            for name in traced.outputs:
+                route = routes.get(name)
+                if route is None:
+                    direct.append(name)
+                    continue
+                state, pattern = route
+                state.inputs.append((pattern, name, group, traced))
+                state.received[pattern] = state.received.get(pattern, 0) + 1
+                if not state.completed and state.received == state.expected:
+                    state.completed = True
+                    plan_replacement_stage(state, model, view, claims, trace)
+                    if state.rule is not None and not any(state.rule is u for u in used_replacements):
+                        used_replacements.append(state.rule)
+            claims.direct(group, traced, view, direct)
+        rules = base_rules
+    else:
+        groups, unexpected = build_groups(keys, targets, rules, base_model_prefix=prefix, map_key=map_key)
+        claims.unexpected.extend(unexpected)
+        tracer = Tracer(index, model, lambda n: targets[n].global_shape if n in targets else None, trace)
+        for group in groups:
+            claims.direct(group, tracer.run(group), model)
+    if quant and trace:  # MXFP4 into float experts: region reads the engine dequantizes (quant.mxfp4_region)
+        unloaded = set(targets) - claims.loaded
+        for name, packed in quant.packed_regions(
+            unloaded,
+            claims.unexpected,
+            lambda n: targets[n].dtype,
+            lambda k: index.locate(k).shape,
+            lambda k: index.locate(k).dtype,
+        ):
+            target = claims.claim(name, tuple(packed.shape))
+            if target is not None:
+                reads = region_items(target, packed.blocks, index, None, claims.blocks)
+                claims.region_reads[target.names[0]] = (target, reads)
+    if quant:  # the legacy loader: MXFP4 dequantized with torch on whole tensors, deferred groups of their own
+        unloaded = set(targets) - claims.loaded
+        fallbacks = quant.fallbacks(
+            unloaded, claims.unexpected, lambda n: targets[n].dtype, lambda k: index.locate(k).shape
+        )
+        for name, keys, compute, shape in fallbacks:
+            pending = PendingGroup(name, keys, compute, reason="MXFP4 dequantized with torch (whole tensors)")
+            target = claims.claim(name, shape)
+            if target is not None:
+                pending.claims[name] = target
+            claims.add_deferred(pending)
+    missing = sorted(set(targets) - claims.loaded, key=natural_sort_key)
+    unexpected_names = set(claims.unexpected)  # (sorted once, from a set)
+    if quant:
+        quant.check_missing(missing, claims.unexpected)
+        unexpected_names.difference_update(quant.consumed())  # the scales of dequantized tensors are read with them
+    unexpected = index.natural_sorted(unexpected_names)
+    if strict and missing:
+        raise _missing_keys_error(missing, unexpected)
+    report = LoadReport(
+        loaded_keys=tuple(sorted(claims.loaded, key=natural_sort_key)),
+        missing_keys=tuple(missing),
+        unexpected_keys=tuple(unexpected),
+        checkpoint_bytes=index.total_bytes,
+        region_targets=len(claims.region_reads),
+        deferred_targets=tuple(n for d in claims.deferred for n in d.claims),
+        loader=loader,
+    )
+    used = [r for r in rules if getattr(r, "was_used", lambda: False)()]
+    specs = quant.dequantized  # built for the keys this rank reads (QuantInfo.read), not every claimed one
+    region_reads = {}
+    for name, (_, reads) in claims.region_reads.items():
+        if specs and any(k in specs for k in reads.keys):  # a dequantized weight's scale: a second source
+            reads = reads.with_second([specs.get(k) for k in reads.keys])
+        region_reads[name] = reads
+    read_keys = {k for reads in region_reads.values() for k in reads.keys}
+    read_keys.update(k for d in claims.deferred for k in d.keys)
+    dequant = {k: spec for k, spec in specs.items() if k in read_keys}
+    scales = {s.scale for reads in region_reads.values() for s in reads.second or () if s is not None}
+    read_keys.update(scales)
+    plan = LoadPlan(
+        region_reads,
+        [d.plain(index) for d in claims.deferred],
+        report,
+        index.paths_of(read_keys),
+        dequant,
+        {s: index.locate(s).nbytes for s in sorted(scales)},
+    )
+    context = LoadContext(
+        model,
+        index,
+        targets,
+        [d.compute for d in claims.deferred],
+        used + used_replacements,
+        used_base_rules=used,
+        used_replacement_rules=used_replacements,
+    )
+    log.debug(
+        "planned %d model tensors as region reads and %d through %d deferred conversions",
+        len(claims.region_reads),
+        sum(len(d.claims) for d in claims.deferred),
+        len(claims.deferred),
+    )
+    return plan, context

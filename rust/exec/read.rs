@@ -1,0 +1,557 @@
+//! The read direction: validates a batch, opens and checks each needed file, picks its backend (a memory
+//! map or positioned reads), makes the tasks and runs them on the workers, copying (casting, dequantizing)
+//! each run into its destination.
+
+use std::fs::File;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use super::scales::{check_scale, item_scales, read_scale_cells, scale_cells, LoadedScale, Scaled};
+use super::staged::{needed_ranges, Stage};
+use super::tasks::{make_pieces, make_tasks, probe_ranges, Mode, Task};
+use super::workers::run_workers;
+use super::{Backend, ExecOptions, ExecStats, Scale, AUTO_MMAP_RESIDENT, IO_THREAD_FACTOR};
+use crate::dest::{with_dense_dst, DestBuf};
+use crate::error::LoadError;
+use crate::header::{FileIdentity, Header};
+use crate::mmap::{open_regular, prefetch, read_exact_at, Mapping};
+use crate::plan::plan;
+use crate::threads::{default_threads, MAX_DEFAULT_THREADS};
+use crate::types::{Item, Run};
+
+/// At most this many files of one call stay open from the pre-read check until their reads: the others are
+/// opened again when their first task runs.
+const KEEP_OPEN: usize = 64;
+
+/// One needed file of a call: its map (mapped reads; a map needs no descriptor), or, for positioned reads,
+/// a descriptor opened on first use and closed after the file's last task. A call over thousands of shards
+/// thus holds about one descriptor per worker, not one per file (a soft `ulimit -n` of 1024 is common).
+struct Source {
+    map: Option<Arc<Mapping>>,
+    file: Mutex<Option<Arc<File>>>,
+    /// `pread` tasks of the file not yet finished (set once the tasks are made).
+    pending: AtomicUsize,
+}
+
+impl Source {
+    /// The open file for a `pread` task, opened (and checked again) when it is not open.
+    fn file(&self, h: &Header) -> Result<Arc<File>, LoadError> {
+        let mut slot = self.file.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(file) = slot.as_ref() {
+            return Ok(Arc::clone(file));
+        }
+        let file = Arc::new(open_checked(h)?);
+        *slot = Some(Arc::clone(&file));
+        Ok(file)
+    }
+
+    /// One `pread` task of the file is done; after the last one the descriptor is closed.
+    fn finish(&self) {
+        if self.pending.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.file.lock().unwrap_or_else(|p| p.into_inner()).take();
+        }
+    }
+}
+
+/// [`execute_scaled`](super::execute_scaled); `whole_scales` reads every scale whole (the tests' reference
+/// for the touched rows); `stage`, when given, provides the files' bytes from elsewhere (object storage,
+/// [`Stage`]) once the batch is validated.
+pub(super) fn execute_scaled_reading(
+    files: &[Arc<Header>],
+    dests: &[DestBuf<'_>],
+    items: &[Item],
+    scales: &[Scale],
+    opts: &ExecOptions,
+    whole_scales: bool,
+    stage: Option<Stage<'_>>,
+) -> Result<ExecStats, LoadError> {
+    let mut loaded: Vec<LoadedScale> = scales
+        .iter()
+        .enumerate()
+        .map(|(k, s)| check_scale(k, s, files))
+        .collect::<Result<_, _>>()?;
+    let per_item = item_scales(files, dests, items, &loaded)?;
+    let runs = plan(files, dests, items)?;
+    let mut staged = None;
+    if !runs.is_empty() {
+        let cells = scale_cells(&loaded, items, &per_item, whole_scales);
+        if let Some(stage) = stage {
+            staged = Some(stage(&needed_ranges(&runs, &loaded, &cells, files))?);
+        }
+        read_scale_cells(&mut loaded, &cells, files, staged.as_deref())?;
+    }
+    let scale_bytes: u64 = loaded.iter().map(|s| s.bytes).sum();
+    let threads = opts.threads.unwrap_or_else(default_threads).max(1);
+    let mut stats = ExecStats {
+        runs: runs.iter().map(|r| r.reps as usize).sum(),
+        backend: "none",
+        threads: 1,
+        ..ExecStats::default()
+    };
+    if runs.is_empty() {
+        return Ok(stats);
+    }
+    // Open, check and (maybe) map each file that is needed.
+    let mut used = vec![false; files.len()];
+    for r in &runs {
+        used[r.file] = true;
+    }
+    let probes = match opts.backend {
+        Backend::Auto => probe_ranges(&runs, files.len()),
+        _ => vec![Vec::new(); files.len()],
+    };
+    let mut sources: Vec<Option<Source>> = Vec::with_capacity(files.len());
+    let mut kept_open = 0;
+    for (f, ((h, &used), ranges)) in files.iter().zip(&used).zip(&probes).enumerate() {
+        let kept = staged.as_ref().and_then(|s| s[f].clone());
+        sources.push(match used {
+            true if kept.is_some() => Some(Source {
+                map: kept,
+                file: Mutex::new(None),
+                pending: AtomicUsize::new(0),
+            }),
+            true => {
+                let mut source = open_source(h, opts.backend, ranges, kept_open < KEEP_OPEN)?;
+                kept_open += usize::from(source.file.get_mut().is_ok_and(|f| f.is_some()));
+                Some(source)
+            }
+            false => None,
+        });
+    }
+    drop(probes);
+    let uses_mmap = sources.iter().flatten().any(|s| s.map.is_some());
+    let uses_pread = sources.iter().flatten().any(|s| s.map.is_none());
+    stats.backend = match (uses_mmap, uses_pread) {
+        (true, true) => "mixed",
+        (true, false) => "mmap",
+        _ => "pread",
+    };
+    let mapped: Vec<bool> = sources
+        .iter()
+        .map(|s| s.as_ref().is_some_and(|s| s.map.is_some()))
+        .collect();
+    let total: u64 = runs.iter().map(Run::needed_bytes).sum();
+    let chunk = (total / (threads as u64 * 8)).clamp(64 * 1024, 8 * 1024 * 1024);
+    let pieces = make_pieces(runs, &mapped, chunk, opts.pread_gap);
+    let tasks = make_tasks(&pieces, &mapped, chunk, opts.pread_gap);
+    for t in tasks.iter().filter(|t| t.mode != Mode::Mmap) {
+        if let Some(s) = &sources[t.file] {
+            s.pending.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+    stats.spans = tasks.len();
+    stats.bytes_copied = pieces
+        .iter()
+        .map(|r| r.reps * (r.count * r.dst_dtype.bits()).div_ceil(8))
+        .sum();
+    // Reads that go to storage (pread: the pages are not cached) wait on the device, not on a core: twice
+    // the threads keep more requests in flight. Plain 8 MiB preads went 0.84 -> 1.3 GB/s cold here; with the
+    // engine's WILLNEED look-ahead it measured a tie on this disk (docs/perf-notes.md, "Cold reads"), kept
+    // for devices with deeper queues.
+    let workers = match uses_pread {
+        true => (threads * IO_THREAD_FACTOR).clamp(threads, MAX_DEFAULT_THREADS.max(threads)),
+        false => threads,
+    };
+    stats.threads = workers.min(tasks.len());
+    let scaled = Scaled {
+        scales: &loaded,
+        items: &per_item,
+    };
+    stats.bytes_read_from_files =
+        scale_bytes + run_tasks(&tasks, &pieces, &sources, files, stats.threads, &scaled)?;
+    Ok(stats)
+}
+
+/// Opens the file of `h` (a regular file, without blocking) and checks it against the header: at least as
+/// long ([`LoadError::Truncated`]) and the same identity ([`LoadError::Changed`]).
+fn open_checked(h: &Header) -> Result<File, LoadError> {
+    let (file, meta) = open_regular(&h.path)?;
+    if meta.len() < h.file_len {
+        return Err(LoadError::Truncated {
+            path: h.path.clone(),
+            expected: h.file_len,
+            actual: meta.len(),
+        });
+    }
+    if h.identity.is_some_and(|id| id != FileIdentity::of(&meta)) {
+        return Err(LoadError::Changed {
+            path: h.path.clone(),
+        });
+    }
+    Ok(file)
+}
+
+/// Checks the file of `h` and maps it when `backend` may copy from a map. The descriptor is kept for
+/// positioned reads only when `keep_open`, else closed (a map does not need it; [`Source::file`] reopens).
+fn open_source(
+    h: &Header,
+    backend: Backend,
+    ranges: &[(u64, u64)],
+    keep_open: bool,
+) -> Result<Source, LoadError> {
+    let file = open_checked(h)?;
+    // Headers parsed from memory have no identity to check a kept map against: map afresh.
+    let mapping = || -> Result<Arc<Mapping>, LoadError> {
+        let make = || Mapping::new(&file, h.file_len, &h.path);
+        if h.identity.is_some() {
+            h.map.get_or_map(make)
+        } else {
+            make().map(Arc::new)
+        }
+    };
+    let map = match backend {
+        Backend::Pread => None,
+        Backend::Mmap => Some(mapping()?),
+        Backend::Auto => {
+            let map = mapping()?;
+            (map.resident_fraction(ranges) >= AUTO_MMAP_RESIDENT).then_some(map)
+        }
+    };
+    let file = (map.is_none() && keep_open).then(|| Arc::new(file));
+    Ok(Source {
+        map,
+        file: Mutex::new(file),
+        pending: AtomicUsize::new(0),
+    })
+}
+
+fn run_tasks(
+    tasks: &[Task],
+    pieces: &[Run],
+    sources: &[Option<Source>],
+    files: &[Arc<Header>],
+    threads: usize,
+    scaled: &Scaled<'_>,
+) -> Result<u64, LoadError> {
+    let bytes_read = AtomicU64::new(0);
+    // pread tasks ask the kernel to read ahead: the first `lookahead` now, then one more per task taken.
+    let lookahead = 2 * threads;
+    let prefetch_task = |i: usize| {
+        if let Some(t) = tasks.get(i).filter(|t| t.mode != Mode::Mmap) {
+            // An open that fails here fails again in the task, which reports it. A file whose tasks are all
+            // done (its task ran before this hint) is not opened again.
+            let source = sources[t.file].as_ref();
+            if let Some(Ok(file)) = source
+                .filter(|s| s.pending.load(Ordering::Acquire) > 0)
+                .map(|s| s.file(&files[t.file]))
+            {
+                prefetch(&file, t.start, t.end);
+            }
+        }
+    };
+    (0..lookahead).for_each(prefetch_task);
+    run_workers(threads, tasks.len(), |i, buf| {
+        let task = &tasks[i];
+        prefetch_task(i + lookahead);
+        let result = run_task(task, pieces, sources, files, buf, scaled);
+        if task.mode != Mode::Mmap {
+            if let Some(source) = &sources[task.file] {
+                source.finish();
+            }
+        }
+        bytes_read.fetch_add(result?, Ordering::Relaxed);
+        Ok(())
+    })?;
+    Ok(bytes_read.into_inner())
+}
+
+fn run_task(
+    task: &Task,
+    pieces: &[Run],
+    sources: &[Option<Source>],
+    files: &[Arc<Header>],
+    buf: &mut Vec<u8>,
+    scaled: &Scaled<'_>,
+) -> Result<u64, LoadError> {
+    #[cfg(test)]
+    if files[task.file].path.ends_with("inject-panic.safetensors") {
+        panic!("injected worker panic");
+    }
+    let source = sources[task.file]
+        .as_ref()
+        .expect("every file with runs is open");
+    let path = &files[task.file].path;
+    let runs = &pieces[task.first..task.last];
+    match task.mode {
+        Mode::Mmap => {
+            let map = source.map.as_ref().expect("mapped task has a map");
+            let extent: u64 = runs.iter().map(Run::needed_bytes).sum();
+            // One populate call beats a fault per touched page on a fresh map, even when the runs touch only
+            // a quarter of the span's pages (docs/perf-notes.md, "dense populate only").
+            map.will_need(task.start, task.end);
+            let bytes = map.bytes();
+            for r in runs {
+                scaled.write(r, &bytes[r.src_off as usize..r.src_end() as usize]);
+            }
+            Ok(extent)
+        }
+        Mode::PreadDirect => {
+            let r = &runs[0];
+            debug_assert_eq!(r.reps, 1);
+            let (file, len) = (source.file(&files[task.file])?, files[task.file].file_len);
+            with_dense_dst(r, |out| read_exact_at(&file, out, r.src_off, path, len))?;
+            Ok(r.src_extent())
+        }
+        Mode::PreadBuffered => {
+            let len = (task.end - task.start) as usize;
+            if buf.len() < len {
+                buf.resize(len, 0);
+            }
+            let file = source.file(&files[task.file])?;
+            let file_len = files[task.file].file_len;
+            read_exact_at(&file, &mut buf[..len], task.start, path, file_len)?;
+            for r in runs {
+                let at = (r.src_off - task.start) as usize;
+                scaled.write(r, &buf[at..at + r.src_extent() as usize]);
+            }
+            Ok(len as u64)
+        }
+    }
+}
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dtype::Dtype;
+    use crate::exec::testutil::*;
+    use crate::exec::{execute, DEFAULT_PREAD_GAP};
+    use crate::kernels::cast_dense;
+    use proptest::prelude::*;
+
+    fn check(c: &Case) {
+        let (sd, dd) = PAIRS[c.pair];
+        let numel: u64 = c.shape.iter().product();
+        let ssize = sd.byte_size().unwrap();
+        let dsize = dd.byte_size().unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let pre = random_bytes(24, c.seed ^ 7);
+        let data = random_bytes(numel as usize * ssize, c.seed);
+        let h = write_file(
+            dir.path(),
+            "t.safetensors",
+            &[
+                ("pre", Dtype::U8, vec![24], pre),
+                ("t", sd, c.shape.clone(), data.clone()),
+            ],
+        );
+        let layout = c.layout(h.index("t").unwrap() as i64);
+        let mut out = vec![0xeeu8; layout.dst_len * dsize];
+        let opts = ExecOptions {
+            threads: Some(c.threads),
+            backend: c.backend,
+            pread_gap: c.gap,
+        };
+        let dest = [DestBuf::from_mut_slice(&mut out, dd)];
+        execute(&[h], &dest, &[layout.item], &opts).unwrap();
+        // Naive element-by-element reference.
+        let mut want = vec![0xeeu8; layout.dst_len * dsize];
+        for (se, de) in layout.elements() {
+            let (se, de) = (se as usize * ssize, de as usize * dsize);
+            cast_dense(sd, dd, &data[se..se + ssize], &mut want[de..de + dsize]);
+        }
+        assert_eq!(out, want);
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 400, ..ProptestConfig::default() })]
+        #[test]
+        fn region_copy_matches_naive(c in case()) {
+            check(&c);
+        }
+    }
+
+    /// Column slices (repeated runs) of row-major tensors whose rows are far apart (expanded for a map
+    /// and for pread), long enough for direct preads, split into groups of rows, and two items reading
+    /// interleaved columns of one tensor: every backend, gap and thread count copies the right bytes,
+    /// counts 1-d runs and copied bytes exactly, and pread reads the interleaved span only once.
+    #[test]
+    fn repeated_runs_match_naive_across_backends() {
+        let dir = tempfile::tempdir().unwrap();
+        let shapes: [(&str, u64, u64); 3] =
+            [("far", 16, 200_000), ("v", 1024, 2048), ("d", 4, 150_000)];
+        let tensors: Vec<(&str, Dtype, Vec<u64>, Vec<u8>)> = shapes
+            .iter()
+            .enumerate()
+            .map(|(i, &(n, r, c))| {
+                (
+                    n,
+                    Dtype::U8,
+                    vec![r, c],
+                    random_bytes((r * c) as usize, i as u64 + 3),
+                )
+            })
+            .collect();
+        let h = write_file(dir.path(), "rep.safetensors", &tensors);
+        // (tensor, first column, columns): rows are all rows of the tensor.
+        let boxes: [(usize, u64, u64); 5] = [
+            (0, 1000, 2000),
+            (1, 100, 512),
+            (2, 10, 100_000),
+            (1, 0, 96),
+            (1, 1024, 96),
+        ];
+        let want: Vec<Vec<u8>> = boxes
+            .iter()
+            .map(|&(t, c0, n)| {
+                let (cols, data) = (tensors[t].2[1], &tensors[t].3);
+                data.chunks(cols as usize)
+                    .flat_map(|row| row[c0 as usize..(c0 + n) as usize].to_vec())
+                    .collect()
+            })
+            .collect();
+        let items: Vec<Item> = boxes
+            .iter()
+            .enumerate()
+            .map(|(k, &(t, c0, n))| {
+                let mut item = Item {
+                    tensor: h.index(tensors[t].0).unwrap() as i64,
+                    src_base: c0 as i64,
+                    dest: k as i64,
+                    ndim: 2,
+                    ..Item::default()
+                };
+                let (rows, cols) = (tensors[t].2[0] as i64, tensors[t].2[1] as i64);
+                item.lengths[..2].copy_from_slice(&[rows, n as i64]);
+                item.src_strides[..2].copy_from_slice(&[cols, 1]);
+                item.dst_strides[..2].copy_from_slice(&[n as i64, 1]);
+                item
+            })
+            .collect();
+        let rows: usize = boxes.iter().map(|b| tensors[b.0].2[0] as usize).sum();
+        let nbytes: u64 = want.iter().map(|w| w.len() as u64).sum();
+        for backend in [Backend::Mmap, Backend::Pread, Backend::Auto] {
+            for gap in [0, 4096, DEFAULT_PREAD_GAP] {
+                for threads in [1, 3] {
+                    let mut outs: Vec<Vec<u8>> = want.iter().map(|w| vec![0u8; w.len()]).collect();
+                    let dests: Vec<DestBuf<'_>> = outs
+                        .iter_mut()
+                        .map(|o| DestBuf::from_mut_slice(o, Dtype::U8))
+                        .collect();
+                    let opts = ExecOptions {
+                        threads: Some(threads),
+                        backend,
+                        pread_gap: gap,
+                    };
+                    let stats = execute(std::slice::from_ref(&h), &dests, &items, &opts).unwrap();
+                    let tag = format!("{backend:?} gap {gap} threads {threads}: {stats:?}");
+                    assert_eq!(outs, want, "{tag}");
+                    assert_eq!((stats.runs, stats.bytes_copied), (rows, nbytes), "{tag}");
+                    match stats.backend {
+                        "mmap" => assert_eq!(stats.bytes_read_from_files, nbytes, "{tag}"),
+                        // The interleaved items' span of v (2 MiB) is read once, not once per item.
+                        _ => assert!(stats.bytes_read_from_files < nbytes + (3 << 20), "{tag}"),
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn large_runs_split_over_threads_and_backends_agree() {
+        let dir = tempfile::tempdir().unwrap();
+        let data = random_bytes(3 << 20, 5);
+        let h = write_file(
+            dir.path(),
+            "big.safetensors",
+            &[("w", Dtype::BF16, vec![1536, 1024], data)],
+        );
+        let mut results = Vec::new();
+        for backend in [Backend::Mmap, Backend::Pread] {
+            for (lengths, base) in [([768i64, 1024], 768 * 1024), ([1536, 256], 512)] {
+                let mut out = vec![0u8; (lengths[0] * lengths[1] * 4) as usize];
+                let mut item = Item {
+                    ndim: 2,
+                    src_base: base,
+                    ..Item::default()
+                };
+                item.lengths[..2].copy_from_slice(&lengths);
+                item.src_strides[..2].copy_from_slice(&[1024, 1]);
+                item.dst_strides[..2].copy_from_slice(&[lengths[1], 1]);
+                let opts = ExecOptions {
+                    threads: Some(2),
+                    backend,
+                    ..ExecOptions::default()
+                };
+                let dest = [DestBuf::from_mut_slice(&mut out, Dtype::F32)];
+                let stats = execute(std::slice::from_ref(&h), &dest, &[item], &opts).unwrap();
+                let want = if backend == Backend::Pread { 4 } else { 2 };
+                assert_eq!(stats.threads, want.min(stats.spans), "{stats:?}");
+                assert_eq!(stats.backend, backend.name());
+                results.push(out);
+            }
+        }
+        assert_eq!(results[0], results[2]);
+        assert_eq!(results[1], results[3]);
+    }
+
+    #[test]
+    fn truncated_changed_and_panics_are_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let h = write_file(
+            dir.path(),
+            "t.safetensors",
+            &[("w", Dtype::U8, vec![4096], random_bytes(4096, 1))],
+        );
+        let item = flat_item(4096);
+        let mut out = vec![0u8; 4096];
+        for backend in [Backend::Mmap, Backend::Pread, Backend::Auto] {
+            let opts = ExecOptions {
+                backend,
+                ..ExecOptions::default()
+            };
+            let dest = [DestBuf::from_mut_slice(&mut out, Dtype::U8)];
+            assert!(execute(std::slice::from_ref(&h), &dest, &[item], &opts).is_ok());
+        }
+        let bad = write_file(
+            dir.path(),
+            "inject-panic.safetensors",
+            &[("w", Dtype::U8, vec![4096], vec![0; 4096])],
+        );
+        let dest = [DestBuf::from_mut_slice(&mut out, Dtype::U8)];
+        let r = execute(
+            &[bad],
+            &dest,
+            &[item],
+            &ExecOptions {
+                threads: Some(2),
+                ..ExecOptions::default()
+            },
+        );
+        match r {
+            Err(LoadError::WorkerPanicked { message }) => assert!(message.contains("injected")),
+            other => panic!("{other:?}"),
+        }
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&h.path)
+            .unwrap();
+        f.set_len(1000).unwrap();
+        for backend in [Backend::Mmap, Backend::Pread, Backend::Auto] {
+            let opts = ExecOptions {
+                backend,
+                ..ExecOptions::default()
+            };
+            let dest = [DestBuf::from_mut_slice(&mut out, Dtype::U8)];
+            match execute(std::slice::from_ref(&h), &dest, &[item], &opts) {
+                Err(LoadError::Truncated {
+                    expected,
+                    actual: 1000,
+                    ..
+                }) => assert_eq!(expected, h.file_len),
+                other => panic!("{other:?}"),
+            }
+        }
+        f.set_len(h.file_len).unwrap();
+        let dest = [DestBuf::from_mut_slice(&mut out, Dtype::U8)];
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        f.set_len(h.file_len + 1).unwrap();
+        assert!(matches!(
+            execute(
+                std::slice::from_ref(&h),
+                &dest,
+                &[item],
+                &ExecOptions::default()
+            ),
+            Err(LoadError::Changed { .. })
+        ));
+    }
+}

@@ -1,0 +1,866 @@
+//! Dequantization scales: the public [`Scale`] description, its validation against its tensor and against
+//! the items that use it, the reading of only the grid rows those items touch, and the per-run choice
+//! between a plain and a scaled copy.
+
+use std::sync::Arc;
+
+use crate::dest::{write_run, write_run_scaled, DestBuf};
+use crate::dtype::Dtype;
+use crate::error::LoadError;
+use crate::header::Header;
+use crate::kernels::{can_dequantize, decode_scales_into, is_scale_dtype, ScaleMap};
+use crate::mmap::{open_regular, read_exact_at, Mapping};
+use crate::types::{Item, Run, MAX_NDIM};
+
+/// The scales of one quantized tensor, for items with [`Item::scale`] set: tensor `tensor` of file `file`
+/// holds one scale per block of `block` elements of the quantized tensor, whose storage shape is `shape`
+/// (`ndim` dims; the grid is `ceil(shape / block)`, row-major; ragged last blocks are real). Scale dtypes:
+/// F32, BF16, F16, F8_E8M0, or U8 holding e8m0 exponents.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Scale {
+    /// Index into the `files` given to [`execute_scaled`](crate::execute_scaled).
+    pub file: i64,
+    /// Index into that file's tensors.
+    pub tensor: i64,
+    /// Dims of the quantized tensor.
+    pub ndim: i64,
+    /// The quantized tensor's shape.
+    pub shape: [i64; MAX_NDIM],
+    /// The block shape, per dim (at least 1).
+    pub block: [i64; MAX_NDIM],
+}
+
+/// A validated [`Scale`] with the grid's strides and, once [`read_scale_cells`] ran, the values of the cells the
+/// batch's items touch decoded in place (the other cells stay 0.0 and are never looked up).
+pub(super) struct LoadedScale {
+    values: Vec<f32>,
+    ndim: usize,
+    shape: [u64; MAX_NDIM],
+    block: [u64; MAX_NDIM],
+    grid_strides: [u64; MAX_NDIM],
+    /// Grid cells (the scale tensor's elements).
+    cells: u64,
+    /// The scale tensor: its file and its index there.
+    file: usize,
+    tensor: usize,
+    /// Bytes read from the file.
+    pub(super) bytes: u64,
+}
+
+impl LoadedScale {
+    fn map(&self) -> ScaleMap<'_> {
+        ScaleMap {
+            values: &self.values,
+            ndim: self.ndim,
+            shape: self.shape,
+            block: self.block,
+            grid_strides: self.grid_strides,
+        }
+    }
+
+    /// The flat range of grid cells holding the scales of elements `first..=last` (flat, row-major indices
+    /// of the quantized tensor with `first <= last`): the whole grid rows of dim 0 from the row of `first`
+    /// to the row of `last`. Exact for boxes cut along dim 0 (an expert-parallel or FSDP dim-0 shard);
+    /// a box cut along inner dims gets whole rows.
+    fn cells_of(&self, first: u64, last: u64) -> (u64, u64) {
+        if self.ndim == 0 {
+            return (0, self.cells);
+        }
+        let inner: u64 = self.shape[1..self.ndim].iter().product();
+        let row = |flat: u64| (flat / inner).min(self.shape[0] - 1) / self.block[0];
+        let per_row = self.grid_strides[0];
+        (
+            row(first) * per_row,
+            ((row(last) + 1) * per_row).min(self.cells),
+        )
+    }
+}
+
+/// Validates scale `k` against its tensor (index, dims, grid size, dtype) without reading it.
+pub(super) fn check_scale(
+    k: usize,
+    s: &Scale,
+    files: &[Arc<Header>],
+) -> Result<LoadedScale, LoadError> {
+    let bad = |reason: String| LoadError::request(format!("scale {k}: {reason}"));
+    let file = usize::try_from(s.file)
+        .ok()
+        .filter(|&f| f < files.len())
+        .ok_or_else(|| bad(format!("file index {} is out of range", s.file)))?;
+    let h = &files[file];
+    let tensor = usize::try_from(s.tensor)
+        .ok()
+        .filter(|&t| t < h.tensors.len())
+        .ok_or_else(|| bad(format!("tensor index {} is out of range", s.tensor)))?;
+    let t = &h.tensors[tensor];
+    let ndim = usize::try_from(s.ndim)
+        .ok()
+        .filter(|&n| n <= MAX_NDIM)
+        .ok_or_else(|| bad(format!("ndim {} is outside 0..={MAX_NDIM}", s.ndim)))?;
+    let (mut shape, mut block, mut grid_strides) =
+        ([1u64; MAX_NDIM], [1u64; MAX_NDIM], [0u64; MAX_NDIM]);
+    let mut cells: u64 = 1;
+    for d in (0..ndim).rev() {
+        if s.shape[d] < 1 || s.block[d] < 1 {
+            return Err(bad(format!(
+                "dim {d}: shape {} and block {} must be positive",
+                s.shape[d], s.block[d]
+            )));
+        }
+        shape[d] = s.shape[d] as u64;
+        block[d] = s.block[d] as u64;
+        grid_strides[d] = cells;
+        cells = cells.saturating_mul(shape[d].div_ceil(block[d]));
+    }
+    if cells != t.numel() {
+        return Err(bad(format!(
+            "'{}' has {} elements (shape {:?}) but a grid of blocks {:?} over shape {:?} has {cells}",
+            t.name,
+            t.numel(),
+            t.shape,
+            &block[..ndim],
+            &shape[..ndim]
+        )));
+    }
+    if !is_scale_dtype(t.dtype) {
+        return Err(bad(format!(
+            "'{}' is {}; scales must be F32, BF16, F16, F8_E8M0 or U8 (e8m0)",
+            t.name, t.dtype
+        )));
+    }
+    Ok(LoadedScale {
+        values: Vec::new(),
+        ndim,
+        shape,
+        block,
+        grid_strides,
+        cells,
+        file,
+        tensor,
+        bytes: 0,
+    })
+}
+
+/// For each scale, the grid cells that the validated `items` referencing it touch (one contiguous range: the
+/// hull of their dim-0 grid rows, [`LoadedScale::cells_of`]), which [`read_scale_cells`] reads and decodes into
+/// their place of a zeroed full-length vector, so the kernels index it as the whole grid. `whole` takes each
+/// used scale whole (the reference the tests compare with).
+pub(super) fn scale_cells(
+    scales: &[LoadedScale],
+    items: &[Item],
+    per_item: &ItemScales,
+    whole: bool,
+) -> Vec<Option<(u64, u64)>> {
+    let mut hull: Vec<Option<(u64, u64)>> = vec![None; scales.len()];
+    for (it, s) in items.iter().zip(per_item) {
+        let Some((s, _)) = *s else { continue };
+        let sc = &scales[s];
+        let ndim = it.ndim as usize; // validated by `plan::plan`, like every length and stride below
+        let (lens, strides) = (&it.lengths[..ndim], &it.src_strides[..ndim]);
+        if lens.contains(&0) {
+            continue;
+        }
+        let cells = match lens.iter().chain(strides).all(|&v| v >= 0) && it.src_base >= 0 {
+            true => {
+                let first = it.src_base as u64;
+                let last = lens
+                    .iter()
+                    .zip(strides)
+                    .fold(first, |acc, (&l, &st)| acc + (l as u64 - 1) * st as u64);
+                sc.cells_of(first, last)
+            }
+            false => (0, sc.cells),
+        };
+        let h = hull[s].get_or_insert(cells);
+        *h = (h.0.min(cells.0), h.1.max(cells.1));
+    }
+    hull.iter()
+        .zip(scales)
+        .map(|(h, sc)| h.map(|h| if whole { (0, sc.cells) } else { h }))
+        .collect()
+}
+
+/// The file of scale `sc` and the absolute byte range of its grid cells `[c0, c1)` in it.
+pub(super) fn scale_byte_range(
+    sc: &LoadedScale,
+    (c0, c1): (u64, u64),
+    files: &[Arc<Header>],
+) -> (usize, (u64, u64)) {
+    let h = &files[sc.file];
+    let t = &h.tensors[sc.tensor];
+    let size = t.dtype.byte_size().expect("scale dtypes are byte-sized") as u64;
+    let start = h.data_start + t.begin + c0 * size;
+    (sc.file, (start, start + (c1 - c0) * size))
+}
+
+/// Reads and decodes the given cells of each scale ([`scale_cells`]): from the staged bytes of its file when
+/// there are some (object storage, `super::staged`), else with one `pread`.
+pub(super) fn read_scale_cells(
+    scales: &mut [LoadedScale],
+    cells: &[Option<(u64, u64)>],
+    files: &[Arc<Header>],
+    staged: Option<&[Option<Arc<Mapping>>]>,
+) -> Result<(), LoadError> {
+    for (sc, &cells) in scales.iter_mut().zip(cells) {
+        let Some((c0, c1)) = cells else {
+            continue; // no item uses it
+        };
+        let h = &files[sc.file];
+        let t = &h.tensors[sc.tensor];
+        let (_, (start, end)) = scale_byte_range(sc, (c0, c1), files);
+        let mut raw = vec![0u8; (end - start) as usize];
+        match staged.and_then(|s| s[sc.file].as_ref()) {
+            Some(map) => raw.copy_from_slice(&map.bytes()[start as usize..end as usize]),
+            None => {
+                let (file, _) = open_regular(&h.path)?;
+                read_exact_at(&file, &mut raw, start, &h.path, h.file_len)?;
+            }
+        }
+        sc.values = vec![0.0f32; sc.cells as usize]; // zeroed pages: untouched cells cost no memory
+        decode_scales_into(t.dtype, &raw, &mut sc.values[c0 as usize..c1 as usize]);
+        sc.bytes = raw.len() as u64;
+    }
+    Ok(())
+}
+
+/// Per item: its scale (index into the loaded scales) and the absolute file offset of its tensor.
+pub(super) type ItemScales = Vec<Option<(usize, u64)>>;
+
+pub(super) fn item_scales(
+    files: &[Arc<Header>],
+    dests: &[DestBuf<'_>],
+    items: &[Item],
+    scales: &[LoadedScale],
+) -> Result<ItemScales, LoadError> {
+    let mut out = vec![None; items.len()];
+    for (k, it) in items.iter().enumerate() {
+        if it.scale == 0 {
+            continue;
+        }
+        let bad = |reason: String| LoadError::request(format!("item {k}: {reason}"));
+        let s = usize::try_from(it.scale - 1)
+            .ok()
+            .filter(|&s| s < scales.len())
+            .ok_or_else(|| {
+                bad(format!(
+                    "scale {} is outside 1..={}",
+                    it.scale,
+                    scales.len()
+                ))
+            })?;
+        let h = usize::try_from(it.file).ok().and_then(|f| files.get(f));
+        let t = h.and_then(|h| {
+            usize::try_from(it.tensor)
+                .ok()
+                .and_then(|t| h.tensors.get(t))
+        });
+        let d = usize::try_from(it.dest).ok().and_then(|d| dests.get(d));
+        let (Some(h), Some(t), Some(d)) = (h, t, d) else {
+            continue; // plan::plan names the bad index
+        };
+        if !can_dequantize(t.dtype, d.dtype()) {
+            return Err(bad(format!(
+                "'{}' ({}) cannot be dequantized into {} (an 8-bit float, or U8 holding MXFP4 e2m1 pairs, \
+                 into F16, BF16, F32 or F64)",
+                t.name,
+                t.dtype,
+                d.dtype()
+            )));
+        }
+        let sc = &scales[s];
+        if t.dtype == Dtype::U8 {
+            // MXFP4: the scale describes the 4-bit elements, two a byte (low nibble first), row-major: twice
+            // the bytes, the last dim whole rows of the stored last dim.
+            let logical: u64 = sc.shape[..sc.ndim].iter().product();
+            let row = 2 * t.shape.last().copied().unwrap_or(0);
+            let fits = sc.ndim > 0
+                && row > 0
+                && logical == 2 * t.numel()
+                && sc.shape[sc.ndim - 1] % row == 0;
+            if !fits {
+                return Err(bad(format!(
+                    "'{}' (U8, MXFP4 pairs) has shape {:?} but its scale {} describes 4-bit elements {:?} \
+                     (twice the bytes, rows of {row})",
+                    t.name,
+                    t.shape,
+                    s,
+                    &sc.shape[..sc.ndim]
+                )));
+            }
+        } else if sc.shape[..sc.ndim] != t.shape[..] {
+            return Err(bad(format!(
+                "'{}' has shape {:?} but its scale {} describes {:?}",
+                t.name,
+                t.shape,
+                s,
+                &sc.shape[..sc.ndim]
+            )));
+        }
+        out[k] = Some((s, h.data_start + t.begin));
+    }
+    Ok(out)
+}
+
+/// The dequantization context of a batch: loaded scales and each item's use of them.
+pub(super) struct Scaled<'a> {
+    pub(super) scales: &'a [LoadedScale],
+    pub(super) items: &'a ItemScales,
+}
+
+impl Scaled<'_> {
+    /// Writes one run (see `write_run`), through its item's scales when it has them.
+    pub(super) fn write(&self, r: &Run, src: &[u8]) {
+        match self.items.get(r.item).copied().flatten() {
+            Some((s, begin)) => write_run_scaled(r, src, &self.scales[s].map(), begin),
+            None => write_run(r, src),
+        }
+    }
+}
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::exec::read::execute_scaled_reading;
+    use crate::exec::testutil::*;
+    use crate::exec::{execute_scaled, Backend, ExecOptions};
+    use proptest::prelude::*;
+
+    /// Dequantized reads: a transposed, offset box of a [5, 7] e4m3 tensor with fp32 scales over [2, 4]
+    /// blocks (ragged last row and column blocks) equals the scalar formula rounded once to bf16, on both
+    /// backends and with several threads; bad scales are refused before anything is written.
+    #[test]
+    fn scaled_items_equal_the_formula() {
+        use crate::kernels::{bf16_to_f32, e4m3fn_to_f32, f32_to_bf16};
+        let dir = tempfile::tempdir().unwrap();
+        let q: Vec<u8> = random_bytes(35, 9).iter().map(|b| b & 0x77).collect(); // no NaN codes
+        let scales: Vec<f32> = (0..6).map(|i| 0.25 + i as f32 * 1.5).collect();
+        let sbytes: Vec<u8> = scales.iter().flat_map(|x| x.to_le_bytes()).collect();
+        let h = write_file(
+            dir.path(),
+            "q.safetensors",
+            &[
+                ("w", Dtype::F8_E4M3, vec![5, 7], q.clone()),
+                ("w_scale_inv", Dtype::F32, vec![3, 2], sbytes),
+            ],
+        );
+        let scale = |shape: [i64; 2], block: [i64; 2]| {
+            let mut s = Scale {
+                file: 0,
+                tensor: h.index("w_scale_inv").unwrap() as i64,
+                ndim: 2,
+                ..Scale::default()
+            };
+            s.shape[..2].copy_from_slice(&shape);
+            s.block[..2].copy_from_slice(&block);
+            s
+        };
+        // rows 1..5, cols 2..7 of w, written transposed: out[c][r] (a [5, 4] destination)
+        let mut item = Item {
+            file: 0,
+            tensor: h.index("w").unwrap() as i64,
+            src_base: 7 + 2,
+            ndim: 2,
+            scale: 1,
+            ..Item::default()
+        };
+        item.lengths[..2].copy_from_slice(&[5, 4]);
+        item.src_strides[..2].copy_from_slice(&[1, 7]);
+        item.dst_strides[..2].copy_from_slice(&[4, 1]);
+        let mut want = vec![0u16; 20];
+        for c in 0..5 {
+            for r in 0..4 {
+                let (row, col) = (r + 1, c + 2);
+                let x = e4m3fn_to_f32(q[row * 7 + col]) * scales[(row / 2) * 2 + col / 4];
+                want[c * 4 + r] = f32_to_bf16(x);
+            }
+        }
+        for (backend, threads) in [(Backend::Mmap, 1), (Backend::Pread, 3)] {
+            let opts = ExecOptions {
+                threads: Some(threads),
+                backend,
+                ..ExecOptions::default()
+            };
+            let mut out = vec![0u8; 40];
+            let dest = [DestBuf::from_mut_slice(&mut out, Dtype::BF16)];
+            let sc = [scale([5, 7], [2, 4])];
+            execute_scaled(std::slice::from_ref(&h), &dest, &[item], &sc, &opts).unwrap();
+            let got: Vec<u16> = out
+                .chunks_exact(2)
+                .map(|b| u16::from_le_bytes([b[0], b[1]]))
+                .collect();
+            assert_eq!(got, want, "{backend:?}");
+            assert!(got.iter().any(|&g| bf16_to_f32(g) != 0.0));
+        }
+        // rows 1..5 as they are stored: dense runs (the table-decode path), ragged last column block
+        let mut dense = item;
+        dense.lengths[..2].copy_from_slice(&[4, 7]);
+        dense.src_strides[..2].copy_from_slice(&[7, 1]);
+        dense.dst_strides[..2].copy_from_slice(&[7, 1]);
+        dense.src_base = 7;
+        let mut out = vec![0u8; 56];
+        let dest = [DestBuf::from_mut_slice(&mut out, Dtype::BF16)];
+        let sc = [scale([5, 7], [2, 4])];
+        execute_scaled(
+            std::slice::from_ref(&h),
+            &dest,
+            &[dense],
+            &sc,
+            &ExecOptions::default(),
+        )
+        .unwrap();
+        for (k, b) in out.chunks_exact(2).enumerate() {
+            let (row, col) = (k / 7 + 1, k % 7);
+            let x = e4m3fn_to_f32(q[row * 7 + col]) * scales[(row / 2) * 2 + col / 4];
+            assert_eq!(
+                u16::from_le_bytes([b[0], b[1]]),
+                f32_to_bf16(x),
+                "element {k}"
+            );
+        }
+        let opts = ExecOptions::default();
+        for bad in [
+            scale([5, 7], [4, 4]),
+            scale([7, 5], [2, 4]),
+            scale([5, 7], [0, 4]),
+        ] {
+            let mut out = vec![0u8; 40];
+            let dest = [DestBuf::from_mut_slice(&mut out, Dtype::BF16)];
+            let r = execute_scaled(std::slice::from_ref(&h), &dest, &[item], &[bad], &opts);
+            assert!(
+                matches!(r, Err(LoadError::Request { .. })),
+                "{bad:?}: {r:?}"
+            );
+            assert!(out.iter().all(|&b| b == 0));
+        }
+        let mut out = vec![0u8; 20];
+        let dest = [DestBuf::from_mut_slice(&mut out, Dtype::F8_E5M2)];
+        let r = execute_scaled(
+            std::slice::from_ref(&h),
+            &dest,
+            &[item],
+            &[scale([5, 7], [2, 4])],
+            &opts,
+        );
+        assert!(matches!(r, Err(LoadError::Request { .. })), "{r:?}");
+    }
+
+    /// An MXFP4 box: a stored `[E, Y, G, 16]` U8 tensor (two e2m1 codes a byte, low nibble first) with e8m0
+    /// scales `[E, Y, G]` is the logical `[E, Y, G * 32]` tensor of 4-bit elements; a box of it (any start,
+    /// odd or even, any permutation of its dims into the destination, as transformers' transposed
+    /// `[E, G * 32, Y]`) equals the formula `e2m1(code) * 2^(e - 127)` element by element, written here with
+    /// plain arithmetic (a table of the 16 codes from sign, exponent and mantissa bits, `powi`).
+    fn check_mxfp4(
+        (e, y, g): (u64, u64, u64),
+        lo: [u64; 3],
+        len: [u64; 3],
+        perm: [usize; 3],
+        to_f32: bool,
+        threads: usize,
+        seed: u64,
+    ) {
+        use crate::kernels::f32_to_bf16;
+        let dir = tempfile::tempdir().unwrap();
+        let x = g * 32;
+        let blocks = random_bytes((e * y * g * 16) as usize, seed);
+        let exps: Vec<u8> = random_bytes((e * y * g) as usize, seed ^ 5)
+            .iter()
+            .map(|b| 120 + b % 16)
+            .collect();
+        let h = write_file(
+            dir.path(),
+            "m.safetensors",
+            &[
+                ("pad", Dtype::U8, vec![3], vec![1, 2, 3]),
+                ("w_blocks", Dtype::U8, vec![e, y, g, 16], blocks.clone()),
+                ("w_scales", Dtype::U8, vec![e, y, g], exps.clone()),
+            ],
+        );
+        let shape = [e, y, x];
+        let strides = [y * x, x, 1];
+        let lens: Vec<u64> = (0..3)
+            .map(|d| len[d].min(shape[d] - lo[d]).max(1))
+            .collect();
+        // destination: the box with its dims in `perm` order, row-major
+        let dshape: Vec<u64> = perm.iter().map(|&d| lens[d]).collect();
+        let mut dstride = [0u64; 3];
+        let mut acc = 1;
+        for k in (0..3).rev() {
+            dstride[perm[k]] = acc;
+            acc *= dshape[k];
+        }
+        let mut item = Item {
+            file: 0,
+            tensor: h.index("w_blocks").unwrap() as i64,
+            src_base: (0..3).map(|d| lo[d] * strides[d]).sum::<u64>() as i64,
+            ndim: 3,
+            scale: 1,
+            ..Item::default()
+        };
+        for d in 0..3 {
+            item.lengths[d] = lens[d] as i64;
+            item.src_strides[d] = strides[d] as i64;
+            item.dst_strides[d] = dstride[d] as i64;
+        }
+        let mut sc = Scale {
+            file: 0,
+            tensor: h.index("w_scales").unwrap() as i64,
+            ndim: 3,
+            ..Scale::default()
+        };
+        sc.shape[..3].copy_from_slice(&[e as i64, y as i64, x as i64]);
+        sc.block[..3].copy_from_slice(&[1, 1, 32]);
+        // the reference, from the bits of each code
+        let e2m1 = |c: u8| -> f32 {
+            let (sign, exp, man) = (c >> 3, (c >> 1) & 3, c & 1);
+            let mag = match exp {
+                0 => 0.5 * f32::from(man),
+                _ => (1.0 + 0.5 * f32::from(man)) * 2f32.powi(i32::from(exp) - 1),
+            };
+            if sign == 1 {
+                -mag
+            } else {
+                mag
+            }
+        };
+        let (dt, size) = if to_f32 {
+            (Dtype::F32, 4)
+        } else {
+            (Dtype::BF16, 2)
+        };
+        let total: u64 = lens.iter().product();
+        let mut want = vec![0u8; total as usize * size];
+        for i in 0..lens[0] {
+            for j in 0..lens[1] {
+                for k in 0..lens[2] {
+                    let (a, b, c) = (lo[0] + i, lo[1] + j, lo[2] + k);
+                    let flat = (a * y + b) * x + c;
+                    let byte = blocks[(flat / 2) as usize];
+                    let code = if flat % 2 == 0 { byte & 15 } else { byte >> 4 };
+                    let s = exps[((a * y + b) * g + c / 32) as usize];
+                    let v = e2m1(code) * 2f32.powi(i32::from(s) - 127);
+                    let at = (i * dstride[0] + j * dstride[1] + k * dstride[2]) as usize * size;
+                    match to_f32 {
+                        true => want[at..at + 4].copy_from_slice(&v.to_le_bytes()),
+                        false => want[at..at + 2].copy_from_slice(&f32_to_bf16(v).to_le_bytes()),
+                    }
+                }
+            }
+        }
+        for backend in [Backend::Mmap, Backend::Pread] {
+            let opts = ExecOptions {
+                threads: Some(threads),
+                backend,
+                ..ExecOptions::default()
+            };
+            let mut out = vec![0xaau8; want.len()];
+            let dest = [DestBuf::from_mut_slice(&mut out, dt)];
+            let stats =
+                execute_scaled(std::slice::from_ref(&h), &dest, &[item], &[sc], &opts).unwrap();
+            assert_eq!(out, want, "{backend:?} box {lo:?}+{lens:?} perm {perm:?}");
+            assert_eq!(stats.bytes_copied, want.len() as u64);
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
+        #[test]
+        fn mxfp4_boxes_equal_the_formula(
+            (e, y, g) in (1u64..4, 1u64..6, 1u64..3),
+            lo in prop::array::uniform3(0u64..64),
+            len in prop::array::uniform3(1u64..70),
+            perm in Just([0usize, 1, 2]).prop_shuffle(),
+            to_f32 in any::<bool>(),
+            threads in 1usize..4,
+            seed in any::<u64>(),
+        ) {
+            let shape = [e, y, g * 32];
+            let lo = [lo[0] % shape[0], lo[1] % shape[1], lo[2] % shape[2]];
+            let perm = [perm[0], perm[1], perm[2]];
+            check_mxfp4((e, y, g), lo, len, perm, to_f32, threads, seed);
+        }
+    }
+
+    /// The transformers layout of gpt-oss experts (`[E, G * 32, Y]`, the logical tensor transposed) from
+    /// odd and even starts of the 32-element groups, over one or several tiles of the row-stepping kernel,
+    /// and bad MXFP4 scales refused before any write.
+    #[test]
+    fn mxfp4_transposed_and_refused() {
+        check_mxfp4((2, 5, 2), [1, 0, 15], [1, 5, 34], [0, 2, 1], false, 2, 7);
+        check_mxfp4((2, 5, 2), [0, 1, 0], [2, 4, 64], [0, 2, 1], true, 1, 8);
+        // runs longer than a tile of the row-stepping kernel (several tiles, a ragged last one)
+        check_mxfp4((1, 300, 1), [0, 3, 5], [1, 297, 20], [0, 2, 1], false, 1, 9);
+        check_mxfp4((2, 260, 2), [1, 0, 30], [1, 260, 5], [0, 2, 1], true, 2, 10);
+        let dir = tempfile::tempdir().unwrap();
+        let h = write_file(
+            dir.path(),
+            "m.safetensors",
+            &[
+                ("w_blocks", Dtype::U8, vec![2, 3, 1, 16], vec![0x21; 96]),
+                ("w_scales", Dtype::U8, vec![2, 3, 1], vec![127; 6]),
+            ],
+        );
+        let mut item = Item {
+            tensor: h.index("w_blocks").unwrap() as i64,
+            scale: 1,
+            ..flat_item(192)
+        };
+        let scale = |shape: [i64; 3], block: [i64; 3]| {
+            let mut s = Scale {
+                tensor: h.index("w_scales").unwrap() as i64,
+                ndim: 3,
+                ..Scale::default()
+            };
+            s.shape[..3].copy_from_slice(&shape);
+            s.block[..3].copy_from_slice(&block);
+            s
+        };
+        let opts = ExecOptions::default();
+        let mut out = vec![0u8; 192 * 4];
+        let dest = [DestBuf::from_mut_slice(&mut out, Dtype::F32)];
+        execute_scaled(
+            std::slice::from_ref(&h),
+            &dest,
+            &[item],
+            &[scale([2, 3, 32], [1, 1, 32])],
+            &opts,
+        )
+        .unwrap();
+        let got: Vec<f32> = out
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        assert!(
+            got.chunks_exact(2).all(|p| p == [0.5, 1.0]),
+            "low nibble first"
+        );
+        // the scale of 4-bit elements must describe twice the bytes, in rows of the stored last dim
+        for bad in [scale([2, 3, 16], [1, 1, 16]), scale([2, 6, 16], [1, 1, 32])] {
+            let mut out = vec![0u8; 192 * 4];
+            let dest = [DestBuf::from_mut_slice(&mut out, Dtype::F32)];
+            let r = execute_scaled(std::slice::from_ref(&h), &dest, &[item], &[bad], &opts);
+            assert!(
+                matches!(r, Err(LoadError::Request { .. })),
+                "{bad:?}: {r:?}"
+            );
+            assert!(out.iter().all(|&b| b == 0));
+        }
+        // a box past the 192 4-bit elements is refused
+        item.lengths[0] = 193;
+        let mut out = vec![0u8; 193 * 4];
+        let dest = [DestBuf::from_mut_slice(&mut out, Dtype::F32)];
+        let r = execute_scaled(
+            std::slice::from_ref(&h),
+            &dest,
+            &[item],
+            &[scale([2, 3, 32], [1, 1, 32])],
+            &opts,
+        );
+        assert!(matches!(r, Err(LoadError::Request { .. })), "{r:?}");
+    }
+
+    /// Several boxes of one [r, c] e4m3 tensor (random starts and lengths, some transposed into their
+    /// destination) under one scale of a random block shape: reading only the touched grid rows gives the
+    /// same bytes as reading the scale whole, and never more scale bytes.
+    fn check_touched_scales(
+        (r, c): (u64, u64),
+        (br, bc): (u64, u64),
+        boxes: &[([u64; 2], [u64; 2], bool)],
+        threads: usize,
+        seed: u64,
+    ) {
+        let dir = tempfile::tempdir().unwrap();
+        let q: Vec<u8> = random_bytes((r * c) as usize, seed)
+            .iter()
+            .map(|b| b & 0x77)
+            .collect();
+        let (gr, gc) = (r.div_ceil(br), c.div_ceil(bc));
+        let sbytes: Vec<u8> = (0..gr * gc)
+            .flat_map(|i| (0.5 + i as f32 * 0.75).to_le_bytes())
+            .collect();
+        let h = write_file(
+            dir.path(),
+            "t.safetensors",
+            &[
+                ("w", Dtype::F8_E4M3, vec![r, c], q),
+                ("w_scale_inv", Dtype::F32, vec![gr, gc], sbytes),
+            ],
+        );
+        let mut sc = Scale {
+            tensor: h.index("w_scale_inv").unwrap() as i64,
+            ndim: 2,
+            ..Scale::default()
+        };
+        sc.shape[..2].copy_from_slice(&[r as i64, c as i64]);
+        sc.block[..2].copy_from_slice(&[br as i64, bc as i64]);
+        let mut items = Vec::new();
+        let mut at = 0i64;
+        for &(lo, len, transposed) in boxes {
+            let lo = [lo[0] % r, lo[1] % c];
+            let len = [len[0].min(r - lo[0]).max(1), len[1].min(c - lo[1]).max(1)];
+            let mut item = Item {
+                tensor: h.index("w").unwrap() as i64,
+                src_base: (lo[0] * c + lo[1]) as i64,
+                dst_base: at,
+                ndim: 2,
+                scale: 1,
+                ..Item::default()
+            };
+            item.lengths[..2].copy_from_slice(&[len[0] as i64, len[1] as i64]);
+            item.src_strides[..2].copy_from_slice(&[c as i64, 1]);
+            let dst = match transposed {
+                true => [1, len[0] as i64],
+                false => [len[1] as i64, 1],
+            };
+            item.dst_strides[..2].copy_from_slice(&dst);
+            at += (len[0] * len[1]) as i64;
+            items.push(item);
+        }
+        let run = |whole: bool| {
+            let opts = ExecOptions {
+                threads: Some(threads),
+                ..ExecOptions::default()
+            };
+            let mut out = vec![0u8; at as usize * 2];
+            let dest = [DestBuf::from_mut_slice(&mut out, Dtype::BF16)];
+            let sc = [sc];
+            let stats = execute_scaled_reading(
+                std::slice::from_ref(&h),
+                &dest,
+                &items,
+                &sc,
+                &opts,
+                whole,
+                None,
+            )
+            .unwrap();
+            (out, stats.bytes_read_from_files - stats.bytes_copied / 2)
+        };
+        let ((part, part_bytes), (whole, whole_bytes)) = (run(false), run(true));
+        assert_eq!(
+            part, whole,
+            "boxes {boxes:?} over [{r}, {c}] blocks [{br}, {bc}]"
+        );
+        assert!(part.iter().any(|&b| b != 0));
+        assert!(part_bytes <= whole_bytes, "{part_bytes} > {whole_bytes}");
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
+        #[test]
+        fn touched_scale_rows_equal_the_whole_scale(
+            (r, c) in (1u64..40, 1u64..40),
+            (br, bc) in (1u64..12, 1u64..12),
+            boxes in proptest::collection::vec(
+                (prop::array::uniform2(0u64..40), prop::array::uniform2(1u64..40), any::<bool>()),
+                1..4,
+            ),
+            threads in 1usize..3,
+            seed in any::<u64>(),
+        ) {
+            check_touched_scales((r, c), (br, bc), &boxes, threads, seed);
+        }
+    }
+
+    /// An expert-parallel rank's share: experts 3..4 of 8 of an MXFP4 `[8, Y, G, 16]` tensor (and a dim-0
+    /// eighth of an FP8 [64, 24] tensor with [4, 8] blocks) read 1/8 of their scale bytes, not the whole.
+    #[test]
+    fn a_dim0_eighth_reads_an_eighth_of_the_scales() {
+        let dir = tempfile::tempdir().unwrap();
+        let (e, y, g) = (8u64, 6u64, 2u64);
+        let exps: Vec<u8> = (0..e * y * g).map(|i| 120 + (i % 9) as u8).collect();
+        let q: Vec<u8> = random_bytes(64 * 24, 3).iter().map(|b| b & 0x77).collect();
+        let fscales: Vec<u8> = (0..16 * 3)
+            .flat_map(|i| (1.0 + i as f32).to_le_bytes())
+            .collect();
+        let h = write_file(
+            dir.path(),
+            "ep.safetensors",
+            &[
+                (
+                    "w_blocks",
+                    Dtype::U8,
+                    vec![e, y, g, 16],
+                    random_bytes((e * y * g * 16) as usize, 4),
+                ),
+                ("w_scales", Dtype::U8, vec![e, y, g], exps),
+                ("f", Dtype::F8_E4M3, vec![64, 24], q),
+                ("f_scale_inv", Dtype::F32, vec![16, 3], fscales),
+            ],
+        );
+        let x = g * 32;
+        let mut mx = Item {
+            tensor: h.index("w_blocks").unwrap() as i64,
+            src_base: (3 * y * x) as i64,
+            ndim: 1,
+            scale: 1,
+            ..Item::default()
+        };
+        mx.lengths[0] = (y * x) as i64;
+        mx.src_strides[0] = 1;
+        mx.dst_strides[0] = 1;
+        let mut mxs = Scale {
+            tensor: h.index("w_scales").unwrap() as i64,
+            ndim: 3,
+            ..Scale::default()
+        };
+        mxs.shape[..3].copy_from_slice(&[e as i64, y as i64, x as i64]);
+        mxs.block[..3].copy_from_slice(&[1, 1, 32]);
+        let mut fp = Item {
+            tensor: h.index("f").unwrap() as i64,
+            src_base: 5 * 8 * 24,
+            dest: 1,
+            ndim: 2,
+            scale: 2,
+            ..Item::default()
+        };
+        fp.lengths[..2].copy_from_slice(&[8, 24]);
+        fp.src_strides[..2].copy_from_slice(&[24, 1]);
+        fp.dst_strides[..2].copy_from_slice(&[24, 1]);
+        let mut fps = Scale {
+            tensor: h.index("f_scale_inv").unwrap() as i64,
+            ndim: 2,
+            ..Scale::default()
+        };
+        fps.shape[..2].copy_from_slice(&[64, 24]);
+        fps.block[..2].copy_from_slice(&[4, 8]);
+        for (item, whole_scale, data) in [(mx, e * y * g, y * x / 2), (fp, 16 * 3 * 4, 8 * 24)] {
+            let mut a = vec![0u8; 4 * (y * x) as usize];
+            let mut b = vec![0u8; 4 * 8 * 24];
+            for backend in [Backend::Mmap, Backend::Pread] {
+                let opts = ExecOptions {
+                    backend,
+                    ..ExecOptions::default()
+                };
+                let dest = [
+                    DestBuf::from_mut_slice(&mut a, Dtype::F32),
+                    DestBuf::from_mut_slice(&mut b, Dtype::F32),
+                ];
+                let read = |whole: bool| {
+                    execute_scaled_reading(
+                        std::slice::from_ref(&h),
+                        &dest,
+                        &[item],
+                        &[mxs, fps],
+                        &opts,
+                        whole,
+                        None,
+                    )
+                    .unwrap()
+                    .bytes_read_from_files
+                };
+                // the weight bytes are the same either way (the mmap backend counts the even and odd
+                // nibble runs of a 4-bit box separately): the difference is the scale bytes not read
+                let (part, whole) = (read(false), read(true));
+                assert!(
+                    part >= data + whole_scale / 8,
+                    "{part} {item:?} {backend:?}"
+                );
+                assert_eq!(
+                    whole - part,
+                    whole_scale - whole_scale / 8,
+                    "{item:?} {backend:?}"
+                );
+            }
+            assert!(a.iter().chain(&b).any(|&v| v != 0));
+        }
+    }
+}

@@ -1,0 +1,298 @@
+//! Runs → pieces → tasks: splitting long runs so every thread gets work, expanding repetitions a task would
+//! otherwise read through, sorting by (file, offset), grouping nearby pieces into tasks, and the byte ranges
+//! the `auto` backend probes for residency. It reads nothing.
+
+use crate::types::Run;
+
+/// Mapped runs join a task across gaps up to this many bytes (see `make_tasks`).
+const MMAP_JOIN_GAP: u64 = 64 * 1024;
+/// Smallest same-dtype dense run that `pread` reads straight into the destination.
+const DIRECT_MIN: u64 = 64 * 1024;
+
+/// How a task fetches its bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Mode {
+    Mmap,
+    PreadDirect,
+    PreadBuffered,
+}
+
+/// Pieces `first..last` of one file, read as one span `start..end` of its bytes.
+pub(super) struct Task {
+    pub(super) file: usize,
+    pub(super) mode: Mode,
+    pub(super) first: usize,
+    pub(super) last: usize,
+    pub(super) start: u64,
+    pub(super) end: u64,
+}
+
+/// Most byte ranges per file handed to the `auto` residency probe ([`crate::mmap::Mapping::resident_fraction`], which
+/// asks about at most `RESIDENCY_SAMPLES` = 256 pages spread evenly over them).
+const PROBE_RANGES: u64 = 4096;
+
+/// Per file, at most [`PROBE_RANGES`] one-byte ranges at positions spread evenly over the source
+/// bytes the runs need (repetitions expanded, the bytes between them left out), so that the probe samples
+/// what is read, not the span, in O(runs + PROBE_RANGES) rather than O(repetitions).
+pub(super) fn probe_ranges(runs: &[Run], nfiles: usize) -> Vec<Vec<(u64, u64)>> {
+    let mut total = vec![0u64; nfiles];
+    for r in runs {
+        total[r.file] += r.needed_bytes();
+    }
+    let step: Vec<u64> = total
+        .iter()
+        .map(|&t| t.div_ceil(PROBE_RANGES).max(1))
+        .collect();
+    let mut seen = vec![0u64; nfiles]; // needed bytes of the file's runs so far
+    let mut next = vec![0u64; nfiles]; // needed-byte position of the file's next probe
+    let mut out: Vec<Vec<(u64, u64)>> = vec![Vec::new(); nfiles];
+    for r in runs {
+        let f = r.file;
+        let (extent, needed) = (r.run_extent(), r.needed_bytes());
+        while next[f] < seen[f] + needed {
+            let at = next[f] - seen[f];
+            let pos = r.src_off + at / extent * r.rep_src_stride + at % extent;
+            out[f].push((pos, pos + 1));
+            next[f] += step[f];
+        }
+        seen[f] += needed;
+    }
+    out
+}
+
+/// Splits the runs into pieces of at most `chunk` source bytes (only when some run is longer) and sorts
+/// them by (file, offset), keeping the planned order when it is already sorted (items that read forward,
+/// planned in file order). Repeated runs stay repeated unless the bytes between repetitions are more than
+/// their file's task would read through or populate (`pread_gap` for `pread`, [`MMAP_JOIN_GAP`] for a
+/// map), a repetition is large enough for a direct `pread`, or (`pread`) spans of repeated runs overlap
+/// other runs: those are expanded, which gives the tasks of one run per repetition.
+pub(super) fn make_pieces(runs: Vec<Run>, mapped: &[bool], chunk: u64, gap: u64) -> Vec<Run> {
+    let expand = |r: &Run| {
+        r.reps > 1 && {
+            let extent = r.run_extent();
+            let between = r.rep_src_stride.saturating_sub(extent);
+            match mapped[r.file] {
+                true => between > MMAP_JOIN_GAP,
+                false => between > gap || (r.is_direct() && extent >= DIRECT_MIN),
+            }
+        }
+    };
+    let long = |r: &Run| (r.count > 1 || r.reps > 1) && r.src_extent() > chunk;
+    let mut pieces = if runs.iter().any(|r| expand(r) || long(r)) {
+        let mut pieces = Vec::with_capacity(runs.len() + runs.len() / 4);
+        for r in &runs {
+            if expand(r) {
+                for k in 0..r.reps {
+                    r.rep(k).split(chunk, &mut pieces);
+                }
+            } else {
+                r.split(chunk, &mut pieces);
+            }
+        }
+        pieces
+    } else {
+        runs
+    };
+    let by_offset = |r: &Run| (r.file, r.src_off);
+    if !pieces.is_sorted_by_key(by_offset) {
+        pieces.sort_unstable_by_key(by_offset);
+    }
+    // A buffered pread task reads its whole span: a repeated run whose span overlaps another run's (two
+    // items reading interleaved columns of one tensor, or overlapping repetitions split in two) would
+    // read those bytes twice. Expand them, which reads them once as before.
+    if pread_spans_overlap(&pieces, mapped) {
+        let mut flat = Vec::with_capacity(pieces.len());
+        for p in &pieces {
+            match p.reps > 1 && !mapped[p.file] {
+                true => p.expand(&mut flat),
+                false => flat.push(*p),
+            }
+        }
+        pieces = flat;
+        if !pieces.is_sorted_by_key(by_offset) {
+            pieces.sort_unstable_by_key(by_offset);
+        }
+    }
+    pieces
+}
+
+/// Whether, among sorted pieces, a repeated piece of a `pread` file overlaps another piece's span.
+fn pread_spans_overlap(pieces: &[Run], mapped: &[bool]) -> bool {
+    let mut file = usize::MAX;
+    let (mut end, mut repeated_end) = (0u64, 0u64);
+    for p in pieces.iter().filter(|p| !mapped[p.file]) {
+        if p.file != file {
+            (file, end, repeated_end) = (p.file, 0, 0);
+        }
+        if p.src_off < repeated_end || (p.reps > 1 && p.src_off < end) {
+            return true;
+        }
+        end = end.max(p.src_end());
+        if p.reps > 1 {
+            repeated_end = repeated_end.max(p.src_end());
+        }
+    }
+    false
+}
+
+/// Groups the sorted pieces into tasks (`mapped`: per file, whether it is read from a map).
+pub(super) fn make_tasks(pieces: &[Run], mapped: &[bool], chunk: u64, gap: u64) -> Vec<Task> {
+    let mut tasks: Vec<Task> = Vec::new();
+    for (i, p) in pieces.iter().enumerate() {
+        let mapped = mapped[p.file];
+        let (start, end) = (p.src_off, p.src_end());
+        let mode = match () {
+            _ if mapped => Mode::Mmap,
+            _ if p.reps == 1 && p.is_direct() && end - start >= DIRECT_MIN => Mode::PreadDirect,
+            _ => Mode::PreadBuffered,
+        };
+        if let Some(t) = tasks.last_mut() {
+            let joins = t.file == p.file
+                && t.mode == mode
+                && match mode {
+                    // Group mapped copies into tasks of about `chunk` bytes of nearby runs: a task's
+                    // whole span is populated, so it must not stretch over other ranks' data.
+                    Mode::Mmap => {
+                        start <= t.end + MMAP_JOIN_GAP && end.max(t.end) - t.start <= chunk
+                    }
+                    Mode::PreadDirect => false,
+                    Mode::PreadBuffered => {
+                        start <= t.end + gap && end.max(t.end) - t.start <= chunk
+                    }
+                };
+            if joins {
+                t.last = i + 1;
+                t.start = t.start.min(start);
+                t.end = t.end.max(end);
+                continue;
+            }
+        }
+        tasks.push(Task {
+            file: p.file,
+            mode,
+            first: i,
+            last: i + 1,
+            start,
+            end,
+        });
+    }
+    tasks
+}
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dtype::Dtype;
+    use crate::exec::DEFAULT_PREAD_GAP;
+
+    #[test]
+    fn mapped_tasks_do_not_stretch_over_unread_data() {
+        // Runs 128 KiB apart, within one 8 MiB task chunk: joining them would make a task whose populated
+        // span covers the unread bytes between them. Adjacent runs still join.
+        // One file, read from its map.
+        let mapped = [true];
+        let run = |src_off: u64| Run {
+            item: 0,
+            file: 0,
+            src_off,
+            src_stride: 1,
+            count: 4096,
+            dst_addr: 0,
+            dst_stride: 1,
+            reps: 1,
+            rep_src_stride: 0,
+            rep_dst_stride: 0,
+            src_dtype: Dtype::U8,
+            dst_dtype: Dtype::U8,
+            src_nibble: 0,
+        };
+        let pieces = [
+            run(0),
+            run(4096),
+            run(4096 + (128 << 10)),
+            run(8192 + (128 << 10)),
+        ];
+        let tasks = make_tasks(&pieces, &mapped, 8 << 20, DEFAULT_PREAD_GAP);
+        let spans: Vec<_> = tasks.iter().map(|t| (t.first, t.last)).collect();
+        assert_eq!(spans, [(0, 2), (2, 4)]);
+        // The same holds between the repetitions of one run: far apart, they are expanded into runs of
+        // their own (and give the same tasks); nearby, they stay one piece and one task.
+        let repeated = |stride: u64| Run {
+            reps: 4,
+            rep_src_stride: stride,
+            rep_dst_stride: 4096,
+            ..run(0)
+        };
+        let far = make_pieces(vec![repeated(4096 + (128 << 10))], &[true], 8 << 20, 0);
+        assert_eq!(far.len(), 4);
+        assert!(far.iter().all(|p| p.reps == 1));
+        let tasks = make_tasks(&far, &mapped, 8 << 20, DEFAULT_PREAD_GAP);
+        assert_eq!(tasks.len(), 4);
+        let near = make_pieces(vec![repeated(8192)], &[true], 8 << 20, 0);
+        assert_eq!(near, [repeated(8192)]);
+        assert_eq!(
+            make_tasks(&near, &mapped, 8 << 20, DEFAULT_PREAD_GAP).len(),
+            1
+        );
+        // For pread the limit is the pread gap.
+        assert_eq!(
+            make_pieces(vec![repeated(8192)], &[false], 8 << 20, 4095).len(),
+            4
+        );
+        assert_eq!(
+            make_pieces(vec![repeated(8192)], &[false], 8 << 20, 4096).len(),
+            1
+        );
+    }
+
+    #[test]
+    fn probe_ranges_sample_needed_bytes_evenly() {
+        let run = |file: usize, src_off: u64, count: u64, reps: u64, stride: u64| Run {
+            item: 0,
+            file,
+            src_off,
+            src_stride: 1,
+            count,
+            dst_addr: 0,
+            dst_stride: 1,
+            reps,
+            rep_src_stride: stride,
+            rep_dst_stride: 0,
+            src_dtype: Dtype::U8,
+            dst_dtype: Dtype::U8,
+            src_nibble: 0,
+        };
+        // File 0: 10^4 repetitions of 100 bytes 1000 apart, then one plain run of as many bytes; file 1:
+        // one 10-byte run.
+        let runs = [
+            run(0, 1000, 100, 10_000, 1000),
+            run(0, 20_000_000, 1_000_000, 1, 0),
+            run(1, 5, 10, 1, 0),
+        ];
+        let probes = probe_ranges(&runs, 3);
+        assert!(probes[2].is_empty());
+        assert_eq!(probes[1], (5..15).map(|a| (a, a + 1)).collect::<Vec<_>>());
+        let p = &probes[0];
+        assert!(
+            (PROBE_RANGES - 10..=PROBE_RANGES).contains(&(p.len() as u64)),
+            "{}",
+            p.len()
+        );
+        assert!(p.iter().all(|&(a, b)| b == a + 1));
+        let (repeated, plain): (Vec<u64>, Vec<u64>) =
+            p.iter().map(|r| r.0).partition(|&a| a < 20_000_000);
+        // Only bytes the repetitions read, none between them; both runs get half the probes.
+        assert!(repeated
+            .iter()
+            .all(|a| a >= &1000 && (a - 1000) % 1000 < 100));
+        assert!(plain.iter().all(|a| (20_000_000..21_000_000).contains(a)));
+        assert!(
+            repeated.len().abs_diff(plain.len()) <= 2,
+            "{} {}",
+            repeated.len(),
+            plain.len()
+        );
+        // Evenly spread over the repetitions.
+        let last_rep = (repeated.last().unwrap() - 1000) / 1000;
+        assert!(last_rep >= 9_990, "{last_rep}");
+    }
+}

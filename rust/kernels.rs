@@ -1,0 +1,907 @@
+//! The element conversions the engine fuses into a copy: scalar conversions between bit patterns, the cast
+//! kernels (strided and dense), and the dequantizing kernels (8-bit floats and MXFP4 nibbles times their
+//! block scales, `ScaleMap`, scale decoding).
+//!
+//! Casts between floating types reproduce torch's CPU conversions bit for bit on every non-NaN value: a
+//! conversion to a 16-bit or 8-bit float goes through `f32` first (c10's types convert from `float`, so an
+//! `f64` source is rounded twice, as in torch), rounding to nearest-even, and the float8 conversions follow
+//! c10's `fp8e4m3fn_from_fp32_value` (saturating, as in the torch 2.15 headers), `fp8e5m2_from_fp32_value` and `fp8e8m0fnu_from_fp32_value`. NaN
+//! inputs give a NaN (torch's own NaN bit patterns differ between its scalar and vector code paths).
+//! Every other pair of types is copied only to itself ([`Dtype::can_cast_to`]). This module owns no I/O
+//! and no raw pointers: kernels read and write byte slices (`crate::dest` turns runs into them).
+
+use crate::dtype::Dtype;
+use crate::types::MAX_NDIM;
+
+// ---------------------------------------------------------------------------------------------------------
+// Scalar conversions (bit patterns in, bit patterns out).
+
+/// bfloat16 bits to `f32` (exact).
+pub fn bf16_to_f32(h: u16) -> f32 {
+    f32::from_bits(u32::from(h) << 16)
+}
+
+/// `f32` to bfloat16 bits, round to nearest-even; NaN becomes a quiet NaN of the same sign.
+pub fn f32_to_bf16(x: f32) -> u16 {
+    let b = x.to_bits();
+    if x.is_nan() {
+        return ((b >> 16) as u16) | 0x0040;
+    }
+    let bias = 0x7fff + ((b >> 16) & 1);
+    (b.wrapping_add(bias) >> 16) as u16
+}
+
+/// IEEE half bits to `f32` (exact); NaN payloads are kept and quietened.
+pub fn f16_to_f32(h: u16) -> f32 {
+    let sign = u32::from(h & 0x8000) << 16;
+    let exp = u32::from((h >> 10) & 0x1f);
+    let man = u32::from(h & 0x3ff);
+    match exp {
+        0 => {
+            let v = man as f32 * f32::from_bits(0x3380_0000); // 2^-24
+            f32::from_bits(v.to_bits() | sign)
+        }
+        0x1f if man == 0 => f32::from_bits(sign | 0x7f80_0000),
+        0x1f => f32::from_bits(sign | 0x7fc0_0000 | (man << 13)),
+        _ => f32::from_bits(sign | ((exp + 112) << 23) | (man << 13)),
+    }
+}
+
+/// `f32` to IEEE half bits, round to nearest-even, overflow to infinity; NaN stays NaN.
+pub fn f32_to_f16(x: f32) -> u16 {
+    let b = x.to_bits();
+    let sign = ((b >> 16) & 0x8000) as u16;
+    let abs = b & 0x7fff_ffff;
+    if abs > 0x7f80_0000 {
+        return sign | 0x7e00 | ((abs >> 13) & 0x3ff) as u16;
+    }
+    if abs == 0x7f80_0000 {
+        return sign | 0x7c00;
+    }
+    let half_exp = (abs >> 23) as i32 - 127 + 15;
+    if half_exp >= 31 {
+        return sign | 0x7c00;
+    }
+    if half_exp <= 0 {
+        if half_exp < -10 {
+            return sign;
+        }
+        let m = (abs & 0x7f_ffff) | 0x80_0000;
+        let shift = (14 - half_exp) as u32;
+        let q = m >> shift;
+        let rem = m & ((1 << shift) - 1);
+        let halfway = 1 << (shift - 1);
+        let up = rem > halfway || (rem == halfway && q & 1 == 1);
+        return sign | (q + u32::from(up)) as u16;
+    }
+    let m = abs & 0x7f_ffff;
+    let mut h = ((half_exp as u32) << 10) | (m >> 13);
+    let rem = m & 0x1fff;
+    if rem > 0x1000 || (rem == 0x1000 && h & 1 == 1) {
+        h += 1;
+    }
+    sign | h as u16
+}
+
+/// float8 e4m3fn bits to `f32` (exact).
+pub fn e4m3fn_to_f32(v: u8) -> f32 {
+    let sign = u32::from(v & 0x80) << 24;
+    let exp = u32::from((v >> 3) & 0xf);
+    let man = u32::from(v & 0x7);
+    let magnitude = if exp == 0xf && man == 0x7 {
+        return f32::from_bits(sign | 0x7fc0_0000);
+    } else if exp == 0 {
+        man as f32 * f32::from_bits(0x3b00_0000) // 2^-9
+    } else {
+        f32::from_bits(((exp + 120) << 23) | (man << 20))
+    };
+    f32::from_bits(magnitude.to_bits() | sign)
+}
+
+/// `f32` to float8 e4m3fn bits as c10 does it (torch >= 2.10 headers): round to nearest-even; finite
+/// overflow and infinities saturate to ±448, NaN stays NaN.
+pub fn f32_to_e4m3fn(x: f32) -> u8 {
+    let bits = x.to_bits();
+    let sign = ((bits >> 24) & 0x80) as u8;
+    let abs = bits & 0x7fff_ffff;
+    let out = if abs >= 1087 << 20 {
+        if abs > 0x7f80_0000 {
+            0x7f
+        } else {
+            0x7e
+        }
+    } else if abs < 121 << 23 {
+        // Below the smallest normal (2^-6): let the FPU round by adding a denormalizing constant.
+        let denorm = f32::from_bits(141 << 23);
+        let sum = (f32::from_bits(abs) + denorm).to_bits();
+        sum.wrapping_sub(141 << 23) as u8
+    } else {
+        let odd = (abs >> 20) & 1;
+        let r = abs
+            .wrapping_add(((7u32).wrapping_sub(127) << 23).wrapping_add(0x7_ffff))
+            .wrapping_add(odd);
+        // Rounding up into the NaN pattern saturates to the largest finite value.
+        match (r >> 20) as u8 {
+            0x7f => 0x7e,
+            v => v,
+        }
+    };
+    out | sign
+}
+
+/// float8 e5m2 bits to `f32` (exact; through half precision, as c10 does).
+pub fn e5m2_to_f32(v: u8) -> f32 {
+    f16_to_f32(u16::from(v) << 8)
+}
+
+/// `f32` to float8 e5m2 bits as c10 does it: round to nearest-even, overflow to inf, NaN to NaN.
+pub fn f32_to_e5m2(x: f32) -> u8 {
+    let bits = x.to_bits();
+    let sign = ((bits >> 24) & 0x80) as u8;
+    let abs = bits & 0x7fff_ffff;
+    let out = if abs >= 143 << 23 {
+        if abs > 0x7f80_0000 {
+            0x7f
+        } else {
+            0x7c
+        }
+    } else if abs < 113 << 23 {
+        let denorm = f32::from_bits(134 << 23);
+        let sum = (f32::from_bits(abs) + denorm).to_bits();
+        sum.wrapping_sub(134 << 23) as u8
+    } else {
+        let odd = (abs >> 21) & 1;
+        let r = abs
+            .wrapping_add(((15u32).wrapping_sub(127) << 23).wrapping_add(0xf_ffff))
+            .wrapping_add(odd);
+        (r >> 21) as u8
+    };
+    out | sign
+}
+
+/// float8 e8m0 bits to `f32` (exact): 2^(v-127), 0xff is NaN.
+pub fn e8m0_to_f32(v: u8) -> f32 {
+    match v {
+        0xff => f32::NAN,
+        0 => f32::from_bits(0x0040_0000),
+        _ => f32::from_bits(u32::from(v) << 23),
+    }
+}
+
+/// `f32` to float8 e8m0 bits as c10 does it: the sign is dropped, the exponent rounded to nearest-even on
+/// the significand, inf and NaN become NaN.
+pub fn f32_to_e8m0(x: f32) -> u8 {
+    let bits = x.to_bits();
+    let exp = (bits >> 23) & 0xff;
+    if exp == 0xff {
+        return 0xff;
+    }
+    let guard = bits & 0x40_0000 != 0;
+    let round = bits & 0x20_0000 != 0;
+    let sticky = bits & 0x1f_ffff != 0;
+    let lsb = exp > 0;
+    let up = guard && (round || sticky || lsb);
+    (exp + u32::from(up)) as u8
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Fused copy kernels.
+
+/// Where a kernel puts converted elements: `put(i, bytes)` stores the `i`-th element of a run.
+pub(crate) trait ElemSink {
+    fn put(&mut self, i: usize, bytes: &[u8]);
+}
+
+/// A floating type the kernels can convert from and to.
+trait FloatCodec {
+    const SIZE: usize;
+    fn to_f32(b: &[u8]) -> f32;
+    fn to_f64(b: &[u8]) -> f64 {
+        f64::from(Self::to_f32(b))
+    }
+    fn store_f32(x: f32, out: &mut [u8]);
+    /// Converts one element of `S` into `out`; torch's semantics go through `f32` except into `f64`.
+    fn convert_from<S: FloatCodec>(src: &[u8], out: &mut [u8]) {
+        Self::store_f32(S::to_f32(src), out);
+    }
+}
+
+fn le2(b: &[u8]) -> u16 {
+    u16::from_le_bytes([b[0], b[1]])
+}
+
+struct CF16;
+struct CBF16;
+struct CF32;
+struct CF64;
+struct CE4M3;
+struct CE5M2;
+struct CE8M0;
+
+impl FloatCodec for CF16 {
+    const SIZE: usize = 2;
+    fn to_f32(b: &[u8]) -> f32 {
+        f16_to_f32(le2(b))
+    }
+    fn store_f32(x: f32, out: &mut [u8]) {
+        out[..2].copy_from_slice(&f32_to_f16(x).to_le_bytes());
+    }
+}
+impl FloatCodec for CBF16 {
+    const SIZE: usize = 2;
+    fn to_f32(b: &[u8]) -> f32 {
+        bf16_to_f32(le2(b))
+    }
+    fn store_f32(x: f32, out: &mut [u8]) {
+        out[..2].copy_from_slice(&f32_to_bf16(x).to_le_bytes());
+    }
+}
+impl FloatCodec for CF32 {
+    const SIZE: usize = 4;
+    fn to_f32(b: &[u8]) -> f32 {
+        f32::from_le_bytes([b[0], b[1], b[2], b[3]])
+    }
+    fn store_f32(x: f32, out: &mut [u8]) {
+        out[..4].copy_from_slice(&x.to_le_bytes());
+    }
+}
+impl FloatCodec for CF64 {
+    const SIZE: usize = 8;
+    fn to_f32(b: &[u8]) -> f32 {
+        Self::to_f64(b) as f32
+    }
+    fn to_f64(b: &[u8]) -> f64 {
+        f64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]])
+    }
+    fn store_f32(x: f32, out: &mut [u8]) {
+        out[..8].copy_from_slice(&f64::from(x).to_le_bytes());
+    }
+    fn convert_from<S: FloatCodec>(src: &[u8], out: &mut [u8]) {
+        out[..8].copy_from_slice(&S::to_f64(src).to_le_bytes());
+    }
+}
+impl FloatCodec for CE4M3 {
+    const SIZE: usize = 1;
+    fn to_f32(b: &[u8]) -> f32 {
+        e4m3fn_to_f32(b[0])
+    }
+    fn store_f32(x: f32, out: &mut [u8]) {
+        out[0] = f32_to_e4m3fn(x);
+    }
+}
+impl FloatCodec for CE5M2 {
+    const SIZE: usize = 1;
+    fn to_f32(b: &[u8]) -> f32 {
+        e5m2_to_f32(b[0])
+    }
+    fn store_f32(x: f32, out: &mut [u8]) {
+        out[0] = f32_to_e5m2(x);
+    }
+}
+impl FloatCodec for CE8M0 {
+    const SIZE: usize = 1;
+    fn to_f32(b: &[u8]) -> f32 {
+        e8m0_to_f32(b[0])
+    }
+    fn store_f32(x: f32, out: &mut [u8]) {
+        out[0] = f32_to_e8m0(x);
+    }
+}
+
+#[inline(always)]
+fn float_kernel<S: FloatCodec, D: FloatCodec, W: ElemSink>(
+    src: &[u8],
+    src_stride: usize,
+    count: usize,
+    sink: &mut W,
+) {
+    let mut buf = [0u8; 8];
+    for i in 0..count {
+        let at = i * src_stride;
+        D::convert_from::<S>(&src[at..at + S::SIZE], &mut buf);
+        sink.put(i, &buf[..D::SIZE]);
+    }
+}
+
+/// Contiguous cast into a byte slice: the hot path (e.g. bf16 to f32), written so it vectorizes.
+#[inline(always)]
+fn float_kernel_dense<S: FloatCodec, D: FloatCodec>(src: &[u8], dst: &mut [u8]) {
+    for (s, d) in src.chunks_exact(S::SIZE).zip(dst.chunks_exact_mut(D::SIZE)) {
+        D::convert_from::<S>(s, d);
+    }
+}
+
+fn with_dst<S: FloatCodec, W: ElemSink>(dd: Dtype, src: &[u8], ss: usize, n: usize, w: &mut W) {
+    match dd {
+        Dtype::F16 => float_kernel::<S, CF16, W>(src, ss, n, w),
+        Dtype::BF16 => float_kernel::<S, CBF16, W>(src, ss, n, w),
+        Dtype::F32 => float_kernel::<S, CF32, W>(src, ss, n, w),
+        Dtype::F64 => float_kernel::<S, CF64, W>(src, ss, n, w),
+        Dtype::F8_E4M3 => float_kernel::<S, CE4M3, W>(src, ss, n, w),
+        Dtype::F8_E5M2 => float_kernel::<S, CE5M2, W>(src, ss, n, w),
+        Dtype::F8_E8M0 => float_kernel::<S, CE8M0, W>(src, ss, n, w),
+        _ => unreachable!("cast pairs are validated before any copy"),
+    }
+}
+
+fn dense_with_dst<S: FloatCodec>(dd: Dtype, src: &[u8], dst: &mut [u8]) {
+    match dd {
+        Dtype::F16 => float_kernel_dense::<S, CF16>(src, dst),
+        Dtype::BF16 => float_kernel_dense::<S, CBF16>(src, dst),
+        Dtype::F32 => float_kernel_dense::<S, CF32>(src, dst),
+        Dtype::F64 => float_kernel_dense::<S, CF64>(src, dst),
+        Dtype::F8_E4M3 => float_kernel_dense::<S, CE4M3>(src, dst),
+        Dtype::F8_E5M2 => float_kernel_dense::<S, CE5M2>(src, dst),
+        Dtype::F8_E8M0 => float_kernel_dense::<S, CE8M0>(src, dst),
+        _ => unreachable!("cast pairs are validated before any copy"),
+    }
+}
+
+/// Where each element of a quantized tensor finds its scale: the tensor's storage shape, the block shape
+/// (ragged last blocks allowed) and the scale grid's row-major strides (`ceil(shape / block)`), over the
+/// scale values already decoded to `f32`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ScaleMap<'a> {
+    pub values: &'a [f32],
+    pub ndim: usize,
+    pub shape: [u64; MAX_NDIM],
+    pub block: [u64; MAX_NDIM],
+    pub grid_strides: [u64; MAX_NDIM],
+}
+
+impl ScaleMap<'_> {
+    /// The scale of flat element `flat`, and the first flat index past `flat` whose scale may differ (the
+    /// end of its block along the last dim): every index in between shares the block.
+    #[inline]
+    pub(crate) fn at(&self, flat: u64) -> (f32, u64) {
+        let (mut rem, mut idx, mut last) = (flat, 0u64, 0u64);
+        for d in (0..self.ndim).rev() {
+            let c = rem % self.shape[d];
+            rem /= self.shape[d];
+            idx += c / self.block[d] * self.grid_strides[d];
+            if d + 1 == self.ndim {
+                last = c;
+            }
+        }
+        let until = match self.ndim {
+            0 => u64::MAX,
+            n => {
+                let b = self.block[n - 1];
+                flat + ((last / b + 1) * b).min(self.shape[n - 1]) - last
+            }
+        };
+        (self.values[idx as usize], until)
+    }
+
+    /// The grid cell of flat element `flat`, the end of its block segment (as [`ScaleMap::at`]) and the end
+    /// of its row of the last dim (`u64::MAX` for a 0-dim tensor); the next segment of the row is cell + 1.
+    #[inline]
+    pub(crate) fn locate(&self, flat: u64) -> (usize, u64, u64) {
+        let (mut rem, mut idx, mut last) = (flat, 0u64, 0u64);
+        for d in (0..self.ndim).rev() {
+            let c = rem % self.shape[d];
+            rem /= self.shape[d];
+            idx += c / self.block[d] * self.grid_strides[d];
+            if d + 1 == self.ndim {
+                last = c;
+            }
+        }
+        match self.ndim {
+            0 => (0, u64::MAX, u64::MAX),
+            n => {
+                let (b, len) = (self.block[n - 1], self.shape[n - 1]);
+                let row_end = flat - last + len;
+                (
+                    idx as usize,
+                    flat + ((last / b + 1) * b).min(len) - last,
+                    row_end,
+                )
+            }
+        }
+    }
+}
+
+impl ScaleMap<'_> {
+    /// For elements `flat0 + i * step` that each move whole rows of the last dim (`step` a multiple of its
+    /// length) over a grid whose blocks are 1 along every other dim: the grid cell of the first and the
+    /// cell step between consecutive elements (each element's cell is then `cell0 + i * cell_step`).
+    pub(crate) fn row_steps(&self, flat0: u64, step: u64) -> Option<(usize, usize)> {
+        let n = self.ndim;
+        if n < 2 || self.block[..n - 1].iter().any(|&b| b != 1) || step % self.shape[n - 1] != 0 {
+            return None;
+        }
+        let rows = step / self.shape[n - 1];
+        let cell_step = usize::try_from(rows * self.grid_strides[n - 2]).ok()?;
+        Some((self.locate(flat0).0, cell_step))
+    }
+}
+
+/// MXFP4 nibbles whose scales step by whole grid rows (see [`ScaleMap::row_steps`]): element `i` is the
+/// low or high nibble of `src[i * src_stride]` times `values[cell0 + i * cell_step]`, into `dst` (dense).
+#[inline(always)]
+fn nibble_rows<const HIGH: bool, D: FloatCodec>(
+    src: &[u8],
+    src_stride: usize,
+    values: &[f32],
+    (cell0, cell_step): (usize, usize),
+    dst: &mut [u8],
+) {
+    for (i, o) in dst.chunks_exact_mut(D::SIZE).enumerate() {
+        let v = CE2M1::<HIGH>::to_f32(&src[i * src_stride..]);
+        D::store_f32(v * values[cell0 + i * cell_step], o);
+    }
+}
+
+/// The dense-destination case of [`cast_scaled_nibbles`] when [`ScaleMap::row_steps`] holds (transformers'
+/// transposed gpt-oss layout: each element of a run is the next row): no grid arithmetic per element.
+pub(crate) fn nibble_rows_dense(
+    (high, dd): (bool, Dtype),
+    src: &[u8],
+    src_stride: usize,
+    values: &[f32],
+    cells: (usize, usize),
+    dst: &mut [u8],
+) {
+    macro_rules! go {
+        ($d:ty) => {
+            match high {
+                false => nibble_rows::<false, $d>(src, src_stride, values, cells, dst),
+                true => nibble_rows::<true, $d>(src, src_stride, values, cells, dst),
+            }
+        };
+    }
+    match dd {
+        Dtype::BF16 => go!(CBF16),
+        Dtype::F16 => go!(CF16),
+        Dtype::F32 => go!(CF32),
+        Dtype::F64 => go!(CF64),
+        _ => unreachable!("dequantized items are validated before any copy"),
+    }
+}
+
+#[inline(always)]
+fn scaled_kernel<S: FloatCodec, D: FloatCodec, W: ElemSink>(
+    src: &[u8],
+    src_stride: usize,
+    count: usize,
+    map: &ScaleMap<'_>,
+    (flat0, step): (u64, u64),
+    sink: &mut W,
+) {
+    let mut buf = [0u8; 8];
+    let (mut scale, mut until, mut flat) = (0f32, 0u64, flat0);
+    for i in 0..count {
+        if flat >= until {
+            (scale, until) = map.at(flat);
+        }
+        let at = i * src_stride;
+        D::store_f32(S::to_f32(&src[at..at + S::SIZE]) * scale, &mut buf);
+        sink.put(i, &buf[..D::SIZE]);
+        flat += step;
+    }
+}
+
+fn scaled_with_dst<S: FloatCodec, W: ElemSink>(
+    dd: Dtype,
+    src: &[u8],
+    ss: usize,
+    n: usize,
+    map: &ScaleMap<'_>,
+    at: (u64, u64),
+    w: &mut W,
+) {
+    match dd {
+        Dtype::F16 => scaled_kernel::<S, CF16, W>(src, ss, n, map, at, w),
+        Dtype::BF16 => scaled_kernel::<S, CBF16, W>(src, ss, n, map, at, w),
+        Dtype::F32 => scaled_kernel::<S, CF32, W>(src, ss, n, map, at, w),
+        Dtype::F64 => scaled_kernel::<S, CF64, W>(src, ss, n, map, at, w),
+        _ => unreachable!("dequantized items are validated before any copy"),
+    }
+}
+
+/// Whether the engine dequantizes `sd` elements into `dd`: an 8-bit float, or `U8` bytes holding MXFP4
+/// e2m1 pairs, into a wider float.
+pub(crate) fn can_dequantize(sd: Dtype, dd: Dtype) -> bool {
+    matches!(sd, Dtype::F8_E4M3 | Dtype::F8_E5M2 | Dtype::U8)
+        && matches!(dd, Dtype::F16 | Dtype::BF16 | Dtype::F32 | Dtype::F64)
+}
+
+/// The value of each 4-bit e2m1 code (OCP MX spec: sign, 2 exponent bits, 1 mantissa bit), exact in `f32`.
+pub const E2M1_VALUES: [f32; 16] = [
+    0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
+];
+
+/// The low (`HIGH = false`) or high nibble of a byte as an e2m1 value: a source of the dequantizing
+/// kernels only (never a destination).
+struct CE2M1<const HIGH: bool>;
+
+impl<const HIGH: bool> FloatCodec for CE2M1<HIGH> {
+    const SIZE: usize = 1;
+    #[inline(always)]
+    fn to_f32(b: &[u8]) -> f32 {
+        let code = if HIGH { b[0] >> 4 } else { b[0] & 0x0f };
+        E2M1_VALUES[usize::from(code)]
+    }
+    fn store_f32(_: f32, _: &mut [u8]) {
+        unreachable!("e2m1 is never a destination")
+    }
+}
+
+/// [`cast_scaled`] for MXFP4: element `i` is the low (`high = false`) or high nibble of byte
+/// `i * src_stride` of `src`, decoded as e2m1 and multiplied by its scale; `at = (flat0, step)` in 4-bit
+/// elements of the quantized tensor.
+pub(crate) fn cast_scaled_nibbles<W: ElemSink>(
+    (high, dd): (bool, Dtype),
+    src: &[u8],
+    src_stride: usize,
+    count: usize,
+    map: &ScaleMap<'_>,
+    at: (u64, u64),
+    sink: &mut W,
+) {
+    match high {
+        false => scaled_with_dst::<CE2M1<false>, W>(dd, src, src_stride, count, map, at, sink),
+        true => scaled_with_dst::<CE2M1<true>, W>(dd, src, src_stride, count, map, at, sink),
+    }
+}
+
+/// Like [`cast_strided`], each element multiplied (in `f32`) by its scale before the one rounding into
+/// `dd`: element `i` is flat element `flat0 + i * step` of the quantized tensor (`at = (flat0, step)`).
+pub(crate) fn cast_scaled<W: ElemSink>(
+    (sd, dd): (Dtype, Dtype),
+    src: &[u8],
+    src_stride: usize,
+    count: usize,
+    map: &ScaleMap<'_>,
+    at: (u64, u64),
+    sink: &mut W,
+) {
+    match sd {
+        Dtype::F8_E4M3 => scaled_with_dst::<CE4M3, W>(dd, src, src_stride, count, map, at, sink),
+        Dtype::F8_E5M2 => scaled_with_dst::<CE5M2, W>(dd, src, src_stride, count, map, at, sink),
+        _ => unreachable!("dequantized items are validated before any copy"),
+    }
+}
+
+/// float8 e4m3fn bits to `f32` without a table or a branch (equal to [`e4m3fn_to_f32`] on every code), so
+/// that a loop over it vectorizes: a normal code's exponent and mantissa move into place and the exponent is
+/// rebiased by 120; a subnormal code (exponent 0) is built as `2^-6 * (1 + m/8)` and `2^-6` subtracted
+/// (exact); the NaN codes give the quiet NaN.
+#[inline(always)]
+fn e4m3_value(v: u8) -> f32 {
+    let v = u32::from(v);
+    let mag = v & 0x7f;
+    let normal = f32::from_bits((mag << 20) + (120 << 23));
+    let sub = f32::from_bits((mag << 20) + (121 << 23)) - f32::from_bits(121 << 23);
+    let x = if mag < 0x08 { sub } else { normal };
+    let bits = if mag == 0x7f {
+        0x7fc0_0000
+    } else {
+        x.to_bits()
+    };
+    f32::from_bits(bits | ((v & 0x80) << 24))
+}
+
+/// float8 e5m2 bits to `f32` without a table or a branch (equal to [`e5m2_to_f32`] on every code): as
+/// [`e4m3_value`] with a rebias of 112, subnormals from `2^-14`, and exponent 31 for infinities and NaNs.
+#[inline(always)]
+fn e5m2_value(v: u8) -> f32 {
+    let v = u32::from(v);
+    let mag = v & 0x7f;
+    let normal = f32::from_bits((mag << 21) + (112 << 23));
+    let sub = f32::from_bits((mag << 21) + (113 << 23)) - f32::from_bits(113 << 23);
+    let x = if mag < 0x04 { sub } else { normal };
+    let quiet = if mag & 3 == 0 { 0 } else { 0x40_0000 };
+    let special = 0x7f80_0000 | ((mag & 3) << 21) | quiet;
+    let bits = if mag >= 0x7c { special } else { x.to_bits() };
+    f32::from_bits(bits | ((v & 0x80) << 24))
+}
+
+/// An 8-bit float source of the dense dequantizing kernel, decoded without a table.
+trait Fp8Value {
+    fn value(v: u8) -> f32;
+}
+
+struct QE4M3;
+struct QE5M2;
+
+impl Fp8Value for QE4M3 {
+    #[inline(always)]
+    fn value(v: u8) -> f32 {
+        e4m3_value(v)
+    }
+}
+impl Fp8Value for QE5M2 {
+    #[inline(always)]
+    fn value(v: u8) -> f32 {
+        e5m2_value(v)
+    }
+}
+
+/// Elements of one scale block converted per step of the block kernel (a fixed count LLVM unrolls and
+/// vectorizes; the rest of a segment takes the same code one element at a time).
+const BLOCK_LANES: usize = 16;
+
+/// One block segment: `dst[i] = D(decode(src[i]) * scale)` for adjacent source and destination elements.
+#[inline(always)]
+fn scaled_segment<Q: Fp8Value, D: FloatCodec>(scale: f32, src: &[u8], dst: &mut [u8]) {
+    let mut s_it = src.chunks_exact(BLOCK_LANES);
+    let mut d_it = dst.chunks_exact_mut(BLOCK_LANES * D::SIZE);
+    for (s, d) in (&mut s_it).zip(&mut d_it) {
+        for (q, o) in s.iter().zip(d.chunks_exact_mut(D::SIZE)) {
+            D::store_f32(Q::value(*q) * scale, o);
+        }
+    }
+    let rest = d_it.into_remainder().chunks_exact_mut(D::SIZE);
+    for (q, o) in s_it.remainder().iter().zip(rest) {
+        D::store_f32(Q::value(*q) * scale, o);
+    }
+}
+
+/// The dense kernel: walks the block segments of `src` (flat indices `flat0..`), one grid lookup per row of
+/// the last dim and the next grid cell for each further segment of that row.
+#[inline(always)]
+fn dense_scaled<Q: Fp8Value, D: FloatCodec>(
+    src: &[u8],
+    dst: &mut [u8],
+    map: &ScaleMap<'_>,
+    flat0: u64,
+) {
+    let n = src.len();
+    let block = match map.ndim {
+        0 => u64::MAX,
+        d => map.block[d - 1],
+    };
+    let (mut i, mut flat) = (0usize, flat0);
+    while i < n {
+        let (mut idx, mut until, row_end) = map.locate(flat);
+        loop {
+            let seg = usize::try_from(until - flat).map_or(n - i, |s| s.min(n - i));
+            let (a, b) = (i, i + seg);
+            let out = &mut dst[a * D::SIZE..b * D::SIZE];
+            scaled_segment::<Q, D>(map.values[idx], &src[a..b], out);
+            i = b;
+            flat += seg as u64;
+            if i == n || flat >= row_end {
+                break;
+            }
+            idx += 1;
+            until = until.saturating_add(block).min(row_end);
+        }
+    }
+}
+
+/// The dense case of [`cast_scaled`] (adjacent source and destination elements, flat indices
+/// `flat0..flat0 + src.len()`): one scale lookup per block segment, then a branch-free decode, multiply and
+/// rounding per element (the same values as [`cast_scaled`], bit for bit). Inlined into its callers, so that
+/// `dest` can also compile it for AVX2.
+#[inline(always)]
+pub(crate) fn cast_scaled_dense(
+    (sd, dd): (Dtype, Dtype),
+    src: &[u8],
+    dst: &mut [u8],
+    map: &ScaleMap<'_>,
+    flat0: u64,
+) {
+    match sd {
+        Dtype::F8_E4M3 => dense_with_dst_scaled::<QE4M3>(dd, src, dst, map, flat0),
+        Dtype::F8_E5M2 => dense_with_dst_scaled::<QE5M2>(dd, src, dst, map, flat0),
+        _ => unreachable!("dequantized items are validated before any copy"),
+    }
+}
+
+#[inline(always)]
+fn dense_with_dst_scaled<Q: Fp8Value>(
+    dd: Dtype,
+    src: &[u8],
+    dst: &mut [u8],
+    map: &ScaleMap<'_>,
+    flat0: u64,
+) {
+    match dd {
+        Dtype::BF16 => dense_scaled::<Q, CBF16>(src, dst, map, flat0),
+        Dtype::F16 => dense_scaled::<Q, CF16>(src, dst, map, flat0),
+        Dtype::F32 => dense_scaled::<Q, CF32>(src, dst, map, flat0),
+        Dtype::F64 => dense_scaled::<Q, CF64>(src, dst, map, flat0),
+        _ => unreachable!("dequantized items are validated before any copy"),
+    }
+}
+
+/// Decodes scale elements stored as `dtype` (`U8` holds e8m0 exponents, as MXFP8 checkpoints ship them)
+/// into `out` (one value per element of `bytes`); `false` for a dtype that is not a scale dtype.
+pub(crate) fn decode_scales_into(dtype: Dtype, bytes: &[u8], out: &mut [f32]) -> bool {
+    fn fill(out: &mut [f32], values: impl Iterator<Item = f32>) {
+        out.iter_mut().zip(values).for_each(|(o, v)| *o = v);
+    }
+    match dtype {
+        Dtype::F32 => fill(out, bytes.chunks_exact(4).map(CF32::to_f32)),
+        Dtype::BF16 => fill(out, bytes.chunks_exact(2).map(CBF16::to_f32)),
+        Dtype::F16 => fill(out, bytes.chunks_exact(2).map(CF16::to_f32)),
+        Dtype::F8_E8M0 | Dtype::U8 => fill(out, bytes.iter().map(|&b| e8m0_to_f32(b))),
+        _ => return false,
+    }
+    true
+}
+
+/// Whether `dtype` is a scale dtype [`decode_scales_into`] decodes.
+pub(crate) fn is_scale_dtype(dtype: Dtype) -> bool {
+    matches!(
+        dtype,
+        Dtype::F32 | Dtype::BF16 | Dtype::F16 | Dtype::F8_E8M0 | Dtype::U8
+    )
+}
+
+/// Converts `count` elements of `sd` read from `src` (element `i` at byte `i * src_stride`) into `dd`,
+/// handing each converted element to `sink`. Same-dtype pairs are plain copies.
+pub(crate) fn cast_strided<W: ElemSink>(
+    sd: Dtype,
+    dd: Dtype,
+    src: &[u8],
+    src_stride: usize,
+    count: usize,
+    sink: &mut W,
+) {
+    if sd == dd {
+        let size = sd.byte_size().expect("sub-byte runs are contiguous copies");
+        for i in 0..count {
+            let at = i * src_stride;
+            sink.put(i, &src[at..at + size]);
+        }
+        return;
+    }
+    match sd {
+        Dtype::F16 => with_dst::<CF16, W>(dd, src, src_stride, count, sink),
+        Dtype::BF16 => with_dst::<CBF16, W>(dd, src, src_stride, count, sink),
+        Dtype::F32 => with_dst::<CF32, W>(dd, src, src_stride, count, sink),
+        Dtype::F64 => with_dst::<CF64, W>(dd, src, src_stride, count, sink),
+        Dtype::F8_E4M3 => with_dst::<CE4M3, W>(dd, src, src_stride, count, sink),
+        Dtype::F8_E5M2 => with_dst::<CE5M2, W>(dd, src, src_stride, count, sink),
+        Dtype::F8_E8M0 => with_dst::<CE8M0, W>(dd, src, src_stride, count, sink),
+        _ => unreachable!("cast pairs are validated before any copy"),
+    }
+}
+
+/// Converts the dense elements of `src` into the dense destination `dst` (same element count).
+pub(crate) fn cast_dense(sd: Dtype, dd: Dtype, src: &[u8], dst: &mut [u8]) {
+    if sd == dd {
+        dst.copy_from_slice(src);
+        return;
+    }
+    match sd {
+        Dtype::F16 => dense_with_dst::<CF16>(dd, src, dst),
+        Dtype::BF16 => dense_with_dst::<CBF16>(dd, src, dst),
+        Dtype::F32 => dense_with_dst::<CF32>(dd, src, dst),
+        Dtype::F64 => dense_with_dst::<CF64>(dd, src, dst),
+        Dtype::F8_E4M3 => dense_with_dst::<CE4M3>(dd, src, dst),
+        Dtype::F8_E5M2 => dense_with_dst::<CE5M2>(dd, src, dst),
+        Dtype::F8_E8M0 => dense_with_dst::<CE8M0>(dd, src, dst),
+        _ => unreachable!("cast pairs are validated before any copy"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn half_round_trips_every_pattern() {
+        for h in 0..=u16::MAX {
+            let x = f16_to_f32(h);
+            if x.is_nan() {
+                assert!(f16_to_f32(f32_to_f16(x)).is_nan());
+            } else {
+                assert_eq!(f32_to_f16(x), h, "{h:#x}");
+            }
+            let y = bf16_to_f32(h);
+            if !y.is_nan() {
+                assert_eq!(f32_to_bf16(y), h);
+            }
+        }
+    }
+
+    #[test]
+    fn f16_rounding_matches_f64_reference() {
+        // The reference: round the exact value to the nearest representable half (ties to even) by search.
+        let halves: Vec<f64> = (0..0x7c00u16).map(|h| f64::from(f16_to_f32(h))).collect();
+        let mut state = 0x1234_5678_u64;
+        for _ in 0..200_000 {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            let bits = (state as u32) & 0x7fff_ffff;
+            let x = f32::from_bits(bits);
+            if !x.is_finite() {
+                continue;
+            }
+            let got = f32_to_f16(x);
+            let v = f64::from(x);
+            let want = match halves.binary_search_by(|h| h.partial_cmp(&v).unwrap()) {
+                Ok(i) => i as u16,
+                Err(i) if i == halves.len() => {
+                    let max = halves[i - 1];
+                    let next = 65536.0;
+                    if v - max < next - v || (v - max == next - v && (i - 1) % 2 == 0) {
+                        (i - 1) as u16
+                    } else {
+                        0x7c00
+                    }
+                }
+                Err(i) => {
+                    let (lo, hi) = (halves[i - 1], halves[i]);
+                    if v - lo < hi - v || (v - lo == hi - v && (i - 1) % 2 == 0) {
+                        (i - 1) as u16
+                    } else {
+                        i as u16
+                    }
+                }
+            };
+            assert_eq!(got, want, "{x:e} ({bits:#x})");
+        }
+    }
+
+    #[test]
+    fn fp8_known_values() {
+        assert_eq!(f32_to_e4m3fn(448.0), 0x7e);
+        assert_eq!(f32_to_e4m3fn(464.0), 0x7e);
+        assert_eq!(f32_to_e4m3fn(470.0), 0x7e);
+        assert_eq!(f32_to_e4m3fn(480.0), 0x7e);
+        assert_eq!(f32_to_e4m3fn(-1e9), 0xfe);
+        assert_eq!(f32_to_e4m3fn(-1.0), 0xb8);
+        assert_eq!(f32_to_e4m3fn(f32::INFINITY), 0x7e);
+        assert_eq!(f32_to_e4m3fn(f32::NAN), 0x7f);
+        assert_eq!(f32_to_e4m3fn(2f32.powi(-9)), 0x01);
+        assert_eq!(e4m3fn_to_f32(0x7e), 448.0);
+        assert!(e4m3fn_to_f32(0xff).is_nan());
+        assert_eq!(e4m3fn_to_f32(0x01), 2f32.powi(-9));
+        assert_eq!(f32_to_e5m2(57344.0), 0x7b);
+        assert_eq!(f32_to_e5m2(f32::INFINITY), 0x7c);
+        assert_eq!(f32_to_e5m2(f32::NEG_INFINITY), 0xfc);
+        assert_eq!(f32_to_e5m2(f32::NAN), 0x7f);
+        assert_eq!(f32_to_e5m2(1e6), 0x7c);
+        assert_eq!(e5m2_to_f32(0x7b), 57344.0);
+        for v in 0..=255u8 {
+            let x = e4m3fn_to_f32(v);
+            if !x.is_nan() {
+                assert_eq!(f32_to_e4m3fn(x), v, "{v:#x}");
+            }
+            let y = e5m2_to_f32(v);
+            if !y.is_nan() {
+                assert_eq!(f32_to_e5m2(y), v, "{v:#x}");
+            }
+            let z = e8m0_to_f32(v);
+            if !z.is_nan() {
+                assert_eq!(f32_to_e8m0(z), v, "{v:#x}");
+            }
+        }
+        assert_eq!(f32_to_e8m0(1.5), 128);
+        assert_eq!(f32_to_e8m0(2.5), 128);
+        assert_eq!(f32_to_e8m0(0.75), 127);
+        assert_eq!(f32_to_e8m0(-2.0), 128);
+        assert_eq!(f32_to_e8m0(f32::NAN), 255);
+    }
+
+    #[test]
+    fn branch_free_fp8_decoders_equal_the_reference_on_every_code() {
+        for v in 0..=255u8 {
+            assert_eq!(
+                e4m3_value(v).to_bits(),
+                e4m3fn_to_f32(v).to_bits(),
+                "e4m3 {v:#x}"
+            );
+            assert_eq!(
+                e5m2_value(v).to_bits(),
+                e5m2_to_f32(v).to_bits(),
+                "e5m2 {v:#x}"
+            );
+        }
+    }
+
+    #[test]
+    fn f64_goes_through_f32_like_torch() {
+        // 1 + 2^-11 + 2^-40 rounds to 1 + 2^-11 in f32, which then ties to 1.0 in f16.
+        let x = 1.0 + 2f64.powi(-11) + 2f64.powi(-40);
+        let mut out = [0u8; 2];
+        cast_dense(Dtype::F64, Dtype::F16, &x.to_le_bytes(), &mut out);
+        assert_eq!(u16::from_le_bytes(out), 0x3c00);
+    }
+}

@@ -1,0 +1,262 @@
+"""Smoke tests of the benchmark scripts: ``benches/compare.py --quick`` and ``benches/gpu_check.py``'s CPU path.
+
+They run the real scripts in subprocesses on tiny checkpoints and check the JSON they write: the schema, that
+every loader's bytes were compared with the file (and matched), that cold runs verified 0 resident pages, and
+that the targets were evaluated. Numbers are not checked (a shared 2-core box is too noisy for that).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCHES = ROOT / "benches"
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "python"), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, (
+        f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    )
+    return proc
+
+
+RESULT_FIELDS = ("seconds", "gbps", "storage_read_bytes", "cpu_seconds", "peak_rss_bytes", "needed_bytes", "verify")
+
+
+def test_compare_quick(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = _run(
+        [
+            str(BENCHES / "compare.py"),
+            "--quick",
+            "--out",
+            str(out),
+            "--data",
+            str(tmp_path / "data"),
+            "--loaders",
+            "hp_dcp,hp_read_many,st_slice",
+            "--workloads",
+            "dense,moe,e2e,plan",
+        ],
+        timeout=480,
+    )
+    assert "PASS" in proc.stdout or "FAIL" in proc.stdout
+    doc = json.loads((out / "compare.json").read_text())
+    assert doc["schema"] == 1
+    assert doc["meta"]["quick"] is True
+    a = doc["anchors"]
+    assert "error" not in a, a
+    for key in (
+        "memcpy_1t_gbps",
+        "memcpy_2t_gbps",
+        "cold_seq_gbps",
+        "cold_par_gbps",
+        "box_copy_s0_gbps",
+        "box_copy_s1_gbps",
+    ):
+        assert a[key] > 0, key
+    assert a["cold_verified"] is True  # posix_fadvise(DONTNEED) left 0 resident pages (mincore)
+    has_thp = "FileHugePages:" in Path("/proc/meminfo").read_text()  # kernels built without THP lack the line
+    assert (
+        (isinstance(a["file_huge_pages_mib"], int) and a["file_huge_pages_mib"] >= 0)
+        if has_thp
+        else (a["file_huge_pages_mib"] is None)
+    )
+    results = doc["results"]
+    kinds = {r["kind"] for r in results}
+    assert {"raw", "e2e", "plan"} <= kinds, kinds
+    seen = set()
+    for r in results:
+        assert "error" not in r, (r.get("loader"), r.get("error"), r.get("traceback"))
+        v = r["verify"]
+        assert v["checked"] > 0 and v["mismatched"] == 0, (r["workload"], r["loader"], v)
+        if r["kind"] in ("raw", "e2e"):
+            for f in RESULT_FIELDS:
+                assert f in r, (f, r["loader"])
+            assert r["gbps"] > 0 and r["needed_bytes"] > 0
+            assert r["repeats"]
+        if r["regime"] == "cold":
+            assert all(rep["cold_verified"] for rep in r["repeats"]), r["repeats"]
+            assert r["storage_read_bytes"] > 0 or r["needed_bytes"] < 1 << 20
+        seen.add((r["workload"], r["scenario"], r["regime"], r["loader"]))
+    for want in [
+        ("dense", "full", "warm", "hp_dcp"),
+        ("dense", "full", "cold", "hp_dcp"),
+        ("dense", "s1", "warm", "hp_dcp"),
+        ("dense", "s1", "warm", "st_slice"),
+        ("moe", "full", "warm", "hp_dcp"),
+        ("e2e-dense", "tp", "warm", "hp_dcp"),
+    ]:
+        assert want in seen, want
+    statuses = {t["status"] for t in doc["targets"]}
+    assert statuses <= {"PASS", "FAIL", "N/A"}
+    assert len(doc["targets"]) >= 9
+    plan = next(r for r in results if r["kind"] == "plan")
+    assert plan["tensors"] > 100 and plan["seconds"] > 0
+    assert (out / "compare.md").read_text().count("|") > 20
+    assert Path(doc["plot"]).is_file()
+
+
+def test_gpu_check_cpu_path(tmp_path: Path) -> None:
+    out = tmp_path / "gpu"
+    _run(
+        [
+            str(BENCHES / "gpu_check.py"),
+            "--quick",
+            "--device",
+            "cpu",
+            "--out",
+            str(out),
+            "--data",
+            str(tmp_path / "ckpt"),
+            "--loaders",
+            "hp_fastload,hp_fastload_r8,hp_fastload_fp8,hp_fastload_mxfp4,st_mmap_copy",
+        ],
+        timeout=480,
+    )
+    doc = json.loads((out / "gpu_check.json").read_text())
+    assert doc["device"] == "cpu"
+    assert doc["ceilings"]["pageable_gbps"] > 0
+    assert doc["storage"]["cold_seq"]["resident_pages_before"] == 0
+    got = {(r["loader"], r["regime"]): r for r in doc["results"]}
+    for loader in ("hp_fastload", "hp_fastload_r8", "hp_fastload_fp8", "hp_fastload_mxfp4", "st_mmap_copy"):
+        for regime in ("cold", "warm"):
+            r = got[(loader, regime)]
+            assert "error" not in r, r
+            assert r["verify"]["checked"] > 0 and r["verify"]["mismatched"] == 0, r["verify"]
+            assert r["gbps"] > 0
+    assert got[("hp_fastload", "cold")]["cold_verified"] is True
+    assert (out / "gpu_check.md").is_file()
+
+
+def test_direct_io_floor_reports_iops(tmp_path: Path) -> None:
+    path = tmp_path / "blob.bin"
+    path.write_bytes(os.urandom(1 << 20))
+    proc = subprocess.run(
+        [sys.executable, str(BENCHES / "direct_io_floor.py"), str(path), "--threads", "1,2", "--seconds", "0.2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("threads")]
+    assert len(lines) == 2, proc.stdout
+    for line in lines:
+        iops = float(line.split(":")[1].split("IOPS")[0])
+        assert iops > 0, line
+
+
+def test_cold_rounds_merge_into_one_result_per_configuration() -> None:
+    """``compare.merge_rounds``: single-repetition rounds of one configuration become one result (median of
+    the rounds, worst verification, an error in any round kept); other results pass through."""
+    sys.path.insert(0, str(BENCHES))
+    try:
+        import compare
+    finally:
+        sys.path.remove(str(BENCHES))
+
+    def rnd(loader: str, r: int, seconds: float, mismatched: int = 0) -> dict[str, object]:
+        rep = {
+            "seconds": seconds,
+            "gbps": 1 / seconds,
+            "storage_read_bytes": 1,
+            "cpu_seconds": 1.0,
+            "anon_added_bytes": r,
+        }
+        return dict(
+            kind="raw", workload="dense", scenario="full", loader=loader, regime="cold", world=1, rank=0,
+            round=r, repeats=[rep], verify={"checked": 1, "mismatched": mismatched},
+            peak_rss_bytes=10 * r, process_seconds=1.0, seconds=seconds,
+        )  # fmt: skip
+
+    warm = {"kind": "raw", "workload": "dense", "regime": "warm", "loader": "a", "seconds": 9.0}
+    results = [warm, rnd("a", 0, 4.0), rnd("b", 0, 1.0), rnd("a", 1, 1.0, mismatched=1), rnd("b", 1, 3.0)]
+    results += [rnd("a", 2, 2.0), rnd("b", 2, 2.0), {**rnd("b", 3, 5.0), "error": "boom"}]
+    merged = compare.merge_rounds(results)
+    assert [r["loader"] for r in merged] == ["a", "a", "b"] and merged[0] is warm
+    a, b = merged[1], merged[2]
+    assert [x["seconds"] for x in a["repeats"]] == [4.0, 1.0, 2.0] and a["seconds"] == 2.0
+    assert a["verify"]["mismatched"] == 1 and a["peak_rss_bytes"] == 20 and a["process_seconds"] == 3.0
+    assert a["anon_added_bytes"] == 2 and "round" not in a
+    assert b["error"] == "boom"
+
+
+def test_quant_bench_quick(tmp_path: Path) -> None:
+    """benches/quant_bench.py --quick: every loader ran, timed, and its sample equals the formula."""
+    out = tmp_path / "out"
+    _run([str(BENCHES / "quant_bench.py"), "--quick", "--out", str(out), "--data", str(tmp_path / "data")], 480)
+    doc = json.loads((out / "quant_bench.json").read_text())
+    got = {(r["loader"], r["checkpoint"], r["world"]): r for r in doc["results"]}
+    assert len(got) == 11
+    for (loader, _, world), r in got.items():
+        assert "error" not in r, (loader, world, r.get("error"))
+        assert r["seconds"] > 0 and r["output_bytes"] > 0
+        if loader != "hp_load_bf16":
+            assert r["verify"]["checked"] >= 3 and r["verify"]["mismatched"] == 0, (loader, world, r["verify"])
+    assert "hp_load vs torch's quantized reader" in (out / "quant_bench.md").read_text()
+
+
+def test_save_bench_quick(tmp_path: Path) -> None:
+    """``benches/save_bench.py --quick`` on the MoE model, hp_fastload and the gather peer: both ranks report
+    their writes, each writes its half, and the two outputs hold the same tensors (the script's own check)."""
+    args = [str(BENCHES / "save_bench.py"), "--quick", "--out", str(tmp_path), "--models", "moe"]
+    _run([*args, "--methods", "hp_save", "gather_save_pretrained"], timeout=500)
+    (result,) = tmp_path.glob("hp_save_bench_*/save_bench.json")
+    rows = json.loads(result.read_text())
+    hp = next(r for r in rows if r.get("method") == "hp_save")
+    writes = [rank["wchar"] for rank in hp["ranks"]]
+    assert len(writes) == 2 and min(writes) > 0.4 * hp["output_bytes"] / 2
+    assert [r["ok"] for r in rows if "check" in r] == [True]
+
+
+def test_mxfp4_bench_quick(tmp_path: Path) -> None:
+    """The MXFP4 bench's three loads run, the two MXFP4 ones equal the formula, and the region path is what
+    ``hp_region`` measures (no deferred target) while ``hp_torch`` takes the torch path."""
+    out = tmp_path / "out"
+    args = [str(BENCHES / "mxfp4_bench.py"), "--quick", "--repeats", "1", "--out", str(out)]
+    _run([*args, "--data", str(tmp_path / "data")], timeout=300)
+    doc = json.loads((out / "mxfp4_bench.json").read_text())
+    got = {r["loader"]: r for r in doc["results"]}
+    assert set(got) == {"hp_region", "hp_torch", "hp_bf16"}
+    assert all("error" not in r and r["best"] > 0 for r in got.values()), got
+    assert got["hp_region"]["exact"] is True and got["hp_torch"]["exact"] is True
+    assert got["hp_region"]["deferred_targets"] == 0 < got["hp_torch"]["deferred_targets"]
+    assert got["hp_region"]["output_bytes"] == got["hp_bf16"]["output_bytes"]
+
+
+def test_mxfp4_bench_quick_expert_parallel(tmp_path: Path) -> None:
+    """``--ep 4``: rank 3 of 4 of the quick checkpoint's 4 experts loads its one expert exactly and reads a
+    quarter of the MXFP4 checkpoint (its packed bytes and its scale rows), the torch path everything."""
+    out = tmp_path / "out"
+    args = [str(BENCHES / "mxfp4_bench.py"), "--quick", "--repeats", "1", "--out", str(out), "--ep", "4"]
+    _run([*args, "--loaders", "hp_region,hp_torch", "--data", str(tmp_path / "data")], timeout=300)
+    got = {r["loader"]: r for r in json.loads((out / "mxfp4_bench.json").read_text())["results"]}
+    assert all(r["exact"] is True for r in got.values()), got
+    whole = got["hp_torch"]["checkpoint_bytes"]
+    assert got["hp_torch"]["bytes_read"] == whole
+    assert got["hp_region"]["bytes_read"] * 4 == whole
+
+
+def test_plan_profile_phases(tmp_path: Path) -> None:
+    """``benches/plan_profile.py CKPT WORLD RANK phases`` on a tiny MoE: every phase timed, the whole plan the
+    largest."""
+    from tests.helpers.tiny_models import tiny_model
+
+    tiny_model("qwen3_moe").save_pretrained(tmp_path / "moe")
+    proc = _run([str(BENCHES / "plan_profile.py"), str(tmp_path / "moe"), "2", "1", "phases"], timeout=300)
+    rows = dict(line.rsplit(None, 1) for line in proc.stdout.splitlines()[1:] if line.strip())
+    labels = ["index open", "targets", "quantization detection", "build_groups", "Tracer.run", "claims", "whole plan"]
+    assert sorted(rows) == sorted(labels)
+    seconds = {k: float(v) for k, v in rows.items()}
+    assert all(v > 0 for k, v in seconds.items() if k != "quantization detection")
+    assert seconds["whole plan"] == max(seconds.values())
