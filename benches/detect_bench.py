@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from hp_fastload import quant
+from hp_fastload.convert import detect as quant
 from hp_fastload.source.index import CheckpointIndex
 
 

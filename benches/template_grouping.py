@@ -91,8 +91,8 @@ def bench_plan(checkpoint: str, world: int, rank: int, reps: int) -> None:
     """The whole ``hp_fastload.plan`` of a fake-world EP rank through each path."""
     import _peers
     import hp_fastload
-    from hp_fastload import engine
     from hp_fastload.model.regions import virtual_rank
+    from hp_fastload.source import files as engine
 
     model = _peers.expert_parallel_model(checkpoint, world, rank)
     original = plan_mod.build_groups
@@ -101,7 +101,7 @@ def bench_plan(checkpoint: str, world: int, rank: int, reps: int) -> None:
         for _ in range(reps + 1):
             for n, f in PATHS.items():
                 plan_mod.build_groups = f
-                engine._cache.clear()
+                engine.clear_cache()
                 start = time.process_time()
                 hp_fastload.plan(model, checkpoint, mesh_override=virtual_rank(rank))
                 times[n].append(time.process_time() - start)
