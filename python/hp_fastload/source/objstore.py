@@ -29,7 +29,15 @@ from hp_fastload.errors import HeaderError, ObjectStoreError, shown_key
 from hp_fastload.formats import INDEX_NAME, SINGLE_NAME
 from hp_fastload.source.files import SafetensorsFile
 
-__all__ = ["ObjectLocation", "is_object_url", "open_index", "read_side_object", "checkpoint_identity"]
+__all__ = [
+    "ObjectLocation",
+    "checkpoint_identity",
+    "is_object_url",
+    "list_safetensors",
+    "open_index",
+    "open_objects",
+    "read_side_object",
+]
 
 _SCHEMES = ("s3://", "s3a://")
 
@@ -173,6 +181,16 @@ def read_side_object(url: str) -> bytes | None:
     _require_backend()
     _apply_shared_config()
     return _core.read_object(url)
+
+
+def list_safetensors(url: str) -> list[str]:
+    """The URLs of the ``*.safetensors`` objects directly under the prefix ``url`` (``s3://bucket/prefix``),
+    sorted (what a directory's ``*.safetensors`` glob is for files)."""
+    location = ObjectLocation.parse(url)
+    _require_backend()
+    _apply_shared_config()
+    keys = _core.list_objects(location.url + "/")
+    return sorted(f"s3://{location.bucket}/{k}" for k in keys if k.endswith(".safetensors"))
 
 
 def _check_shard_name(index_url: str, name: object) -> str:
