@@ -766,7 +766,9 @@ def guard_ratios(results: list[dict[str, Any]], anchors: dict[str, Any]) -> dict
     return out
 
 
-def write_baseline(runs: list[dict[str, dict[str, Any]]], path: Path, source: list[str]) -> dict[str, Any]:
+def write_baseline(
+    runs: list[dict[str, dict[str, Any]]], path: Path, source: list[str], recorded: list[dict[str, Any]]
+) -> dict[str, Any]:
     """A baseline from one or more runs' guard ratios: per ratio the median over the runs and its noise, the
     largest relative deviation of a run from that median (at least :data:`GUARD_NOISE_FLOOR`)."""
     import statistics
@@ -782,6 +784,7 @@ def write_baseline(runs: list[dict[str, dict[str, Any]]], path: Path, source: li
         about="hp_fastload's ratios against peers measured in the same run; benches/compare.py --baseline "
         "checks a run against it. Update deliberately, with the commit that changes the speed.",
         source=source,
+        recorded=recorded,
         ratios=ratios,
     )
     path.write_text(json.dumps(doc, indent=1) + "\n")
@@ -810,11 +813,24 @@ def check_baseline(current: dict[str, dict[str, Any]], baseline: dict[str, Any])
     return falls, notes
 
 
-def run_guard(args: argparse.Namespace, runs: list[dict[str, dict[str, Any]]], source: list[str]) -> int:
+def _recorded(doc: dict[str, Any]) -> dict[str, Any]:
+    """What a baseline keeps about a run: the tree, the machine's load and its memcpy speed."""
+    meta, a = doc.get("meta", {}), doc.get("anchors", {})
+    return dict(
+        git=meta.get("git"),
+        loadavg=meta.get("machine", {}).get("loadavg"),
+        memcpy_1t_gbps=a.get("memcpy_1t_gbps"),
+        memcpy_2t_gbps=a.get("memcpy_2t_gbps"),
+    )
+
+
+def run_guard(
+    args: argparse.Namespace, runs: list[dict[str, dict[str, Any]]], source: list[str], recorded: list[dict[str, Any]]
+) -> int:
     """--write-baseline / --baseline after a run (or on --from files). Returns the exit status."""
     status = 0
     if args.write_baseline:
-        doc = write_baseline(runs, Path(args.write_baseline), source)
+        doc = write_baseline(runs, Path(args.write_baseline), source, recorded)
         print(f"\nwrote {len(doc['ratios'])} ratios to {args.write_baseline}")
     if args.baseline:
         import statistics
@@ -906,7 +922,8 @@ def main(argv: list[str] | None = None) -> int:
         return merge(args)
     if args.from_runs:
         docs = [json.loads(Path(p).read_text()) for p in args.from_runs]
-        return run_guard(args, [guard_ratios(d["results"], d["anchors"]) for d in docs], list(args.from_runs))
+        runs = [guard_ratios(d["results"], d["anchors"]) for d in docs]
+        return run_guard(args, runs, list(args.from_runs), [_recorded(d) for d in docs])
     started = time.perf_counter()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -1010,7 +1027,7 @@ def main(argv: list[str] | None = None) -> int:
     for t in targets:
         print(f"{t['status']:4s}  {t['target']}  [{t['detail']}]")
     print(f"\nwrote {out / 'compare.json'}, {out / 'compare.md'}, {png} in {meta['total_seconds']:.0f} s", file=log)
-    return run_guard(args, [guard_ratios(results, anchors)], [str(out / "compare.json")])
+    return run_guard(args, [guard_ratios(results, anchors)], [str(out / "compare.json")], [_recorded(doc)])
 
 
 def merge(args: argparse.Namespace) -> int:
