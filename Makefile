@@ -51,8 +51,7 @@ lint-rust:
 	$(PYTHON) tools/rust_module_deps.py --self-test
 	$(PYTHON) tools/rust_module_deps.py
 	cargo fmt --all -- --check
-	cargo clippy --release --all-targets -q -- -D warnings
-	cargo clippy --release --all-targets --features python -q -- -D warnings
+	cargo clippy --release --all-targets --all-features -q -- -D warnings
 
 lint-python: $(DEPS)
 	$(PY) tools/check_imports.py --self-test

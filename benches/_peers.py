@@ -710,7 +710,7 @@ def load_hp_read_many(ckpt: str, dests: Destinations, ctx: dict[str, Any]) -> di
     import hp_fastload
     from hp_fastload.source import files as engine
 
-    engine._cache.clear()  # parse headers inside the timed region, like every other loader
+    engine.clear_cache()  # parse headers inside the timed region, like every other loader
     stats = hp_fastload.read_many([(b.file, b.key, b.offsets, b.lengths, b.dest) for b in dests.boxes])
     return {k: v for k, v in stats.items() if isinstance(v, int | str)}
 
@@ -720,7 +720,7 @@ def _hp_load(loader: str) -> Callable[[str, Destinations, dict[str, Any]], dict[
         import hp_fastload
         from hp_fastload.source import files as engine
 
-        engine._cache.clear()
+        engine.clear_cache()
         report = hp_fastload.load(ctx["model"], ckpt, loader=loader, strict=True, progress=False)
         return {"hp_bytes_read": report.bytes_read, "hp_bytes_needed": report.bytes_needed}
 
@@ -906,7 +906,7 @@ def _e2e_body(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             import hp_fastload
             from hp_fastload.source import files as engine
 
-            engine._cache.clear()
+            engine.clear_cache()
             hp_fastload.load(model, ckpt, loader=loader.split("_")[1], strict=True, progress=False)
         elif loader.startswith("torch_dcp"):
             import torch.distributed.checkpoint as dcp
@@ -1119,7 +1119,7 @@ def run_plan(cfg: dict[str, Any]) -> dict[str, Any]:
     times = []
     plan = None
     for _ in range(cfg["repeats"]):
-        engine._cache.clear()
+        engine.clear_cache()
         t = time.perf_counter()
         plan = hp_fastload.plan(model, ckpt, mesh_override=virtual_rank(rank))
         times.append(time.perf_counter() - t)

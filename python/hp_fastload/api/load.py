@@ -9,6 +9,7 @@ the one summary log line. Planning lives in ``plan``, reading in ``execute``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import sys
@@ -24,6 +25,7 @@ from hp_fastload import errors
 from hp_fastload.convert.rules import resolve_mapping
 from hp_fastload.dist.agree import agree, resolve_location_each
 from hp_fastload.dist.identity import agree_checkpoint
+from hp_fastload.errors import HeaderError
 from hp_fastload.execute.read import execute_plan
 from hp_fastload.execute.threads import threads_per_rank
 from hp_fastload.model.finalize import non_persistent_buffers, recreate_buffers, retie
@@ -40,6 +42,9 @@ from hp_fastload.source.location import resolve_checkpoint_location
 
 HF_LOADER_ENV = "HYPER_PARALLEL_HF_LOADER"
 
+# The loaders of the hyper-parallel seed, under the seed's names: "legacy" reads whole tensors and converts them
+# with torch; "dcp" is the region loader (conversions compiled into checkpoint coordinates, each rank reading only
+# its regions). Despite its name it is not torch DCP, which hp_fastload.dcp plugs into as a storage reader.
 LOADERS = ("legacy", "dcp")
 
 DEFAULT_LOADER = "dcp"
@@ -160,7 +165,10 @@ def _config_mismatch(model: nn.Module, location: Path) -> str:
     config = getattr(model, "config", None)
     if config is None:
         return ""
-    saved = read_config_json(location if location.is_dir() else location.parent)
+    try:
+        saved = read_config_json(location if location.is_dir() else location.parent)
+    except HeaderError:  # a FIFO there only loses the hint
+        return ""
     if saved is None:
         return ""
     ours = config.to_dict() if hasattr(config, "to_dict") else vars(config)
@@ -175,7 +183,7 @@ def _config_mismatch(model: nn.Module, location: Path) -> str:
 
 
 # The cyclic GC is paused for the whole load: planning and packing a 20k-tensor MoE allocate ~10^5 small
-# objects, and each full collection walks everything the trainer holds (0.3 s of a 0.7 s load).
+# objects, and each full collection walks everything the trainer holds (docs/perf-notes.md).
 @gc_paused()
 def load(
     model: nn.Module,
@@ -280,17 +288,12 @@ def load(
     _record_used_rules(model, context)
     unfilled = recreate_buffers(model) if finalize else [name for name, _ in non_persistent_buffers(model)]
     seconds = time.perf_counter() - start
-    report = LoadReport(
-        loaded_keys=load_plan.report.loaded_keys,
-        missing_keys=load_plan.report.missing_keys,
-        unexpected_keys=load_plan.report.unexpected_keys,
+    # The plan's report (keys, checkpoint bytes, the loader) with what executing it measured.
+    report = dataclasses.replace(
+        load_plan.report,
         bytes_read=stats.bytes_read,
         bytes_needed=total,
-        checkpoint_bytes=load_plan.report.checkpoint_bytes,
         seconds=seconds,
-        region_targets=load_plan.report.region_targets,
-        deferred_targets=load_plan.report.deferred_targets,
-        loader=name,
         retied_keys=tuple(retied),
         unfilled_buffers=tuple(unfilled),
     )
