@@ -469,6 +469,75 @@ mod tests {
         assert_eq!(results[1], results[3]);
     }
 
+    /// `auto` on a cached file: a long contiguous box and a column slice (the gather kernel) of one tensor in
+    /// one call land exactly with 1 and 2 threads, and a file truncated before the call is a typed error.
+    #[test]
+    fn auto_reads_rows_and_columns_of_a_cached_file_in_one_call() {
+        let dir = tempfile::tempdir().unwrap();
+        let (rows, cols) = (1024u64, 4096u64);
+        let data = random_bytes((rows * cols) as usize, 11);
+        let h = write_file(
+            dir.path(),
+            "mix.safetensors",
+            &[("w", Dtype::U8, vec![rows, cols], data.clone())],
+        );
+        let t = h.index("w").unwrap() as i64;
+        let box_item = |r0: u64, nr: u64, c0: u64, nc: u64, dest: i64| {
+            let mut item = Item {
+                tensor: t,
+                src_base: (r0 * cols + c0) as i64,
+                dest,
+                ndim: 2,
+                ..Item::default()
+            };
+            item.lengths[..2].copy_from_slice(&[nr as i64, nc as i64]);
+            item.src_strides[..2].copy_from_slice(&[cols as i64, 1]);
+            item.dst_strides[..2].copy_from_slice(&[nc as i64, 1]);
+            item
+        };
+        // Rows 0..512 whole (2 MiB contiguous), and columns 1024..1536 of rows 512..1024.
+        let items = [
+            box_item(0, 512, 0, cols, 0),
+            box_item(512, 512, 1024, 512, 1),
+        ];
+        let want_rows = data[..(512 * cols) as usize].to_vec();
+        let want_cols: Vec<u8> = data[(512 * cols) as usize..]
+            .chunks(cols as usize)
+            .flat_map(|row| row[1024..1536].to_vec())
+            .collect();
+        for threads in [1, 2] {
+            let (mut a, mut b) = (vec![0u8; want_rows.len()], vec![0u8; want_cols.len()]);
+            let dests = [
+                DestBuf::from_mut_slice(&mut a, Dtype::U8),
+                DestBuf::from_mut_slice(&mut b, Dtype::U8),
+            ];
+            let opts = ExecOptions {
+                threads: Some(threads),
+                ..ExecOptions::default()
+            };
+            let stats = execute(std::slice::from_ref(&h), &dests, &items, &opts).unwrap();
+            assert_eq!(stats.backend, "mmap", "{stats:?}");
+            assert_eq!((a == want_rows, b == want_cols), (true, true), "{stats:?}");
+        }
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&h.path)
+            .unwrap();
+        f.set_len(h.file_len / 2).unwrap();
+        let (mut a, mut b) = (vec![0u8; want_rows.len()], vec![0u8; want_cols.len()]);
+        let dests = [
+            DestBuf::from_mut_slice(&mut a, Dtype::U8),
+            DestBuf::from_mut_slice(&mut b, Dtype::U8),
+        ];
+        let r = execute(
+            std::slice::from_ref(&h),
+            &dests,
+            &items,
+            &ExecOptions::default(),
+        );
+        assert!(matches!(r, Err(LoadError::Truncated { .. })), "{r:?}");
+    }
+
     #[test]
     fn truncated_changed_and_panics_are_errors() {
         let dir = tempfile::tempdir().unwrap();
