@@ -835,6 +835,9 @@ def run_guard(
     if args.baseline:
         import statistics
 
+        if not Path(args.baseline).is_file():
+            print(f"no baseline at {args.baseline}: write one with --write-baseline (quiet box, deliberately)")
+            return 2
         baseline = json.loads(Path(args.baseline).read_text())
         names = set().union(*runs)
         current = {
