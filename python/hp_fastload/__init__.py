@@ -55,3 +55,12 @@ __all__ = [
     "resolve_hf_loader",
     "save",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """``hp_fastload.integrations`` on first use: it imports transformers, which ``import hp_fastload`` does not."""
+    if name == "integrations":
+        import importlib
+
+        return importlib.import_module("hp_fastload.integrations")
+    raise AttributeError(f"module 'hp_fastload' has no attribute {name!r}")

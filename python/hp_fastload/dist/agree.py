@@ -110,3 +110,13 @@ def resolve_location_each(path: str | os.PathLike[str], revision: str | None) ->
         lambda: location if first else resolve_checkpoint_location(path, revision=revision, cache_first=True),
     )
     return resolved
+
+
+def raised_on(stage: str, rank: int, name: str, message: str) -> Exception:
+    """The exception every rank raises for a step that failed on ``rank`` with ``name: message`` (the same type
+    where it is one of the rebuildable types, else ``RuntimeError``)."""
+    cls = _REBUILDABLE.get(name)
+    text = f"{stage} failed on rank {rank}: {name}: {message}"
+    if cls is not None and issubclass(cls, Exception):
+        return cls(text)
+    return RuntimeError(text)
