@@ -43,6 +43,9 @@ class LoadReport:
     #: non-persistent buffers nothing re-created after the load: after ``to_empty`` they hold garbage until
     #: the caller sets them (``finalize.recreate_buffers`` recomputes those of transformers models)
     unfilled_buffers: tuple[str, ...] = field(default=(), compare=False)
+    #: model tensors no checkpoint holds by design, left as they are: those a ``state_dict_adapter`` does not
+    #: map (torchtitan's ``expert_bias``) and those matching ``ignore_missing``
+    ignored_missing_keys: tuple[str, ...] = field(default=(), compare=False)
 
     def summary(self) -> str:
         rate = self.bytes_read / self.seconds / 1e9 if self.seconds > 0 else 0.0
@@ -53,6 +56,9 @@ class LoadReport:
             f"in {self.seconds:.3f} s ({rate:.2f} GB/s); {self.region_targets} region targets, "
             f"{len(self.deferred_targets)} deferred"
         )
+        if self.ignored_missing_keys:
+            shown = ", ".join(self.ignored_missing_keys[:3]) + (", ..." if len(self.ignored_missing_keys) > 3 else "")
+            text += f"; {len(self.ignored_missing_keys)} not in any checkpoint, left as they are ({shown})"
         if self.retied_keys:
             text += f"; re-tied {len(self.retied_keys)} ({', '.join(self.retied_keys[:3])})"
         if self.unfilled_buffers:

@@ -6,6 +6,7 @@ dequantization fallbacks, runs the strict check and builds the ``LoadPlan`` and 
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
@@ -13,6 +14,7 @@ from hp_fastload.convert.detect import detect_in_index
 from hp_fastload.convert.groups import build_groups
 from hp_fastload.errors import MissingKeysError
 from hp_fastload.model.targets import Target
+from hp_fastload.planning.adapter import plan_adapter
 from hp_fastload.planning.claims import Claims
 from hp_fastload.planning.context import LoadContext, PendingGroup
 from hp_fastload.planning.intersect import region_items
@@ -54,6 +56,8 @@ def plan_load(
     map_key: Callable[[str], str | None] | None = None,
     loader: str = "dcp",
     replacement: Replacement | None = None,
+    adapter: Any = None,
+    ignore_missing: Sequence[str] = (),
 ) -> tuple[LoadPlan, LoadContext]:
     """Plan one rank's load: the plain ``LoadPlan`` and the ``LoadContext`` that executes it. Raises (before
     any byte is read) on strict misses and bad targets.
@@ -62,6 +66,11 @@ def plan_load(
     ``replacement_of(model)``) adds the replacement modules' second stage. The cyclic garbage collector is
     paused: planning a 100k-tensor checkpoint allocates a few hundred thousand small objects, which would
     trigger several full collections of everything the process holds (a model, torch's modules) for nothing.
+
+    ``adapter`` (a state-dict adapter, ``convert.adapter``) replaces the rules: the model tensors are what its
+    ``from_hf`` and the model's load hooks trace to (``planning.adapter``); the tensors it does not map are
+    not missing. ``ignore_missing`` (regexes searched in model names) names more tensors no checkpoint holds.
+    Both kinds are listed in ``LoadReport.ignored_missing_keys``.
     """
     if replacement is None:
         replacement = replacement_of(model)
@@ -70,7 +79,13 @@ def plan_load(
     quant = detect_in_index(index)
     claims = Claims(index, targets, quant)
     used_replacements: list[Any] = []
-    if replacement is not None and replacement.rules and replacement.source_shapes:
+    ignored: list[str] = []
+    if adapter is not None:
+        decided = plan_adapter(model, index, targets, adapter, claims, keys)
+        claims.unexpected.extend(decided.unexpected)
+        ignored.extend(decided.unmapped)
+        rules = []
+    elif replacement is not None and replacement.rules and replacement.source_shapes:
         base_rules = [r for r in rules if not any(r is x for x in replacement.rules)]
         view = SourceModelView(model, dict(replacement.source_shapes))
         groups, unexpected = build_groups(keys, view.shapes, base_rules, base_model_prefix=prefix, map_key=map_key)
@@ -125,7 +140,11 @@ def plan_load(
             if target is not None:
                 pending.claims[name] = target
             claims.add_deferred(pending)
-    missing = sorted(set(targets) - claims.loaded, key=natural_sort_key)
+    if ignore_missing:
+        patterns = [re.compile(p) for p in ignore_missing]
+        ignored.extend(n for n in set(targets) - claims.loaded if any(p.search(n) for p in patterns))
+    ignored_set = set(ignored) - claims.loaded
+    missing = sorted(set(targets) - claims.loaded - ignored_set, key=natural_sort_key)
     unexpected_names = set(claims.unexpected)  # (sorted once, from a set)
     if quant:
         quant.check_missing(missing, claims.unexpected)
@@ -141,6 +160,7 @@ def plan_load(
         region_targets=len(claims.region_reads),
         deferred_targets=tuple(n for d in claims.deferred for n in d.claims),
         loader=loader,
+        ignored_missing_keys=tuple(sorted(ignored_set, key=natural_sort_key)),
     )
     used = [r for r in rules if getattr(r, "was_used", lambda: False)()]
     specs = quant.dequantized  # built for the keys this rank reads (QuantInfo.read), not every claimed one

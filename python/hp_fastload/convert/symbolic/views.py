@@ -242,3 +242,6 @@ register(
     ],
     _h_view_op,
 )
+
+
+register([torch.Tensor.__getitem__], _h_getitem)
