@@ -144,3 +144,22 @@ def loaded_regions(model: nn.Module, adapter: StateDictAdapter, leaves: Mapping[
     the model's ``load_state_dict`` pre-hooks."""
     state = dict(private_copy(adapter).from_hf(dict(leaves)))
     return run_load_hooks(model, state)
+
+
+def hook_renamed(model: nn.Module, tensors: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> list[str]:
+    """Model tensors that the model's own ``state_dict`` post-hooks present under other names or layouts
+    (torchtitan's fused ``wqkv``, shown as ``wq`` / ``wk`` / ``wv``): a checkpoint holds the hooks' view, and only
+    the hooks (through a ``state_dict_adapter``) know how it maps to the tensor. Empty when no module has such a
+    hook (nothing is traced then)."""
+    if not any(_own_hook(h) for _, m in canonical_modules(model) for h in m._state_dict_hooks.values()):
+        return []
+    state: dict[str, Any] = {name: RegionTensor.leaf(name, shape, dtype) for name, (shape, dtype) in tensors.items()}
+    try:
+        view = run_save_hooks(model, dict(state))
+    except Exception:  # a hook that cannot run on traced tensors: no claim about its names
+        return []
+    return [
+        name
+        for name, leaf in state.items()
+        if not (isinstance(view.get(name), RegionTensor) and view[name].blocks == leaf.blocks)
+    ]

@@ -12,7 +12,8 @@ from typing import Any
 
 from hp_fastload.convert.detect import detect_in_index
 from hp_fastload.convert.groups import build_groups
-from hp_fastload.errors import MissingKeysError
+from hp_fastload.convert.adapter import hook_renamed
+from hp_fastload.errors import MissingKeysError, PlanError
 from hp_fastload.model.targets import Target
 from hp_fastload.planning.adapter import plan_adapter
 from hp_fastload.planning.claims import Claims
@@ -42,6 +43,20 @@ def _missing_keys_error(missing: Sequence[str], unexpected: Sequence[str]) -> Mi
             "need a weights_mapping / key_mapping?"
         )
     return MissingKeysError(text, missing, unexpected)
+
+
+def _refuse_hooked(model: Any, targets: dict[str, Target], loaded: Collection[str]) -> None:
+    """Rules writing straight into a tensor whose checkpoint layout the model's own hooks define would bypass
+    them (a plain concatenation into torchtitan's per-KV-group fused ``wqkv`` loads wrong values silently)."""
+    hooked = hook_renamed(model, {n: (tuple(t.global_shape), t.dtype) for n, t in targets.items()})
+    bad = [n for n in hooked if n in loaded]
+    if bad:
+        raise PlanError(
+            f"{len(bad)} model tensors have their checkpoint layout defined by the model's own state_dict / "
+            f"load_state_dict hooks (first: {', '.join(bad[:3])}), which a weights_mapping load bypasses: pass "
+            "state_dict_adapter= (torchtitan's StateDictAdapter, e.g. Llama3StateDictAdapter(model_config, None)), "
+            "which applies the hooks as torchtitan does"
+        )
 
 
 def plan_load(
@@ -140,6 +155,8 @@ def plan_load(
             if target is not None:
                 pending.claims[name] = target
             claims.add_deferred(pending)
+    if adapter is None:
+        _refuse_hooked(model, targets, claims.loaded)
     if ignore_missing:
         patterns = [re.compile(p) for p in ignore_missing]
         ignored.extend(n for n in set(targets) - claims.loaded if any(p.search(n) for p in patterns))
