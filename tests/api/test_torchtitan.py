@@ -11,23 +11,28 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import os
+
 import pytest
 import torch
 
 pytest.importorskip("torchtitan")
 
-from tests.helpers import titan  # noqa: E402
-from tests.helpers.dist import run_distributed, run_subchecks, subcheck_values  # noqa: E402
+from tests.helpers import titan
+from tests.helpers.dist import run_distributed, run_subchecks, subcheck_values
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
 WORLD = 2
 
 
-def _compare(name: str, layout: str, root: str) -> dict[str, Any]:
+ROOT_ENV = "HP_FASTLOAD_TEST_TITAN_ROOT"  # the checkpoints' directory, inherited by the spawned ranks
+
+
+def _compare(name: str, layout: str) -> dict[str, Any]:
     import hp_fastload as hf
 
-    path = Path(root) / name
+    path = Path(os.environ[ROOT_ENV]) / name
     theirs, cfg = titan.parallel_model(name, layout, WORLD)
     titan.torchtitan_load(theirs, titan.adapter(name, cfg), path)
     ours, cfg = titan.parallel_model(name, layout, WORLD)
@@ -41,28 +46,28 @@ def _compare(name: str, layout: str, root: str) -> dict[str, Any]:
     }
 
 
-def check_llama3_fsdp(rank: int, world: int, root: str) -> Any:
-    return _compare("llama3", "fsdp", root)
+def check_llama3_fsdp(rank: int, world: int) -> Any:
+    return _compare("llama3", "fsdp")
 
 
-def check_llama3_tp(rank: int, world: int, root: str) -> Any:
-    return _compare("llama3", "tp", root)
+def check_llama3_tp(rank: int, world: int) -> Any:
+    return _compare("llama3", "tp")
 
 
-def check_llama3_fsdp_ac(rank: int, world: int, root: str) -> Any:
-    return _compare("llama3", "fsdp_ac", root)
+def check_llama3_fsdp_ac(rank: int, world: int) -> Any:
+    return _compare("llama3", "fsdp_ac")
 
 
-def check_qwen3_fsdp(rank: int, world: int, root: str) -> Any:
-    return _compare("qwen3", "fsdp", root)
+def check_qwen3_fsdp(rank: int, world: int) -> Any:
+    return _compare("qwen3", "fsdp")
 
 
-def check_qwen3_moe_fsdp(rank: int, world: int, root: str) -> Any:
-    return _compare("qwen3_moe", "fsdp", root)
+def check_qwen3_moe_fsdp(rank: int, world: int) -> Any:
+    return _compare("qwen3_moe", "fsdp")
 
 
-def check_deepseek_v3_fsdp(rank: int, world: int, root: str) -> Any:
-    return _compare("deepseek_v3", "fsdp", root)
+def check_deepseek_v3_fsdp(rank: int, world: int) -> Any:
+    return _compare("deepseek_v3", "fsdp")
 
 
 CHECKS = [
@@ -85,12 +90,16 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def outcomes(root: Path) -> Any:
-    return run_distributed(run_subchecks, WORLD, checks=CHECKS, root=str(root), timeout=500)
+    os.environ[ROOT_ENV] = str(root)
+    try:
+        return run_distributed(run_subchecks, WORLD, checks=CHECKS, timeout=500)
+    finally:
+        os.environ.pop(ROOT_ENV, None)
 
 
 @pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__.removeprefix("check_"))
 def test_bit_equal_to_torchtitans_own_load(outcomes: Any, check: Any) -> None:
-    for value in subcheck_values(outcomes, check):
+    for value in subcheck_values(outcomes, check.__name__):
         assert value["differ"] == []
         assert value["keys"][0] and value["keys"][1] > 0
         theirs, ours = value["loss"]
@@ -101,7 +110,7 @@ def test_bit_equal_to_torchtitans_own_load(outcomes: Any, check: Any) -> None:
 
 
 def test_moe_expert_bias_is_not_missing(outcomes: Any) -> None:
-    (value, _) = subcheck_values(outcomes, check_qwen3_moe_fsdp)
+    (value, _) = subcheck_values(outcomes, check_qwen3_moe_fsdp.__name__)
     ignored = value["report"].ignored_missing_keys
     assert ignored and all(k.endswith("moe.expert_bias_E") for k in ignored)
 
@@ -121,18 +130,19 @@ def test_concatenate_into_fused_wqkv_raises(root: Path) -> None:
     """The old README recipe (Concatenate(0) of q/k/v into torchtitan's per-KV-group fused wqkv) loaded wrong
     values without an error; the fused layout is the model's hooks', so a rules load into it raises."""
     import hp_fastload as hf
+    from hp_fastload import errors, rules
 
     model, _ = _model("llama3")
-    with pytest.raises(hf.errors.PlanError, match="state_dict_adapter="):
+    with pytest.raises(errors.PlanError, match="state_dict_adapter="):
         hf.load(
             model,
             root / "llama3",
             key_mapping={r"^model\.": "", r"\.self_attn\.": ".attention.qkv_linear."},
             weights_mapping=[
-                hf.rules.WeightConverter(
+                rules.WeightConverter(
                     [f"attention.qkv_linear.{p}_proj.weight" for p in "qkv"],
                     "attention.qkv_linear.wqkv.weight",
-                    [hf.rules.Concatenate(0)],
+                    [rules.Concatenate(0)],
                 )
             ],
             strict=False,
@@ -154,7 +164,7 @@ def test_permute_for_rope_uses_kv_heads_for_keys(root: Path) -> None:
 
     from hp_fastload import rules
 
-    model, cfg = _model("llama3")
+    _, cfg = _model("llama3")
     adapter = titan.adapter("llama3", cfg)
     hf_state = load_file(str(root / "llama3" / "model.safetensors"))
     theirs = adapter.from_hf(dict(hf_state))

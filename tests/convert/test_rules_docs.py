@@ -40,7 +40,9 @@ def test_rules_md_example(tmp_path: Path) -> None:
     from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
 
     g = torch.Generator().manual_seed(0)
-    ckpt = {f"model.experts.{e}.{p}_proj.weight": torch.randn(3, 8, generator=g) for e in range(4) for p in ("gate", "up")}
+    ckpt = {
+        f"model.experts.{e}.{p}_proj.weight": torch.randn(3, 8, generator=g) for e in range(4) for p in ("gate", "up")
+    }
     ckpt["model.attn.q_proj.weight"] = torch.randn(32, 8, generator=g)
     ckpt["model.attn.k_proj.weight"] = torch.randn(8, 8, generator=g)
     save_file(ckpt, str(tmp_path / "model.safetensors"))
@@ -55,9 +57,7 @@ def test_rules_md_example(tmp_path: Path) -> None:
                 "experts.gate_up",
                 [rules.MergeModulelist(0), rules.Concatenate(1)],
             ),
-            rules.WeightConverter(
-                "attn.q_proj.weight", "attn.q.weight", [rules.PermuteForRope(num_heads=8)]
-            ),
+            rules.WeightConverter("attn.q_proj.weight", "attn.q.weight", [rules.PermuteForRope(num_heads=8)]),
             rules.WeightConverter(  # k_proj: the KV head count
                 "attn.k_proj.weight", "attn.k.weight", [rules.PermuteForRope(num_heads=8, num_kv_heads=2)]
             ),

@@ -29,9 +29,7 @@ def config(name: str, *, layers: int = 2, dim: int = 64, scale: int = 1) -> Any:
         return llama3.Llama3Model.Config(
             dim=dim,
             vocab_size=vocab,
-            tok_embeddings=Embedding.Config(
-                num_embeddings=vocab, embedding_dim=dim, param_init=llama3._EMBEDDING_INIT
-            ),
+            tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=llama3._EMBEDDING_INIT),
             norm=RMSNorm.Config(normalized_shape=dim, param_init=llama3._NORM_INIT),
             lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=llama3._output_linear_init(dim)),
             layers=llama3._build_llama3_layers(
@@ -243,7 +241,9 @@ def loss(model: nn.Module, vocab: int, seed: int = 3) -> float:
         logits = model(inputs, positions=positions, attention_masks=masks)
     if hasattr(logits, "full_tensor"):
         logits = logits.full_tensor()
-    return float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1)))
+    return float(
+        torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))
+    )
 
 
 def local_state(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -1,5 +1,6 @@
 """Conversion ops (transformers v5's ``ConversionOp`` family): stack and unstack of module lists, concatenate, chunk,
-split, transpose, RoPE permutes (with explicit head counts), interleave, the per-KV-group fused q/k/v. Each runs on real tensors and on symbolic ones alike.
+split, transpose, RoPE permutes (with explicit head counts), interleave, the per-KV-group fused q/k/v. Each runs on
+real tensors and on symbolic ones alike.
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ def _regions(values: dict[str, Any], what: str) -> dict[str, RegionTensor]:
             f"{', '.join(map(shown_key, bad[:5]))} (type {type(values[bad[0]]).__name__}): an op that reads values "
             "cannot be planned as region reads; load through torchtitan's own path (dcp_load) instead"
         )
-    return values  # type: ignore[return-value]
+    return values
 
 
 def released(model: Any, adapter: StateDictAdapter, targets: dict[str, Target]) -> dict[str, RegionTensor]:

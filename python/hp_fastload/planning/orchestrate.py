@@ -10,9 +10,9 @@ import re
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
+from hp_fastload.convert.adapter import hook_renamed
 from hp_fastload.convert.detect import detect_in_index
 from hp_fastload.convert.groups import build_groups
-from hp_fastload.convert.adapter import hook_renamed
 from hp_fastload.errors import MissingKeysError, PlanError
 from hp_fastload.model.targets import Target
 from hp_fastload.planning.adapter import plan_adapter
