@@ -8,7 +8,7 @@ PIP := $(VENV)/bin/pip
 DEPS := $(VENV)/.deps-installed
 PYTEST_ARGS ?=
 
-.PHONY: help venv build demo test test-slow test-rust test-python lint lint-rust lint-python format bench bench-compare clean
+.PHONY: help venv build demo test test-slow test-rust test-python lint lint-rust lint-python format bench bench-compare bench-scale clean
 
 help:
 	@echo "make demo          a generated Mixtral into 2 gloo ranks (FSDP2 + TP): shards, buffers, one training step"
@@ -16,6 +16,7 @@ help:
 	@echo "make test-slow     the benchmark scripts' smoke runs (CI runs them after make test)"
 	@echo "make bench         criterion + pytest-benchmark"
 	@echo "make bench-compare hp_fastload against the peers, one table"
+	@echo "make bench-scale   DeepSeek-V3, Kimi-K2, Qwen3-235B, Llama-3.1-405B, gpt-oss-120b: sparse releases, ranks rehearsed"
 
 $(DEPS): constraints.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -50,8 +51,7 @@ lint-rust:
 	$(PYTHON) tools/rust_module_deps.py --self-test
 	$(PYTHON) tools/rust_module_deps.py
 	cargo fmt --all -- --check
-	cargo clippy --release --all-targets -q -- -D warnings
-	cargo clippy --release --all-targets --features python -q -- -D warnings
+	cargo clippy --release --all-targets --all-features -q -- -D warnings
 
 lint-python: $(DEPS)
 	$(PY) tools/check_imports.py --self-test
@@ -72,6 +72,9 @@ bench: build
 
 bench-compare: build
 	$(PY) benches/compare.py
+
+bench-scale: build
+	$(PY) benches/scale.py
 
 clean:
 	cargo clean

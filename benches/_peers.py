@@ -116,7 +116,7 @@ def evict(paths: list[str]) -> int:
     import sys
 
     if "hp_fastload" in sys.modules:
-        sys.modules["hp_fastload"].engine.clear_cache()
+        sys.modules["hp_fastload"].clear_cache()
     left = 0
     for attempt in range(3):
         left = 0
@@ -708,9 +708,9 @@ def load_runai(ckpt: str, dests: Destinations, ctx: dict[str, Any]) -> dict[str,
 
 def load_hp_read_many(ckpt: str, dests: Destinations, ctx: dict[str, Any]) -> dict[str, Any]:
     import hp_fastload
-    from hp_fastload import engine
+    from hp_fastload.source import files as engine
 
-    engine._cache.clear()  # parse headers inside the timed region, like every other loader
+    engine.clear_cache()  # parse headers inside the timed region, like every other loader
     stats = hp_fastload.read_many([(b.file, b.key, b.offsets, b.lengths, b.dest) for b in dests.boxes])
     return {k: v for k, v in stats.items() if isinstance(v, int | str)}
 
@@ -718,9 +718,9 @@ def load_hp_read_many(ckpt: str, dests: Destinations, ctx: dict[str, Any]) -> di
 def _hp_load(loader: str) -> Callable[[str, Destinations, dict[str, Any]], dict[str, Any]]:
     def run(ckpt: str, dests: Destinations, ctx: dict[str, Any]) -> dict[str, Any]:
         import hp_fastload
-        from hp_fastload import engine
+        from hp_fastload.source import files as engine
 
-        engine._cache.clear()
+        engine.clear_cache()
         report = hp_fastload.load(ctx["model"], ckpt, loader=loader, strict=True, progress=False)
         return {"hp_bytes_read": report.bytes_read, "hp_bytes_needed": report.bytes_needed}
 
@@ -904,9 +904,9 @@ def _e2e_body(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         t0 = time.perf_counter()
         if loader in ("hp_dcp", "hp_legacy"):
             import hp_fastload
-            from hp_fastload import engine
+            from hp_fastload.source import files as engine
 
-            engine._cache.clear()
+            engine.clear_cache()
             hp_fastload.load(model, ckpt, loader=loader.split("_")[1], strict=True, progress=False)
         elif loader.startswith("torch_dcp"):
             import torch.distributed.checkpoint as dcp
@@ -1114,12 +1114,12 @@ def run_plan(cfg: dict[str, Any]) -> dict[str, Any]:
 
     ckpt, world, rank = cfg["ckpt"], cfg["world"], cfg["rank"]
     model = expert_parallel_model(ckpt, world, rank)
-    from hp_fastload import engine
+    from hp_fastload.source import files as engine
 
     times = []
     plan = None
     for _ in range(cfg["repeats"]):
-        engine._cache.clear()
+        engine.clear_cache()
         t = time.perf_counter()
         plan = hp_fastload.plan(model, ckpt, mesh_override=virtual_rank(rank))
         times.append(time.perf_counter() - t)

@@ -1,4 +1,4 @@
-"""Time quantization detection (``hp_fastload.quant``), GC paused as planning does.
+"""Time quantization detection (``hp_fastload.convert.detect``), GC paused as planning does.
 
 Usage:
   ``python benches/detect_bench.py CHECKPOINT [CALLS]``: ``detect_in_index`` on the checkpoint's index, CALLS
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from hp_fastload import quant
+from hp_fastload.convert import detect as quant
 from hp_fastload.source.index import CheckpointIndex
 
 

@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _peers
 import hp_fastload
-from hp_fastload import engine
 from hp_fastload.model.regions import virtual_rank
+from hp_fastload.source import files as engine
 
 
 def main() -> None:
@@ -48,8 +48,9 @@ def main() -> None:
 
 def phases(model: Any, checkpoint: str, rank: int) -> None:
     """Median seconds per phase: each planner function wrapped by a timer for the runs, then restored."""
-    from hp_fastload import checkpointer, index
+    from hp_fastload.api import load as load_module
     from hp_fastload.planning import claims, orchestrate, trace
+    from hp_fastload.source import index
 
     spent: dict[str, float] = {}
 
@@ -69,7 +70,7 @@ def phases(model: Any, checkpoint: str, rank: int) -> None:
 
     restore: list[tuple[Any, str, Any]] = []
     timed(index.CheckpointIndex, "open", "index open", classmethod)
-    timed(checkpointer, "build_targets", "targets")
+    timed(load_module, "build_targets", "targets")
     timed(orchestrate, "detect_in_index", "quantization detection")
     timed(orchestrate, "build_groups", "build_groups")
     timed(trace.Tracer, "run", "Tracer.run")

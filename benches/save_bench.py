@@ -1,7 +1,7 @@
 """Export benchmark: ``hp_fastload.save`` against its peers on 2 gloo ranks, same run, same models.
 
     python benches/save_bench.py                 # dense ~1.5 GB bf16 Llama + ~0.75 GB Mixtral, FSDP2 (~5 min)
-    python benches/save_bench.py --quick         # tiny models (tests/benches/test_bench_scripts.py); exit 1 on any error
+    python benches/save_bench.py --quick         # tiny models (tests/benches/test_bench_scripts.py); exit 1 on error
 
 Each (model, method) runs in a fresh 2-rank spawn: the model is built on meta, laid out with FSDP2 (every
 decoder layer and the root), materialized and filled with seeded values; then, between barriers, one method

@@ -1,5 +1,5 @@
-"""What key templates save in ``build_groups``: the template path (``hp_fastload.templates``) against the per-key
-path (``build_groups(..., templates=False)``), timed in the same process, interleaved, on the key lists of
+"""What key templates save in ``build_groups``: the template path (``hp_fastload.convert.templates``) against
+the per-key path (``build_groups(..., templates=False)``), timed in the same process, interleaved, on the key lists of
 ``compare.py``'s MoE and DeepSeek-V3 layouts (no files), and, with ``--checkpoint DIR``, the whole
 ``hp_fastload.plan`` of a fake-world expert-parallel rank through each path (``--world``, ``--rank``;
 ``--plan-only`` skips the key-list timings). CPU times (``time.process_time``); the key-list timings pause the
@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import compare
 
-groups_mod = importlib.import_module("hp_fastload.groups")
+groups_mod = importlib.import_module("hp_fastload.convert.groups")
 plan_mod = importlib.import_module("hp_fastload.planning.orchestrate")  # where plan_load calls build_groups
 PATHS: dict[str, Callable[..., Any]] = {
     "templates": groups_mod.build_groups,
@@ -42,7 +42,7 @@ def _summary(out: tuple[list[Any], list[str]]) -> tuple[Any, ...]:
     )
 
 
-def _meta_model(config: dict[str, Any]) -> Any:
+def meta_model(config: dict[str, Any]) -> Any:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -66,7 +66,7 @@ def bench_groups(name: str, config: dict[str, Any], keys: list[str], reps: int) 
     from hp_fastload import rules as rules_mod
     from hp_fastload.source.natural import natural_sorted
 
-    model = _meta_model(config)
+    model = meta_model(config)
     targets = dict.fromkeys(model.state_dict())
     rules = rules_mod.resolve_mapping(model, None)
     keys = natural_sorted(keys)
@@ -91,8 +91,8 @@ def bench_plan(checkpoint: str, world: int, rank: int, reps: int) -> None:
     """The whole ``hp_fastload.plan`` of a fake-world EP rank through each path."""
     import _peers
     import hp_fastload
-    from hp_fastload import engine
     from hp_fastload.model.regions import virtual_rank
+    from hp_fastload.source import files as engine
 
     model = _peers.expert_parallel_model(checkpoint, world, rank)
     original = plan_mod.build_groups
@@ -101,7 +101,7 @@ def bench_plan(checkpoint: str, world: int, rank: int, reps: int) -> None:
         for _ in range(reps + 1):
             for n, f in PATHS.items():
                 plan_mod.build_groups = f
-                engine._cache.clear()
+                engine.clear_cache()
                 start = time.process_time()
                 hp_fastload.plan(model, checkpoint, mesh_override=virtual_rank(rank))
                 times[n].append(time.process_time() - start)

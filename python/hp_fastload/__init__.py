@@ -12,6 +12,7 @@ from hp_fastload.api.checkpointer import HuggingFaceCheckpointer
 from hp_fastload.api.load import HF_LOADER_ENV, load, plan, resolve_hf_loader
 from hp_fastload.api.pretrained import from_pretrained
 from hp_fastload.api.read import read_into, read_many
+from hp_fastload.api.rehearse import Rehearsal, as_rank, plan_each, rehearse
 from hp_fastload.api.save import SaveReport, save
 from hp_fastload.convert.quant import QuantizationError
 from hp_fastload.errors import (
@@ -42,16 +43,20 @@ __all__ = [
     "PlanError",
     "QuantizationError",
     "ReadError",
+    "Rehearsal",
     "Replacement",
     "SafetensorsFile",
     "SaveReport",
     "TargetError",
+    "as_rank",
     "clear_cache",
     "from_pretrained",
     "load",
     "plan",
+    "plan_each",
     "read_into",
     "read_many",
+    "rehearse",
     "resolve_hf_loader",
     "save",
 ]

@@ -163,7 +163,7 @@ def test_write_failure_leaves_nothing(tmp_path: Path, monkeypatch: pytest.Monkey
         real(batch, threads, stats)  # the bytes reach the temporary files first
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(save_mod, "_write_batch", failing)
+    monkeypatch.setattr(write_mod, "write_batch", failing)
     out = tmp_path / "out"
     with pytest.raises(OSError, match="No space left"):
         hf.save(tiny_model("mixtral"), out)
@@ -179,7 +179,7 @@ def test_failure_keeps_the_existing_directory(tmp_path: Path, monkeypatch: pytes
     def failing(*args: Any) -> None:
         raise OSError(5, "Input/output error")
 
-    monkeypatch.setattr(save_mod, "_write_batch", failing)
+    monkeypatch.setattr(write_mod, "write_batch", failing)
     with pytest.raises(OSError, match="Input/output"):
         hf.save(tiny_model("llama"), out, overwrite=True)
     assert _files(out) == {"keep.txt": b"mine"}
@@ -265,7 +265,7 @@ def test_staged_writes_equal_direct_ones(tmp_path: Path, monkeypatch: pytest.Mon
         calls.append(1)
         real(*args, **kwargs, staging_bytes=staging_bytes, stage_all=True)
 
-    monkeypatch.setattr(save_mod, "_write_regions", functools.wraps(real)(staged))
+    monkeypatch.setattr(save_mod, "write_regions", functools.wraps(real)(staged))
     model = tiny_model("mixtral")
     model.save_pretrained(tmp_path / "ref", max_shard_size=SHARD)
     hf.save(model, tmp_path / "out", max_shard_size=SHARD)

@@ -303,7 +303,7 @@ def test_new_directory_is_durable_before_the_old_one_is_deleted(
 
     if not exchange:
         monkeypatch.setattr(save_mod, "_exchange", lambda a, b: False)
-    monkeypatch.setattr(save_mod, "_fsync_dir", fsync_dir)
+    monkeypatch.setattr(save_mod, "fsync_dir", fsync_dir)
     monkeypatch.setattr(save_mod.shutil, "rmtree", rmtree)
     hf.save(tiny_model("llama"), out, overwrite=True)
     monkeypatch.undo()

@@ -1,4 +1,4 @@
-"""Load groups built once per key template (``hp_fastload.templates``) equal the per-key path's, group for group
+"""Load groups built once per key template (``hp_fastload.convert.templates``) equal the per-key path's, group for group
 and key for key: on every family's real ``save_pretrained`` checkpoint keys and transformers' own mapping, on
 big generated expert layouts, and on rules built to trip a template rename (digit literals, one-character
 wildcards next to numbers, a matched text that occurs earlier in the key, renames that cut numbers)."""
@@ -223,7 +223,7 @@ def test_random_layouts_group_alike():
 def test_plan_uses_templates_and_matches(tmp_path):
     """The whole plan (every item) is the same through both paths."""
     import hp_fastload
-    from hp_fastload import groups
+    from hp_fastload.convert import groups
 
     fresh, _ = _checkpoint_keys(tmp_path, "qwen3_moe")
     plan = hp_fastload.plan(fresh, tmp_path / "qwen3_moe")

@@ -106,8 +106,8 @@ def test_batch_packs_the_records_read_many_packs(tmp_path: Path) -> None:
 def test_read_many_runs_through_the_shared_batch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``read_many`` validates its requests itself and then makes its engine call through ``Batch`` (the one
     batch every caller shares): one ``Batch.execute`` per call, the values safetensors' own."""
-    from hp_fastload import batch as batch_module
     from hp_fastload import read_many
+    from hp_fastload.execute import batch as batch_module
 
     path = tmp_path / "m.safetensors"
     tensors = {"a": torch.randn(6, 8), "b": torch.randn(4, 5).to(torch.bfloat16)}

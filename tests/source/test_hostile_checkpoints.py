@@ -204,8 +204,8 @@ def fifo_outcomes(tmp_path_factory) -> dict[str, list[str]]:
         import hp_fastload as hf
         from hp_fastload.cli import main
         from hp_fastload.dcp import HuggingFaceStorageReader
-        from hp_fastload.engine import open_file
-        from hp_fastload.index import CheckpointIndex
+        from hp_fastload.source.files import open_file
+        from hp_fastload.source.index import CheckpointIndex
         from tests.helpers.checkpoints import load_file_tensors
         cases = {{
             "load_index": lambda: load_file_tensors({str(by_index)!r}),
@@ -368,7 +368,7 @@ def test_more_shards_than_the_open_file_limit(tmp_path):
         import resource, torch
         from torch import nn
         import hp_fastload as hf
-        from hp_fastload.index import CheckpointIndex
+        from hp_fastload.source.index import CheckpointIndex
         resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))
         index = CheckpointIndex.open({str(tmp_path)!r})
         assert len(index) == {shards}
@@ -471,7 +471,7 @@ def test_a_shard_named_with_a_unicode_digit_is_indexed(tmp_path):
     got = load_file_tensors(tmp_path)
     assert all(torch.equal(got[k], v) for k, v in tiny_tensors(1).items())
     # a number longer than int() converts (4300 digits) sorts after the others instead of raising
-    from hp_fastload.convert.rules import dot_natural_key, natural_sort_key
+    from hp_fastload.rules import dot_natural_key, natural_sort_key
 
     names = ["layers." + "9" * 5000 + ".w", "layers.10.w", "layers.\u00b2.w", "layers.2.w"]
     for key in (dot_natural_key, natural_sort_key):

@@ -9,6 +9,7 @@ the one summary log line. Planning lives in ``plan``, reading in ``execute``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import re
@@ -23,12 +24,15 @@ from torch import nn
 
 from hp_fastload import errors
 from hp_fastload.convert.adapter import check_adapter
+from hp_fastload.api.jobload import JobStats, agree_job_plan, resolve_share, run_job
 from hp_fastload.convert.rules import resolve_mapping
 from hp_fastload.dist.agree import agree, resolve_location_each
 from hp_fastload.dist.identity import agree_checkpoint
-from hp_fastload.execute.read import execute_plan
+from hp_fastload.errors import HeaderError
+from hp_fastload.execute.read import ExecStats, execute_plan
 from hp_fastload.execute.threads import threads_per_rank
 from hp_fastload.model.finalize import non_persistent_buffers, recreate_buffers, retie
+from hp_fastload.model.regions import virtual_rank
 from hp_fastload.model.targets import build_targets
 from hp_fastload.model.wrappers import unwrapped
 from hp_fastload.planning.context import LoadContext
@@ -42,6 +46,9 @@ from hp_fastload.source.location import resolve_checkpoint_location
 
 HF_LOADER_ENV = "HYPER_PARALLEL_HF_LOADER"
 
+# The loaders of the hyper-parallel seed, under the seed's names: "legacy" reads whole tensors and converts them
+# with torch; "dcp" is the region loader (conversions compiled into checkpoint coordinates, each rank reading only
+# its regions). Despite its name it is not torch DCP, which hp_fastload.dcp plugs into as a storage reader.
 LOADERS = ("legacy", "dcp")
 
 DEFAULT_LOADER = "dcp"
@@ -92,12 +99,19 @@ def plan(
     replacement: Replacement | None = None,
     state_dict_adapter: Any = None,
     ignore_missing: Iterable[str] = (),
+    rank: int | None = None,
 ) -> LoadPlan:
     """Dry run: what this rank (or a virtual rank, see ``targets.build_targets``'s ``mesh_override``) reads.
 
     Reads headers only. ``LoadPlan.read_bytes_by_file()`` / ``read_bytes_by_target()`` / ``summary()``.
     The arguments are ``load``'s. The plan is plain data (picklable, comparable); its live side is dropped.
+
+    ``rank=r`` plans global rank ``r`` of the model's meshes (:func:`as_rank`): one process that laid the model
+    out for the whole job (torch's ``fake`` process group of the job's size) plans any rank. A model with
+    tensors on the meta device is planned as this process's own rank (nothing is written, so nothing needs
+    to be materialized).
     """
+    mesh_override = _rank_override(model, mesh_override, rank)
     plan_only, _ = plan_at(
         unwrapped(model),
         resolve_checkpoint_location(path, revision=revision),
@@ -113,6 +127,35 @@ def plan(
         ignore_missing=ignore_missing,
     )
     return plan_only
+
+
+def as_rank(rank: int) -> Any:
+    """A ``mesh_override`` that plans (or rehearses) global rank ``rank`` of the model's meshes: every DTensor's
+    coordinate is the one ``rank`` holds in the world the model was laid out for (a real process group, or
+    torch's ``fake`` one of the job's size). ``hp_fastload.plan(model, path, rank=r)`` is the short form."""
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise ValueError(f"rank must be a non-negative int, got {rank!r}")
+    return virtual_rank(rank)
+
+
+def _rank_override(model: nn.Module, mesh_override: Any, rank: int | None) -> Any:
+    """``plan``'s ``mesh_override``: the given one, else ``as_rank(rank)``, else (a model with meta tensors)
+    ``as_rank`` of this process's rank."""
+    if rank is not None:
+        if mesh_override is not None:
+            raise ValueError("plan: pass rank or mesh_override, not both")
+        return as_rank(rank)
+    if mesh_override is None and _has_meta(model):
+        return as_rank(torch.distributed.get_rank() if dist_active() else 0)
+    return mesh_override
+
+
+def _has_meta(model: nn.Module) -> bool:
+    for tensor in (*model.parameters(), *model.buffers()):
+        local = getattr(tensor, "_local_tensor", tensor)
+        if local.device.type == "meta":
+            return True
+    return False
 
 
 def plan_at(
@@ -194,7 +237,10 @@ def _config_mismatch(model: nn.Module, location: Path) -> str:
     config = getattr(model, "config", None)
     if config is None:
         return ""
-    saved = read_config_json(location if location.is_dir() else location.parent)
+    try:
+        saved = read_config_json(location if location.is_dir() else location.parent)
+    except HeaderError:  # a FIFO there only loses the hint
+        return ""
     if saved is None:
         return ""
     ours = config.to_dict() if hasattr(config, "to_dict") else vars(config)
@@ -209,7 +255,7 @@ def _config_mismatch(model: nn.Module, location: Path) -> str:
 
 
 # The cyclic GC is paused for the whole load: planning and packing a 20k-tensor MoE allocate ~10^5 small
-# objects, and each full collection walks everything the trainer holds (0.3 s of a 0.7 s load).
+# objects, and each full collection walks everything the trainer holds (docs/perf-notes.md).
 @gc_paused()
 def load(
     model: nn.Module,
@@ -230,6 +276,9 @@ def load(
     finalize: bool = True,
     state_dict_adapter: Any = None,
     ignore_missing: Iterable[str] = (),
+    share: str | None = None,
+    ranks_per_node: int | None = None,
+    share_budget_bytes: int | None = None,
 ) -> LoadReport:
     """Fill ``model``'s parameters and persistent buffers (DTensor shards or plain) from a HF checkpoint.
 
@@ -237,7 +286,10 @@ def load(
     preserved). ``strict`` raises ``MissingKeysError`` (a ``RuntimeError``) before any byte is read when model
     tensors would stay missing; unexpected checkpoint keys are only logged. ``share_replicated=True`` (region
     loader, several ranks) has one replica of each replicated DTensor read it and broadcast it to the others
-    (``share``).
+    (``dist.share``). ``share="job"`` reads every checkpoint byte once per job and sends each rank only the bytes
+    its shards need (``api.jobload``; ``ranks_per_node`` defaults to ``$LOCAL_WORLD_SIZE``,
+    ``share_budget_bytes`` bounds each rank's staging and messages per round); ``"auto"`` picks ``"job"`` or
+    ``"none"`` from the cost model; ``"none"`` (default) is every rank reading its own regions.
     ``threads`` defaults to this process's cores divided by the ranks on its node (``LOCAL_WORLD_SIZE``).
     ``replacement`` (an ``hp_fastload.Replacement``) is the second stage of a model whose modules were
     replaced after the checkpoint's layout was fixed; None takes it from the model's
@@ -264,6 +316,7 @@ def load(
         raise TypeError(f"load() needs a live nn.Module to write into, got {type(model).__name__}")
     model = unwrapped(model)  # torch.compile / DDP: the wrapped module's names and rules (same tensors)
     name = resolve_hf_loader(loader)
+    sharing = resolve_share(share, share_replicated)
     start = time.perf_counter()
     if threads is None:
         threads = threads_per_rank()
@@ -291,25 +344,57 @@ def load(
     )
     load_plan, context = planned_pair
     replicas = None
-    if share_replicated and name == "dcp" and dist_active() and torch.distributed.get_world_size() > 1:
+    multi = dist_active() and torch.distributed.get_world_size() > 1
+    if sharing == "replicated" and name == "dcp" and multi:
         from hp_fastload.dist.share import plan_replicas
 
         replicas = plan_replicas(map(context.target, load_plan.region_reads))
+    job = None
+    if sharing == "job" and state_dict_adapter is not None:
+        raise NotImplementedError("share='job' does not plan through a state_dict_adapter yet; use share='none'")
+    if sharing in ("job", "auto") and name == "dcp" and multi and state_dict_adapter is None:  # docs/job-wide.md
+        job = agree_job_plan(
+            model,
+            index,
+            load_plan,
+            sharing,
+            ranks_per_node,
+            share_budget_bytes,
+            weights_mapping=weights_mapping,
+            key_mapping=key_mapping,
+            external_target_fqns=external_target_fqns,
+            claimed_source_keys=claimed_source_keys,
+            replacement=replacement,
+            loader=name,
+        )
     total = load_plan.bytes_needed
     update, close = _progress_bar(total, progress)
     try:
-        stats = agree(
-            "Reading the pretrained checkpoint",
-            lambda: execute_plan(
+        stats: ExecStats | JobStats
+        if job is not None:
+            stats = run_job(
+                job,
+                torch.distributed.get_rank(),
                 load_plan,
                 context,
-                legacy=name == "legacy",
+                agree=agree,
                 threads=threads,
                 backend=backend,
                 progress=update,
-                skip=replicas.skip if replicas is not None else frozenset(),
-            ),
-        )
+            )
+        else:
+            stats = agree(
+                "Reading the pretrained checkpoint",
+                lambda: execute_plan(
+                    load_plan,
+                    context,
+                    legacy=name == "legacy",
+                    threads=threads,
+                    backend=backend,
+                    progress=update,
+                    skip=replicas.skip if replicas is not None else frozenset(),
+                ),
+            )
     finally:
         close()
         for file in context.index.files:  # a finished load keeps no page tables of the checkpoint mapped
@@ -326,20 +411,19 @@ def load(
     _record_used_rules(model, context)
     unfilled = recreate_buffers(model) if finalize else [name for name, _ in non_persistent_buffers(model)]
     seconds = time.perf_counter() - start
-    report = LoadReport(
-        loaded_keys=load_plan.report.loaded_keys,
-        missing_keys=load_plan.report.missing_keys,
-        unexpected_keys=load_plan.report.unexpected_keys,
+    # The plan's report (keys, checkpoint bytes, the loader) with what executing it measured.
+    report = dataclasses.replace(
+        load_plan.report,
         bytes_read=stats.bytes_read,
         bytes_needed=total,
-        checkpoint_bytes=load_plan.report.checkpoint_bytes,
         seconds=seconds,
-        region_targets=load_plan.report.region_targets,
-        deferred_targets=load_plan.report.deferred_targets,
-        loader=name,
         retied_keys=tuple(retied),
         unfilled_buffers=tuple(unfilled),
-        ignored_missing_keys=load_plan.report.ignored_missing_keys,
+        bytes_received=stats.bytes_received
+        if isinstance(stats, JobStats)
+        else int(stats.extra.get("bytes_received", 0)),
+        bytes_sent=stats.bytes_sent if isinstance(stats, JobStats) else 0,
+        share="job" if job is not None else ("replicated" if replicas is not None else "none"),
     )
     if report.unexpected_keys:
         log.warning(

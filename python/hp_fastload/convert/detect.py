@@ -1,5 +1,12 @@
-"""Quantized checkpoints: which checkpoint tensors are quantized, in what format (FP8 block / channel / tensor scales,
-MXFP4), read from ``quantization_config`` and the headers; the refusal of what cannot be dequantized exactly.
+"""Quantization detection: which checkpoint tensors are quantized and in what format, from the checkpoint's
+``quantization_config`` (``config.json`` next to its files; its exclusion lists honoured) and the companions
+the headers hold (``weight_scale_inv`` per block, ``weight_scale`` per tensor or channel, MXFP4 ``*_blocks`` +
+``*_scales``, GPTQ/AWQ ``qweight``, bitsandbytes ``absmax`` / ``SCB``, NVFP4 ``weight_scale_2`` /
+``weight_global_scale``, compressed-tensors ``weight_packed``). The result is a ``QuantInfo``
+(``convert.quant_info``), which planning asks for every claimed target; nothing here reads tensor bytes.
+
+Detection costs what a rank reads: the companion scan is over names (and the bulk non-float query of
+``CheckpointIndex.keys_not_stored_as``), and a tensor's layout is built only for the keys the rank's reads use.
 """
 
 from __future__ import annotations

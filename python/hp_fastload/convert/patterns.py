@@ -7,20 +7,14 @@ from __future__ import annotations
 
 import functools
 import re
-import sys
 from collections.abc import Callable, Sequence
 from itertools import compress, repeat
 from operator import contains
 from typing import Any
 
+from hp_fastload.convert.regex_ast import constants as _sre
+from hp_fastload.convert.regex_ast import parser as _sre_parse
 from hp_fastload.convert.rules import Transform
-
-if sys.version_info >= (3, 11):  # the regex parser, to derive a rule's literal prefilter
-    import re._constants as _sre
-    import re._parser as _sre_parse
-else:  # pragma: no cover - Python 3.10
-    import sre_constants as _sre
-    import sre_parse as _sre_parse
 
 
 def _plain_matcher(rule: Any) -> bool:
@@ -62,7 +56,7 @@ def required_literals(rule: Any) -> tuple[str, ...] | None:
 @functools.lru_cache(maxsize=4096)
 def _pattern_literals(pattern: str | bytes, flags: int) -> tuple[str, ...] | None:
     """``required_literals`` of one pattern (cached: transformers hands out fresh copies of the same rules on
-    every load, and parsing their patterns again was ~2 ms of a small load)."""
+    every load, and parsing their patterns again showed in a small load's profile)."""
     if not isinstance(pattern, str):
         return None
     try:
@@ -119,8 +113,8 @@ def _alternative_searches(pattern: str, flags: int) -> tuple[Callable[[str], Any
 
     ``A|B`` finds, at the leftmost position where either matches, ``A`` if it matches there, else ``B``; that
     is the earliest of the alternatives' own leftmost matches, ties to the first. Searching each alternative
-    alone only in the keys that contain its literal avoids trying every branch at every start position:
-    matching 60k DeepSeek expert keys against the gate/up pair took 1.7 us a key, one branch 0.5 us.
+    alone only in the keys that contain its literal avoids trying every branch at every start position (about
+    3x fewer steps on expert keys; docs/perf-notes.md).
     """
     literals = _pattern_literals(pattern, flags)
     if literals is None:
@@ -227,8 +221,8 @@ class Prefiltered:
 
 
 def _containing(keys: list[str], literal: str) -> list[int]:
-    """Indices of ``keys`` that contain ``literal``; the substring tests run in C (map/compress): a Python loop
-    over 90k keys per rule cost ~15 ms."""
+    """Indices of ``keys`` that contain ``literal``; the substring tests run in C (map/compress), not in a
+    Python loop over every key per rule."""
     return list(compress(range(len(keys)), map(contains, keys, repeat(literal))))
 
 

@@ -1,19 +1,10 @@
-"""Quantized checkpoints: which checkpoint tensors are quantized, in what format, and the refusal.
+"""Quantized sources as records: what a dequantizing read item carries (``Dequant``: the scale tensor, its
+block shape and format), the bytes a quantized source occupies (``source_nbytes``), the MXFP4 layout as a
+symbolic region and its torch reference (``mxfp4_region`` / ``mxfp4_dequantize``), the supported formats and
+``QuantizationError``.
 
-Owns: reading a checkpoint's ``quantization_config`` (``config.json`` next to its files), recognising the
-quantized tensors of a checkpoint by their companions (``weight_scale_inv`` per block, ``weight_scale`` per
-tensor or channel, MXFP4 ``*_blocks`` + ``*_scales``, GPTQ/AWQ ``qweight``, bitsandbytes ``absmax`` / ``SCB``,
-NVFP4 ``weight_scale_2`` / ``weight_global_scale``, compressed-tensors ``weight_packed``) or by the config
-(a non-float tensor the config covers, its exclusion lists honoured), and the rule that nothing quantized is
-ever plain-cast into a float target: planning calls :func:`check_claim` for every claimed target and
-:func:`check_missing` before the strict check, and raises :class:`QuantizationError` naming the method, the
-tensor and what is supported. A model that keeps the quantized tensors themselves (an fp8 parameter of the
-checkpoint's dtype, its scales as parameters or buffers) loads them raw. Planning only: no bytes are read here.
-
-Detection costs what a rank reads: the companion scan is over names (and the bulk non-float query of
-``CheckpointIndex.keys_not_stored_as``), a claim is checked by name, and a tensor's layout (its ``Dequant``,
-or why it does not fit) is built only for the keys the rank's reads use (``QuantInfo.read``); a layout that
-does not fit is refused on the rank that would read it (``load`` makes every rank raise).
+Detection (which checkpoint tensors are quantized, in what format) is ``convert.detect``; its results are the
+types of ``convert.quant_info``. Nothing quantized is ever plain-cast into a float target.
 """
 
 from __future__ import annotations

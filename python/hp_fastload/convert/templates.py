@@ -20,21 +20,14 @@ from __future__ import annotations
 
 import functools
 import re
-import sys
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import numpy as np
 
 import hp_fastload._core as _core
-
-if sys.version_info >= (3, 11):
-    import re._constants as _sre
-    import re._parser as _sre_parse
-else:  # pragma: no cover - Python 3.10
-    import sre_constants as _sre
-    import sre_parse as _sre_parse
-
+from hp_fastload.convert.regex_ast import constants as _sre
+from hp_fastload.convert.regex_ast import parser as _sre_parse
 
 MARKER = "#"
 

@@ -155,7 +155,7 @@ class Batch:
         """Packs ``reads`` into ``dest`` (a target's local tensor or a staging buffer; their ``post`` is not
         applied here); ``located`` gives each item's (file, position in its header, dtype) when the caller
         has them. The records are built column by column with numpy: a stacked-experts target has ~10^3
-        boxes, and a Python loop building each 30-field record was ~5 us a box."""
+        boxes, too many for a Python loop building one record each."""
         n = len(reads)
         ndim = dest.dim()
         if ndim > MAX_NDIM:

@@ -129,8 +129,8 @@ def pack_requests(
     """``read_many``'s files, destination triples and item rows.
 
     One Python pass collects each request's fields; the bounds, shape checks and strides are then computed
-    per rank with numpy (~3 us a request instead of ~15: 20k expert boxes were 0.3 s of Python against
-    0.15 s of copying). A request the bulk checks do not pass — or whose form they do not cover (sub-byte
+    per rank with numpy (a per-request Python loop cost more than the copy for many small expert boxes;
+    docs/perf-notes.md). A request the bulk checks do not pass — or whose form they do not cover (sub-byte
     dtypes, a non-tensor ``out``, ragged offsets) — goes through ``fill_item``, one by one in request order,
     which names what is wrong or packs the odd case; so errors are those of the per-request checks, the
     first in request order.

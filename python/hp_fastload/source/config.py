@@ -9,18 +9,24 @@ import json
 from pathlib import Path
 from typing import Any
 
+from hp_fastload.errors import HeaderError
 from hp_fastload.formats import CONFIG_NAME
 
 
 def read_config_json(directory: str | Path) -> dict[str, Any] | None:
-    """``directory/config.json`` as a dict, or None when there is none or it is not a JSON object (a FIFO or
-    socket there is refused, never read; an unreadable or malformed file only loses what it would tell)."""
+    """``directory/config.json`` as a dict, or None when there is none, it cannot be read or it is not a JSON
+    object. A FIFO or socket there raises ``HeaderError`` (refused, never read)."""
     from hp_fastload.source.location import read_regular_file
 
     try:
         raw = read_regular_file(Path(directory) / CONFIG_NAME)
+    except HeaderError:
+        raise
+    except OSError:
+        return None
+    try:
         config = json.loads(raw) if raw is not None else None
-    except (OSError, ValueError):
+    except ValueError:
         return None
     return config if isinstance(config, dict) else None
 

@@ -63,7 +63,7 @@ class SafetensorsFile:
         self.header = _core.SafetensorsHeader(self.path)
         #: Every HeaderEntry, built with the header when it has at most EAGER_ENTRIES tensors (``read_many``
         #: asks for most of a small file's, one dict lookup each); else empty: a big file's entries are built
-        #: when asked for (most keys of a big MoE's shard never are: ~28 ms for DeepSeek-V3's 90k).
+        #: when asked for (most keys of a big MoE's shard never are).
         self._entries: dict[str, HeaderEntry] = {}
         if len(self.header) <= EAGER_ENTRIES:
             self._entries = self.header.entry_dict()

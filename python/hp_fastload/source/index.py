@@ -271,8 +271,8 @@ def _weight_map(index_path: Path, text: bytes) -> dict[Any, Any]:
     return weight_map
 
 
-#: Header bytes (all shards together) above which ``_open_all`` parses in threads. Starting a pool costs
-#: ~1 ms, what parsing ~100 KB of header takes; a dense checkpoint's headers are a few KB each.
+#: Header bytes (all shards together) above which ``_open_all`` parses in threads: below it, starting a pool
+#: costs more than the parse (docs/perf-notes.md); a dense checkpoint's headers are a few KB each.
 PARALLEL_HEADER_BYTES = 1 << 20
 
 

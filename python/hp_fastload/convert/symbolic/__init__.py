@@ -20,7 +20,7 @@ This module owns:
   split/chunk/unbind/narrow/select, basic indexing, expand, cat/stack, casts, scalar arithmetic). torch itself
   validates the arguments and fixes the result's shape, dtype and strides: views and reshapes run on meta
   tensors, elementwise ops on a 0-d CPU tensor (their meta kernels cost milliseconds), and cat/stack apply
-  torch's shape and promotion rules directly (their meta kernels cost ~8 us per input);
+  torch's shape and promotion rules directly (their meta kernels are slower than the rules);
 * the reference evaluation of a region (:func:`materialize`, :func:`apply_post`).
 
 It does not own: reading bytes, intersecting blocks with a rank's local shard, deciding when a conversion is

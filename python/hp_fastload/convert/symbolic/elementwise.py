@@ -82,6 +82,7 @@ def _fixed_cast(dtype: torch.dtype) -> Handler:
     return handler
 
 
+HANDLERS[torch.Tensor.to] = _h_to
 for _meth, _dt in [
     (torch.Tensor.float, torch.float32),
     (torch.Tensor.double, torch.float64),

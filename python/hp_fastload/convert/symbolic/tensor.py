@@ -166,6 +166,7 @@ _OPERATORS = [
 for _op_name in _OPERATORS:
     if hasattr(torch.Tensor, _op_name):
         setattr(RegionTensor, _op_name, _operator(_op_name))
+RegionTensor.__hash__ = torch.Tensor.__hash__  # type: ignore[method-assign]
 
 
 def _rebuild(shape: tuple[int, ...], dtype: torch.dtype, blocks: tuple[Block, ...]) -> RegionTensor:

@@ -13,6 +13,7 @@ import torch
 
 from hp_fastload.convert.symbolic.block import Block, Vec, axpy, columns, make_block, row_major_strides, scaled
 from hp_fastload.convert.symbolic.tensor import (
+    HANDLERS,
     RegionTensor,
     UnsupportedRegionOp,
     meta_of,
@@ -242,6 +243,4 @@ register(
     ],
     _h_view_op,
 )
-
-
-register([torch.Tensor.__getitem__], _h_getitem)
+HANDLERS[torch.Tensor.__getitem__] = _h_getitem
