@@ -8,10 +8,9 @@ One spawn runs every distributed check (``run_subchecks``); checkpoints are writ
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
-
-import os
 
 import pytest
 import torch

@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from hp_fastload import errors
-from hp_fastload.convert.adapter import check_adapter
 from hp_fastload.api.jobload import JobStats, agree_job_plan, resolve_share, run_job
+from hp_fastload.convert.adapter import check_adapter
 from hp_fastload.convert.rules import resolve_mapping
 from hp_fastload.dist.agree import agree, resolve_location_each
 from hp_fastload.dist.identity import agree_checkpoint
