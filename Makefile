@@ -22,7 +22,7 @@ $(DEPS): constraints.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -c constraints.txt torch safetensors transformers accelerate huggingface_hub numpy tqdm \
-		pytest pytest-timeout pytest-benchmark ruff mypy maturin import-linter
+		pytest pytest-timeout pytest-benchmark ruff mypy maturin import-linter torchtitan
 	touch $(DEPS)
 
 venv: $(DEPS)
