@@ -18,9 +18,11 @@ use crate::plan::plan;
 use crate::threads::{default_threads, MAX_DEFAULT_THREADS};
 use crate::types::{Item, Run};
 
-/// At most this many files of one call stay open from the pre-read check until their reads: the others are
-/// opened again when their first task runs.
-const KEEP_OPEN: usize = 64;
+/// At most this many files of one call (and no more than its threads) stay open from the pre-read check until
+/// their reads: the others are opened again when their first task runs. A rank reading from hundreds of shards
+/// thus holds about `threads + workers` descriptors at most (64 kept files were 64 descriptors held through the
+/// whole call, on every rank of a node; docs/perf-notes.md, "Full scale").
+const KEEP_OPEN: usize = 8;
 
 /// One needed file of a call: its map (mapped reads; a map needs no descriptor), or, for positioned reads,
 /// a descriptor opened on first use and closed after the file's last task. A call over thousands of shards
@@ -97,7 +99,8 @@ pub(super) fn execute_scaled_reading(
     for ((h, &used), ranges) in files.iter().zip(&used).zip(&probes) {
         sources.push(match used {
             true => {
-                let mut source = open_source(h, opts.backend, ranges, kept_open < KEEP_OPEN)?;
+                let mut source =
+                    open_source(h, opts.backend, ranges, kept_open < KEEP_OPEN.min(threads))?;
                 kept_open += usize::from(source.file.get_mut().is_ok_and(|f| f.is_some()));
                 Some(source)
             }
@@ -269,6 +272,7 @@ fn run_task(
             for r in runs {
                 scaled.write(r, &bytes[r.src_off as usize..r.src_end() as usize]);
             }
+            map.done_with(task.start, task.end);
             Ok(extent)
         }
         Mode::PreadDirect => {

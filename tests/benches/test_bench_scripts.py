@@ -319,3 +319,14 @@ def test_regression_guard_fails_on_a_fall_and_passes_within_noise(tmp_path: Path
         json.loads(baseline.read_text()),
     )
     assert len(falls) == 2
+
+
+def test_accelerate_bench_quick(tmp_path: Path) -> None:
+    """``benches/accelerate_bench.py --quick``: both methods run through accelerate's FSDP2 on 2 ranks and give
+    bit-equal local shards (the script's own check, exit 1 otherwise)."""
+    _run([str(BENCHES / "accelerate_bench.py"), "--quick", "--out", str(tmp_path)], timeout=500)
+    doc = json.loads((tmp_path / "accelerate_bench.json").read_text())
+    assert doc["summary"]["local_shards_equal"] is True
+    assert set(doc["summary"]["methods"]) == {"accelerate", "hp_fastload"}
+    for row in doc["rows"]:
+        assert [rank["seconds"] > 0 and rank["rss_growth"] > 0 for rank in row["ranks"]] == [True, True]
