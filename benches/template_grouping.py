@@ -42,7 +42,7 @@ def _summary(out: tuple[list[Any], list[str]]) -> tuple[Any, ...]:
     )
 
 
-def _meta_model(config: dict[str, Any]) -> Any:
+def meta_model(config: dict[str, Any]) -> Any:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -66,7 +66,7 @@ def bench_groups(name: str, config: dict[str, Any], keys: list[str], reps: int) 
     from hp_fastload import rules as rules_mod
     from hp_fastload.source.natural import natural_sorted
 
-    model = _meta_model(config)
+    model = meta_model(config)
     targets = dict.fromkeys(model.state_dict())
     rules = rules_mod.resolve_mapping(model, None)
     keys = natural_sorted(keys)

@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 
 #[cfg(feature = "s3")]
 use memmap2::MmapMut;
-use memmap2::{Advice, Mmap, MmapOptions};
+use memmap2::{Advice, Mmap, MmapOptions, UncheckedAdvice};
 
 use crate::error::LoadError;
 
@@ -124,6 +124,34 @@ impl Mapping {
             return;
         }
         let _ = self.map.advise_range(Advice::WillNeed, start as usize, len);
+    }
+
+    /// Drops this process's page-table entries for the whole pages inside `start..end` once they were read:
+    /// the pages stay in the page cache and no longer count in the resident set. Without it a rank's share of
+    /// a big checkpoint read through a kept map stayed resident (on top of the shards it filled) until the map
+    /// was dropped (docs/perf-notes.md, "Full scale"). Best effort; errors are ignored.
+    pub(crate) fn done_with(&self, start: u64, end: u64) {
+        // SAFETY: sysconf only reads its integer argument and returns a value.
+        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+        let page = if page > 0 { page as u64 } else { 4096 };
+        let (lo, hi) = (
+            start.div_ceil(page) * page,
+            (end.min(self.map.len() as u64)) / page * page,
+        );
+        if hi <= lo {
+            return;
+        }
+        // SAFETY: the map is a read-only map of a file that stays unchanged while mapped (the module's
+        // contract); MADV_DONTNEED on it only drops page-table entries, and the next access to those bytes
+        // (another task, a later call) faults the same contents in again from the page cache or the file, so
+        // no slice into the map ever sees different bytes. The range lies inside the map (clamped above).
+        let _ = unsafe {
+            self.map.unchecked_advise_range(
+                UncheckedAdvice::DontNeed,
+                lo as usize,
+                (hi - lo) as usize,
+            )
+        };
     }
 
     /// Fraction (0..=1) of sampled pages of `ranges` (byte ranges of the file) that are in the page cache;

@@ -8,10 +8,13 @@ rules, and writes them into the local shards of the model's DTensors.
 
 from __future__ import annotations
 
+# ``hf.rules.WeightConverter`` etc. (the rule classes users pass as weights_mapping), as before the layers.
+from hp_fastload import rules
 from hp_fastload.api.checkpointer import HuggingFaceCheckpointer
 from hp_fastload.api.load import HF_LOADER_ENV, load, plan, resolve_hf_loader
 from hp_fastload.api.pretrained import from_pretrained
 from hp_fastload.api.read import read_into, read_many
+from hp_fastload.api.rehearse import Rehearsal, as_rank, plan_each, rehearse
 from hp_fastload.api.save import SaveReport, save
 from hp_fastload.convert.quant import QuantizationError
 from hp_fastload.errors import (
@@ -42,16 +45,30 @@ __all__ = [
     "PlanError",
     "QuantizationError",
     "ReadError",
+    "Rehearsal",
     "Replacement",
     "SafetensorsFile",
     "SaveReport",
     "TargetError",
+    "as_rank",
     "clear_cache",
     "from_pretrained",
     "load",
     "plan",
+    "plan_each",
     "read_into",
     "read_many",
+    "rehearse",
     "resolve_hf_loader",
+    "rules",
     "save",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """``hp_fastload.integrations`` on first use: it imports transformers, which ``import hp_fastload`` does not."""
+    if name == "integrations":
+        import importlib
+
+        return importlib.import_module("hp_fastload.integrations")
+    raise AttributeError(f"module 'hp_fastload' has no attribute {name!r}")

@@ -1,7 +1,7 @@
 """Stub of the Rust extension module ``hp_fastload._core`` (see rust/python.rs)."""
 
 import os
-from typing import Final
+from typing import Final, final
 
 MAX_NDIM: Final[int]
 ITEM_WIDTH: Final[int]
@@ -22,6 +22,31 @@ DEFAULT_THREADS: Final[int]
 #: Whether this build has the object-storage backend (Rust feature ``s3``).
 HAS_OBJECT_STORE: Final[bool]
 
+__all__ = [
+    "SafetensorsHeader",
+    "HeaderEntry",
+    "WeightMap",
+    "execute",
+    "key_templates",
+    "MAX_NDIM",
+    "ITEM_WIDTH",
+    "COL_FILE",
+    "COL_TENSOR",
+    "COL_SRC_BASE",
+    "COL_DEST",
+    "COL_DST_BASE",
+    "COL_NDIM",
+    "COL_LENGTHS",
+    "COL_SRC_STRIDES",
+    "COL_DST_STRIDES",
+    "COL_SCALE",
+    "SCALE_WIDTH",
+    "CAST_FLOATS",
+    "DTYPE_CODES",
+    "DEFAULT_THREADS",
+]
+
+@final
 class HeaderEntry:
     """One tensor of a header (read-only): position in the header (an item's tensor field), safetensors dtype
     name, shape, and byte range ``[begin, end)`` relative to ``data_start``."""
@@ -40,6 +65,7 @@ class HeaderEntry:
     def nbytes(self) -> int:
         """``end - begin``."""
 
+@final
 class SafetensorsHeader:
     """A parsed, validated safetensors header (the file is re-checked before every read)."""
 
@@ -85,10 +111,11 @@ class SafetensorsHeader:
     def get(self, name: object) -> HeaderEntry | None:
         """The :class:`HeaderEntry` of the tensor called ``name``, built on each call, or None when there is
         none."""
-    def __contains__(self, name: object) -> bool: ...
+    def __contains__(self, key: object, /) -> bool: ...
     def positions_not_of(self, dtype_names: list[str]) -> list[int]:
         """Positions (file order) of the tensors whose safetensors dtype name is not in ``dtype_names``."""
 
+@final
 class WeightMap:
     """The ``weight_map`` of a ``model.safetensors.index.json``: which file holds each tensor."""
 

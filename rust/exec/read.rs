@@ -19,9 +19,11 @@ use crate::plan::plan;
 use crate::threads::{default_threads, MAX_DEFAULT_THREADS};
 use crate::types::{Item, Run};
 
-/// At most this many files of one call stay open from the pre-read check until their reads: the others are
-/// opened again when their first task runs.
-const KEEP_OPEN: usize = 64;
+/// At most this many files of one call (and no more than its threads) stay open from the pre-read check until
+/// their reads: the others are opened again when their first task runs. A rank reading from hundreds of shards
+/// thus holds about `threads + workers` descriptors at most (64 kept files were 64 descriptors held through the
+/// whole call, on every rank of a node; docs/perf-notes.md, "Full scale").
+const KEEP_OPEN: usize = 8;
 
 /// One needed file of a call: its map (mapped reads; a map needs no descriptor), or, for positioned reads,
 /// a descriptor opened on first use and closed after the file's last task. A call over thousands of shards
@@ -111,7 +113,8 @@ pub(super) fn execute_scaled_reading(
                 pending: AtomicUsize::new(0),
             }),
             true => {
-                let mut source = open_source(h, opts.backend, ranges, kept_open < KEEP_OPEN)?;
+                let mut source =
+                    open_source(h, opts.backend, ranges, kept_open < KEEP_OPEN.min(threads))?;
                 kept_open += usize::from(source.file.get_mut().is_ok_and(|f| f.is_some()));
                 Some(source)
             }
@@ -283,6 +286,7 @@ fn run_task(
             for r in runs {
                 scaled.write(r, &bytes[r.src_off as usize..r.src_end() as usize]);
             }
+            map.done_with(task.start, task.end);
             Ok(extent)
         }
         Mode::PreadDirect => {
@@ -481,6 +485,75 @@ mod tests {
         }
         assert_eq!(results[0], results[2]);
         assert_eq!(results[1], results[3]);
+    }
+
+    /// `auto` on a cached file: a long contiguous box and a column slice (the gather kernel) of one tensor in
+    /// one call land exactly with 1 and 2 threads, and a file truncated before the call is a typed error.
+    #[test]
+    fn auto_reads_rows_and_columns_of_a_cached_file_in_one_call() {
+        let dir = tempfile::tempdir().unwrap();
+        let (rows, cols) = (1024u64, 4096u64);
+        let data = random_bytes((rows * cols) as usize, 11);
+        let h = write_file(
+            dir.path(),
+            "mix.safetensors",
+            &[("w", Dtype::U8, vec![rows, cols], data.clone())],
+        );
+        let t = h.index("w").unwrap() as i64;
+        let box_item = |r0: u64, nr: u64, c0: u64, nc: u64, dest: i64| {
+            let mut item = Item {
+                tensor: t,
+                src_base: (r0 * cols + c0) as i64,
+                dest,
+                ndim: 2,
+                ..Item::default()
+            };
+            item.lengths[..2].copy_from_slice(&[nr as i64, nc as i64]);
+            item.src_strides[..2].copy_from_slice(&[cols as i64, 1]);
+            item.dst_strides[..2].copy_from_slice(&[nc as i64, 1]);
+            item
+        };
+        // Rows 0..512 whole (2 MiB contiguous), and columns 1024..1536 of rows 512..1024.
+        let items = [
+            box_item(0, 512, 0, cols, 0),
+            box_item(512, 512, 1024, 512, 1),
+        ];
+        let want_rows = data[..(512 * cols) as usize].to_vec();
+        let want_cols: Vec<u8> = data[(512 * cols) as usize..]
+            .chunks(cols as usize)
+            .flat_map(|row| row[1024..1536].to_vec())
+            .collect();
+        for threads in [1, 2] {
+            let (mut a, mut b) = (vec![0u8; want_rows.len()], vec![0u8; want_cols.len()]);
+            let dests = [
+                DestBuf::from_mut_slice(&mut a, Dtype::U8),
+                DestBuf::from_mut_slice(&mut b, Dtype::U8),
+            ];
+            let opts = ExecOptions {
+                threads: Some(threads),
+                ..ExecOptions::default()
+            };
+            let stats = execute(std::slice::from_ref(&h), &dests, &items, &opts).unwrap();
+            assert_eq!(stats.backend, "mmap", "{stats:?}");
+            assert_eq!((a == want_rows, b == want_cols), (true, true), "{stats:?}");
+        }
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&h.path)
+            .unwrap();
+        f.set_len(h.file_len / 2).unwrap();
+        let (mut a, mut b) = (vec![0u8; want_rows.len()], vec![0u8; want_cols.len()]);
+        let dests = [
+            DestBuf::from_mut_slice(&mut a, Dtype::U8),
+            DestBuf::from_mut_slice(&mut b, Dtype::U8),
+        ];
+        let r = execute(
+            std::slice::from_ref(&h),
+            &dests,
+            &items,
+            &ExecOptions::default(),
+        );
+        assert!(matches!(r, Err(LoadError::Truncated { .. })), "{r:?}");
     }
 
     #[test]

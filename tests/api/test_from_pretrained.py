@@ -71,7 +71,7 @@ def _observe(model: nn.Module, family: str) -> dict[str, Any]:
     return {"buffers": buffers, "ties": ties, "loss": _full(loss).item(), "loss_after_step": _full(after).item()}
 
 
-def _meta_model(family: str) -> nn.Module:
+def meta_model(family: str) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
@@ -92,7 +92,7 @@ def fsdp(model: nn.Module) -> None:
 def _user_parallelized(family: str) -> dict[str, Any]:
     import hp_fastload
 
-    model = _meta_model(family)
+    model = meta_model(family)
     fsdp(model)
     model.to_empty(device="cpu")
     report = hp_fastload.load(model, _path(family))

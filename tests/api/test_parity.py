@@ -189,7 +189,7 @@ def _hf_layout(family: str, kwargs: dict[str, int]) -> tuple[nn.Module, str | No
     return model, error
 
 
-def _meta_model(family: str, dtype: torch.dtype) -> nn.Module:
+def meta_model(family: str, dtype: torch.dtype) -> nn.Module:
     cls = model_class(family)
     config = tiny_config(family)
     with torch.device("meta"):
@@ -205,7 +205,7 @@ _TORCH_BUILDERS = {"torch_fsdp": torch_fsdp, "torch_tp": torch_tp, "torch_demo":
 
 
 def _torch_layout(family: str, layout: str, world: int, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
-    model = _meta_model(family, dtype)
+    model = meta_model(family, dtype)
     _TORCH_BUILDERS[layout](model, world)
     model.to_empty(device="cpu")
     return model

@@ -92,6 +92,29 @@ def check_same_as_local_files(rank: int, world: int) -> bool:
     return same and ra.bytes_needed == rb.bytes_needed and ra.loaded_keys == rb.loaded_keys
 
 
+def check_job_share_reads_each_byte_once(rank: int, world: int) -> tuple[list[str], int, int]:
+    """``share="job"`` over objects: every byte fetched by one rank only, the rest received from peers."""
+    from safetensors.torch import load_file
+    from torch.distributed.tensor import distribute_tensor
+
+    import hp_fastload as hf
+    import hp_fastload._core as _core
+
+    local = Path(os.environ["HPF_S3_LOCAL"])
+    full = {**load_file(str(local / "s0.safetensors")), **load_file(str(local / "s1.safetensors"))}
+    model = _model()
+    _core.object_counters(reset=True)
+    report = hf.load(model, os.environ["HPF_S3_URL"], share="job")
+    fetched = _core.object_counters()[0]
+    bad = []
+    for name, value in full.items():
+        param = model.get_parameter(name)
+        expected = distribute_tensor(value.to(param.dtype), param.device_mesh, param.placements, src_data_rank=None)
+        if not torch.equal(expected.to_local(), param.to_local()):
+            bad.append(name)
+    return bad, fetched, report.checkpoint_bytes
+
+
 def check_ranks_on_different_objects_raise(rank: int, world: int) -> str:
     import hp_fastload as hf
 
@@ -131,7 +154,12 @@ def outcomes(s3_server: s3server.S3Server, tmp_path_factory: pytest.TempPathFact
     with pytest.MonkeyPatch.context() as env:
         for name, value in s3_server.env(HPF_S3_URL=url, HPF_S3_OTHER=other_url, HPF_S3_LOCAL=str(local)).items():
             env.setenv(name, value)
-        checks = [check_bit_exact_and_share, check_same_as_local_files, check_ranks_on_different_objects_raise]
+        checks = [
+            check_bit_exact_and_share,
+            check_same_as_local_files,
+            check_job_share_reads_each_byte_once,
+            check_ranks_on_different_objects_raise,
+        ]
         results = run_distributed(run_subchecks, 2, checks, timeout=300)
     return {"results": results, "headers": _header_bytes(local)}
 
@@ -146,6 +174,15 @@ def test_tp_fsdp_ep_bit_exact_and_each_rank_fetches_its_share(outcomes: dict[str
 
 def test_s3_load_equals_the_load_from_local_files(outcomes: dict[str, Any]) -> None:
     assert subcheck_values(outcomes["results"], "check_same_as_local_files") == [True, True]
+
+
+def test_job_share_over_objects_fetches_each_byte_once(outcomes: dict[str, Any]) -> None:
+    values = subcheck_values(outcomes["results"], "check_job_share_reads_each_byte_once")
+    assert [bad for bad, _, _ in values] == [[], []]
+    fetched = sum(f for _, f, _ in values)
+    total = values[0][2]  # the tensors' bytes of the whole checkpoint
+    assert all(f > 0 for _, f, _ in values), values  # both ranks read part of it
+    assert total <= fetched <= total + 2 * outcomes["headers"], (fetched, total)
 
 
 def test_ranks_on_different_objects_all_raise_mismatch(outcomes: dict[str, Any]) -> None:

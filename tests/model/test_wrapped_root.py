@@ -27,7 +27,7 @@ ROOT_ENV = "HPF_WRAPPED_ROOT"
 FAMILIES = sorted(ROOT_RULE_FAMILIES)
 
 
-def _meta_model(family: str) -> Any:
+def meta_model(family: str) -> Any:
     with torch.device("meta"):
         return root_rule_class(family)(root_rule_config(family))
 
@@ -41,7 +41,7 @@ def _wrapped_load(family: str, mesh: Any) -> list[str]:
 
     path = Path(os.environ[ROOT_ENV]) / family
     reference = root_rule_class(family).from_pretrained(path, dtype=torch.float32).state_dict()
-    model = _meta_model(family)
+    model = meta_model(family)
     fully_shard(model, mesh=mesh)
     assert type(model).__name__.startswith("FSDP")
     model.to_empty(device="cpu")
@@ -100,7 +100,7 @@ def test_mapping_is_the_same_under_a_class_swapping_wrapper(family):
     def described(rules: list[Any]) -> list[str]:  # the scope matters: a sub-model's rules are scoped to it
         return [f"{rule!r} scope={rule.scope_prefix!r} base={rule.base_model_prefix!r}" for rule in rules]
 
-    model = _meta_model(family)
+    model = meta_model(family)
     plain = described(resolve_mapping(model, None))
     cls = type(model)
     # the class fully_shard generates: (FSDPModule, cls), named FSDP<cls>, defined in torch.distributed

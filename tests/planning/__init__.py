@@ -1,0 +1,1 @@
+"""Tests of the planning layer (pure: no files, no process group)."""

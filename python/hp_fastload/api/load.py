@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping
@@ -21,13 +22,16 @@ import torch
 from torch import nn
 
 from hp_fastload import errors
+from hp_fastload.api.jobload import JobStats, agree_job_plan, resolve_share, run_job
+from hp_fastload.convert.adapter import check_adapter
 from hp_fastload.convert.rules import resolve_mapping
 from hp_fastload.dist.agree import agree, resolve_location_each
 from hp_fastload.dist.identity import agree_checkpoint
 from hp_fastload.errors import HeaderError
-from hp_fastload.execute.read import execute_plan
+from hp_fastload.execute.read import ExecStats, execute_plan
 from hp_fastload.execute.threads import threads_per_rank
 from hp_fastload.model.finalize import non_persistent_buffers, recreate_buffers, retie
+from hp_fastload.model.regions import virtual_rank
 from hp_fastload.model.targets import build_targets
 from hp_fastload.model.wrappers import unwrapped
 from hp_fastload.planning.context import LoadContext
@@ -92,12 +96,21 @@ def plan(
     mesh_override: Any = None,
     revision: str | None = None,
     replacement: Replacement | None = None,
+    state_dict_adapter: Any = None,
+    ignore_missing: Iterable[str] = (),
+    rank: int | None = None,
 ) -> LoadPlan:
     """Dry run: what this rank (or a virtual rank, see ``targets.build_targets``'s ``mesh_override``) reads.
 
     Reads headers only. ``LoadPlan.read_bytes_by_file()`` / ``read_bytes_by_target()`` / ``summary()``.
     The arguments are ``load``'s. The plan is plain data (picklable, comparable); its live side is dropped.
+
+    ``rank=r`` plans global rank ``r`` of the model's meshes (:func:`as_rank`): one process that laid the model
+    out for the whole job (torch's ``fake`` process group of the job's size) plans any rank. A model with
+    tensors on the meta device is planned as this process's own rank (nothing is written, so nothing needs
+    to be materialized).
     """
+    mesh_override = _rank_override(model, mesh_override, rank)
     plan_only, _ = plan_at(
         unwrapped(model),
         resolve_checkpoint_location(path, revision=revision),
@@ -109,8 +122,39 @@ def plan(
         claimed_source_keys=claimed_source_keys,
         mesh_override=mesh_override,
         replacement=replacement,
+        state_dict_adapter=state_dict_adapter,
+        ignore_missing=ignore_missing,
     )
     return plan_only
+
+
+def as_rank(rank: int) -> Any:
+    """A ``mesh_override`` that plans (or rehearses) global rank ``rank`` of the model's meshes: every DTensor's
+    coordinate is the one ``rank`` holds in the world the model was laid out for (a real process group, or
+    torch's ``fake`` one of the job's size). ``hp_fastload.plan(model, path, rank=r)`` is the short form."""
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise ValueError(f"rank must be a non-negative int, got {rank!r}")
+    return virtual_rank(rank)
+
+
+def _rank_override(model: nn.Module, mesh_override: Any, rank: int | None) -> Any:
+    """``plan``'s ``mesh_override``: the given one, else ``as_rank(rank)``, else (a model with meta tensors)
+    ``as_rank`` of this process's rank."""
+    if rank is not None:
+        if mesh_override is not None:
+            raise ValueError("plan: pass rank or mesh_override, not both")
+        return as_rank(rank)
+    if mesh_override is None and _has_meta(model):
+        return as_rank(torch.distributed.get_rank() if dist_active() else 0)
+    return mesh_override
+
+
+def _has_meta(model: nn.Module) -> bool:
+    for tensor in (*model.parameters(), *model.buffers()):
+        local = getattr(tensor, "_local_tensor", tensor)
+        if local.device.type == "meta":
+            return True
+    return False
 
 
 def plan_at(
@@ -126,6 +170,8 @@ def plan_at(
     mesh_override: Any = None,
     replacement: Replacement | None = None,
     index: CheckpointIndex | None = None,
+    state_dict_adapter: Any = None,
+    ignore_missing: Iterable[str] = (),
 ) -> tuple[LoadPlan, LoadContext]:
     """Headers, targets and rules of one (possibly virtual) rank, planned (the plan and its live side);
     nothing is read. The cyclic GC is paused throughout (``runtime.gc_paused``; free when the caller, a public
@@ -136,7 +182,8 @@ def plan_at(
         targets = build_targets(
             model, external_target_fqns=frozenset(external_target_fqns), mesh_override=mesh_override
         )
-        rules = resolve_mapping(model, weights_mapping, key_mapping)
+        adapter = _checked_adapter(state_dict_adapter, weights_mapping, key_mapping)
+        rules = [] if adapter is not None else resolve_mapping(model, weights_mapping, key_mapping)
     try:
         return plan_load(
             model,
@@ -148,12 +195,37 @@ def plan_at(
             claimed_source_keys=frozenset(claimed_source_keys),
             loader=loader,
             replacement=replacement,
+            adapter=adapter,
+            ignore_missing=_checked_patterns(ignore_missing),
         )
     except errors.MissingKeysError as exc:
         hint = _config_mismatch(model, location)
         if not hint:
             raise
         raise errors.MissingKeysError(f"{exc} {hint}", exc.missing_keys, exc.unexpected_keys) from None
+
+
+def _checked_adapter(adapter: Any, weights_mapping: Any, key_mapping: Any) -> Any:
+    if adapter is None:
+        return None
+    if weights_mapping is not None or key_mapping:
+        raise ValueError(
+            "state_dict_adapter= converts the whole state dict; it cannot be combined with weights_mapping= or "
+            "key_mapping= (put the renames into the adapter)"
+        )
+    return check_adapter(adapter)
+
+
+def _checked_patterns(patterns: Iterable[str]) -> tuple[str, ...]:
+    if isinstance(patterns, str):
+        raise TypeError(f"ignore_missing takes a list of regexes, got the string {patterns!r}")
+    out = tuple(patterns)
+    for pattern in out:
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise ValueError(f"ignore_missing: {pattern!r} is not a valid regex: {exc}") from None
+    return out
 
 
 _COMPARED_CONFIG_FIELDS = ("model_type", "num_hidden_layers", "hidden_size", "vocab_size")
@@ -201,6 +273,11 @@ def load(
     share_replicated: bool = False,
     replacement: Replacement | None = None,
     finalize: bool = True,
+    state_dict_adapter: Any = None,
+    ignore_missing: Iterable[str] = (),
+    share: str | None = None,
+    ranks_per_node: int | None = None,
+    share_budget_bytes: int | None = None,
 ) -> LoadReport:
     """Fill ``model``'s parameters and persistent buffers (DTensor shards or plain) from a HF checkpoint.
 
@@ -208,7 +285,10 @@ def load(
     preserved). ``strict`` raises ``MissingKeysError`` (a ``RuntimeError``) before any byte is read when model
     tensors would stay missing; unexpected checkpoint keys are only logged. ``share_replicated=True`` (region
     loader, several ranks) has one replica of each replicated DTensor read it and broadcast it to the others
-    (``share``).
+    (``dist.share``). ``share="job"`` reads every checkpoint byte once per job and sends each rank only the bytes
+    its shards need (``api.jobload``; ``ranks_per_node`` defaults to ``$LOCAL_WORLD_SIZE``,
+    ``share_budget_bytes`` bounds each rank's staging and messages per round); ``"auto"`` picks ``"job"`` or
+    ``"none"`` from the cost model; ``"none"`` (default) is every rank reading its own regions.
     ``threads`` defaults to this process's cores divided by the ranks on its node (``LOCAL_WORLD_SIZE``).
     ``replacement`` (an ``hp_fastload.Replacement``) is the second stage of a model whose modules were
     replaced after the checkpoint's layout was fixed; None takes it from the model's
@@ -222,11 +302,20 @@ def load(
 
     A model wrapped by ``torch.compile`` or ``DistributedDataParallel`` is loaded through the module it wraps
     (``rules.unwrapped``): the same tensors, under the checkpoint's names.
+
+    ``state_dict_adapter`` (instead of ``weights_mapping`` / ``key_mapping``): any object with torchtitan's
+    ``StateDictAdapter`` protocol (``from_hf``, ``to_hf``), e.g. ``Llama3StateDictAdapter(model_config, None)``.
+    Its ``from_hf`` and the model's own ``load_state_dict`` pre-hooks (torchtitan's fused-QKV merge) are traced on
+    symbolic tensors into exact region reads, as torchtitan applies them; the keys read are those ``to_hf``
+    gives for the model, and model tensors it does not map (torchtitan's ``expert_bias``) are left as they are,
+    not missing. ``ignore_missing`` (regexes searched in model names) names further tensors no checkpoint
+    holds, so ``strict=True`` stays usable; both are listed in ``LoadReport.ignored_missing_keys``.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"load() needs a live nn.Module to write into, got {type(model).__name__}")
     model = unwrapped(model)  # torch.compile / DDP: the wrapped module's names and rules (same tensors)
     name = resolve_hf_loader(loader)
+    sharing = resolve_share(share, share_replicated)
     start = time.perf_counter()
     if threads is None:
         threads = threads_per_rank()
@@ -248,29 +337,63 @@ def load(
             external_target_fqns=external_target_fqns,
             claimed_source_keys=claimed_source_keys,
             replacement=replacement,
+            state_dict_adapter=state_dict_adapter,
+            ignore_missing=ignore_missing,
         ),
     )
     load_plan, context = planned_pair
     replicas = None
-    if share_replicated and name == "dcp" and dist_active() and torch.distributed.get_world_size() > 1:
+    multi = dist_active() and torch.distributed.get_world_size() > 1
+    if sharing == "replicated" and name == "dcp" and multi:
         from hp_fastload.dist.share import plan_replicas
 
         replicas = plan_replicas(map(context.target, load_plan.region_reads))
+    job = None
+    if sharing == "job" and state_dict_adapter is not None:
+        raise NotImplementedError("share='job' does not plan through a state_dict_adapter yet; use share='none'")
+    if sharing in ("job", "auto") and name == "dcp" and multi and state_dict_adapter is None:  # docs/job-wide.md
+        job = agree_job_plan(
+            model,
+            index,
+            load_plan,
+            sharing,
+            ranks_per_node,
+            share_budget_bytes,
+            weights_mapping=weights_mapping,
+            key_mapping=key_mapping,
+            external_target_fqns=external_target_fqns,
+            claimed_source_keys=claimed_source_keys,
+            replacement=replacement,
+            loader=name,
+        )
     total = load_plan.bytes_needed
     update, close = _progress_bar(total, progress)
     try:
-        stats = agree(
-            "Reading the pretrained checkpoint",
-            lambda: execute_plan(
+        stats: ExecStats | JobStats
+        if job is not None:
+            stats = run_job(
+                job,
+                torch.distributed.get_rank(),
                 load_plan,
                 context,
-                legacy=name == "legacy",
+                agree=agree,
                 threads=threads,
                 backend=backend,
                 progress=update,
-                skip=replicas.skip if replicas is not None else frozenset(),
-            ),
-        )
+            )
+        else:
+            stats = agree(
+                "Reading the pretrained checkpoint",
+                lambda: execute_plan(
+                    load_plan,
+                    context,
+                    legacy=name == "legacy",
+                    threads=threads,
+                    backend=backend,
+                    progress=update,
+                    skip=replicas.skip if replicas is not None else frozenset(),
+                ),
+            )
     finally:
         close()
         for file in context.index.files:  # a finished load keeps no page tables of the checkpoint mapped
@@ -279,11 +402,11 @@ def load(
         from hp_fastload.dist.share import broadcast_replicas
 
         stats.extra["bytes_received"] = broadcast_replicas(replicas)
-    for name in load_plan.region_reads:
-        context.target(name).tensor._is_hf_initialized = True  # type: ignore[attr-defined]
+    for target_name in load_plan.region_reads:
+        context.target(target_name).tensor._is_hf_initialized = True  # type: ignore[attr-defined]
     for deferred in load_plan.deferred:
-        for name in deferred.claims.values():
-            context.target(name).tensor._is_hf_initialized = True  # type: ignore[attr-defined]
+        for target_name in deferred.claims.values():
+            context.target(target_name).tensor._is_hf_initialized = True  # type: ignore[attr-defined]
     _record_used_rules(model, context)
     unfilled = recreate_buffers(model) if finalize else [name for name, _ in non_persistent_buffers(model)]
     seconds = time.perf_counter() - start
@@ -295,6 +418,11 @@ def load(
         seconds=seconds,
         retied_keys=tuple(retied),
         unfilled_buffers=tuple(unfilled),
+        bytes_received=stats.bytes_received
+        if isinstance(stats, JobStats)
+        else int(stats.extra.get("bytes_received", 0)),
+        bytes_sent=stats.bytes_sent if isinstance(stats, JobStats) else 0,
+        share="job" if job is not None else ("replicated" if replicas is not None else "none"),
     )
     if report.unexpected_keys:
         log.warning(

@@ -25,6 +25,7 @@ from torch import nn
 
 from hp_fastload.api.load import load
 from hp_fastload.dist.agree import agree, resolve_location_each
+from hp_fastload.dist.bounded import agree_bounded
 from hp_fastload.errors import CheckpointMismatchError
 from hp_fastload.model.finalize import initialize_missing
 from hp_fastload.model.wrappers import unwrapped
@@ -158,7 +159,10 @@ def from_pretrained(
     # load's first collective.
     config = agree("Reading the checkpoint's config.json", lambda: read_config(location, config_overrides))
     _agree_config(config)
-    model = agree(
+    agree("Checking accelerate's settings", refuse_rank0_broadcast)
+    # The user's parallelize may enter collectives of its own; if it fails on some ranks only, the others may be
+    # waiting in one of them: the outcomes travel through the store, and a failed rank raises within seconds.
+    model = agree_bounded(
         "Building and parallelizing the model",
         lambda: _build(location, config, auto_class, dtype, parallelize, distributed_config, device),
     )
@@ -171,6 +175,29 @@ def from_pretrained(
     )
     model.eval()
     return (model, report) if output_loading_info else model
+
+
+def refuse_rank0_broadcast() -> None:
+    """``ValueError`` when accelerate is set to load ``cpu_ram_efficient_loading``: its ``prepare`` then rebuilds
+    the model by broadcasting rank 0's full state dict to the others, the opposite of every rank reading its own
+    share (and on a meta model, rank 0 fails inside ``prepare`` while the others wait in its broadcast)."""
+    import sys
+
+    if "accelerate" not in sys.modules:
+        return
+    try:
+        from accelerate.state import AcceleratorState
+    except ImportError:
+        return
+    plugin = AcceleratorState._shared_state.get("fsdp_plugin")
+    if plugin is not None and getattr(plugin, "cpu_ram_efficient_loading", False):
+        raise ValueError(
+            "accelerate's FSDP plugin has cpu_ram_efficient_loading=True: its prepare() fills the model by "
+            "broadcasting rank 0's full state dict to every rank, the opposite of hp_fastload's reads (each rank "
+            "reads only its own shards). Set cpu_ram_efficient_loading=False (FSDP_CPU_RAM_EFFICIENT_LOADING=false, "
+            "or fsdp_cpu_ram_efficient_loading: false in accelerate's config); hp_fastload never holds the full "
+            "model on any rank"
+        )
 
 
 def _agree_config(config: Any) -> None:

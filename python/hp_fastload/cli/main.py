@@ -127,8 +127,103 @@ def _mesh(text: str) -> tuple[int, ...]:
     return shape
 
 
+def _rehearse(args: argparse.Namespace) -> int:
+    from hp_fastload.api.ranks import rehearse_rank
+
+    description, report, build_s = rehearse_rank(
+        args.checkpoint,
+        args.layout,
+        args.world,
+        args.rank,
+        args.mesh,
+        args.auto_class,
+        threads=args.threads,
+        device=args.device,
+        staging_bytes=args.staging_mib << 20,
+    )
+    if args.json:
+        row = {"layout": args.layout, "description": description, "world": args.world, "build_seconds": build_s}
+        json.dump({**row, **report.as_dict()}, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    print(f"layout {args.layout}: {description}; model built on meta in {build_s:.2f} s")
+    print(f"rank {args.rank} of {args.world} executed: {report.summary()}")
+    return 0
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    """``plan --all-ranks --share job``: the job-wide plan of the layout and its predicted cold starts."""
+    from hp_fastload.api.ranks import simulate
+
+    result = simulate(
+        args.checkpoint,
+        args.layout,
+        args.world,
+        mesh=args.mesh,
+        auto_class=args.auto_class,
+        ranks_per_node=args.ranks_per_node,
+        storage_gbps=args.storage_gbps,
+        network_gbps=args.network_gbps,
+        storage_total_gbps=args.storage_total_gbps,
+        budget_bytes=args.budget_mib << 20,
+    )
+    if args.json:
+        json.dump(result, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    gb = 1e9
+    print(f"layout {args.layout}: {result['layout']}; {result['nodes']} nodes of {result['ranks_per_node']} ranks")
+    print(
+        f"job needs {result['job_needs_bytes'] / gb:.3f} GB of a {result['checkpoint_bytes'] / gb:.3f} GB checkpoint; "
+        f"storage traffic: {result['storage_bytes'] / gb:.3f} GB shared (job), "
+        f"{result['storage_bytes_without_sharing'] / gb:.3f} GB without sharing"
+    )
+    print(f"{'node':>6} {'storage GB':>12} {'sent GB':>10} {'received GB':>12}")
+    for n, (r, o, i) in enumerate(
+        zip(
+            result["per_node_storage_bytes"],
+            result["per_node_sent_bytes"],
+            result["per_node_received_bytes"],
+            strict=True,
+        )
+    ):
+        print(f"{n:>6} {r / gb:>12.3f} {o / gb:>10.3f} {i / gb:>12.3f}")
+    print(f"{'rank':>6} {'needs GB':>10} {'received GB':>12} {'read GB':>9}")
+    for r, (need, got, read) in enumerate(
+        zip(
+            result["per_rank_needed_bytes"],
+            result["per_rank_received_bytes"],
+            result["per_rank_read_bytes"],
+            strict=True,
+        )
+    ):
+        print(f"{r:>6} {need / gb:>10.3f} {got / gb:>12.3f} {read / gb:>9.3f}")
+    t4, cpu = result["t4_plan_seconds"], result["t4_plan_cpu_seconds"]
+    print(
+        f"T1 read/needed {result['t1_read_over_needed']:.4f}; T2 max received/needed "
+        f"{result['t2_max_received_over_needed']:.4f}; T3 node read balance {result['t3_node_read_balance']:.3f}, "
+        f"median request {result['t3_median_request_bytes'] / 2**20:.1f} MiB over {result['chunks']} chunks, "
+        f"{result['rounds']} rounds; T4 job-wide planning {t4['t4']:.2f} s ({cpu['t4']:.2f} s CPU): whole plan "
+        f"{t4['whole_plan']:.2f} s, all ranks' needs {t4['all_ranks_needs']:.2f} s, job plan {t4['job_plan']:.2f} s "
+        f"(headers {t4['headers']:.2f} s, shared with the rank's own load)"
+    )
+    print(f"predicted cold start at {args.storage_gbps} GB/s storage and {args.network_gbps} GB/s network per node:")
+    for strategy, seconds in result["predicted_seconds"].items():
+        print(f"  {strategy:>5}: {seconds:10.2f} s")
+    return 0
+
+
 def _plan(args: argparse.Namespace) -> int:
     from hp_fastload.api.ranks import plan_ranks
+
+    if args.execute:
+        if args.all_ranks:
+            raise ValueError("--execute rehearses one rank (--rank); it cannot be combined with --all-ranks")
+        return _rehearse(args)
+    if args.share == "job":
+        if not args.all_ranks:
+            raise ValueError("--share job plans the whole job: add --all-ranks")
+        return _simulate(args)
 
     ranks = list(range(args.world)) if args.all_ranks else [args.rank]
     description, plans, build_s = plan_ranks(
@@ -186,19 +281,44 @@ def _register_plan(subparsers: Any) -> None:
         default="tp+fsdp",
         help="fsdp: FSDP2 per layer and root; tp: tensor parallel linears and embedding; tp+fsdp: tensor-parallel "
         "attention on the inner mesh dim, FSDP2 on the outer; ep: experts sharded by expert, the rest replicated; "
-        "2d: experts by expert on the inner dim and FSDP-like on the outer (default tp+fsdp)",
+        "2d: experts by expert on the inner dim and FSDP-like on the outer; hsdp: FSDP2 on the inner dim, replicated "
+        "on the outer (default tp+fsdp)",
     )
     p.add_argument(
         "--mesh",
         type=_mesh,
         default=None,
-        help="the 2-D mesh of tp+fsdp and 2d as OUTERxINNER, e.g. 2x4 (default WORLD/2 x 2)",
+        help="the 2-D mesh of tp+fsdp, 2d and hsdp as OUTERxINNER, e.g. 2x4 (default WORLD/2 x 2)",
     )
     p.add_argument("--all-ranks", action="store_true", help="plan every rank: a per-rank and a per-node table")
+    p.add_argument(
+        "--execute",
+        action="store_true",
+        help="rehearse --rank: allocate its local shards for real, read them from the checkpoint and report bytes, "
+        "seconds, GB/s, peak RSS and open descriptors",
+    )
+    p.add_argument("--threads", type=int, default=None, help="engine threads for --execute (default: the cores)")
+    p.add_argument("--device", default="cpu", help="where --execute puts the local shards: cpu (default) or cuda")
+    p.add_argument(
+        "--staging-mib", type=int, default=512, help="pinned staging of --execute --device cuda, MiB (default 512)"
+    )
     p.add_argument(
         "--ranks-per-node", type=int, default=8, help="ranks per node for the --all-ranks node table (default 8)"
     )
     p.add_argument("--auto-class", default=None, help="the transformers class to build (default AutoModelForCausalLM)")
+    p.add_argument(
+        "--share",
+        choices=["none", "job"],
+        default="none",
+        help="job (with --all-ranks): the job-wide plan (each byte read once per job, each rank sent its own bytes), "
+        "per-node storage and network bytes and predicted cold starts of the strategies none / node / job",
+    )
+    p.add_argument("--storage-gbps", type=float, default=2.0, help="storage GB/s one node reads at (default 2.0)")
+    p.add_argument("--network-gbps", type=float, default=12.5, help="network GB/s per node and direction (12.5)")
+    p.add_argument(
+        "--storage-total-gbps", type=float, default=None, help="the file system's aggregate GB/s cap (default none)"
+    )
+    p.add_argument("--budget-mib", type=int, default=512, help="staging + messages per rank per round (MiB)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=_plan)
 

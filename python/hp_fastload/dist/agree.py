@@ -93,6 +93,18 @@ def _waiting(stage: str, collective: Callable[[], Any], call: str = "hp_fastload
         ) from exc
 
 
+def agree_digest(stage: str, digest: str, hint: str) -> None:
+    """Every rank compares ``digest`` (one all-gather of a short string): a ``PlanError`` on every rank naming
+    the ranks whose value differs from rank 0's, followed by ``hint``."""
+    if not dist_active():
+        return
+    digests: list[Any] = [None] * torch.distributed.get_world_size()
+    _waiting(stage, lambda: torch.distributed.all_gather_object(digests, digest))
+    differing = [r for r, d in enumerate(digests) if d != digests[0]]
+    if differing:
+        raise errors.PlanError(f"{stage}: the ranks disagree (rank 0 vs ranks {differing[:8]}): {hint}")
+
+
 def resolve_location_each(path: str | os.PathLike[str], revision: str | None) -> Location:
     """Every rank resolves its own ``path`` (a relative path against its own working directory): rank 0
     first, then the others, a Hub id from the cache rank 0 has just filled when they share it. A failure on
@@ -109,3 +121,13 @@ def resolve_location_each(path: str | os.PathLike[str], revision: str | None) ->
         lambda: location if first else resolve_checkpoint_location(path, revision=revision, cache_first=True),
     )
     return resolved
+
+
+def raised_on(stage: str, rank: int, name: str, message: str) -> Exception:
+    """The exception every rank raises for a step that failed on ``rank`` with ``name: message`` (the same type
+    where it is one of the rebuildable types, else ``RuntimeError``)."""
+    cls = _REBUILDABLE.get(name)
+    text = f"{stage} failed on rank {rank}: {name}: {message}"
+    if cls is not None and issubclass(cls, Exception):
+        return cls(text)
+    return RuntimeError(text)

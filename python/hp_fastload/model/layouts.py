@@ -1,8 +1,8 @@
 """Named parallel layouts of a transformers model, and planning them for any rank on one machine.
 
-Owns ``hp-fastload plan``'s layouts (``fsdp``, ``tp``, ``tp+fsdp``, ``ep``, ``2d``), each built with torch's own
-APIs (``fully_shard``, ``parallelize_module``, ``distribute_tensor``) on a model that lives on the meta device,
-and :func:`plan_ranks`: the model built once from the checkpoint's config under torch's ``fake`` process group
+Owns ``hp-fastload plan``'s layouts (``fsdp``, ``tp``, ``tp+fsdp``, ``ep``, ``2d``, ``hsdp``), each built with
+torch's own APIs (``fully_shard``, ``parallelize_module``, ``distribute_tensor``) on a model that lives on the meta
+device, and :func:`plan_ranks`: the model built once from the checkpoint's config under torch's ``fake`` process group
 of the full world size (no peers, no tensor bytes), then planned for each requested rank through
 ``targets.virtual_rank``. The same layout functions run on real ranks give the same plans (tests compare them
 with ``hp_fastload.plan`` on gloo ranks).
@@ -17,6 +17,8 @@ Layouts (``world`` ranks; ``mesh`` is ``(dp, inner)`` for the 2-D ones, default 
 - ``ep``: stacked expert tensors ``Shard(0)`` (by expert) over all ranks, everything else replicated.
 - ``2d``: ``(dp, ep)``: expert tensors ``Shard(0)`` on ``ep`` and ``Shard(1)`` on ``dp``; everything else
   ``Shard(0)`` on ``dp``, replicated on ``ep``.
+- ``hsdp``: ``(replicate, shard)``: ``fully_shard`` of every layer and the root on the 2-D mesh (HSDP: each
+  parameter replicated over the outer dim, ``Shard(0)`` over the inner one).
 
 It does not read tensor bytes.
 """
@@ -112,6 +114,18 @@ def _tp_plan(module: nn.Module, attention_only: bool, tied: bool = False) -> dic
     return plan
 
 
+def _hsdp(model: nn.Module, world: int, mesh_shape: tuple[int, ...]) -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    replicas, shards = mesh_shape
+    mesh = init_device_mesh("cpu", (replicas, shards), mesh_dim_names=("dp_replicate", "dp_shard"))
+    for layer in _decoder_layers(model):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return f"hsdp: {replicas} replicas x fsdp over {shards} ranks"
+
+
 def _tp(model: nn.Module, world: int, mesh_shape: tuple[int, ...]) -> str:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard
@@ -170,10 +184,11 @@ LAYOUTS: dict[str, Callable[[nn.Module, int, tuple[int, ...]], str]] = {
     "tp+fsdp": _tp_fsdp,
     "ep": _ep,
     "2d": _two_d,
+    "hsdp": _hsdp,
 }
 
 
-_TWO_D = {"tp+fsdp", "2d"}
+_TWO_D = {"tp+fsdp", "2d", "hsdp"}
 
 
 def mesh_shape_for(layout: str, world: int, mesh: Sequence[int] | None = None) -> tuple[int, ...]:

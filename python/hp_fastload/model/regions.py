@@ -343,6 +343,20 @@ def _mesh_groups(mesh: Any) -> torch.Tensor:
     return ranks.unsqueeze(0)
 
 
+def mesh_coordinates(mesh: Any) -> tuple[tuple[int, ...], dict[int, tuple[int, ...]]]:
+    """``(mesh shape, {global rank: its coordinate})`` over every copy of ``mesh`` (``virtual_rank`` for all
+    ranks at once); ranks absent from every copy are absent from the dict."""
+    groups = _mesh_groups(mesh)
+    shape = tuple(int(s) for s in groups.shape[1:])
+    flat = groups.reshape(groups.shape[0], -1).tolist()
+    coords = list(itertools.product(*map(range, shape)))
+    out: dict[int, tuple[int, ...]] = {}
+    for copy in flat:
+        for position, rank in enumerate(copy):
+            out.setdefault(int(rank), coords[position])
+    return shape, out
+
+
 def virtual_rank(rank: int) -> MeshOverride:
     """A ``mesh_override`` that places global rank ``rank`` on every mesh (``None`` where it is absent).
 

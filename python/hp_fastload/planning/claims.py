@@ -43,6 +43,9 @@ class Claims:
         self.region_reads: dict[str, tuple[Target, Reads]] = {}
         self.deferred: list[PendingGroup] = []
         self.blocks = BlockCache()  # per-block work on shared traces (see BlockCache)
+        #: True when another rank's planning of the same model already checked the quantized claims (shared
+        #: planning: ``quant.claimed`` then comes filled, and the checks, rank-independent, are skipped)
+        self.quant_checked = False
 
     def claim(self, name: str, shape: Sequence[int]) -> Target | None:
         target = self.targets.get(name)
@@ -58,7 +61,7 @@ class Claims:
         return target
 
     def region(self, name: str, shape: Sequence[int], blocks: Sequence[Block], sources: dict[str, str] | None) -> None:
-        if self.quant:
+        if self.quant and not self.quant_checked:
             srcs = {b.source for b in blocks}
             self._check_quant(name, [sources[s] for s in srcs] if sources is not None else srcs)
         target = self.claim(name, shape)
@@ -69,7 +72,7 @@ class Claims:
             self.region_reads[target.names[0]] = (target, items)
 
     def defer(self, name: str, shape: Sequence[int], pending: PendingGroup) -> None:
-        if self.quant:
+        if self.quant and not self.quant_checked:
             self._check_quant(name, pending.keys)
         target = self.claim(name, shape)
         if target is not None:

@@ -99,15 +99,15 @@ def conversions(model: nn.Module, rules: list[Any] | None) -> Any:
             model._weight_conversions = saved
 
 
-def _meta_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+def _meta_state_dict(model: nn.Module, meta_ok: bool = False) -> dict[str, torch.Tensor]:
     """The model's state dict as meta tensors of the global shapes (what ``save_pretrained`` would see
-    gathered), refusing tensors without data."""
+    gathered), refusing tensors without data unless ``meta_ok`` (a dry run of the layout)."""
     out: dict[str, torch.Tensor] = {}
     for name, value in model.state_dict(keep_vars=True).items():
         if not isinstance(value, torch.Tensor):
             continue
         local = value.to_local() if hasattr(value, "to_local") else value
-        if local.device.type == "meta":
+        if local.device.type == "meta" and not meta_ok:
             raise TargetError(f"{name}: still on the meta device (materialize the model before saving)")
         out[name] = torch.empty(tuple(value.shape), dtype=value.dtype, device="meta")
     ignore = getattr(model, "_keys_to_ignore_on_save", None) or ()
@@ -116,7 +116,7 @@ def _meta_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _released(model: nn.Module, rules: list[Any] | None) -> dict[str, torch.Tensor]:
+def _released(model: nn.Module, rules: list[Any] | None, meta_ok: bool = False) -> dict[str, torch.Tensor]:
     """Released key -> meta tensor, by transformers' own tie removal and reverse conversion (for a module that
     is not a transformers model: aliases dropped by name, and the rules reverted when there are any)."""
     from transformers.core_model_loading import revert_weight_conversion
@@ -132,7 +132,7 @@ def _released(model: nn.Module, rules: list[Any] | None) -> dict[str, torch.Tens
             f"{type(model).__name__} is quantized ({type(model.hf_quantizer).__name__}); saving quantized models is "
             "not supported (save_pretrained writes its quantizer's own state dict and metadata)"
         )
-    state = _meta_state_dict(model)
+    state = _meta_state_dict(model, meta_ok)
     pretrained = isinstance(model, PreTrainedModel)
     state = (
         remove_tied_weights_from_state_dict(state, cast(Any, model)) if pretrained else _drop_plain_ties(model, state)
@@ -184,12 +184,33 @@ def file_header(tensors: Sequence[tuple[str, torch.Tensor]]) -> tuple[bytes, int
     return len(text).to_bytes(8, "little") + text, offset, [e[0] for e in entries]
 
 
-def export_layout(model: nn.Module, rules: list[Any] | None, max_shard_size: int | str) -> ExportLayout:
-    from huggingface_hub import split_state_dict_into_shards_factory
+def released_tensors(model: nn.Module, weights_mapping: Iterable[Any] | None = None) -> dict[str, torch.Tensor]:
+    """The released layout of ``model`` without data: key -> meta tensor (global shape, dtype), as ``save``
+    derives it (ties removed, conversions reverted by transformers). Works on a model on the meta device."""
+    return _released(model, forward_rules(model, weights_mapping), meta_ok=True)
 
+
+def shard_files(
+    released: dict[str, torch.Tensor], max_shard_size: int | str = "5GB", total_parameters: int | None = None
+) -> tuple[list[tuple[str, bytes, int, list[str]]], dict[str, Any] | None]:
+    """The files ``save`` writes for ``released`` (key -> meta tensor): ``(name, header, size, data order)``
+    per file, split as transformers does, and the index (None for a single file)."""
+    layout = _split(released, max_shard_size, total_parameters)
+    return [(f.name, f.header, f.size, f.keys) for f in layout.files], layout.index
+
+
+def export_layout(model: nn.Module, rules: list[Any] | None, max_shard_size: int | str) -> ExportLayout:
     released = _released(model, rules)
     if not released:
         raise PlanError("the model has no tensors to save")
+    count = getattr(model, "num_parameters", None)
+    total = count() if callable(count) else sum(p.numel() for p in model.parameters())
+    return _split(released, max_shard_size, total)
+
+
+def _split(released: dict[str, torch.Tensor], max_shard_size: int | str, total: int | None) -> ExportLayout:
+    from huggingface_hub import split_state_dict_into_shards_factory
+
     # transformers splits the reverted state dict with huggingface_hub, which counts a storage once and keeps
     # tensors sharing one (experts unbound from a stacked tensor) in one file. The meta tensors keep the
     # views' storage identity, so the same rule gives the same files without data.
@@ -206,8 +227,8 @@ def export_layout(model: nn.Module, rules: list[Any] | None, max_shard_size: int
         files.append(FileLayout(name, header, len(header) + data, order))
     index = None
     if split.is_sharded:
-        count = getattr(model, "num_parameters", None)
-        total = count() if callable(count) else sum(p.numel() for p in model.parameters())
+        if total is None:
+            total = sum(t.numel() for t in released.values())
         index = {
             "metadata": {"total_parameters": total, **split.metadata},
             "weight_map": split.tensor_to_filename,

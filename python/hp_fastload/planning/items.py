@@ -43,6 +43,14 @@ class LoadReport:
     #: non-persistent buffers nothing re-created after the load: after ``to_empty`` they hold garbage until
     #: the caller sets them (``finalize.recreate_buffers`` recomputes those of transformers models)
     unfilled_buffers: tuple[str, ...] = field(default=(), compare=False)
+    #: model tensors no checkpoint holds by design, left as they are: those a ``state_dict_adapter`` does not
+    #: map (torchtitan's ``expert_bias``) and those matching ``ignore_missing``
+    ignored_missing_keys: tuple[str, ...] = field(default=(), compare=False)
+    #: bytes this rank received from / sent to other ranks (``share="job"`` or ``"replicated"``)
+    bytes_received: int = field(default=0, compare=False)
+    bytes_sent: int = field(default=0, compare=False)
+    #: the sharing strategy that ran: ``"none"``, ``"job"`` or ``"replicated"``
+    share: str = field(default="", compare=False)
 
     def summary(self) -> str:
         rate = self.bytes_read / self.seconds / 1e9 if self.seconds > 0 else 0.0
@@ -53,6 +61,14 @@ class LoadReport:
             f"in {self.seconds:.3f} s ({rate:.2f} GB/s); {self.region_targets} region targets, "
             f"{len(self.deferred_targets)} deferred"
         )
+        if self.ignored_missing_keys:
+            shown = ", ".join(self.ignored_missing_keys[:3]) + (", ..." if len(self.ignored_missing_keys) > 3 else "")
+            text += f"; {len(self.ignored_missing_keys)} not in any checkpoint, left as they are ({shown})"
+        if self.bytes_received or self.bytes_sent or self.share not in ("", "none"):
+            text += (
+                f"; share={self.share or 'none'}: received {self.bytes_received / 1e6:.1f} MB, "
+                f"sent {self.bytes_sent / 1e6:.1f} MB"
+            )
         if self.retied_keys:
             text += f"; re-tied {len(self.retied_keys)} ({', '.join(self.retied_keys[:3])})"
         if self.unfilled_buffers:
@@ -393,16 +409,28 @@ class LoadPlan:
         for spec, touched in rows.items():
             yield spec.scale, scale_read_nbytes(spec, touched, self.scale_nbytes[spec.scale])
 
+    def _touched(self) -> dict[str, ScaleRows]:
+        """Each region target's touched scale rows, computed once per plan (reports ask for them several times;
+        an all-ranks report of a block-fp8 checkpoint spent most of its time here)."""
+        cached: dict[str, ScaleRows] | None = self.__dict__.get("_touched_rows")
+        if cached is None:
+            cached = {name: touched_scale_rows(reads) for name, reads in self.region_reads.items()}
+            self.__dict__["_touched_rows"] = cached
+        return cached
+
     def read_bytes_by_file(self) -> dict[str, int]:
         """Bytes of source data this rank's region reads need, per checkpoint file."""
         out: dict[str, int] = {}
         files = self.files
         rows: ScaleRows = {}
-        for reads in self.region_reads.values():
+        touched = self._touched()
+        for name, reads in self.region_reads.items():
             for key, n in zip(reads.keys, reads.nbytes.tolist(), strict=True):
                 path = files[key]
                 out[path] = out.get(path, 0) + n
-            touched_scale_rows(reads, rows)
+            for spec, (a, b) in touched[name].items():
+                seen = rows.get(spec)
+                rows[spec] = (a, b) if seen is None else (min(seen[0], a), max(seen[1], b))
         for key, n in self._scale_bytes(rows):  # each scale's rows once, however many targets use it
             out[files[key]] = out.get(files[key], 0) + n
         for path, n in self._deferred_bytes():
@@ -417,8 +445,9 @@ class LoadPlan:
     def read_bytes_by_target(self) -> dict[str, int]:
         """Source bytes of each region target's reads, the scale grid rows its dequantized items touch
         included."""
+        touched = self._touched()
         return {
-            name: reads.total_nbytes + sum(n for _, n in self._scale_bytes(touched_scale_rows(reads)))
+            name: reads.total_nbytes + sum(n for _, n in self._scale_bytes(touched[name]))
             for name, reads in self.region_reads.items()
         }
 

@@ -6,16 +6,21 @@ dequantization fallbacks, runs the strict check and builds the ``LoadPlan`` and 
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+from hp_fastload.convert.adapter import hook_renamed
 from hp_fastload.convert.detect import detect_in_index
-from hp_fastload.convert.groups import build_groups
-from hp_fastload.errors import MissingKeysError
+from hp_fastload.convert.groups import LoadGroup, build_groups
+from hp_fastload.convert.quant_info import QuantInfo
+from hp_fastload.errors import MissingKeysError, PlanError
 from hp_fastload.model.targets import Target
+from hp_fastload.planning.adapter import plan_adapter
 from hp_fastload.planning.claims import Claims
 from hp_fastload.planning.context import LoadContext, PendingGroup
-from hp_fastload.planning.intersect import region_items
+from hp_fastload.planning.intersect import BlockCache, region_items
 from hp_fastload.planning.items import LoadPlan, LoadReport
 from hp_fastload.planning.replacement import (
     Replacement,
@@ -24,9 +29,12 @@ from hp_fastload.planning.replacement import (
     replacement_of,
     replacement_routes,
 )
-from hp_fastload.planning.trace import Tracer
+from hp_fastload.planning.trace import Traced, Tracer
+from hp_fastload.runtime import gc_paused
 from hp_fastload.source.index import CheckpointIndex
 from hp_fastload.source.natural import natural_sort_key
+
+__all__ = ["SharedPlanning", "plan_load", "share_planning"]
 
 log = logging.getLogger("hp_fastload")
 
@@ -42,6 +50,65 @@ def _missing_keys_error(missing: Sequence[str], unexpected: Sequence[str]) -> Mi
     return MissingKeysError(text, missing, unexpected)
 
 
+@dataclass
+class SharedPlanning:
+    """What planning one model against one checkpoint does the same for every rank: the quantized tensors
+    found, the load groups with their traces (global shapes only), the unexpected keys and the per-block caches.
+    Ranks of one laid-out model differ only in their targets' regions: ``plan_load(..., shared=...)`` then
+    claims and intersects, and nothing else (``share_planning`` makes it; ``hp_fastload.plan_each`` uses it).
+    """
+
+    quant: QuantInfo
+    groups: list[LoadGroup]
+    traced: list[Traced]
+    unexpected: list[str]
+    blocks: BlockCache
+    trace: bool
+    #: the quantized claims (``QuantInfo.claimed``) after the first rank planned with it: the same for every rank
+    claimed: dict[str, tuple[str, Any]] | None = None
+    #: (loaded names, unexpected keys, sorted loaded names) of the first rank: ranks claiming the same names
+    #: have the same unexpected keys (claims and quantized companions do not depend on the region)
+    outcome: tuple[set[str], list[str], tuple[str, ...]] | None = None
+
+
+@gc_paused()
+def share_planning(
+    model: Any,
+    index: CheckpointIndex,
+    targets: dict[str, Target],
+    rules: Sequence[Any],
+    *,
+    trace: bool = True,
+    claimed_source_keys: Collection[str] = frozenset(),
+    map_key: Callable[[str], str | None] | None = None,
+) -> SharedPlanning | None:
+    """The rank-independent part of :func:`plan_load` for ``targets`` (any rank's: names and global shapes are
+    what it uses); None when the model has a replacement stage (planned per rank from scratch)."""
+    replacement = replacement_of(model)
+    if replacement is not None and replacement.rules and replacement.source_shapes:
+        return None
+    keys = [k for k in index if k not in claimed_source_keys] if claimed_source_keys else index.keys()
+    prefix = getattr(model, "base_model_prefix", None) or None
+    groups, unexpected = build_groups(keys, targets, rules, base_model_prefix=prefix, map_key=map_key)
+    tracer = Tracer(index, model, lambda n: targets[n].global_shape if n in targets else None, trace)
+    traced = [tracer.run(group) for group in groups]
+    return SharedPlanning(detect_in_index(index), groups, traced, list(unexpected), BlockCache(), trace)
+
+
+def _refuse_hooked(model: Any, targets: dict[str, Target], loaded: Collection[str]) -> None:
+    """Rules writing straight into a tensor whose checkpoint layout the model's own hooks define would bypass
+    them (a plain concatenation into torchtitan's per-KV-group fused ``wqkv`` loads wrong values silently)."""
+    hooked = hook_renamed(model, {n: (tuple(t.global_shape), t.dtype) for n, t in targets.items()})
+    bad = [n for n in hooked if n in loaded]
+    if bad:
+        raise PlanError(
+            f"{len(bad)} model tensors have their checkpoint layout defined by the model's own state_dict / "
+            f"load_state_dict hooks (first: {', '.join(bad[:3])}), which a weights_mapping load bypasses: pass "
+            "state_dict_adapter= (torchtitan's StateDictAdapter, e.g. Llama3StateDictAdapter(model_config, None)), "
+            "which applies the hooks as torchtitan does"
+        )
+
+
 def plan_load(
     model: Any,
     index: CheckpointIndex,
@@ -54,6 +121,9 @@ def plan_load(
     map_key: Callable[[str], str | None] | None = None,
     loader: str = "dcp",
     replacement: Replacement | None = None,
+    shared: SharedPlanning | None = None,
+    adapter: Any = None,
+    ignore_missing: Sequence[str] = (),
 ) -> tuple[LoadPlan, LoadContext]:
     """Plan one rank's load: the plain ``LoadPlan`` and the ``LoadContext`` that executes it. Raises (before
     any byte is read) on strict misses and bad targets.
@@ -62,15 +132,41 @@ def plan_load(
     ``replacement_of(model)``) adds the replacement modules' second stage. The cyclic garbage collector is
     paused: planning a 100k-tensor checkpoint allocates a few hundred thousand small objects, which would
     trigger several full collections of everything the process holds (a model, torch's modules) for nothing.
+
+    ``shared`` (:func:`share_planning` of the same model, checkpoint, rules and ``trace``; ``targets`` may be
+    another rank's) skips the rank-independent work: groups, traces and quantization detection.
+
+    ``adapter`` (a state-dict adapter, ``convert.adapter``) replaces the rules: the model tensors are what its
+    ``from_hf`` and the model's load hooks trace to (``planning.adapter``); the tensors it does not map are
+    not missing. ``ignore_missing`` (regexes searched in model names) names more tensors no checkpoint holds.
+    Both kinds are listed in ``LoadReport.ignored_missing_keys``.
     """
     if replacement is None:
         replacement = replacement_of(model)
     keys = [k for k in index if k not in claimed_source_keys] if claimed_source_keys else index.keys()
     prefix = getattr(model, "base_model_prefix", None) or None
-    quant = detect_in_index(index)
+    quant = shared.quant.for_rank() if shared is not None else detect_in_index(index)
     claims = Claims(index, targets, quant)
     used_replacements: list[Any] = []
-    if replacement is not None and replacement.rules and replacement.source_shapes:
+    ignored: list[str] = []
+    if adapter is not None:
+        decided = plan_adapter(model, index, targets, adapter, claims, keys)
+        claims.unexpected.extend(decided.unexpected)
+        ignored.extend(decided.unmapped)
+        rules = []
+    elif shared is not None:
+        if shared.trace != trace:
+            raise ValueError("plan_load: shared planning was made with another trace setting")
+        claims.blocks = shared.blocks
+        claims.unexpected.extend(shared.unexpected)
+        if shared.claimed is not None:
+            quant.claimed.update(shared.claimed)
+            claims.quant_checked = True
+        for group, traced in zip(shared.groups, shared.traced, strict=True):
+            claims.direct(group, traced, model)
+        if shared.claimed is None:
+            shared.claimed = dict(quant.claimed)
+    elif replacement is not None and replacement.rules and replacement.source_shapes:
         base_rules = [r for r in rules if not any(r is x for x in replacement.rules)]
         view = SourceModelView(model, dict(replacement.source_shapes))
         groups, unexpected = build_groups(keys, view.shapes, base_rules, base_model_prefix=prefix, map_key=map_key)
@@ -125,22 +221,43 @@ def plan_load(
             if target is not None:
                 pending.claims[name] = target
             claims.add_deferred(pending)
-    missing = sorted(set(targets) - claims.loaded, key=natural_sort_key)
-    unexpected_names = set(claims.unexpected)  # (sorted once, from a set)
-    if quant:
-        quant.check_missing(missing, claims.unexpected)
-        unexpected_names.difference_update(quant.consumed())  # the scales of dequantized tensors are read with them
-    unexpected = index.natural_sorted(unexpected_names)
+    if adapter is None:
+        _refuse_hooked(model, targets, claims.loaded)
+    if ignore_missing:
+        patterns = [re.compile(p) for p in ignore_missing]
+        ignored.extend(n for n in set(targets) - claims.loaded if any(p.search(n) for p in patterns))
+    ignored_set = set(ignored) - claims.loaded
+    missing = sorted(set(targets) - claims.loaded - ignored_set, key=natural_sort_key)
+    if (
+        shared is not None
+        and shared.outcome is not None
+        and shared.outcome[0] == claims.loaded
+        and all(k in quant.claimed for k in quant.dequantized)
+    ):
+        # another rank of the same model: the same claims, so the same unexpected keys and loaded names
+        _, unexpected, loaded_keys = shared.outcome
+    else:
+        unexpected_names = set(claims.unexpected)  # (sorted once, from a set)
+        if quant:
+            quant.check_missing(missing, claims.unexpected)
+            unexpected_names.difference_update(quant.consumed())  # the scales of dequantized tensors: read with them
+        unexpected = index.natural_sorted(unexpected_names)
+        loaded_keys = tuple(sorted(claims.loaded, key=natural_sort_key))
+        # consumed() includes the companions of this rank's dequantized keys: when all of them are claimed keys
+        # (whose companions are counted already), the outcome holds for every rank whose dequantized keys are too
+        if shared is not None and all(k in quant.claimed for k in quant.dequantized):
+            shared.outcome = (set(claims.loaded), unexpected, loaded_keys)
     if strict and missing:
         raise _missing_keys_error(missing, unexpected)
     report = LoadReport(
-        loaded_keys=tuple(sorted(claims.loaded, key=natural_sort_key)),
+        loaded_keys=loaded_keys,
         missing_keys=tuple(missing),
         unexpected_keys=tuple(unexpected),
         checkpoint_bytes=index.total_bytes,
         region_targets=len(claims.region_reads),
         deferred_targets=tuple(n for d in claims.deferred for n in d.claims),
         loader=loader,
+        ignored_missing_keys=tuple(sorted(ignored_set, key=natural_sort_key)),
     )
     used = [r for r in rules if getattr(r, "was_used", lambda: False)()]
     specs = quant.dequantized  # built for the keys this rank reads (QuantInfo.read), not every claimed one

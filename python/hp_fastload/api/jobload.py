@@ -1,0 +1,210 @@
+"""``load(..., share=...)``: choosing the sharing strategy and running the job-wide one.
+
+Owns: resolving ``share`` (``"none"``, ``"job"``, ``"auto"``, and the older ``share_replicated=True``,
+which stays the replica broadcast of ``dist.share``), the number of ranks per node (``ranks_per_node``, else
+``$LOCAL_WORLD_SIZE`` as torchrun sets it, else the whole world is one node), the job plan of a load (every
+rank's needs from ``planning.jobranks``, this rank's own plan checked against the one computed for it, the
+plan's digest agreed by ``dist.agree.agree_digest``), and running it: MXFP4 items and deferred groups read by
+each rank itself, everything else delivered (``execute.deliver``).
+
+The checks and the report stay in ``api.load``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from hp_fastload.convert.rules import resolve_mapping
+from hp_fastload.dist.agree import agree, agree_digest
+from hp_fastload.errors import PlanError
+from hp_fastload.execute.deliver import deliver
+from hp_fastload.execute.read import execute_plan
+from hp_fastload.planning.context import LoadContext
+from hp_fastload.planning.items import LoadPlan
+from hp_fastload.planning.jobcost import predict
+from hp_fastload.planning.jobneeds import StorageMap, delivered_rows, rank_needs
+from hp_fastload.planning.jobranks import all_rank_needs, packed_keys
+from hp_fastload.planning.jobwide import DEFAULT_BUDGET_BYTES, DEFAULT_CHUNK_BYTES, JobPlan, plan_job
+from hp_fastload.planning.replacement import Replacement
+from hp_fastload.source.index import CheckpointIndex
+
+__all__ = ["SHARES", "JobStats", "agree_job_plan", "ranks_per_node", "resolve_share", "run_job"]
+
+SHARES = ("none", "job", "auto", "replicated")
+#: Bandwidths ``share="auto"`` assumes (GB/s per node) unless the environment says otherwise.
+STORAGE_GBPS_ENV = "HP_FASTLOAD_STORAGE_GBPS"
+NETWORK_GBPS_ENV = "HP_FASTLOAD_NETWORK_GBPS"
+DEFAULT_STORAGE_GBPS = 2.0
+DEFAULT_NETWORK_GBPS = 12.5
+
+
+def resolve_share(share: str | None, share_replicated: bool) -> str:
+    """The strategy: ``share`` when given, ``"replicated"`` for the older ``share_replicated=True``, else
+    ``"none"``. ``ValueError`` for an unknown name or a contradiction."""
+    if share is None:
+        return "replicated" if share_replicated else "none"
+    name = str(share).strip().lower()
+    if name not in SHARES:
+        raise ValueError(f"Unknown share {share!r}; expected one of {', '.join(SHARES)}")
+    if share_replicated and name != "replicated":
+        raise ValueError(f"share={share!r} and share_replicated=True disagree: pass one of them")
+    return name
+
+
+def ranks_per_node(given: int | None, world: int) -> int:
+    """``given``, else ``$LOCAL_WORLD_SIZE``, else ``world`` (one node)."""
+    if given is None:
+        env = os.environ.get("LOCAL_WORLD_SIZE")
+        given = int(env) if env and env.isdigit() and int(env) > 0 else world
+    if given < 1:
+        raise ValueError(f"ranks_per_node must be at least 1, got {given}")
+    return min(given, world)
+
+
+@dataclass
+class JobStats:
+    """What a job-wide load did on this rank (``ExecStats``-shaped: ``bytes_read``, ``extra``)."""
+
+    bytes_read: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def plan_for_load(
+    model: Any,
+    index: CheckpointIndex,
+    own: LoadPlan,
+    rank: int,
+    world: int,
+    *,
+    rules: Any,
+    loader: str,
+    external_target_fqns: Collection[str],
+    claimed_source_keys: Collection[str],
+    replacement: Replacement | None,
+    per_node: int,
+    budget_bytes: int,
+    chunk_bytes: int,
+) -> JobPlan:
+    """The job plan on this rank; ``PlanError`` when this rank's own plan needs other bytes than the plan
+    computed for it (every rank must derive the same layouts)."""
+    smap = StorageMap.of_index(index)
+    needs = all_rank_needs(
+        model,
+        index,
+        smap,
+        world,
+        rules=rules,
+        loader=loader,
+        external_target_fqns=external_target_fqns,
+        claimed_source_keys=claimed_source_keys,
+        replacement=replacement,
+    )
+    mine = rank_needs(own, smap, packed_keys(own, index))
+    if mine != needs[rank]:
+        raise PlanError(
+            f"rank {rank}: its own plan reads {mine.nbytes(smap)} bytes but the job-wide plan computed "
+            f"{needs[rank].nbytes(smap)} for it (a layout that cannot be derived for other ranks); use share='none'"
+        )
+    return plan_job(needs, smap, ranks_per_node=per_node, budget_bytes=budget_bytes, chunk_bytes=chunk_bytes)
+
+
+def auto_prefers_job(job: JobPlan) -> bool:
+    """``share="auto"``: the job plan when the cost model predicts it faster than every rank reading alone."""
+    storage = float(os.environ.get(STORAGE_GBPS_ENV, DEFAULT_STORAGE_GBPS))
+    network = float(os.environ.get(NETWORK_GBPS_ENV, DEFAULT_NETWORK_GBPS))
+    by_name = {p.strategy: p.seconds for p in predict(job, storage_gbps=storage, network_gbps=network)}
+    return by_name["job"] < by_name["none"]
+
+
+def run_job(
+    job: JobPlan,
+    rank: int,
+    plan: LoadPlan,
+    context: LoadContext,
+    *,
+    agree: Callable[[str, Callable[[], Any]], Any],
+    threads: int | None,
+    backend: str | None,
+    progress: Callable[[int], None] | None,
+    legacy: bool = False,
+) -> JobStats:
+    """Run ``job`` on this rank: first what stays local (MXFP4 items, deferred groups; agreed), then the
+    delivery."""
+    packed = packed_keys(plan, context.index)
+    local: dict[str, Any] = {}
+    for name, reads in plan.region_reads.items():
+        keep = delivered_rows(reads, packed)
+        if len(keep) != len(reads):
+            rest = np.setdiff1d(np.arange(len(reads)), keep)
+            local[name] = reads.take(rest)
+    stats = JobStats()
+    if local or plan.deferred:
+        sub = LoadPlan(local, plan.deferred, plan.report, plan.files, plan.dequant, plan.scale_nbytes)
+        done = agree(
+            "Reading the tensors each rank reads itself",
+            lambda: execute_plan(sub, context, legacy=legacy, threads=threads, backend=backend, progress=progress),
+        )
+        stats.bytes_read += done.bytes_read
+    delivered = deliver(
+        job, rank, plan, context, threads=threads, backend=backend, packed=packed, agree=agree, progress=progress
+    )
+    stats.bytes_read += delivered.bytes_read
+    stats.bytes_sent = delivered.bytes_sent
+    stats.bytes_received = delivered.bytes_received
+    stats.extra.update(rounds=delivered.rounds, read_retries=delivered.read_retries, items_from_memory=delivered.items)
+    return stats
+
+
+def agree_job_plan(
+    model: Any,
+    index: CheckpointIndex,
+    load_plan: LoadPlan,
+    sharing: str,
+    per_node: int | None,
+    budget: int | None,
+    *,
+    weights_mapping: Any,
+    key_mapping: Any,
+    external_target_fqns: Collection[str],
+    claimed_source_keys: Collection[str],
+    replacement: Replacement | None,
+    loader: str,
+) -> JobPlan | None:
+    """The job-wide plan, computed on every rank and agreed by its digest (one all-gather of a hash); None
+    when ``share="auto"`` prefers every rank reading its own regions (the same choice on every rank)."""
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    budget_bytes = budget or DEFAULT_BUDGET_BYTES
+    job: JobPlan = agree(
+        "Planning the job-wide reads",
+        lambda: plan_for_load(
+            model,
+            index,
+            load_plan,
+            rank,
+            world,
+            rules=resolve_mapping(model, weights_mapping, key_mapping),
+            loader=loader,
+            external_target_fqns=external_target_fqns,
+            claimed_source_keys=claimed_source_keys,
+            replacement=replacement,
+            per_node=ranks_per_node(per_node, world),
+            budget_bytes=budget_bytes,
+            chunk_bytes=min(DEFAULT_CHUNK_BYTES, budget_bytes // 4),
+        ),
+    )
+    agree_digest(
+        "Agreeing on the job-wide plan",
+        job.digest,
+        "the model's layout or the checkpoint differs between ranks; use share='none'",
+    )
+    if sharing == "auto" and not auto_prefers_job(job):
+        return None
+    return job

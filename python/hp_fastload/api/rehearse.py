@@ -1,0 +1,286 @@
+"""Any rank of a big job on this machine: ``rehearse(model_on_meta, path, rank=r)`` (one rank's load, executed
+and measured), ``plan_each(model, path, ranks)`` (many ranks planned, the rank-independent work done once) and
+``as_rank(r)`` (the ``mesh_override`` that names a rank).
+
+Owns the executed dry run: the model's layout is planned for global rank ``r`` (a virtual rank: the model may
+live on the meta device, under torch's ``fake`` process group of the job's world size), the rank's local shards
+are allocated for real (host memory, or a CUDA device through the pinned stager), the rank's reads run from the
+checkpoint, and the run is measured: bytes, seconds, GB/s, the peak resident set and the open descriptors while
+reading. The model itself is not touched; the filled shards can be returned for checking.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import resource
+import threading
+import time
+from collections.abc import Collection, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from hp_fastload.api.load import as_rank, plan_at
+from hp_fastload.convert.rules import resolve_mapping
+from hp_fastload.execute.read import execute_plan
+from hp_fastload.execute.staging import DEFAULT_STAGING_BYTES
+from hp_fastload.execute.threads import threads_per_rank
+from hp_fastload.model.targets import Target, build_targets
+from hp_fastload.model.wrappers import unwrapped
+from hp_fastload.planning.items import LoadPlan
+from hp_fastload.planning.orchestrate import SharedPlanning, plan_load, share_planning
+from hp_fastload.runtime import gc_paused
+from hp_fastload.source.index import CheckpointIndex
+from hp_fastload.source.location import resolve_checkpoint_location
+
+__all__ = ["Rehearsal", "as_rank", "plan_each", "rehearse"]
+
+
+def plan_each(
+    model: nn.Module,
+    path: str | os.PathLike[str],
+    ranks: Iterable[int],
+    *,
+    weights_mapping: Iterable[Any] | None = None,
+    key_mapping: Mapping[str, str] | None = None,
+    strict: bool = False,
+    revision: str | None = None,
+) -> Iterator[tuple[int, LoadPlan]]:
+    """``(rank, plan)`` for each of ``ranks`` of ``model``'s layout (see :func:`as_rank`), equal to
+    ``hp_fastload.plan(model, path, rank=rank)`` each. The checkpoint's headers are read once, and the groups,
+    their traces and the quantization scan are made once for all ranks (``plan.orchestrate.share_planning``):
+    each rank only builds its targets, claims and intersects its regions."""
+    model = unwrapped(model)
+    location = resolve_checkpoint_location(path, revision=revision)
+    with gc_paused():
+        index = CheckpointIndex.open(location)
+        rules = resolve_mapping(model, weights_mapping, key_mapping)
+    shared: SharedPlanning | None = None
+    first = True
+    for rank in ranks:
+        with gc_paused():
+            targets = build_targets(model, mesh_override=as_rank(rank))
+            if first:
+                shared, first = share_planning(model, index, targets, rules), False
+            plan, _ = plan_load(model, index, targets, rules, strict=strict, shared=shared)
+        yield rank, plan
+
+
+@dataclass
+class Rehearsal:
+    """One rank's rehearsed load.
+
+    ``local_bytes``: the rank's local shards (allocated for this run); ``bytes_read``: what the engine read;
+    ``peak_rss``: the process's peak resident set while reading (``VmHWM`` reset before the reads; mapped
+    checkpoint pages included), ``rss_before`` the resident set when the reads started; ``peak_fds``: the most
+    open descriptors seen while reading (sampled every 5 ms), ``fds_before`` the count before.
+    """
+
+    rank: int
+    world: int | None
+    targets: int
+    local_bytes: int
+    bytes_needed: int
+    bytes_read: int
+    plan_seconds: float
+    read_seconds: float
+    threads: int
+    device: str
+    rss_before: int
+    peak_rss: int
+    fds_before: int
+    peak_fds: int
+    staging_bytes: int = 0
+
+    @property
+    def gbps(self) -> float:
+        """GB/s (10^9) of the bytes read over the read time."""
+        return self.bytes_read / self.read_seconds / 1e9 if self.read_seconds > 0 else 0.0
+
+    @property
+    def rss_over_local(self) -> int:
+        """Peak resident bytes above the rank's local shards (the memory target's measure)."""
+        return self.peak_rss - self.local_bytes
+
+    def as_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["gbps"] = self.gbps
+        out["rss_over_local"] = self.rss_over_local
+        return out
+
+    def summary(self) -> str:
+        return (
+            f"rank {self.rank}: planned in {self.plan_seconds:.3f} s; read {self.bytes_read / 1e9:.3f} GB in "
+            f"{self.read_seconds:.3f} s ({self.gbps:.2f} GB/s, {self.threads} threads) into "
+            f"{self.local_bytes / 1e9:.3f} GB of local shards on {self.device}; peak RSS "
+            f"{self.peak_rss / 2**30:.2f} GiB ({self.rss_over_local / 2**30:+.2f} GiB over the shards); open "
+            f"descriptors {self.fds_before} -> peak {self.peak_fds}"
+            + (f"; pinned staging {self.staging_bytes / 2**20:.0f} MiB" if self.staging_bytes else "")
+        )
+
+
+def _status_bytes(field: str) -> int:
+    """A ``kB`` field of ``/proc/self/status`` in bytes (0 where there is none)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _reset_peak_rss() -> bool:
+    """Reset the kernel's peak resident set (``VmHWM``) of this process; False where it cannot be."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _open_fds() -> int:
+    try:
+        return len(os.listdir("/proc/self/fd")) - 1  # the listing's own descriptor
+    except OSError:
+        return 0
+
+
+class _FdSampler:
+    """The most open descriptors seen, sampled every ``interval`` s from a thread (the engine runs without the
+    GIL, so the sampler runs alongside it)."""
+
+    def __init__(self, interval: float = 0.005) -> None:
+        self.peak = _open_fds()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(interval,), daemon=True)
+
+    def _run(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            self.peak = max(self.peak, _open_fds())
+
+    def __enter__(self) -> _FdSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _open_fds())
+
+
+def _materialize(
+    plan: LoadPlan, targets: Mapping[str, Target], device: torch.device
+) -> tuple[dict[str, Target], dict[str, torch.Tensor], int]:
+    """Real local shards for every target the plan fills: ``(name -> writable target, name -> shard, bytes)``.
+    Host shards are touched once (zeroed) so that the reads measure reading, not first faults."""
+    names = set(plan.region_reads)
+    for deferred in plan.deferred:
+        names.update(deferred.claims.values())
+    made: dict[int, Target] = {}
+    shards: dict[str, torch.Tensor] = {}
+    total = 0
+    for name in sorted(names):
+        target = targets[name]
+        target.check()
+        new = made.get(id(target))
+        if new is None:
+            local = torch.empty(target.region.local_shape, dtype=target.dtype, device=device)
+            if device.type == "cpu":
+                local.zero_()
+            total += local.numel() * local.element_size()
+            new = dataclasses.replace(target, tensor=local, device=local.device, is_dtensor=False, virtual=False)
+            made[id(target)] = new
+        shards[name] = new.tensor
+    out = {name: made.get(id(t), t) for name, t in targets.items()}
+    return out, shards, total
+
+
+def _world_of(model: nn.Module) -> int | None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return int(torch.distributed.get_world_size())
+    return None
+
+
+@gc_paused()
+def rehearse(
+    model: nn.Module,
+    path: str | os.PathLike[str],
+    *,
+    rank: int,
+    threads: int | None = None,
+    device: str | torch.device = "cpu",
+    staging_bytes: int = DEFAULT_STAGING_BYTES,
+    backend: str | None = None,
+    weights_mapping: Iterable[Any] | None = None,
+    key_mapping: Mapping[str, str] | None = None,
+    external_target_fqns: Collection[str] = frozenset(),
+    revision: str | None = None,
+    keep: bool = False,
+) -> tuple[Rehearsal, dict[str, torch.Tensor]]:
+    """Plan global rank ``rank`` of ``model``'s layout (the model may be on meta; see :func:`as_rank`), allocate
+    its local shards on ``device``, read them from ``path`` and measure the run.
+
+    Returns the :class:`Rehearsal` and, with ``keep=True``, the filled local shards by target name (else an empty
+    dict: the shards are freed before returning). CUDA shards are filled through the pinned double-buffered
+    stager of ``staging_bytes`` in all; ``backend`` is the engine's (None: auto). Nothing is written into ``model``.
+    """
+    model = unwrapped(model)
+    device = torch.device(device)
+    if threads is None:
+        threads = threads_per_rank()
+    location = resolve_checkpoint_location(path, revision=revision)
+    t0 = time.perf_counter()
+    plan, context = plan_at(
+        model,
+        location,
+        "dcp",
+        weights_mapping=weights_mapping,
+        key_mapping=key_mapping,
+        strict=False,
+        external_target_fqns=external_target_fqns,
+        claimed_source_keys=frozenset(),
+        mesh_override=as_rank(rank),
+    )
+    plan_seconds = time.perf_counter() - t0
+    targets, shards, local_bytes = _materialize(plan, context.targets, device)
+    context = dataclasses.replace(context, targets=targets)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    _reset_peak_rss()
+    rss_before = _status_bytes("VmRSS")
+    with _FdSampler() as fds:
+        fds_before = fds.peak
+        t1 = time.perf_counter()
+        try:
+            stats = execute_plan(plan, context, threads=threads, backend=backend, staging_bytes=staging_bytes)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            read_seconds = time.perf_counter() - t1
+        finally:
+            for file in context.index.files:
+                file.header.release_map()
+    peak = _status_bytes("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    report = Rehearsal(
+        rank=rank,
+        world=_world_of(model),
+        targets=len({id(t) for t in targets.values() if not t.virtual}),
+        local_bytes=local_bytes,
+        bytes_needed=plan.bytes_needed,
+        bytes_read=stats.bytes_read,
+        plan_seconds=plan_seconds,
+        read_seconds=read_seconds,
+        threads=threads,
+        device=str(device),
+        rss_before=rss_before,
+        peak_rss=peak,
+        fds_before=fds_before,
+        peak_fds=fds.peak,
+        staging_bytes=int(stats.extra.get("staging_bytes", 0)),
+    )
+    return report, (shards if keep else {})

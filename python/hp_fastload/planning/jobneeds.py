@@ -1,0 +1,271 @@
+"""One rank's needs for the job-wide plan: every checkpoint tensor placed on one byte axis (``StorageMap``), and
+a rank's ``LoadPlan`` turned into the exact element intervals of checkpoint tensors its region reads touch
+(``rank_needs``: a strided box is many runs, never its bounding box; the scale rows of FP8 items included).
+
+Pure: arrays over headers, no process group, no bytes. The job plan built from every rank's needs is
+``planning.jobwide``; the needs of every rank of a job, computed on one rank, ``planning.jobranks``.
+Items the delivery cannot run from memory (MXFP4 nibbles, deferred groups) are not needs: each rank reads
+them itself (``delivered_rows``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from hp_fastload.errors import PlanError
+from hp_fastload.planning.items import LoadPlan, Reads, touched_scale_rows
+
+__all__ = [
+    "Int64s",
+    "Needs",
+    "StorageMap",
+    "as_int64",
+    "delivered_rows",
+    "item_runs",
+    "merge_needs",
+    "merge_needs_by_rank",
+    "rank_needs",
+    "union_bytes",
+]
+
+Int64s = np.ndarray[Any, np.dtype[np.int64]]
+
+
+#: Bits of the byte axis per rank in ``merge_needs_by_rank`` (checkpoints up to 4 TiB, 2**20 ranks).
+AXIS_BITS = 42
+
+
+def as_int64(values: Any) -> Int64s:
+    return np.ascontiguousarray(values, dtype=np.int64)
+
+
+@dataclass(frozen=True, eq=False)
+class StorageMap:
+    """Every checkpoint tensor on one byte axis: file ``f`` occupies ``[file_g0[f], file_g0[f] + size)``;
+    tensor ``keys[k]`` starts at ``g0[k]`` (its data, in that file) and holds ``nbytes[k]`` bytes of
+    ``itemsize[k]``-byte elements (the dtype it is read as: sub-byte dtypes are their packed bytes)."""
+
+    keys: tuple[str, ...]
+    key_id: dict[str, int]
+    g0: Int64s
+    nbytes: Int64s
+    itemsize: Int64s
+    file_of: Int64s
+    file_g0: Int64s
+    file_names: tuple[str, ...]
+
+    @classmethod
+    def build(cls, tensors: Sequence[tuple[str, int, int, int, int]], files: Sequence[tuple[str, int]]) -> StorageMap:
+        """``tensors``: ``(key, file number, absolute byte offset in the file, nbytes, itemsize)``;
+        ``files``: ``(name, size)`` in the order the ranks agree on (the index's)."""
+        sizes = as_int64([size for _, size in files])
+        file_g0 = as_int64(np.concatenate([[0], np.cumsum(sizes)[:-1]]) if len(files) else [])
+        rows = sorted(tensors, key=lambda t: (t[1], t[2], t[0]))
+        keys = tuple(t[0] for t in rows)
+        file_of = as_int64([t[1] for t in rows])
+        g0 = file_g0[file_of] + as_int64([t[2] for t in rows]) if rows else as_int64([])
+        return cls(
+            keys,
+            {k: i for i, k in enumerate(keys)},
+            as_int64(g0),
+            as_int64([t[3] for t in rows]),
+            as_int64([t[4] for t in rows]),
+            file_of,
+            file_g0,
+            tuple(name for name, _ in files),
+        )
+
+    @classmethod
+    def of_index(cls, index: Any) -> StorageMap:
+        """The map of a ``CheckpointIndex`` (every key of every file, headers only)."""
+        files = list(index.files)
+        number = {id(f): i for i, f in enumerate(files)}
+        tensors = []
+        for key in index:
+            entry = index.locate(key)
+            begin, _ = entry.file.offsets(key)
+            tensors.append((key, number[id(entry.file)], begin, entry.nbytes, entry.dtype.itemsize))
+        return cls.build(tensors, [(f.path.rsplit("/", 1)[-1], f.file_size) for f in files])
+
+    def digest(self) -> str:
+        h = hashlib.blake2b(digest_size=16)
+        h.update("\0".join(self.keys).encode())
+        for array in (self.g0, self.nbytes, self.itemsize, self.file_g0):
+            h.update(array.tobytes())
+        return h.hexdigest()
+
+
+@dataclass(frozen=True, eq=False)
+class Needs:
+    """One rank's needs: sorted, disjoint element intervals ``[start, end)`` of checkpoint tensors ``key``
+    (``StorageMap`` numbers), merged per tensor."""
+
+    key: Int64s
+    start: Int64s
+    end: Int64s
+
+    @classmethod
+    def empty(cls) -> Needs:
+        return cls(as_int64([]), as_int64([]), as_int64([]))
+
+    def g_bounds(self, smap: StorageMap) -> tuple[Int64s, Int64s]:
+        """The intervals on the global byte axis."""
+        size = smap.itemsize[self.key]
+        base = smap.g0[self.key]
+        return base + self.start * size, base + self.end * size
+
+    def nbytes(self, smap: StorageMap) -> int:
+        return int(((self.end - self.start) * smap.itemsize[self.key]).sum())
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Needs):
+            return NotImplemented
+        return all(np.array_equal(getattr(self, n), getattr(other, n)) for n in ("key", "start", "end"))
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def merge_needs(smap: StorageMap, key: Int64s, start: Int64s, end: Int64s) -> Needs:
+    """Sorted, merged intervals per key (touching or overlapping intervals of one key become one). Sorted on
+    the global axis, where tensors are disjoint: a running maximum of the ends never leaks into the next key."""
+    keep = end > start
+    key, start, end = key[keep], start[keep], end[keep]
+    if not len(key):
+        return Needs.empty()
+    size = smap.itemsize[key]
+    glo = smap.g0[key] + start * size
+    ghi = smap.g0[key] + end * size
+    order = np.argsort(glo, kind="stable")
+    key, glo, ghi = key[order], glo[order], ghi[order]
+    run_end = np.maximum.accumulate(ghi)
+    new = np.ones(len(key), dtype=bool)
+    new[1:] = (key[1:] != key[:-1]) | (glo[1:] > run_end[:-1])
+    first = np.flatnonzero(new)
+    last = np.append(first[1:], len(key)) - 1
+    k = key[first]
+    size, base = smap.itemsize[k], smap.g0[k]
+    return Needs(as_int64(k), as_int64((glo[first] - base) // size), as_int64((run_end[last] - base) // size))
+
+
+def merge_needs_by_rank(
+    smap: StorageMap, world: int, rank: Int64s, key: Int64s, start: Int64s, end: Int64s
+) -> list[Needs]:
+    """``merge_needs`` of every rank at once: rows ``(rank, key, start, end)`` of any order -> one ``Needs`` per
+    rank (equal to ``merge_needs`` of that rank's rows). One sort of all rows: each rank's intervals are moved
+    to their own stretch of one axis (``rank << AXIS_BITS``), so a running maximum never leaks across ranks."""
+    keep = end > start
+    rank, key, start, end = rank[keep], key[keep], start[keep], end[keep]
+    out = [Needs.empty() for _ in range(world)]
+    if not len(key):
+        return out
+    total = int((smap.g0 + smap.nbytes).max()) if len(smap.g0) else 0
+    if total >= 1 << AXIS_BITS or world >= 1 << (62 - AXIS_BITS):
+        raise PlanError(f"a checkpoint of {total} bytes on {world} ranks is past the job plan's axis")
+    size = smap.itemsize[key]
+    shift = rank << AXIS_BITS
+    glo = smap.g0[key] + start * size + shift
+    ghi = smap.g0[key] + end * size + shift
+    order = np.argsort(glo, kind="stable")
+    rank, key, glo, ghi = rank[order], key[order], glo[order], ghi[order]
+    run_end = np.maximum.accumulate(ghi)
+    new = np.ones(len(key), dtype=bool)
+    new[1:] = (key[1:] != key[:-1]) | (glo[1:] > run_end[:-1]) | (rank[1:] != rank[:-1])
+    first = np.flatnonzero(new)
+    last = np.append(first[1:], len(key)) - 1
+    k, r = key[first], rank[first]
+    size, base = smap.itemsize[k], smap.g0[k] + (r << AXIS_BITS)
+    s, e = (glo[first] - base) // size, (run_end[last] - base) // size
+    bounds = np.searchsorted(r, np.arange(world + 1))
+    for i in range(world):
+        a, b = int(bounds[i]), int(bounds[i + 1])
+        if b > a:
+            out[i] = Needs(as_int64(k[a:b]), as_int64(s[a:b]), as_int64(e[a:b]))
+    return out
+
+
+def item_runs(lengths: Sequence[int], strides: Sequence[int]) -> tuple[Int64s, int]:
+    """The element runs of one strided box, relative to its base: ``(run starts, run length)``.
+
+    Dims are ordered by stride; the innermost contiguous dims collapse into the run (the engine's "longest
+    contiguous span"), the others enumerate run starts. Length-1 and stride-0 dims add nothing. Negative
+    strides are refused (the engine refuses them too)."""
+    dims = [(int(s), int(n)) for s, n in zip(strides, lengths, strict=True) if int(n) != 1]
+    if any(n == 0 for _, n in dims):
+        return as_int64([]), 0
+    if any(s < 0 for s, _ in dims):
+        raise PlanError(f"a read with negative strides {tuple(strides)}")
+    dims = sorted((s, n) for s, n in dims if s != 0)
+    run = 1
+    while dims and dims[0][0] == run:
+        run *= dims[0][1]
+        dims.pop(0)
+    starts = np.zeros(1, dtype=np.int64)
+    for s, n in dims:
+        starts = (starts[:, None] + np.arange(n, dtype=np.int64)[None, :] * s).reshape(-1)
+    return np.sort(starts), run
+
+
+def delivered_rows(reads: Reads, dequantized_packed: Iterable[str] = ()) -> Int64s:
+    """The rows of ``reads`` the job-wide delivery runs from memory: all but MXFP4 items (nibble codes
+    dequantized by the engine), which each rank reads itself."""
+    if reads.second is None:
+        return np.arange(len(reads), dtype=np.int64)
+    packed = set(dequantized_packed)
+    keep = [i for i, (k, s) in enumerate(zip(reads.keys, reads.second, strict=True)) if s is None or k not in packed]
+    return as_int64(keep)
+
+
+def _reads_intervals(reads: Reads, smap: StorageMap, out: list[tuple[Int64s, Int64s, Int64s]]) -> None:
+    """Appends the element intervals of every item of ``reads`` (grouped by box pattern: the items of one
+    pattern share their relative runs)."""
+    if not len(reads):
+        return
+    keys = as_int64([smap.key_id[k] for k in reads.keys])
+    patterns: dict[bytes, list[int]] = {}
+    packed = np.concatenate([reads.lengths, reads.storage_strides], axis=1)
+    for i, row in enumerate(packed):
+        patterns.setdefault(row.tobytes(), []).append(i)
+    ndim = reads.ndim
+    for rows_list in patterns.values():
+        rows = as_int64(rows_list)
+        r0 = int(rows[0])
+        rel, run = item_runs(reads.lengths[r0].tolist(), reads.storage_strides[r0].tolist())
+        if run == 0 or not len(rel):
+            continue
+        starts = (reads.storage_base[rows][:, None] + rel[None, :]).reshape(-1)
+        key = np.repeat(keys[rows], len(rel))
+        out.append((key, starts, starts + run))
+    del ndim
+
+
+def rank_needs(plan: LoadPlan, smap: StorageMap, packed: Iterable[str] = ()) -> Needs:
+    """What one rank's region reads touch, as merged element intervals per checkpoint tensor: each item's
+    exact runs, and for dequantized FP8 items the scale rows the engine reads (``touched_scale_rows``).
+    ``packed``: MXFP4 keys, left to the rank itself (``delivered_rows``); deferred groups are not needs."""
+    packed = set(packed)
+    parts: list[tuple[Int64s, Int64s, Int64s]] = []
+    for reads in plan.region_reads.values():
+        rows = delivered_rows(reads, packed)
+        part = reads if len(rows) == len(reads) else reads.take(rows)
+        _reads_intervals(part, smap, parts)
+        for spec, (lo, hi) in touched_scale_rows(part).items():
+            k = smap.key_id[spec.scale]
+            grid_rows = -(-spec.shape[0] // spec.block[0]) if spec.shape else 1
+            per_row = int(smap.nbytes[k] // smap.itemsize[k]) // grid_rows
+            parts.append((as_int64([k]), as_int64([lo * per_row]), as_int64([(hi + 1) * per_row])))
+    if not parts:
+        return Needs.empty()
+    return merge_needs(smap, *(np.concatenate(column) for column in zip(*parts, strict=True)))
+
+
+def union_bytes(needs: Sequence[Needs], smap: StorageMap) -> int:
+    """Bytes of the union of ``needs`` (what one reader per byte reads)."""
+    if not needs:
+        return 0
+    merged = merge_needs(smap, *(np.concatenate([getattr(n, f) for n in needs]) for f in ("key", "start", "end")))
+    return merged.nbytes(smap)

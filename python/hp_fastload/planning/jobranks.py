@@ -1,0 +1,351 @@
+"""Every rank's needs, computed on one rank for the job-wide plan, without planning each rank.
+
+The model is planned once with every target's region made whole (``whole_mesh``: each DTensor's mesh seen as a mesh of
+size 1, so the trace and the claims run once and each item is a whole traced block, its destination in global
+coordinates). A rank's items are those blocks cut by its local boxes, exactly the intersection ``region_items``
+makes when that rank plans (``planning.intersect``): so each rank's needs follow from the whole plan and the
+rank's local region (``model.regions.local_region`` at its coordinate, ``mesh_coordinates``), by array
+arithmetic. Work is shared where the ranks' layouts differ only by offsets:
+
+- a target's region depends only on the coordinates of the mesh dims that shard it: one ``local_region`` per
+  distinct projection, not per rank;
+- targets with the same layout and the same items up to their checkpoint keys (the decoder layers of a model,
+  the experts of every MoE layer) share one intersection, renamed per target;
+- one sort merges every rank's intervals (``jobneeds.merge_needs_by_rank``).
+
+``rank_needs_by_planning`` is the reference it is tested against (and the per-rank way: one ``plan_load`` per
+distinct layout). Pure: headers, the rules and the model's layout; nothing is read.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from hp_fastload.model.regions import local_region, mesh_coordinates, virtual_rank
+from hp_fastload.model.targets import Target, build_targets
+from hp_fastload.planning.items import LoadPlan, Reads
+from hp_fastload.planning.jobneeds import (
+    Int64s,
+    Needs,
+    StorageMap,
+    as_int64,
+    delivered_rows,
+    item_runs,
+    merge_needs_by_rank,
+    rank_needs,
+)
+from hp_fastload.planning.orchestrate import plan_load
+from hp_fastload.planning.replacement import Replacement
+from hp_fastload.source.index import CheckpointIndex
+
+__all__ = [
+    "all_rank_needs",
+    "needs_from_whole_plan",
+    "packed_keys",
+    "rank_needs_by_planning",
+    "whole_mesh",
+    "whole_plan",
+]
+
+
+def whole_mesh(mesh: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A ``mesh_override`` under which every rank holds every DTensor whole (each mesh dim of size 1)."""
+    return (1,) * mesh.ndim, (0,) * mesh.ndim
+
+
+def packed_keys(plan: LoadPlan, index: CheckpointIndex) -> frozenset[str]:
+    """The MXFP4 keys a plan dequantizes (their items stay with each rank: ``jobneeds.delivered_rows``)."""
+    return frozenset(k for k in plan.dequant if index.locate(k).dtype == torch.uint8)
+
+
+def whole_plan(
+    model: Any,
+    index: CheckpointIndex,
+    *,
+    rules: Any,
+    loader: str,
+    external_target_fqns: Collection[str],
+    claimed_source_keys: Collection[str],
+    replacement: Replacement | None,
+) -> tuple[LoadPlan, dict[str, Target]]:
+    """The plan of a rank holding every target whole, and the model's targets (their real layouts)."""
+    whole = build_targets(model, external_target_fqns=frozenset(external_target_fqns), mesh_override=whole_mesh)
+    plan, _ = plan_load(
+        model,
+        index,
+        whole,
+        rules,
+        strict=False,
+        trace=True,
+        claimed_source_keys=frozenset(claimed_source_keys),
+        loader=loader,
+        replacement=replacement,
+    )
+    return plan, whole
+
+
+class _Layouts:
+    """Per target layout (global shape, placements, mesh): every rank's local boxes as arrays
+    ``(box rank, box low corner, box high corner)``, one ``local_region`` per distinct sharding coordinate."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.meshes: dict[int, tuple[Any, tuple[int, ...], dict[int, tuple[int, ...]]]] = {}
+        self.cache: dict[tuple[Any, ...], tuple[Int64s, Int64s, Int64s]] = {}
+
+    def _mesh(self, mesh: Any) -> tuple[tuple[int, ...], dict[int, tuple[int, ...]]]:
+        hit = self.meshes.get(id(mesh))
+        if hit is None or hit[0] is not mesh:
+            shape, coords = mesh_coordinates(mesh)
+            hit = self.meshes[id(mesh)] = (mesh, shape, coords)
+        return hit[1], hit[2]
+
+    def key(self, target: Target) -> tuple[Any, ...]:
+        mesh = getattr(target.tensor, "device_mesh", None)
+        if not target.is_dtensor or mesh is None or target.placements is None:
+            return (target.global_shape, None, None)
+        return (target.global_shape, tuple(target.placements), id(mesh), mesh)
+
+    def boxes(self, target: Target) -> tuple[Int64s, Int64s, Int64s]:
+        key = self.key(target)
+        hit = self.cache.get(key[:3])
+        if hit is not None:
+            return hit
+        shape = target.global_shape
+        nd = len(shape)
+        if key[1] is None:  # a plain tensor: every rank holds it whole
+            hit = (
+                np.arange(self.world, dtype=np.int64),
+                np.zeros((self.world, nd), dtype=np.int64),
+                np.tile(np.asarray(shape, dtype=np.int64), (self.world, 1)),
+            )
+        else:
+            placements = key[1]
+            mesh_shape, coords = self._mesh(key[3])
+            sharding = [isinstance(p, Shard | _StridedShard) for p in placements]
+            by_projection: dict[tuple[int, ...], list[tuple[Sequence[int], Sequence[int]]]] = {}
+            ranks: list[int] = []
+            lows: list[Sequence[int]] = []
+            highs: list[Sequence[int]] = []
+            for r in range(self.world):
+                coord = coords.get(r)
+                if coord is None:
+                    continue
+                projected = tuple(c if s else 0 for c, s in zip(coord, sharding, strict=True))
+                boxes = by_projection.get(projected)
+                if boxes is None:
+                    region = local_region(shape, mesh_shape, projected, placements)
+                    boxes = by_projection[projected] = [
+                        (g, tuple(a + n for a, n in zip(g, ln, strict=True))) for g, ln, _ in region.boxes()
+                    ]
+                for lo, hi in boxes:
+                    ranks.append(r)
+                    lows.append(lo)
+                    highs.append(hi)
+            hit = (
+                as_int64(ranks),
+                np.asarray(lows, dtype=np.int64).reshape(len(ranks), nd),
+                np.asarray(highs, dtype=np.int64).reshape(len(ranks), nd),
+            )
+        self.cache[key[:3]] = hit
+        return hit
+
+
+class _Cut:
+    """One intersection of a target's items (up to keys) with every rank's boxes: per (box, item) pair that
+    meets, the rank, the item, the cut item's storage base and lengths; and its element runs."""
+
+    __slots__ = ("base", "item", "lengths", "rank", "run_end", "run_item", "run_rank", "run_start")
+
+    def __init__(self, reads: Reads, box_rank: Int64s, lo: Int64s, hi: Int64s) -> None:
+        dest, lengths, strides = reads.dest_offsets, reads.lengths, reads.storage_strides
+        a = np.maximum(dest[None, :, :], lo[:, None, :])
+        b = np.minimum((dest + lengths)[None, :, :], hi[:, None, :])
+        bi, ii = np.nonzero((b > a).all(axis=2))
+        a, b = a[bi, ii], b[bi, ii]
+        self.rank = box_rank[bi]
+        self.item = as_int64(ii)
+        self.lengths = as_int64(b - a)
+        self.base = reads.storage_base[ii] + ((a - dest[ii]) * strides[ii]).sum(axis=1)
+        # element runs, by (lengths, strides) pattern: every item of a pattern has the same relative runs
+        runs_rank, runs_item, runs_start, runs_end = [], [], [], []
+        if len(ii):
+            shape = np.concatenate([self.lengths, strides[ii]], axis=1)
+            patterns, which = np.unique(shape, axis=0, return_inverse=True)
+            which = which.reshape(-1)
+            nd = lengths.shape[1]
+            for p, row in enumerate(patterns.tolist()):
+                rel, run = item_runs(row[:nd], row[nd:])
+                if run == 0 or not len(rel):
+                    continue
+                rows = np.flatnonzero(which == p)
+                starts = (self.base[rows][:, None] + rel[None, :]).reshape(-1)
+                runs_rank.append(np.repeat(self.rank[rows], len(rel)))
+                runs_item.append(np.repeat(self.item[rows], len(rel)))
+                runs_start.append(starts)
+                runs_end.append(starts + run)
+        join = lambda xs: as_int64(np.concatenate(xs)) if xs else as_int64([])  # noqa: E731
+        self.run_rank, self.run_item = join(runs_rank), join(runs_item)
+        self.run_start, self.run_end = join(runs_start), join(runs_end)
+
+
+def _structure(reads: Reads) -> tuple[bytes, ...]:
+    """What an intersection depends on besides the keys."""
+    return tuple(
+        np.ascontiguousarray(a).tobytes() + str(a.shape).encode()
+        for a in (reads.dest_offsets, reads.lengths, reads.storage_strides, reads.storage_base)
+    )
+
+
+class _Specs:
+    """Per dequantization spec (``quant.Dequant``), once: ``(elements per dim-0 row, dim-0 rows, dim-0 block,
+    scale key number, scale elements per grid row)``, the numbers ``items.touched_scale_rows`` uses."""
+
+    def __init__(self, smap: StorageMap) -> None:
+        self.smap = smap
+        self.rows: dict[Any, tuple[int, int, int, int, int]] = {}
+
+    def __call__(self, spec: Any) -> tuple[int, int, int, int, int]:
+        hit = self.rows.get(spec)
+        if hit is None:
+            inner, rows0, block0 = (
+                (math.prod(spec.shape[1:]), spec.shape[0], spec.block[0]) if spec.shape else (1, 1, 1)
+            )
+            k = self.smap.key_id[spec.scale]
+            per_row = int(self.smap.nbytes[k] // self.smap.itemsize[k]) // -(-rows0 // block0)
+            hit = self.rows[spec] = (inner, rows0, block0, k, per_row)
+        return hit
+
+
+def _scale_rows(
+    reads: Reads, cut: _Cut, specs_of: _Specs, world: int, out: list[tuple[Int64s, Int64s, Int64s, Int64s]]
+) -> None:
+    """The scale rows each rank's cut items of ``reads`` touch (``items.touched_scale_rows`` per rank, for
+    this target alone, as ``rank_needs`` takes them) appended to ``out`` as intervals of the scale tensors."""
+    if reads.second is None or not len(cut.item):
+        return
+    ids: dict[Any, int] = {}
+    which_item = as_int64([-1 if s is None else ids.setdefault(s, len(ids)) for s in reads.second])
+    which = which_item[cut.item]
+    live = (which >= 0) & (cut.lengths > 0).all(axis=1)
+    if not live.any():
+        return
+    specs = list(ids)
+    inner, rows0, block0, scale_key, per_row = np.array([specs_of(s) for s in specs], dtype=np.int64).reshape(-1, 5).T
+    which, ranks = which[live], cut.rank[live]
+    strides = reads.storage_strides[cut.item[live]]
+    first = cut.base[live]
+    last = first + ((cut.lengths[live] - 1) * strides).sum(axis=1)
+    lo_row = np.minimum(first // inner[which], rows0[which] - 1) // block0[which]
+    hi_row = np.minimum(last // inner[which], rows0[which] - 1) // block0[which]
+    slot = ranks * len(specs) + which
+    lo = np.full(world * len(specs), np.iinfo(np.int64).max, dtype=np.int64)
+    hi = np.full(world * len(specs), -1, dtype=np.int64)
+    np.minimum.at(lo, slot, lo_row)
+    np.maximum.at(hi, slot, hi_row)
+    used = np.flatnonzero(hi >= 0)
+    spec_of = used % len(specs)
+    rows = per_row[spec_of]
+    out.append((used // len(specs), scale_key[spec_of], lo[used] * rows, (hi[used] + 1) * rows))
+
+
+def all_rank_needs(
+    model: Any,
+    index: CheckpointIndex,
+    smap: StorageMap,
+    world: int,
+    *,
+    rules: Any,
+    loader: str,
+    external_target_fqns: Collection[str],
+    claimed_source_keys: Collection[str],
+    replacement: Replacement | None,
+) -> list[Needs]:
+    """Every rank's needs (equal to ``rank_needs`` of each rank's own plan), from one whole plan."""
+    plan, targets = whole_plan(
+        model,
+        index,
+        rules=rules,
+        loader=loader,
+        external_target_fqns=external_target_fqns,
+        claimed_source_keys=claimed_source_keys,
+        replacement=replacement,
+    )
+    return needs_from_whole_plan(plan, targets, index, smap, world)
+
+
+def needs_from_whole_plan(
+    plan: LoadPlan, targets: dict[str, Target], index: CheckpointIndex, smap: StorageMap, world: int
+) -> list[Needs]:
+    """``all_rank_needs`` from a whole plan already made (``whole_plan``)."""
+    packed = packed_keys(plan, index)
+    layouts = _Layouts(world)
+    cuts: dict[tuple[Any, ...], _Cut] = {}
+    parts: list[tuple[Int64s, Int64s, Int64s, Int64s]] = []
+    key_id = smap.key_id
+    specs_of = _Specs(smap)
+    for name, reads in plan.region_reads.items():
+        rows = delivered_rows(reads, packed)
+        if not len(rows):
+            continue
+        part = reads if len(rows) == len(reads) else reads.take(rows)
+        target = targets[name]
+        signature = (layouts.key(target)[:3], _structure(part))
+        cut = cuts.get(signature)
+        if cut is None:
+            cut = cuts[signature] = _Cut(part, *layouts.boxes(target))
+        if len(cut.run_item):
+            keys = as_int64([key_id[k] for k in part.keys])
+            parts.append((cut.run_rank, keys[cut.run_item], cut.run_start, cut.run_end))
+        _scale_rows(part, cut, specs_of, world, parts)
+    if not parts:
+        return [Needs.empty() for _ in range(world)]
+    rank, key, start, end = (as_int64(np.concatenate(column)) for column in zip(*parts, strict=True))
+    return merge_needs_by_rank(smap, world, rank, key, start, end)
+
+
+def rank_needs_by_planning(
+    model: Any,
+    index: CheckpointIndex,
+    smap: StorageMap,
+    world: int,
+    *,
+    rules: Any,
+    loader: str,
+    external_target_fqns: Collection[str],
+    claimed_source_keys: Collection[str],
+    replacement: Replacement | None,
+) -> list[Needs]:
+    """Every rank's needs by planning each rank (``virtual_rank``), ranks whose targets all have the same
+    regions planned once: the reference ``all_rank_needs`` is tested against, and its cost at scale is one
+    full planning per distinct layout."""
+    seen: dict[Any, Needs] = {}
+    out: list[Needs] = []
+    for r in range(world):
+        targets = build_targets(
+            model, external_target_fqns=frozenset(external_target_fqns), mesh_override=virtual_rank(r)
+        )
+        signature = tuple((name, t.region if t.error is None else t.error) for name, t in targets.items())
+        needs = seen.get(signature)
+        if needs is None:
+            planned, _ = plan_load(
+                model,
+                index,
+                targets,
+                rules,
+                strict=False,
+                trace=True,
+                claimed_source_keys=frozenset(claimed_source_keys),
+                loader=loader,
+                replacement=replacement,
+            )
+            needs = seen[signature] = rank_needs(planned, smap, packed_keys(planned, index))
+        out.append(needs)
+    return out

@@ -1,0 +1,412 @@
+"""The job-wide plan: every checkpoint byte any rank needs is read from storage once per job, by one reader
+rank, and each rank is sent exactly the bytes its own read items touch.
+
+Owns ``plan_job``: all ranks' needs (``planning.jobneeds``) -> ``JobPlan``: the union cut into chunks (large
+coalesced read requests that never cross a file, cut where the set of ranks needing the bytes changes), one
+reader per chunk (a rank that needs it where that keeps the nodes' read bytes balanced, else the least-loaded
+node's least-loaded rank), rounds that keep each rank's staging and message memory within a budget, and per
+round the messages ``reader -> receiver`` (the receiver's intervals within the reader's chunks, in axis
+order). Deterministic: every rank computes the same plan from the same needs, and ``JobPlan.digest`` is the one
+value the ranks compare. Pure: no process group, no bytes.
+
+What it does not own: planning a rank (``plan_load``), the cost model (``jobcost``), moving bytes
+(``execute.deliver``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hp_fastload.planning.jobneeds import Int64s, Needs, StorageMap, as_int64, merge_needs
+
+FIELDS = ("key", "start", "end")
+
+__all__ = ["DEFAULT_BUDGET_BYTES", "DEFAULT_CHUNK_BYTES", "MIN_CHUNK_BYTES", "JobPlan", "plan_job"]
+
+#: Target size of one read request (a chunk): Run:ai's object-store default is 8 MiB, Orbax uses 128 MiB.
+DEFAULT_CHUNK_BYTES = 32 << 20
+#: The smallest chunk ``plan_job`` cuts for balance's sake (smaller tensors still make smaller pieces).
+MIN_CHUNK_BYTES = 4096
+#: Per-rank memory of one round: chunks read (staging) + messages sent + messages received.
+DEFAULT_BUDGET_BYTES = 512 << 20
+
+
+@dataclass(eq=False)
+class JobPlan:
+    """The job-wide plan (see the module docstring). Per chunk ``c``: its axis range ``[chunk_lo, chunk_hi)``,
+    its reader, its round. ``pieces_*``: what the reader reads, the union of every rank's needs within each
+    chunk (per tensor: ``(chunk, key, element start, element end)``). ``rows_*``: every rank's needs cut at
+    chunk boundaries, ``(rank, chunk, key, start, end)`` sorted by rank, then in axis order; ``split[r]`` is
+    rank ``r``'s stretch of them, ``(chunk, key, start, end)``: the rows it receives."""
+
+    world: int
+    ranks_per_node: int
+    smap: StorageMap
+    needs: list[Needs]
+    chunk_lo: Int64s
+    chunk_hi: Int64s
+    chunk_reader: Int64s
+    chunk_round: Int64s
+    rounds: int
+    pieces_chunk: Int64s
+    pieces_key: Int64s
+    pieces_start: Int64s
+    pieces_end: Int64s
+    rows_rank: Int64s
+    rows_chunk: Int64s
+    rows_key: Int64s
+    rows_start: Int64s
+    rows_end: Int64s
+    rank_bounds: Int64s
+    budget_bytes: int
+    chunk_bytes: int
+    digest: str = ""
+    split: list[tuple[Int64s, Int64s, Int64s, Int64s]] = field(default_factory=list)
+    _sends: dict[int, tuple[Int64s, Int64s, Int64s]] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        b = self.rank_bounds.tolist()
+        self.split = [
+            (
+                self.rows_chunk[b[r] : b[r + 1]],
+                self.rows_key[b[r] : b[r + 1]],
+                self.rows_start[b[r] : b[r + 1]],
+                self.rows_end[b[r] : b[r + 1]],
+            )
+            for r in range(self.world)
+        ]
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.ranks_per_node
+
+    @property
+    def nodes(self) -> int:
+        return -(-self.world // self.ranks_per_node)
+
+    def pieces_of(self, chunks: Int64s) -> Int64s:
+        """Rows of the pieces of ``chunks`` (sorted chunk numbers)."""
+        lo = np.searchsorted(self.pieces_chunk, chunks, "left")
+        hi = np.searchsorted(self.pieces_chunk, chunks, "right")
+        return as_int64(np.concatenate([np.arange(a, b) for a, b in zip(lo, hi, strict=True)]) if len(chunks) else [])
+
+    def piece_bytes(self) -> Int64s:
+        return (self.pieces_end - self.pieces_start) * self.smap.itemsize[self.pieces_key]
+
+    def rows_bytes(self, rank: int | None = None) -> Int64s:
+        """Bytes of each row of ``split[rank]`` (of every rank's rows when ``rank`` is None)."""
+        if rank is None:
+            return (self.rows_end - self.rows_start) * self.smap.itemsize[self.rows_key]
+        _chunk, key, start, end = self.split[rank]
+        return (end - start) * self.smap.itemsize[key]
+
+    def messages(self, rank: int, rnd: int) -> tuple[dict[int, Int64s], dict[int, Int64s]]:
+        """Round ``rnd``'s messages of ``rank``: ``(sends, receives)``, each ``peer -> rows`` (of the peer's
+        ``split`` for sends, of this rank's for receives), in axis order; a rank's own chunks appear in its
+        receives under its own number (copied, not sent)."""
+        sent = self._sends.get(rank)
+        if sent is None:  # every row this rank sends, once: (round, peer, row within the peer's split)
+            rows = np.flatnonzero((self.chunk_reader[self.rows_chunk] == rank) & (self.rows_rank != rank))
+            peers = self.rows_rank[rows]
+            sent = self._sends[rank] = (self.chunk_round[self.rows_chunk[rows]], peers, rows - self.rank_bounds[peers])
+        in_rnd = np.flatnonzero(sent[0] == rnd)
+        sends: dict[int, Int64s] = {}
+        if len(in_rnd):
+            peers, positions = sent[1][in_rnd], sent[2][in_rnd]
+            for peer in np.unique(peers).tolist():
+                sends[int(peer)] = as_int64(positions[peers == peer])
+        chunk = self.split[rank][0]
+        in_round = np.flatnonzero(self.chunk_round[chunk] == rnd) if len(chunk) else as_int64([])
+        receives: dict[int, Int64s] = {}
+        if len(in_round):
+            readers = self.chunk_reader[chunk[in_round]]
+            for reader in np.unique(readers).tolist():
+                receives[int(reader)] = as_int64(in_round[readers == reader])
+        return sends, receives
+
+    # -- measures ----------------------------------------------------------------------------------------
+
+    def _remote(self) -> tuple[Int64s, Int64s, Int64s]:
+        """Rows received from another rank: ``(receiver, reader, bytes)``."""
+        reader = self.chunk_reader[self.rows_chunk]
+        remote = reader != self.rows_rank
+        return self.rows_rank[remote], reader[remote], self.rows_bytes()[remote]
+
+    def _per(self, index: Int64s, weights: Int64s, size: int) -> Int64s:
+        out = np.zeros(size, dtype=np.int64)
+        np.add.at(out, index, weights)
+        return out
+
+    def bytes_read(self) -> Int64s:
+        """Storage bytes each rank reads."""
+        return self._per(self.chunk_reader[self.pieces_chunk], self.piece_bytes(), self.world)
+
+    def bytes_received(self) -> Int64s:
+        """Bytes each rank receives from other ranks."""
+        receiver, _, nbytes = self._remote()
+        return self._per(receiver, nbytes, self.world)
+
+    def bytes_sent(self) -> Int64s:
+        _, reader, nbytes = self._remote()
+        return self._per(reader, nbytes, self.world)
+
+    def node_bytes_read(self) -> Int64s:
+        return self._per(np.arange(self.world) // self.ranks_per_node, self.bytes_read(), self.nodes)
+
+    def cross_node(self) -> tuple[Int64s, Int64s]:
+        """Bytes each node sends to and receives from other nodes."""
+        receiver, reader, nbytes = self._remote()
+        rn, sn = receiver // self.ranks_per_node, reader // self.ranks_per_node
+        across = rn != sn
+        return self._per(sn[across], nbytes[across], self.nodes), self._per(rn[across], nbytes[across], self.nodes)
+
+    def request_sizes(self) -> Int64s:
+        """Bytes read per chunk (one coalesced request each)."""
+        return self._per(self.pieces_chunk, self.piece_bytes(), len(self.chunk_lo))
+
+
+def _split_at_chunks(
+    smap: StorageMap, bounds: Int64s, key: Int64s, start: Int64s, end: Int64s, *extra: Int64s
+) -> tuple[Int64s, ...]:
+    """Intervals ``(key, start, end)`` cut at the chunk boundaries ``bounds`` (sorted axis positions, the
+    chunks' starts), as ``(chunk, key, start, end, *extra)`` (``extra``: columns repeated with their row);
+    every interval lies inside some chunk's range once cut."""
+    if not len(key):
+        return tuple(as_int64([]) for _ in range(4 + len(extra)))
+    size = smap.itemsize[key]
+    glo = smap.g0[key] + start * size
+    ghi = smap.g0[key] + end * size
+    c0 = np.searchsorted(bounds, glo, "right") - 1
+    c1 = np.searchsorted(bounds, ghi - 1, "right") - 1
+    count = c1 - c0 + 1
+    if (count == 1).all():
+        return (as_int64(c0), key, start, end, *extra)
+    rows = np.repeat(np.arange(len(glo)), count)
+    chunk = np.repeat(c0, count) + (np.arange(len(rows)) - np.repeat(np.cumsum(count) - count, count))
+    k = key[rows]
+    size, base = smap.itemsize[k], smap.g0[k]
+    lo = np.maximum(glo[rows], bounds[chunk])
+    nxt = np.append(bounds, np.iinfo(np.int64).max)[chunk + 1]
+    hi = np.minimum(ghi[rows], nxt)
+    cut = (as_int64(chunk), as_int64(k), as_int64((lo - base) // size), as_int64((hi - base) // size))
+    return (*cut, *(as_int64(x[rows]) for x in extra))
+
+
+def _holder_cuts(smap: StorageMap, rank: Int64s, key: Int64s, start: Int64s, end: Int64s, min_run: int) -> Int64s:
+    """Axis positions where the set of ranks needing the bytes changes and both sides are runs of at least
+    ``min_run`` bytes with one holder set: cutting a chunk there lets a rank that needs a run read it (no send),
+    while a strided layout (a column slice changes holders every row) stays in large chunks.
+
+    Every rank's intervals (disjoint within a rank) are two events, its hash at the start and at the end; the
+    running XOR over the sorted events is the holder set's signature of each segment between event positions."""
+    if not len(key):
+        return as_int64([])
+    size = smap.itemsize[key]
+    glo = smap.g0[key] + start * size
+    ghi = smap.g0[key] + end * size
+    hashes = rank.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(0x632BE59BD9B4E019)
+    pos = np.concatenate([glo, ghi])
+    order = np.argsort(pos, kind="stable")
+    pos = pos[order]
+    acc = np.bitwise_xor.accumulate(np.concatenate([hashes, hashes])[order])
+    last = np.flatnonzero(np.append(pos[1:] != pos[:-1], True))  # the last event at each position
+    edges, signature = pos[last], acc[last]
+    if len(edges) < 2:
+        return as_int64([])
+    seg_lo, seg_hi, signature = edges[:-1], edges[1:], signature[:-1]
+    live = signature != 0
+    seg_lo, seg_hi, signature = seg_lo[live], seg_hi[live], signature[live]
+    if not len(seg_lo):
+        return as_int64([])
+    change = np.flatnonzero(signature[1:] != signature[:-1]) + 1
+    run_first = np.concatenate([[0], change]).astype(np.int64)
+    run_bytes = np.add.reduceat(seg_hi - seg_lo, run_first)
+    big = run_bytes >= min_run
+    return as_int64(seg_lo[run_first[1:][big[1:] & big[:-1]]])
+
+
+def _chunk_bounds(union: Needs, smap: StorageMap, chunk_bytes: int, cuts: Int64s | None = None) -> Int64s:
+    """Chunk starts on the axis: a new chunk at each file start, at each of ``cuts`` (holder changes), and
+    wherever the current one would pass ``chunk_bytes`` of needed data; cuts fall on element boundaries of the
+    tensor they cut."""
+    glo, ghi = union.g_bounds(smap)
+    file_of = smap.file_of[union.key]
+    forced = sorted(set(cuts.tolist())) if cuts is not None else []
+    starts: list[int] = []
+    filled = 0
+    current_file = -1
+    f_i = 0
+    for i in range(len(glo)):
+        lo, hi, f = int(glo[i]), int(ghi[i]), int(file_of[i])
+        size = int(smap.itemsize[union.key[i]])
+        base = int(smap.g0[union.key[i]])
+        if f != current_file or filled >= chunk_bytes:
+            starts.append(lo)
+            filled = 0
+            current_file = f
+        while f_i < len(forced) and forced[f_i] <= lo:
+            if forced[f_i] == lo and starts[-1] != lo:
+                starts.append(lo)
+                filled = 0
+            f_i += 1
+        while True:
+            nxt_forced = forced[f_i] if f_i < len(forced) and forced[f_i] < hi else None
+            limit = lo + max(chunk_bytes - filled, size)
+            if nxt_forced is not None and nxt_forced <= limit:
+                cut = nxt_forced
+                f_i += 1
+            elif filled + (hi - lo) > chunk_bytes:
+                cut = base + (limit - base) // size * size
+            else:
+                break
+            if cut <= lo:
+                cut = lo + size
+            if cut >= hi:
+                break
+            starts.append(cut)
+            lo, filled = cut, 0
+        filled += hi - lo
+    return as_int64(sorted(set(starts)))
+
+
+def _choose_readers(
+    holders: Int64s, offsets: Int64s, sizes: Int64s, world: int, ranks_per_node: int, slack: float
+) -> Int64s:
+    """One reader per chunk, largest chunks first: the holder on the least-loaded node (then the least-loaded
+    rank, then the lowest); when every holder's node is more than ``slack`` x the ideal per-node share above the
+    least-loaded node, that node's least-loaded rank reads it instead (one more send, better balance).
+    ``holders[offsets[c] : offsets[c + 1]]``: the ranks that need chunk ``c``, ascending."""
+    nodes = -(-world // ranks_per_node)
+    node_load = np.zeros(nodes, dtype=np.int64)
+    rank_load = np.zeros(world, dtype=np.int64)
+    reader = np.full(len(sizes), -1, dtype=np.int64)
+    share = max(1.0, float(sizes.sum()) / nodes)
+    bounds = offsets.tolist()
+    for c in np.lexsort((np.arange(len(sizes)), -sizes)).tolist():
+        a, b = bounds[c], bounds[c + 1]
+        size = int(sizes[c])
+        if a == b:
+            continue
+        if b - a == 1:
+            best = int(holders[a])
+        else:
+            h = holders[a:b]
+            best = int(h[np.lexsort((h, rank_load[h], node_load[h // ranks_per_node]))[0]])
+        low_node = int(np.argmin(node_load))
+        if node_load[best // ranks_per_node] - node_load[low_node] > slack * share + size:
+            members = np.arange(low_node * ranks_per_node, min(world, (low_node + 1) * ranks_per_node))
+            best = int(members[np.lexsort((members, rank_load[members]))[0]])
+        reader[c] = best
+        node_load[best // ranks_per_node] += size
+        rank_load[best] += size
+    return reader
+
+
+def _rounds(
+    reader: Int64s, sizes: Int64s, pair_chunk: Int64s, pair_rank: Int64s, pair_bytes: Int64s, world: int, budget: int
+) -> Int64s:
+    """Rounds in axis order: a round closes before a chunk that would take some rank past ``budget`` bytes
+    (its reads + sends + receives in the round); a chunk alone over the budget is a round of its own.
+    ``pair_*``: the bytes each rank needs of each chunk, sorted by chunk (each rank once per chunk)."""
+    n = len(sizes)
+    remote = pair_rank != reader[pair_chunk]
+    sent = np.zeros(n, dtype=np.int64)
+    np.add.at(sent, pair_chunk[remote], pair_bytes[remote])
+    # per chunk: the receivers' costs, then the reader's (its read and its sends)
+    cost_chunk = np.concatenate([pair_chunk[remote], np.arange(n, dtype=np.int64)])
+    cost_rank = np.concatenate([pair_rank[remote], reader])
+    cost_bytes = np.concatenate([pair_bytes[remote], sizes + sent])
+    order = np.argsort(cost_chunk, kind="stable")
+    cost_rank, cost_bytes = cost_rank[order], cost_bytes[order]
+    bounds = np.searchsorted(cost_chunk[order], np.arange(n + 1)).tolist()
+    out = np.zeros(n, dtype=np.int64)
+    used = np.zeros(max(world, 1), dtype=np.int64)
+    rnd = 0
+    filled = False
+    for c in range(n):
+        ranks = cost_rank[bounds[c] : bounds[c + 1]]
+        costs = cost_bytes[bounds[c] : bounds[c + 1]]
+        if filled and bool((used[ranks] + costs > budget).any()):
+            rnd += 1
+            used[:] = 0
+        np.add.at(used, ranks, costs)
+        filled = True
+        out[c] = rnd
+    return out
+
+
+def plan_job(
+    needs: Sequence[Needs],
+    smap: StorageMap,
+    *,
+    ranks_per_node: int,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    budget_bytes: int = DEFAULT_BUDGET_BYTES,
+    slack: float = 0.05,
+) -> JobPlan:
+    """The job-wide plan for ``needs`` (one per rank, in rank order); see the module docstring."""
+    world = len(needs)
+    if ranks_per_node < 1:
+        raise ValueError(f"ranks_per_node must be at least 1, got {ranks_per_node}")
+    chunk_bytes = max(1, min(chunk_bytes, budget_bytes // 4 or 1))
+    counts = [len(n.key) for n in needs]
+    rank = np.repeat(np.arange(world, dtype=np.int64), counts)
+    key, start, end = (as_int64(np.concatenate([getattr(n, f) for n in needs]) if world else []) for f in FIELDS)
+    union = merge_needs(smap, key, start, end) if world else Needs.empty()
+    nodes = -(-world // ranks_per_node) if world else 1
+    # chunks small enough that each node's share is many chunks (balance), never below MIN_CHUNK_BYTES
+    chunk_bytes = min(chunk_bytes, max(MIN_CHUNK_BYTES, union.nbytes(smap) // (8 * nodes)))
+    cuts = _holder_cuts(smap, rank, key, start, end, max(1, chunk_bytes // 4))
+    bounds = _chunk_bounds(union, smap, chunk_bytes, cuts)
+    pc, pk, ps, pe = _split_at_chunks(smap, bounds, union.key, union.start, union.end)
+    rc, rk, rs, re_, rr = _split_at_chunks(smap, bounds, key, start, end, rank)
+    nchunks = len(bounds)
+    sizes = np.zeros(nchunks, dtype=np.int64)
+    np.add.at(sizes, pc, (pe - ps) * smap.itemsize[pk])
+    # each rank's bytes of each chunk, by chunk then rank: the holders, and the rounds' message sizes
+    pairs, inverse = np.unique(rc * max(world, 1) + rr, return_inverse=True)
+    pair_bytes = np.zeros(len(pairs), dtype=np.int64)
+    np.add.at(pair_bytes, inverse.reshape(-1), (re_ - rs) * smap.itemsize[rk])
+    pair_chunk, pair_rank = pairs // max(world, 1), pairs % max(world, 1)
+    offsets = as_int64(np.searchsorted(pair_chunk, np.arange(nchunks + 1)))
+    reader = _choose_readers(pair_rank, offsets, sizes, world, ranks_per_node, slack)
+    hi = np.append(bounds[1:], bounds[-1] if nchunks else 0)
+    if nchunks:  # each chunk ends at its last piece's end
+        last_piece = np.searchsorted(pc, np.arange(nchunks), "right") - 1
+        hi = smap.g0[pk[last_piece]] + pe[last_piece] * smap.itemsize[pk[last_piece]]
+    chunk_round = _rounds(reader, sizes, pair_chunk, pair_rank, pair_bytes, world, budget_bytes)
+    plan = JobPlan(
+        world=world,
+        ranks_per_node=ranks_per_node,
+        smap=smap,
+        needs=list(needs),
+        chunk_lo=bounds,
+        chunk_hi=as_int64(hi),
+        chunk_reader=reader,
+        chunk_round=chunk_round,
+        rounds=int(chunk_round.max()) + 1 if nchunks else 0,
+        pieces_chunk=pc,
+        pieces_key=pk,
+        pieces_start=ps,
+        pieces_end=pe,
+        rows_rank=rr,
+        rows_chunk=rc,
+        rows_key=rk,
+        rows_start=rs,
+        rows_end=re_,
+        rank_bounds=as_int64(np.searchsorted(rr, np.arange(world + 1))),
+        budget_bytes=budget_bytes,
+        chunk_bytes=chunk_bytes,
+    )
+    h = hashlib.blake2b(digest_size=16)
+    h.update(smap.digest().encode())
+    h.update(f"{world}/{ranks_per_node}/{chunk_bytes}/{budget_bytes}".encode())
+    for array in (plan.chunk_lo, plan.chunk_reader, plan.chunk_round, pc, pk, ps, pe):
+        h.update(array.tobytes())
+    for array in (as_int64(counts), key, start, end):
+        h.update(array.tobytes())
+    plan.digest = h.hexdigest()
+    return plan

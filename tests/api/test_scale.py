@@ -1,0 +1,246 @@
+"""Full scale at reduced scale: the released layouts ``benches/scale.py`` writes, and one rank of a big job
+rehearsed (``hp_fastload.rehearse``, ``plan(rank=)``, ``plan_each``) on sparse checkpoints at real widths and
+dtypes (few layers, few experts, a small vocabulary), checked bit-exactly against torch's and safetensors'
+own results, with the memory and descriptor bounds that broke at full size asserted.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import hp_fastload
+from hp_fastload.formats import TORCH_TO_SAFETENSORS
+from tests.helpers.quant_checkpoints import weight_dequant
+from tests.helpers.tiny_models import FAMILIES, model_class
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benches"))
+import scale
+
+pytestmark = pytest.mark.timeout(300)
+
+#: real widths, one layer (DeepSeek-V3: its first, dense one), 4 experts, a 1,024-token vocabulary
+SMALL_VOCAB = {"vocab_size": 1024}
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen3-235B-A22B at real widths (hidden 4096, 64 heads of 128, experts of 1536), one layer of 4 experts,
+    every tensor filled, split into ~30 files."""
+    root = tmp_path_factory.mktemp("scale") / "qwen3"
+    scale.write_checkpoint(
+        root,
+        scale.MODELS["qwen3-235b-a22b"],
+        layers=1,
+        experts=4,
+        fill=(r".",),
+        overrides=SMALL_VOCAB,
+        max_shard_size="8MB",
+    )
+    return root
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """DeepSeek-V3's released FP8 layout at real widths, a dense layer 0 and a MoE layer 1 (4 experts); two
+    attention projections of layer 0 and expert 1's down projection of layer 1 filled, the rest holes."""
+    root = tmp_path_factory.mktemp("scale") / "deepseek"
+    scale.write_checkpoint(
+        root,
+        scale.MODELS["deepseek-v3"],
+        layers=2,
+        experts=4,
+        fill=(r"layers\.0\.self_attn\.(q_a|kv_a)_proj", r"layers\.1\.mlp\.experts\.1\.down_proj", r"norm"),
+        overrides={**SMALL_VOCAB, "first_k_dense_replace": 1},
+        max_shard_size="64MB",
+    )
+    return root
+
+
+@pytest.fixture
+def fake_world() -> Iterator[Any]:
+    """A ``fake`` process group of ``world`` ranks as rank ``rank`` (torch's own local shards for that rank)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    def start(world: int, rank: int) -> None:
+        dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+
+    yield start
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _fsdp_model(path: Path, world: int) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _st(path: Path) -> dict[str, Any]:
+    """key -> an open safetensors handle of its file (safetensors' own reader)."""
+    index_file = path / "model.safetensors.index.json"
+    if not index_file.is_file():
+        with safe_open(str(path / "model.safetensors"), "pt") as f:
+            index = dict.fromkeys(f.keys(), "model.safetensors")
+    else:
+        index = json.loads(index_file.read_text())["weight_map"]
+    handles = {name: safe_open(str(path / name), "pt") for name in set(index.values())}
+    return {key: handles[name] for key, name in index.items()}
+
+
+def _local_of(full: torch.Tensor, param: Any, rank: int) -> torch.Tensor:
+    """torch's own local shard of ``full`` for ``rank`` under FSDP2's ``Shard(0)`` on a 1-D mesh: its chunk
+    (``torch.chunk``, DTensor's split of a sharded dim)."""
+    from torch.distributed.tensor import Shard
+
+    assert tuple(param.placements) == (Shard(0),), param.placements
+    chunks = torch.chunk(full, param.device_mesh.size(), dim=0)
+    return chunks[rank] if rank < len(chunks) else full[:0]
+
+
+def test_released_layouts_are_save_pretrained_headers(tmp_path: Path) -> None:
+    """``save.released_tensors`` of a model on meta (the generator's layout) has the keys, shapes and dtypes
+    transformers' ``save_pretrained`` writes for the same model materialized, for the families of the five."""
+    from hp_fastload.planning.export import released_tensors
+
+    for family in ("qwen3_moe", "deepseek_v3", "gpt_oss"):
+        from transformers import AutoConfig
+
+        config = AutoConfig.for_model(family, **FAMILIES[family])
+        cls = model_class(family)
+        with torch.device("meta"):
+            meta = cls.from_config(config, dtype=torch.bfloat16)
+        real = cls.from_config(config, dtype=torch.bfloat16)
+        real.save_pretrained(tmp_path / family)
+        with safe_open(str(tmp_path / family / "model.safetensors"), "pt") as f:
+            written = {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}  # noqa: SIM118
+        ours = {k: (tuple(t.shape), TORCH_TO_SAFETENSORS[t.dtype]) for k, t in released_tensors(meta).items()}
+        assert ours == written, family
+
+
+def test_generated_headers_are_the_release_layouts(deepseek: Path) -> None:
+    """FP8 weights with 128x128 ``weight_scale_inv`` blocks, the router and norms bf16, the correction bias
+    F32, the quantization_config of the release."""
+    config = json.loads((deepseek / "config.json").read_text())
+    assert config["quantization_config"]["weight_block_size"] == [128, 128]
+    assert config["architectures"] == ["DeepseekV3ForCausalLM"]
+    st = _st(deepseek)
+    dtype = {k: st[k].get_slice(k).get_dtype() for k in st}
+    shape = {k: tuple(st[k].get_slice(k).get_shape()) for k in st}
+    assert dtype["model.layers.0.self_attn.q_b_proj.weight"] == "F8_E4M3"
+    assert shape["model.layers.0.self_attn.q_b_proj.weight"] == (24576, 1536)
+    assert shape["model.layers.0.self_attn.q_b_proj.weight_scale_inv"] == (192, 12)
+    assert shape["model.layers.0.self_attn.kv_a_proj_with_mqa.weight_scale_inv"] == (5, 56)  # 576 rows: ragged
+    assert dtype["model.layers.1.mlp.experts.2.down_proj.weight"] == "F8_E4M3"
+    assert dtype["model.layers.1.mlp.gate.weight"] == "BF16"
+    assert dtype["model.layers.1.mlp.gate.e_score_correction_bias"] == "F32"
+    assert dtype["lm_head.weight"] == "BF16"
+
+
+def test_rehearsed_rank_is_bit_exact_and_bounded(qwen3: Path, fake_world: Any) -> None:
+    """Rank 2 of FSDP2 over 4: every local shard rehearsed through mapped reads equals torch's chunk of
+    safetensors' tensors
+    (experts stacked by transformers' rule: gate and up concatenated per expert), and reading it adds less
+    than a quarter of its bytes to the resident set (mapped checkpoint pages were kept: +100% of them)."""
+    world, rank = 4, 2
+    fake_world(world, rank)
+    model = _fsdp_model(qwen3, world)
+    hp_fastload.rehearse(model, qwen3, rank=rank, threads=2)  # the pages cached: the mapped path below
+    report, shards = hp_fastload.rehearse(model, qwen3, rank=rank, threads=2, backend="mmap", keep=True)
+    st = _st(qwen3)
+    params = dict(model.named_parameters())
+    checked = 0
+    for name, local in shards.items():
+        if ".experts." in name:
+            prefix = name.rsplit(".", 1)[0]
+            if name.endswith("gate_up_proj"):
+                per = [
+                    torch.cat(
+                        [
+                            st[k].get_tensor(k)
+                            for k in (f"{prefix}.{e}.gate_proj.weight", f"{prefix}.{e}.up_proj.weight")
+                        ]
+                    )
+                    for e in range(4)
+                ]
+            else:
+                per = [st[k].get_tensor(k) for k in (f"{prefix}.{e}.down_proj.weight" for e in range(4))]
+            full = torch.stack(per)
+        else:
+            full = st[name].get_tensor(name)
+        expected = _local_of(full, params[name], rank)
+        assert torch.equal(local.view(torch.int16), expected.view(torch.int16)), name
+        checked += 1
+    assert checked == len(params)
+    assert report.bytes_read == report.local_bytes  # bf16 into bf16
+    assert report.peak_rss - report.rss_before < report.local_bytes // 4, report.summary()
+
+
+def test_descriptors_stay_bounded_over_many_files(deepseek: Path, fake_world: Any) -> None:
+    """A rank reading from ~15 files with positioned reads holds no more than its workers' descriptors and a
+    few kept ones (the engine kept up to 64 files open through the whole call)."""
+    files = list(deepseek.glob("*.safetensors"))
+    assert len(files) >= 12
+    fake_world(16, 0)
+    model = _fsdp_model(deepseek, 16)
+    report, _ = hp_fastload.rehearse(model, deepseek, rank=5, threads=1, backend="pread")
+    assert report.peak_fds - report.fds_before <= 2 * report.threads + 2, report.summary()
+
+
+def test_fp8_rank_dequantized_bit_exact(deepseek: Path, fake_world: Any) -> None:
+    """Rank 1 of FSDP2 over 4 on the FP8 release: each filled weight's local shard is the published block
+    dequantization of safetensors' own fp8 values and scales, chunked as torch shards it (the stacked experts'
+    chunk of rank 1 is expert 1); holes read as zeros."""
+    world, rank = 4, 1
+    fake_world(world, 0)
+    model = _fsdp_model(deepseek, world)
+    report, shards = hp_fastload.rehearse(model, deepseek, rank=rank, threads=2, keep=True)
+    st = _st(deepseek)
+    params = dict(model.named_parameters())
+    q_a = "model.layers.0.self_attn.q_a_proj.weight"
+    full = weight_dequant(st[q_a].get_tensor(q_a), st[q_a].get_tensor(q_a + "_scale_inv"), (128, 128), torch.bfloat16)
+    assert full.abs().sum() > 0
+    assert torch.equal(shards[q_a].view(torch.int16), _local_of(full, params[q_a], rank).view(torch.int16))
+    experts = "model.layers.1.mlp.experts.down_proj"
+    key = "model.layers.1.mlp.experts.1.down_proj.weight"
+    expert = weight_dequant(st[key].get_tensor(key), st[key].get_tensor(key + "_scale_inv"), (128, 128), torch.bfloat16)
+    assert tuple(shards[experts].shape) == (1, *expert.shape)
+    assert torch.equal(shards[experts][0].view(torch.int16), expert.view(torch.int16))
+    hole = "model.layers.0.mlp.down_proj.weight"
+    assert shards[hole].numel() > 0 and not shards[hole].any()
+    assert report.local_bytes == sum(t.numel() * t.element_size() for t in shards.values())
+
+
+def test_plan_each_equals_plan_of_each_rank(deepseek: Path, fake_world: Any) -> None:
+    """Sharing the rank-independent planning (groups, traces, quantized claims, unexpected keys) gives every
+    rank the plan ``plan(model, path, rank=r)`` makes from scratch; a model on meta plans without a rank."""
+    fake_world(4, 0)
+    model = _fsdp_model(deepseek, 4)
+    each = dict(hp_fastload.plan_each(model, deepseek, range(4)))
+    assert [r for r in each] == [0, 1, 2, 3]
+    for rank in range(4):
+        assert each[rank] == hp_fastload.plan(model, deepseek, rank=rank), rank
+    assert each[0] != each[3]
+    assert hp_fastload.plan(model, deepseek) == each[0]  # on meta: this process's rank
+    assert any("layers.1.mlp.experts" in k for k in each[0].dequant)
+    with pytest.raises(ValueError, match="rank or mesh_override"):
+        hp_fastload.plan(model, deepseek, rank=1, mesh_override=hp_fastload.as_rank(1))
+    with pytest.raises(ValueError, match="non-negative"):
+        hp_fastload.as_rank(-1)

@@ -1,0 +1,153 @@
+"""The job-wide plan's pure parts (issue 24): box runs against a naive enumeration, and ``plan_job`` on
+synthetic needs: every needed byte read exactly once, each rank's rows exactly its needs, rounds within the
+budget, balanced readers, a deterministic digest, and the cost model's formulas."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import numpy as np
+import pytest
+
+from hp_fastload.planning.jobcost import predict
+from hp_fastload.planning.jobneeds import Needs, StorageMap, item_runs
+from hp_fastload.planning.jobwide import plan_job
+
+
+def _naive_elements(base: int, lengths: tuple[int, ...], strides: tuple[int, ...]) -> set[int]:
+    boxes = itertools.product(*map(range, lengths))
+    return {base + sum(i * s for i, s in zip(index, strides, strict=True)) for index in boxes}
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_item_runs_cover_exactly_the_box(seed: int) -> None:
+    rng = random.Random(seed)
+    ndim = rng.randint(1, 4)
+    shape = [rng.randint(1, 5) for _ in range(ndim)]
+    order = list(range(ndim))
+    rng.shuffle(order)  # a permuted (transposed) view of a row-major tensor
+    row_major = [int(np.prod(shape[d + 1 :])) for d in range(ndim)]
+    strides = tuple(row_major[order[d]] for d in range(ndim))
+    lengths = tuple(rng.randint(0, shape[order[d]]) for d in range(ndim))
+    rel, run = item_runs(lengths, strides)
+    got: list[int] = [int(s) + j for s in rel for j in range(run)]
+    want = _naive_elements(0, lengths, strides)
+    assert sorted(got) == sorted(want)  # every element once (no bounding box, no duplicates)
+
+
+def _smap(sizes: list[int], files: int = 2) -> StorageMap:
+    tensors, offsets = [], [8] * files
+    for i, n in enumerate(sizes):
+        f = i % files
+        tensors.append((f"t{i}", f, offsets[f], n * 2, 2))
+        offsets[f] += n * 2
+    return StorageMap.build(tensors, [(f"f{f}.safetensors", offsets[f]) for f in range(files)])
+
+
+def _needs(smap: StorageMap, rows: list[tuple[int, int, int]]) -> Needs:
+    k, s, e = (np.array(c, dtype=np.int64) for c in zip(*rows, strict=True)) if rows else ([], [], [])
+    from hp_fastload.planning.jobneeds import merge_needs
+
+    return merge_needs(
+        smap, np.asarray(k, dtype=np.int64), np.asarray(s, dtype=np.int64), np.asarray(e, dtype=np.int64)
+    )
+
+
+def _bytes_of(smap: StorageMap, needs: Needs) -> set[int]:
+    lo, hi = needs.g_bounds(smap)
+    return {b for a, z in zip(lo.tolist(), hi.tolist(), strict=True) for b in range(a, z)}
+
+
+def _random_job(seed: int, world: int = 6) -> tuple[StorageMap, list[Needs]]:
+    rng = random.Random(seed)
+    sizes = [rng.randint(1, 3000) for _ in range(12)]
+    smap = _smap(sizes)
+    needs = []
+    for _ in range(world):
+        rows = []
+        for k, n in enumerate(sizes):
+            for _ in range(rng.randint(0, 3)):
+                a = rng.randint(0, n - 1)
+                rows.append((smap.key_id[f"t{k}"], a, rng.randint(a + 1, n)))
+        needs.append(_needs(smap, rows))
+    return smap, needs
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_every_needed_byte_is_read_once_and_each_rank_gets_its_own(seed: int) -> None:
+    smap, needs = _random_job(seed)
+    job = plan_job(needs, smap, ranks_per_node=2, chunk_bytes=1024, budget_bytes=6000)
+    union = set().union(*(_bytes_of(smap, n) for n in needs))
+    read: list[int] = []
+    for c, k, s, e in zip(job.pieces_chunk, job.pieces_key, job.pieces_start, job.pieces_end, strict=True):
+        base, size = int(smap.g0[k]), int(smap.itemsize[k])
+        assert job.chunk_lo[c] <= base + s * size and base + e * size <= job.chunk_hi[c]
+        read.extend(range(base + int(s) * size, base + int(e) * size))
+    assert sorted(read) == sorted(union)  # T1 = 1 exactly: nothing twice, nothing missing, no gaps read
+    assert int(job.bytes_read().sum()) == len(union)
+    for r, n in enumerate(needs):
+        _chunk, key, start, end = job.split[r]
+        got = Needs(key, start, end)
+        assert _bytes_of(smap, got) == _bytes_of(smap, n)  # rows = needs, cut at chunk bounds
+        assert int(job.rows_bytes(r).sum()) == n.nbytes(smap)
+        received = sum(len(rows) for peer, rows in job.messages(r, 0)[1].items() if peer != r)
+        del received
+    assert int(job.bytes_sent().sum()) == int(job.bytes_received().sum())
+    assert (job.bytes_received() <= np.array([n.nbytes(smap) for n in needs])).all()  # T2 <= 1
+    again = plan_job(needs, smap, ranks_per_node=2, chunk_bytes=1024, budget_bytes=6000)
+    assert again.digest == job.digest
+
+
+def test_rounds_keep_each_rank_within_the_budget() -> None:
+    smap, needs = _random_job(3, world=4)
+    budget = 5000
+    job = plan_job(needs, smap, ranks_per_node=2, chunk_bytes=1000, budget_bytes=budget)
+    assert job.rounds > 1
+    for rnd in range(job.rounds):
+        for r in range(job.world):
+            sends, receives = job.messages(r, rnd)
+            staged = sum(
+                int(job.piece_bytes()[job.pieces_chunk == c].sum())
+                for c in np.flatnonzero((job.chunk_reader == r) & (job.chunk_round == rnd))
+            )
+            sent = sum(int(job.rows_bytes(p)[rows].sum()) for p, rows in sends.items())
+            got = sum(int(job.rows_bytes(r)[rows].sum()) for p, rows in receives.items() if p != r)
+            alone = len(np.flatnonzero(job.chunk_round == rnd)) == 1
+            assert alone or staged + sent + got <= budget, (rnd, r, staged, sent, got)
+
+
+def test_replicated_needs_are_balanced_over_the_nodes() -> None:
+    smap = _smap([4096] * 64, files=4)
+    everything = _needs(smap, [(k, 0, 4096) for k in range(64)])
+    job = plan_job([everything] * 8, smap, ranks_per_node=2, chunk_bytes=8192)
+    per_node = job.node_bytes_read()
+    assert per_node.sum() == everything.nbytes(smap)
+    assert per_node.max() / per_node.mean() <= 1.10  # T3 balance
+    assert (job.bytes_received() == everything.nbytes(smap) - job.bytes_read()).all()
+
+
+def test_a_holder_reads_its_own_bytes() -> None:
+    """FSDP-like needs (each byte on one rank): every rank reads exactly its own bytes, nothing is sent."""
+    smap = _smap([1000] * 8)
+    needs = [_needs(smap, [(k, 250 * r, 250 * (r + 1)) for k in range(8)]) for r in range(4)]
+    job = plan_job(needs, smap, ranks_per_node=2, chunk_bytes=600)
+    assert int(job.bytes_sent().sum()) == 0
+    assert job.bytes_read().tolist() == [n.nbytes(smap) for n in needs]
+
+
+def test_predict_formulas() -> None:
+    smap = _smap([5000] * 4, files=1)
+    everything = _needs(smap, [(k, 0, 5000) for k in range(4)])
+    job = plan_job([everything] * 4, smap, ranks_per_node=2, chunk_bytes=4000)
+    total = everything.nbytes(smap)
+    by = {p.strategy: p for p in predict(job, storage_gbps=1.0, network_gbps=2.0)}
+    assert by["none"].node_read == (2 * total, 2 * total)  # every rank reads all of it
+    assert by["none"].seconds == pytest.approx(2 * total / 1e9)
+    assert by["node"].node_read == (total, total)
+    job_read = by["job"].node_read
+    assert sum(job_read) == total
+    out_b, in_b = by["job"].node_out, by["job"].node_in
+    assert in_b == (2 * (total - job_read[0]), 2 * (total - job_read[1])) and out_b == (in_b[1], in_b[0])
+    want = max(max(r / 1e9, o / 2e9, i / 2e9) for r, o, i in zip(job_read, out_b, in_b, strict=True))
+    assert by["job"].seconds == pytest.approx(want)
