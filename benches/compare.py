@@ -2,6 +2,8 @@
 
     python benches/compare.py                 # full run (~20 min on 2 cores): 2.6 GB dense + 20k-tensor MoE
     python benches/compare.py --quick         # tiny sizes, seconds; used by tests/benches/test_bench_scripts.py and CI
+    python benches/compare.py --warm --baseline benches/baseline.json   # regression guard (exit 1 on a fall)
+    python benches/compare.py --from A.json B.json --write-baseline benches/baseline.json   # new baseline
 
 Every configuration (loader x workload x placement x regime) runs in a fresh worker process (``--quick`` groups
 them into two workers to stay fast), ``--repeats`` times, and the median is reported. After timing, every
@@ -9,6 +11,13 @@ destination byte is compared with safetensors' own slice of the file. Per result
 *needed* bytes, bytes the process made storage read (``/proc/self/io`` read_bytes), CPU time, peak RSS and
 the anonymous memory added during the load. Physical anchors (memcpy with 1 and 2 threads, sequential and
 parallel cold reads) are measured in the same run, and the targets of issue 5 are evaluated as ratios.
+
+Regression guard (``--baseline FILE``; not for CI, whose timing is noise): every hp_fastload result becomes ratios
+measured in the same run (against the fastest peer of its row, and warm rows against the memcpy anchor); each is
+compared with FILE's value for it, and one that fell by more than its noise (the baseline's measured run-to-run
+deviation, at least ``GUARD_NOISE_FLOOR``, or this run's own repetition spread if larger) is printed and makes the
+exit status 1. The baseline (``benches/baseline.json``) is written with ``--write-baseline`` from one or more runs
+and committed deliberately, with the change that moves the speed.
 
 Cold: ``posix_fadvise(DONTNEED)`` on every file, then mincore must report 0 resident pages (``drop_caches``
 is refused on this box). Warm: every page resident (checked with mincore) before timing.
@@ -708,6 +717,147 @@ def _plot_svg(rows: dict[str, dict[str, float]], loaders: list[str], path: Path)
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Regression guard: this run's ratios against a stored baseline (benches/baseline.json)
+
+#: Smallest tolerance a guard ratio gets: a ratio must fall by more than this fraction to count as a fall.
+#: Measured: the same tree run twice on this shared 2-core box moved single ratios by up to ~12%
+#: (docs/perf-notes.md, "Session 9: the regression guard").
+GUARD_NOISE_FLOOR = 0.15
+
+
+def _spread(r: dict[str, Any]) -> float:
+    """Relative spread (max - min) / median of one result's repetitions' GB/s (0 with one repetition)."""
+    vals = [x["gbps"] for x in r.get("repeats") or [] if isinstance(x, dict) and x.get("gbps")]
+    if len(vals) < 2:
+        return 0.0
+    vals.sort()
+    mid = vals[len(vals) // 2]
+    return (vals[-1] - vals[0]) / mid if mid else 0.0
+
+
+def guard_ratios(results: list[dict[str, Any]], anchors: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Every hp_fastload result as ratios measured in the same run: against the fastest peer of its row
+    ("vs best peer") and, for warm rows, against the memcpy anchor ("vs memcpy": 1 thread for one-process rows,
+    2 threads for the 2-rank rows). A result that failed or read wrong bytes has ratio 0 (a fall).
+    ``spread`` is the sum of the two operands' relative spreads over their repetitions in this run."""
+    rows: dict[str, dict[str, dict[str, Any]]] = {}
+    for r in results:
+        if r.get("kind") in ("raw", "e2e"):
+            rows.setdefault(_row_key(r), {})[r["loader"]] = r
+    out: dict[str, dict[str, Any]] = {}
+    for key, by in rows.items():
+        peers = [v for x, v in by.items() if x not in HP and _ok(v)]
+        best_peer = max(peers, key=lambda v: v["gbps"], default=None)
+        for loader in (x for x in HP if x in by):
+            hp = by[loader]
+            ok = _ok(hp)
+            if best_peer is not None:
+                out[f"{key} | {loader} vs best peer"] = dict(
+                    value=hp["gbps"] / best_peer["gbps"] if ok else 0.0,
+                    spread=_spread(hp) + _spread(best_peer),
+                    peer=best_peer["loader"],
+                )
+            e2e = hp.get("kind") == "e2e"
+            mem = anchors.get("memcpy_2t_gbps" if e2e else "memcpy_1t_gbps")
+            if hp.get("regime") == "warm" and mem:
+                out[f"{key} | {loader} vs memcpy {'2t' if e2e else '1t'}"] = dict(
+                    value=hp["gbps"] / mem if ok else 0.0, spread=_spread(hp), peer="memcpy"
+                )
+    return out
+
+
+def write_baseline(
+    runs: list[dict[str, dict[str, Any]]], path: Path, source: list[str], recorded: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """A baseline from one or more runs' guard ratios: per ratio the median over the runs and its noise, the
+    largest relative deviation of a run from that median (at least :data:`GUARD_NOISE_FLOOR`)."""
+    import statistics
+
+    ratios: dict[str, dict[str, Any]] = {}
+    for name in sorted(set().union(*runs)):
+        vals = [r[name]["value"] for r in runs if name in r]
+        mid = float(statistics.median(vals))
+        dev = max((abs(v - mid) / mid for v in vals), default=0.0) if mid else 0.0
+        ratios[name] = dict(value=round(mid, 4), noise=round(max(GUARD_NOISE_FLOOR, dev), 4), runs=len(vals))
+    doc = dict(
+        schema=1,
+        about="hp_fastload's ratios against peers measured in the same run; benches/compare.py --baseline "
+        "checks a run against it. Update deliberately, with the commit that changes the speed.",
+        source=source,
+        recorded=recorded,
+        ratios=ratios,
+    )
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    return doc
+
+
+def check_baseline(current: dict[str, dict[str, Any]], baseline: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """(falls, notes). A ratio falls when it is below the baseline's value by more than its tolerance: the
+    larger of the baseline's measured noise and this run's own spread of the two operands. Ratios the
+    baseline has but this run did not measure are notes, not falls (a subset run)."""
+    falls, notes = [], []
+    for name, base in baseline["ratios"].items():
+        cur = current.get(name)
+        if cur is None:
+            notes.append(f"not measured in this run: {name}")
+            continue
+        tol = max(base["noise"], cur["spread"])
+        floor = base["value"] * (1 - tol)
+        line = (
+            f"{name}: {cur['value']:.2f}x (baseline {base['value']:.2f}x, tolerance {tol:.0%}, "
+            f"{cur['value'] / base['value'] - 1:+.0%})"
+            if base["value"]
+            else f"{name}: {cur['value']:.2f}x (baseline 0)"
+        )
+        (falls if cur["value"] < floor else notes).append(line)
+    return falls, notes
+
+
+def _recorded(doc: dict[str, Any]) -> dict[str, Any]:
+    """What a baseline keeps about a run: the tree, the machine's load and its memcpy speed."""
+    meta, a = doc.get("meta", {}), doc.get("anchors", {})
+    return dict(
+        git=meta.get("git"),
+        loadavg=meta.get("machine", {}).get("loadavg"),
+        memcpy_1t_gbps=a.get("memcpy_1t_gbps"),
+        memcpy_2t_gbps=a.get("memcpy_2t_gbps"),
+    )
+
+
+def run_guard(
+    args: argparse.Namespace, runs: list[dict[str, dict[str, Any]]], source: list[str], recorded: list[dict[str, Any]]
+) -> int:
+    """--write-baseline / --baseline after a run (or on --from files). Returns the exit status."""
+    status = 0
+    if args.write_baseline:
+        doc = write_baseline(runs, Path(args.write_baseline), source, recorded)
+        print(f"\nwrote {len(doc['ratios'])} ratios to {args.write_baseline}")
+    if args.baseline:
+        import statistics
+
+        if not Path(args.baseline).is_file():
+            print(f"no baseline at {args.baseline}: write one with --write-baseline (quiet box, deliberately)")
+            return 2
+        baseline = json.loads(Path(args.baseline).read_text())
+        names = set().union(*runs)
+        current = {
+            n: dict(
+                value=float(statistics.median([r[n]["value"] for r in runs if n in r])),
+                spread=max(r[n]["spread"] for r in runs if n in r),
+            )
+            for n in names
+        }
+        falls, notes = check_baseline(current, baseline)
+        print(f"\nregression guard against {args.baseline}: {len(falls)} of {len(baseline['ratios'])} ratios fell")
+        for line in falls:
+            print(f"FELL  {line}")
+        for line in notes:
+            print(f"ok    {line}" if not line.startswith("not measured") else f"--    {line}")
+        status = 1 if falls else 0
+    return status
+
+
+# ---------------------------------------------------------------------------------------------------------
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -733,6 +883,24 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         metavar="JSON",
         help="no measuring: rebuild the report from earlier compare.json files (later ones add configurations)",
     )
+    ap.add_argument(
+        "--baseline",
+        metavar="FILE",
+        help="regression guard: compare this run's ratios against peers with FILE (e.g. benches/baseline.json); "
+        "prints every ratio that fell by more than its noise and exits 1 if any did",
+    )
+    ap.add_argument(
+        "--write-baseline",
+        metavar="FILE",
+        help="write this run's ratios (with --from: the median and the noise over those runs) as a baseline",
+    )
+    ap.add_argument(
+        "--from",
+        dest="from_runs",
+        nargs="+",
+        metavar="JSON",
+        help="no measuring: take the runs for --baseline / --write-baseline from earlier compare.json files",
+    )
     ap.add_argument("--worker", nargs=2, metavar=("CONFIG", "RESULT"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.repeats = args.repeats or (1 if args.quick else 3)
@@ -755,6 +923,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.merge:
         return merge(args)
+    if args.from_runs:
+        docs = [json.loads(Path(p).read_text()) for p in args.from_runs]
+        runs = [guard_ratios(d["results"], d["anchors"]) for d in docs]
+        return run_guard(args, runs, list(args.from_runs), [_recorded(d) for d in docs])
     started = time.perf_counter()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -858,7 +1030,7 @@ def main(argv: list[str] | None = None) -> int:
     for t in targets:
         print(f"{t['status']:4s}  {t['target']}  [{t['detail']}]")
     print(f"\nwrote {out / 'compare.json'}, {out / 'compare.md'}, {png} in {meta['total_seconds']:.0f} s", file=log)
-    return 0
+    return run_guard(args, [guard_ratios(results, anchors)], [str(out / "compare.json")], [_recorded(doc)])
 
 
 def merge(args: argparse.Namespace) -> int:

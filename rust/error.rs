@@ -57,6 +57,19 @@ pub enum LoadError {
         /// What is wrong, with the numbers.
         reason: String,
     },
+    /// A request to object storage failed (`crate::objstore`): the object, the HTTP status when the server
+    /// answered, and what went wrong. Transient failures are retried before this is raised.
+    #[error("s3://{bucket}/{key}: {reason}{}", status.map(|s| format!(" (HTTP {s})")).unwrap_or_default())]
+    Object {
+        /// The bucket.
+        bucket: String,
+        /// The object's key.
+        key: String,
+        /// The HTTP status of the failed response, when there was one.
+        status: Option<u16>,
+        /// What failed, with the client's message.
+        reason: String,
+    },
     /// The file is shorter than its header says (for example it shrank after it was opened).
     #[error("{}: file is truncated: expected {expected} bytes but found {actual}", path.display())]
     Truncated {

@@ -62,6 +62,8 @@ pub mod header;
 pub mod kernels;
 pub mod keys;
 mod mmap;
+#[cfg(feature = "s3")]
+pub mod objstore;
 mod overlap;
 pub mod plan;
 #[cfg(feature = "python")]

@@ -13,6 +13,8 @@ use std::os::unix::fs::{FileExt, FileTypeExt, OpenOptionsExt};
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
+#[cfg(feature = "s3")]
+use memmap2::MmapMut;
 use memmap2::{Advice, Mmap, MmapOptions, UncheckedAdvice};
 
 use crate::error::LoadError;
@@ -191,6 +193,47 @@ impl Mapping {
             return 0.0;
         }
         f64::from(resident) / f64::from(asked)
+    }
+}
+
+/// Writable anonymous memory the size of a file, filled at the offsets a call needs (object storage): only the
+/// pages written are backed by memory; the others read as zeros and are never touched by the copy, which reads
+/// only the filled ranges. [`Staging::into_mapping`] makes it the read-only [`Mapping`] the executor copies from.
+#[cfg(feature = "s3")]
+pub struct Staging {
+    map: MmapMut,
+}
+
+#[cfg(feature = "s3")]
+impl Staging {
+    /// `len` bytes of zeroed, lazily backed memory (no swap reserved: a file larger than RAM stages fine as
+    /// long as the bytes written fit).
+    pub(crate) fn new(len: u64, what: &Path) -> Result<Staging, LoadError> {
+        let len =
+            usize::try_from(len).map_err(|_| LoadError::request("object too large to stage"))?;
+        let map = MmapOptions::new()
+            .len(len.max(1))
+            .no_reserve_swap()
+            .map_anon()
+            .map_err(|e| LoadError::io(what, &e))?;
+        // Best effort: transparent huge pages make the first touch of a large staged range ~500x fewer
+        // page faults (THP in "madvise" mode only backs advised areas).
+        let _ = map.advise(Advice::HugePage);
+        Ok(Staging { map })
+    }
+
+    /// The staged bytes, writable.
+    pub(crate) fn bytes_mut(&mut self) -> &mut [u8] {
+        &mut self.map
+    }
+
+    /// The staged bytes as a read-only [`Mapping`].
+    pub(crate) fn into_mapping(self, what: &Path) -> Result<Mapping, LoadError> {
+        let map = self
+            .map
+            .make_read_only()
+            .map_err(|e| LoadError::io(what, &e))?;
+        Ok(Mapping { map })
     }
 }
 

@@ -84,6 +84,12 @@ fn to_py(py: Python<'_>, err: LoadError) -> PyErr {
             raise(py, "HeaderError", message)
         }
         LoadError::Request { .. } => raise(py, "PlanError", message),
+        LoadError::Object {
+            bucket,
+            key,
+            status,
+            ..
+        } => object_error(py, message, bucket, key, status),
         LoadError::Truncated { .. } | LoadError::Changed { .. } => raise(py, "ReadError", message),
         LoadError::WorkerPanicked { .. } => raise(py, "HpFastloadError", message),
         // Only when no handler's exception was kept (see `execute`).
@@ -115,7 +121,106 @@ fn shared(headers: &[PyRef<'_, SafetensorsHeader>]) -> Vec<Arc<Header>> {
 #[pyclass(frozen, module = "hp_fastload._core")]
 struct SafetensorsHeader {
     inner: Arc<Header>,
+    /// The object it was fetched from (object storage); None for a file.
+    object: Option<Object>,
 }
+
+// ---- Object storage (feature `s3`, rust/objstore.rs) ----
+#[cfg(feature = "s3")]
+type Object = crate::objstore::ObjectFile;
+/// No object storage in this build: no header has an object.
+#[cfg(not(feature = "s3"))]
+#[derive(Clone)]
+struct Object;
+
+/// `ObjectStoreError(message)` with its `bucket`, `key` and `status` attributes set.
+fn object_error(
+    py: Python<'_>,
+    message: String,
+    bucket: String,
+    key: String,
+    status: Option<u16>,
+) -> PyErr {
+    let err = raise(py, "ObjectStoreError", message);
+    let value = err.value(py);
+    let _ = value.setattr("bucket", bucket);
+    let _ = value.setattr("key", key);
+    let _ = value.setattr("status", status);
+    err
+}
+
+/// The whole object at `url`, None when it does not exist (see `_core.pyi`).
+#[cfg(feature = "s3")]
+#[pyfunction]
+fn read_object<'py>(py: Python<'py>, url: String) -> PyResult<Option<Bound<'py, PyBytes>>> {
+    let got = py
+        .detach(|| crate::objstore::read_object(&url))
+        .map_err(|e| to_py(py, e))?;
+    Ok(got.map(|b| PyBytes::new(py, &b)))
+}
+
+/// The keys one level under `s3://bucket/prefix/`, sorted (see `_core.pyi`).
+#[cfg(feature = "s3")]
+#[pyfunction]
+fn list_objects(py: Python<'_>, url: String) -> PyResult<Vec<String>> {
+    py.detach(|| crate::objstore::list_keys(&url))
+        .map_err(|e| to_py(py, e))
+}
+
+/// `(ETag or None, size)` of the object at `url` now (a HEAD; see `_core.pyi`).
+#[cfg(feature = "s3")]
+#[pyfunction]
+fn object_identity(py: Python<'_>, url: String) -> PyResult<(Option<String>, u64)> {
+    let f = py
+        .detach(|| crate::objstore::identity(&url))
+        .map_err(|e| to_py(py, e))?;
+    Ok((f.e_tag, f.size))
+}
+
+/// Process-wide object-storage counters (see `_core.pyi`); `reset` sets them to zero after reading.
+#[cfg(feature = "s3")]
+#[pyfunction]
+#[pyo3(signature = (reset=false))]
+fn object_counters(reset: bool) -> (u64, u64, u64) {
+    let c = crate::objstore::counters();
+    if reset {
+        crate::objstore::reset_counters();
+    }
+    c
+}
+
+#[cfg(feature = "s3")]
+fn add_object_functions(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(read_object, m)?)?;
+    m.add_function(wrap_pyfunction!(list_objects, m)?)?;
+    m.add_function(wrap_pyfunction!(object_identity, m)?)?;
+    m.add_function(wrap_pyfunction!(object_counters, m)?)?;
+    m.add("HAS_OBJECT_STORE", true)
+}
+
+#[cfg(not(feature = "s3"))]
+fn add_object_functions(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("HAS_OBJECT_STORE", false)
+}
+
+/// Runs a read batch, through object storage when some header came from an object.
+#[allow(clippy::too_many_arguments)]
+fn execute_read(
+    files: &[Arc<Header>],
+    objects: &[Option<Object>],
+    dests: &[crate::dest::DestBuf<'_>],
+    items: &[Item],
+    scales: &[Scale],
+    opts: &ExecOptions,
+) -> Result<crate::exec::ExecStats, LoadError> {
+    #[cfg(feature = "s3")]
+    if objects.iter().any(Option::is_some) {
+        return crate::objstore::execute(files, objects, dests, items, scales, opts);
+    }
+    let _ = objects;
+    execute_batch(files, dests, items, scales, opts)
+}
+// ---- end of object storage ----
 
 #[pymethods]
 impl SafetensorsHeader {
@@ -126,7 +231,31 @@ impl SafetensorsHeader {
             .map_err(|e| to_py(py, e))?;
         Ok(SafetensorsHeader {
             inner: Arc::new(header),
+            object: None,
         })
+    }
+
+    #[cfg(feature = "s3")]
+    /// Fetches and parses the headers of objects `s3://bucket/key` (all at once; see `_core.pyi`).
+    #[staticmethod]
+    fn open_objects(py: Python<'_>, urls: Vec<String>) -> PyResult<Vec<SafetensorsHeader>> {
+        let opened = py
+            .detach(|| crate::objstore::open_headers(&urls))
+            .map_err(|e| to_py(py, e))?;
+        Ok(opened
+            .into_iter()
+            .map(|(header, object)| SafetensorsHeader {
+                inner: Arc::new(header),
+                object: Some(object),
+            })
+            .collect())
+    }
+
+    #[cfg(feature = "s3")]
+    /// `(ETag or None, size)` of the object the header came from; None for a file.
+    #[getter]
+    fn object_identity(&self) -> Option<(Option<String>, u64)> {
+        self.object.as_ref().map(|o| (o.e_tag.clone(), o.size))
     }
 
     #[getter]
@@ -400,6 +529,13 @@ fn execute<'py>(
         }
     };
     let files = shared(&headers);
+    let objects: Vec<Option<Object>> = headers.iter().map(|h| h.object.clone()).collect();
+    if write && objects.iter().any(Option::is_some) {
+        return Err(plan_error(
+            py,
+            "the write direction writes local files; an object header cannot be written".into(),
+        ));
+    }
     if dests.len() % 24 != 0 {
         return Err(plan_error(
             py,
@@ -521,7 +657,7 @@ fn execute<'py>(
         .detach(move || {
             let dests = crate::dest::from_python(&triples);
             match write {
-                false => execute_batch(&files, &dests, &items, &scales, &opts),
+                false => execute_read(&files, &objects, &dests, &items, &scales, &opts),
                 true => crate::exec::execute_write(&files, &dests, &items, &opts),
             }
         })
@@ -577,6 +713,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<WeightMap>()?;
     m.add_function(wrap_pyfunction!(execute, m)?)?;
     m.add_function(wrap_pyfunction!(key_templates, m)?)?;
+    add_object_functions(m)?;
     m.add("MAX_NDIM", MAX_NDIM)?;
     m.add("ITEM_WIDTH", ITEM_WIDTH)?;
     for (name, col) in [

@@ -8,6 +8,8 @@ rules, and writes them into the local shards of the model's DTensors.
 
 from __future__ import annotations
 
+# ``hf.rules.WeightConverter`` etc. (the rule classes users pass as weights_mapping), as before the layers.
+from hp_fastload import rules
 from hp_fastload.api.checkpointer import HuggingFaceCheckpointer
 from hp_fastload.api.load import HF_LOADER_ENV, load, plan, resolve_hf_loader
 from hp_fastload.api.pretrained import from_pretrained
@@ -60,5 +62,15 @@ __all__ = [
     "read_many",
     "rehearse",
     "resolve_hf_loader",
+    "rules",
     "save",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """``hp_fastload.integrations`` on first use: it imports transformers, which ``import hp_fastload`` does not."""
+    if name == "integrations":
+        import importlib
+
+        return importlib.import_module("hp_fastload.integrations")
+    raise AttributeError(f"module 'hp_fastload' has no attribute {name!r}")

@@ -1,7 +1,7 @@
 """Stub of the Rust extension module ``hp_fastload._core`` (see rust/python.rs)."""
 
 import os
-from typing import Final
+from typing import Final, final
 
 MAX_NDIM: Final[int]
 ITEM_WIDTH: Final[int]
@@ -19,7 +19,34 @@ SCALE_WIDTH: Final[int]
 CAST_FLOATS: Final[tuple[str, ...]]
 DTYPE_CODES: Final[dict[str, int]]
 DEFAULT_THREADS: Final[int]
+#: Whether this build has the object-storage backend (Rust feature ``s3``).
+HAS_OBJECT_STORE: Final[bool]
 
+__all__ = [
+    "SafetensorsHeader",
+    "HeaderEntry",
+    "WeightMap",
+    "execute",
+    "key_templates",
+    "MAX_NDIM",
+    "ITEM_WIDTH",
+    "COL_FILE",
+    "COL_TENSOR",
+    "COL_SRC_BASE",
+    "COL_DEST",
+    "COL_DST_BASE",
+    "COL_NDIM",
+    "COL_LENGTHS",
+    "COL_SRC_STRIDES",
+    "COL_DST_STRIDES",
+    "COL_SCALE",
+    "SCALE_WIDTH",
+    "CAST_FLOATS",
+    "DTYPE_CODES",
+    "DEFAULT_THREADS",
+]
+
+@final
 class HeaderEntry:
     """One tensor of a header (read-only): position in the header (an item's tensor field), safetensors dtype
     name, shape, and byte range ``[begin, end)`` relative to ``data_start``."""
@@ -38,10 +65,19 @@ class HeaderEntry:
     def nbytes(self) -> int:
         """``end - begin``."""
 
+@final
 class SafetensorsHeader:
     """A parsed, validated safetensors header (the file is re-checked before every read)."""
 
     def __new__(cls, path: str | os.PathLike[str]) -> SafetensorsHeader: ...
+    @staticmethod
+    def open_objects(urls: list[str]) -> list[SafetensorsHeader]:
+        """The headers of objects ``s3://bucket/key``, fetched together with ranged GETs (the 8-byte length, then
+        the header); ``path`` is the URL. Reads through such a header fetch the needed ranges
+        (``rust/objstore.rs``). ``ObjectStoreError`` naming bucket, key and HTTP status on failure."""
+    @property
+    def object_identity(self) -> tuple[str | None, int] | None:
+        """``(ETag, size)`` of the object the header was fetched from; None for a file."""
     @property
     def path(self) -> str: ...
     @property
@@ -75,10 +111,11 @@ class SafetensorsHeader:
     def get(self, name: object) -> HeaderEntry | None:
         """The :class:`HeaderEntry` of the tensor called ``name``, built on each call, or None when there is
         none."""
-    def __contains__(self, name: object) -> bool: ...
+    def __contains__(self, key: object, /) -> bool: ...
     def positions_not_of(self, dtype_names: list[str]) -> list[int]:
         """Positions (file order) of the tensors whose safetensors dtype name is not in ``dtype_names``."""
 
+@final
 class WeightMap:
     """The ``weight_map`` of a ``model.safetensors.index.json``: which file holds each tensor."""
 
@@ -123,3 +160,16 @@ def execute(
     tensor's bytes in the file (positioned writes; the files exist at their final size with their headers
     written; dtypes must be equal). ``backend`` is ignored; bytes_copied counts bytes written.
     """
+
+def read_object(url: str) -> bytes | None:
+    """The whole object at ``s3://bucket/key`` (an index, ``config.json``); None when it does not exist."""
+
+def list_objects(url: str) -> list[str]:
+    """The keys one level under ``s3://bucket/prefix/``, sorted."""
+
+def object_identity(url: str) -> tuple[str | None, int]:
+    """``(ETag, size)`` of the object at ``url`` now (one HEAD)."""
+
+def object_counters(reset: bool = False) -> tuple[int, int, int]:
+    """Process-wide ``(bytes fetched, GET requests, retries)`` of the object-storage backend; ``reset`` zeroes
+    them after reading."""

@@ -17,6 +17,7 @@ __all__ = [
     "HeaderError",
     "HpFastloadError",
     "MissingKeysError",
+    "ObjectStoreError",
     "PeerInterrupted",
     "PlanError",
     "ReadError",
@@ -51,6 +52,18 @@ class PlanError(HpFastloadError, ValueError):
 class ReadError(HpFastloadError, OSError):
     """Reading failed: the file is shorter than its header says (truncated, or shrank after it was opened)
     or changed since its header was read."""
+
+
+class ObjectStoreError(ReadError):
+    """A request to object storage failed (after retrying transient failures): no such object or bucket,
+    access denied, credentials refused, the server gone. ``bucket``, ``key`` and ``status`` (the HTTP status,
+    None when no answer came) name it."""
+
+    def __init__(self, message: str, bucket: str = "", key: str = "", status: int | None = None) -> None:
+        super().__init__(message)
+        self.bucket = bucket
+        self.key = key
+        self.status = status
 
 
 class CheckpointMismatchError(HpFastloadError, ValueError):

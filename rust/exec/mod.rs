@@ -23,8 +23,9 @@
 //!
 //! Layout: this module holds the entry points and their options; `read` runs the read direction (sources,
 //! backends, the tasks on workers), `tasks` cuts runs into pieces and tasks, `scales` validates and reads
-//! dequantization scales, `write` runs the write direction ([`execute_write`]), `workers` runs numbered tasks
-//! on scoped threads.
+//! dequantization scales, `staged` is the hook of another byte source (object storage: the byte ranges a
+//! batch needs, fetched before any copy), `write` runs the write direction ([`execute_write`]), `workers`
+//! runs numbered tasks on scoped threads.
 
 use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -38,6 +39,7 @@ use crate::types::Item;
 
 mod read;
 mod scales;
+mod staged;
 mod tasks;
 #[cfg(test)]
 mod testutil;
@@ -46,6 +48,7 @@ mod write;
 
 pub use crate::threads::{default_threads, MAX_DEFAULT_THREADS};
 pub use scales::Scale;
+pub(crate) use staged::Stage;
 pub use write::execute_write;
 
 /// Fraction of needed pages that must be cached for `auto` to pick `mmap`.
@@ -198,7 +201,7 @@ pub fn execute(
 /// Like [`execute`], with dequantization: an item whose [`Item::scale`] is `k > 0` multiplies each element
 /// by its block's scale from `scales[k - 1]` (in `f32`) before the one rounding into the destination.
 /// Scales and items are validated, then each scale's grid rows that the items touch are read (once per
-/// call, `read_scales`; counted in `bytes_read_from_files`), before any destination byte is written.
+/// call, `read_scale_cells`; counted in `bytes_read_from_files`), before any destination byte is written.
 pub fn execute_scaled(
     files: &[Arc<Header>],
     dests: &[DestBuf<'_>],
@@ -206,5 +209,19 @@ pub fn execute_scaled(
     scales: &[Scale],
     opts: &ExecOptions,
 ) -> Result<ExecStats, LoadError> {
-    read::execute_scaled_reading(files, dests, items, scales, opts, false)
+    read::execute_scaled_reading(files, dests, items, scales, opts, false, None)
+}
+
+/// [`execute_scaled`] over files whose bytes `stage` provides (object storage, `crate::objstore`; see
+/// [`Stage`]): called once after validation, before any destination byte is written.
+#[cfg(feature = "s3")]
+pub(crate) fn execute_staged(
+    files: &[Arc<Header>],
+    dests: &[DestBuf<'_>],
+    items: &[Item],
+    scales: &[Scale],
+    opts: &ExecOptions,
+    stage: Stage<'_>,
+) -> Result<ExecStats, LoadError> {
+    read::execute_scaled_reading(files, dests, items, scales, opts, false, Some(stage))
 }

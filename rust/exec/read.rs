@@ -6,7 +6,8 @@ use std::fs::File;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use super::scales::{check_scale, item_scales, read_scales, LoadedScale, Scaled};
+use super::scales::{check_scale, item_scales, read_scale_cells, scale_cells, LoadedScale, Scaled};
+use super::staged::{needed_ranges, Stage};
 use super::tasks::{make_pieces, make_tasks, probe_ranges, Mode, Task};
 use super::workers::run_workers;
 use super::{Backend, ExecOptions, ExecStats, Scale, AUTO_MMAP_RESIDENT, IO_THREAD_FACTOR};
@@ -55,7 +56,8 @@ impl Source {
 }
 
 /// [`execute_scaled`](super::execute_scaled); `whole_scales` reads every scale whole (the tests' reference
-/// for the touched rows).
+/// for the touched rows); `stage`, when given, provides the files' bytes from elsewhere (object storage,
+/// [`Stage`]) once the batch is validated.
 pub(super) fn execute_scaled_reading(
     files: &[Arc<Header>],
     dests: &[DestBuf<'_>],
@@ -63,6 +65,7 @@ pub(super) fn execute_scaled_reading(
     scales: &[Scale],
     opts: &ExecOptions,
     whole_scales: bool,
+    stage: Option<Stage<'_>>,
 ) -> Result<ExecStats, LoadError> {
     let mut loaded: Vec<LoadedScale> = scales
         .iter()
@@ -71,8 +74,13 @@ pub(super) fn execute_scaled_reading(
         .collect::<Result<_, _>>()?;
     let per_item = item_scales(files, dests, items, &loaded)?;
     let runs = plan(files, dests, items)?;
+    let mut staged = None;
     if !runs.is_empty() {
-        read_scales(&mut loaded, items, &per_item, files, whole_scales)?;
+        let cells = scale_cells(&loaded, items, &per_item, whole_scales);
+        if let Some(stage) = stage {
+            staged = Some(stage(&needed_ranges(&runs, &loaded, &cells, files))?);
+        }
+        read_scale_cells(&mut loaded, &cells, files, staged.as_deref())?;
     }
     let scale_bytes: u64 = loaded.iter().map(|s| s.bytes).sum();
     let threads = opts.threads.unwrap_or_else(default_threads).max(1);
@@ -96,8 +104,14 @@ pub(super) fn execute_scaled_reading(
     };
     let mut sources: Vec<Option<Source>> = Vec::with_capacity(files.len());
     let mut kept_open = 0;
-    for ((h, &used), ranges) in files.iter().zip(&used).zip(&probes) {
+    for (f, ((h, &used), ranges)) in files.iter().zip(&used).zip(&probes).enumerate() {
+        let kept = staged.as_ref().and_then(|s| s[f].clone());
         sources.push(match used {
+            true if kept.is_some() => Some(Source {
+                map: kept,
+                file: Mutex::new(None),
+                pending: AtomicUsize::new(0),
+            }),
             true => {
                 let mut source =
                     open_source(h, opts.backend, ranges, kept_open < KEEP_OPEN.min(threads))?;
@@ -547,6 +561,75 @@ mod tests {
             execute(std::slice::from_ref(&h), &dest, &[item], &opts).unwrap();
             assert!(out.iter().all(|&b| b == 0), "{backend:?}");
         }
+    }
+
+    /// `auto` on a cached file: a long contiguous box and a column slice (the gather kernel) of one tensor in
+    /// one call land exactly with 1 and 2 threads, and a file truncated before the call is a typed error.
+    #[test]
+    fn auto_reads_rows_and_columns_of_a_cached_file_in_one_call() {
+        let dir = tempfile::tempdir().unwrap();
+        let (rows, cols) = (1024u64, 4096u64);
+        let data = random_bytes((rows * cols) as usize, 11);
+        let h = write_file(
+            dir.path(),
+            "mix.safetensors",
+            &[("w", Dtype::U8, vec![rows, cols], data.clone())],
+        );
+        let t = h.index("w").unwrap() as i64;
+        let box_item = |r0: u64, nr: u64, c0: u64, nc: u64, dest: i64| {
+            let mut item = Item {
+                tensor: t,
+                src_base: (r0 * cols + c0) as i64,
+                dest,
+                ndim: 2,
+                ..Item::default()
+            };
+            item.lengths[..2].copy_from_slice(&[nr as i64, nc as i64]);
+            item.src_strides[..2].copy_from_slice(&[cols as i64, 1]);
+            item.dst_strides[..2].copy_from_slice(&[nc as i64, 1]);
+            item
+        };
+        // Rows 0..512 whole (2 MiB contiguous), and columns 1024..1536 of rows 512..1024.
+        let items = [
+            box_item(0, 512, 0, cols, 0),
+            box_item(512, 512, 1024, 512, 1),
+        ];
+        let want_rows = data[..(512 * cols) as usize].to_vec();
+        let want_cols: Vec<u8> = data[(512 * cols) as usize..]
+            .chunks(cols as usize)
+            .flat_map(|row| row[1024..1536].to_vec())
+            .collect();
+        for threads in [1, 2] {
+            let (mut a, mut b) = (vec![0u8; want_rows.len()], vec![0u8; want_cols.len()]);
+            let dests = [
+                DestBuf::from_mut_slice(&mut a, Dtype::U8),
+                DestBuf::from_mut_slice(&mut b, Dtype::U8),
+            ];
+            let opts = ExecOptions {
+                threads: Some(threads),
+                ..ExecOptions::default()
+            };
+            let stats = execute(std::slice::from_ref(&h), &dests, &items, &opts).unwrap();
+            assert_eq!(stats.backend, "mmap", "{stats:?}");
+            assert_eq!((a == want_rows, b == want_cols), (true, true), "{stats:?}");
+        }
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&h.path)
+            .unwrap();
+        f.set_len(h.file_len / 2).unwrap();
+        let (mut a, mut b) = (vec![0u8; want_rows.len()], vec![0u8; want_cols.len()]);
+        let dests = [
+            DestBuf::from_mut_slice(&mut a, Dtype::U8),
+            DestBuf::from_mut_slice(&mut b, Dtype::U8),
+        ];
+        let r = execute(
+            std::slice::from_ref(&h),
+            &dests,
+            &items,
+            &ExecOptions::default(),
+        );
+        assert!(matches!(r, Err(LoadError::Truncated { .. })), "{r:?}");
     }
 
     #[test]

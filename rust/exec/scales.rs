@@ -9,7 +9,7 @@ use crate::dtype::Dtype;
 use crate::error::LoadError;
 use crate::header::Header;
 use crate::kernels::{can_dequantize, decode_scales_into, is_scale_dtype, ScaleMap};
-use crate::mmap::{open_regular, read_exact_at};
+use crate::mmap::{open_regular, read_exact_at, Mapping};
 use crate::types::{Item, Run, MAX_NDIM};
 
 /// The scales of one quantized tensor, for items with [`Item::scale`] set: tensor `tensor` of file `file`
@@ -30,7 +30,7 @@ pub struct Scale {
     pub block: [i64; MAX_NDIM],
 }
 
-/// A validated [`Scale`] with the grid's strides and, once [`read_scales`] ran, the values of the cells the
+/// A validated [`Scale`] with the grid's strides and, once [`read_scale_cells`] ran, the values of the cells the
 /// batch's items touch decoded in place (the other cells stay 0.0 and are never looked up).
 pub(super) struct LoadedScale {
     values: Vec<f32>,
@@ -141,17 +141,16 @@ pub(super) fn check_scale(
     })
 }
 
-/// Reads, for each scale, the grid cells that the validated `items` referencing it touch (one contiguous
-/// range: the hull of their dim-0 grid rows, [`LoadedScale::cells_of`]) with one `pread`, decoded into their
-/// place of a zeroed full-length vector, so the kernels index it as the whole grid. `whole` reads each used
-/// scale whole (the reference the tests compare with).
-pub(super) fn read_scales(
-    scales: &mut [LoadedScale],
+/// For each scale, the grid cells that the validated `items` referencing it touch (one contiguous range: the
+/// hull of their dim-0 grid rows, [`LoadedScale::cells_of`]), which [`read_scale_cells`] reads and decodes into
+/// their place of a zeroed full-length vector, so the kernels index it as the whole grid. `whole` takes each
+/// used scale whole (the reference the tests compare with).
+pub(super) fn scale_cells(
+    scales: &[LoadedScale],
     items: &[Item],
     per_item: &ItemScales,
-    files: &[Arc<Header>],
     whole: bool,
-) -> Result<(), LoadError> {
+) -> Vec<Option<(u64, u64)>> {
     let mut hull: Vec<Option<(u64, u64)>> = vec![None; scales.len()];
     for (it, s) in items.iter().zip(per_item) {
         let Some((s, _)) = *s else { continue };
@@ -175,22 +174,48 @@ pub(super) fn read_scales(
         let h = hull[s].get_or_insert(cells);
         *h = (h.0.min(cells.0), h.1.max(cells.1));
     }
-    for (sc, hull) in scales.iter_mut().zip(hull) {
-        let Some((c0, c1)) = hull.map(|h| if whole { (0, sc.cells) } else { h }) else {
+    hull.iter()
+        .zip(scales)
+        .map(|(h, sc)| h.map(|h| if whole { (0, sc.cells) } else { h }))
+        .collect()
+}
+
+/// The file of scale `sc` and the absolute byte range of its grid cells `[c0, c1)` in it.
+pub(super) fn scale_byte_range(
+    sc: &LoadedScale,
+    (c0, c1): (u64, u64),
+    files: &[Arc<Header>],
+) -> (usize, (u64, u64)) {
+    let h = &files[sc.file];
+    let t = &h.tensors[sc.tensor];
+    let size = t.dtype.byte_size().expect("scale dtypes are byte-sized") as u64;
+    let start = h.data_start + t.begin + c0 * size;
+    (sc.file, (start, start + (c1 - c0) * size))
+}
+
+/// Reads and decodes the given cells of each scale ([`scale_cells`]): from the staged bytes of its file when
+/// there are some (object storage, `super::staged`), else with one `pread`.
+pub(super) fn read_scale_cells(
+    scales: &mut [LoadedScale],
+    cells: &[Option<(u64, u64)>],
+    files: &[Arc<Header>],
+    staged: Option<&[Option<Arc<Mapping>>]>,
+) -> Result<(), LoadError> {
+    for (sc, &cells) in scales.iter_mut().zip(cells) {
+        let Some((c0, c1)) = cells else {
             continue; // no item uses it
         };
         let h = &files[sc.file];
         let t = &h.tensors[sc.tensor];
-        let size = t.dtype.byte_size().expect("scale dtypes are byte-sized") as u64;
-        let mut raw = vec![0u8; ((c1 - c0) * size) as usize];
-        let (file, _) = open_regular(&h.path)?;
-        read_exact_at(
-            &file,
-            &mut raw,
-            h.data_start + t.begin + c0 * size,
-            &h.path,
-            h.file_len,
-        )?;
+        let (_, (start, end)) = scale_byte_range(sc, (c0, c1), files);
+        let mut raw = vec![0u8; (end - start) as usize];
+        match staged.and_then(|s| s[sc.file].as_ref()) {
+            Some(map) => raw.copy_from_slice(&map.bytes()[start as usize..end as usize]),
+            None => {
+                let (file, _) = open_regular(&h.path)?;
+                read_exact_at(&file, &mut raw, start, &h.path, h.file_len)?;
+            }
+        }
         sc.values = vec![0.0f32; sc.cells as usize]; // zeroed pages: untouched cells cost no memory
         decode_scales_into(t.dtype, &raw, &mut sc.values[c0 as usize..c1 as usize]);
         sc.bytes = raw.len() as u64;
@@ -697,9 +722,16 @@ mod tests {
             let mut out = vec![0u8; at as usize * 2];
             let dest = [DestBuf::from_mut_slice(&mut out, Dtype::BF16)];
             let sc = [sc];
-            let stats =
-                execute_scaled_reading(std::slice::from_ref(&h), &dest, &items, &sc, &opts, whole)
-                    .unwrap();
+            let stats = execute_scaled_reading(
+                std::slice::from_ref(&h),
+                &dest,
+                &items,
+                &sc,
+                &opts,
+                whole,
+                None,
+            )
+            .unwrap();
             (out, stats.bytes_read_from_files - stats.bytes_copied / 2)
         };
         let ((part, part_bytes), (whole, whole_bytes)) = (run(false), run(true));
@@ -810,6 +842,7 @@ mod tests {
                         &[mxs, fps],
                         &opts,
                         whole,
+                        None,
                     )
                     .unwrap()
                     .bytes_read_from_files

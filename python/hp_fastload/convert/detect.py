@@ -12,10 +12,10 @@ Detection costs what a rank reads: the companion scan is over names (and the bul
 from __future__ import annotations
 
 import math
+import os
 import re
 from collections.abc import Callable, Collection, Container, Iterable, Mapping, Sequence
 from itertools import compress, repeat
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -259,7 +259,7 @@ def detect(
 def detect_in_index(index: Any) -> QuantInfo:
     """:func:`detect` over a ``CheckpointIndex``, with the ``config.json`` next to its first file; the index is
     the keys' membership (no set of its keys is built)."""
-    config = read_quant_config(Path(index.files[0].path).parent) if index.files else None
+    config = read_quant_config(os.path.dirname(index.files[0].path)) if index.files else None
     # the config scan's dtypes, in bulk (only a quantization_config with a method has a config scan)
     nonfloat = index.keys_not_stored_as(FLOAT_NAMES.values()) if _method_of(config) else None
     return detect(

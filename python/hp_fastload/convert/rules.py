@@ -29,6 +29,7 @@ from hp_fastload.convert.ops import (
     Chunk,
     Concatenate,
     ConversionOp,
+    FuseGroupedQKV,
     Interleave,
     MergeModulelist,
     PermuteForRope,
@@ -229,6 +230,7 @@ _OP_FIELDS: dict[str, tuple[type[ConversionOp], tuple[str, ...]]] = {
     "Transpose": (Transpose, ("dim0", "dim1", "check_dims")),
     "PermuteForRope": (PermuteForRope, ("subconfig_key", "permute_layer_names", "inverse")),
     "Interleave": (Interleave, ("dim", "inverse")),
+    "FuseGroupedQKV": (FuseGroupedQKV, ("num_heads", "num_kv_heads", "inverse")),
 }
 
 

@@ -11,7 +11,6 @@ import contextlib
 import os
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,7 +18,7 @@ import torch
 from hp_fastload import errors
 from hp_fastload.convert.quant import QuantizationError
 from hp_fastload.runtime import dist_active, interrupts_deferred
-from hp_fastload.source.location import resolve_checkpoint_location
+from hp_fastload.source.location import Location, resolve_checkpoint_location
 
 _REBUILDABLE: dict[str, type[BaseException]] = {
     cls.__name__: cls
@@ -217,7 +216,7 @@ def agree_digest(stage: str, digest: str, hint: str) -> None:
         raise errors.PlanError(f"{stage}: the ranks disagree (rank 0 vs ranks {differing[:8]}): {hint}")
 
 
-def resolve_location_each(path: str | os.PathLike[str], revision: str | None) -> Path:
+def resolve_location_each(path: str | os.PathLike[str], revision: str | None) -> Location:
     """Every rank resolves its own ``path`` (a relative path against its own working directory): rank 0
     first, then the others, a Hub id from the cache rank 0 has just filled when they share it. A failure on
     any rank makes every rank raise. The ranks' checkpoints are compared later (``_agree_checkpoint``)."""
@@ -228,8 +227,18 @@ def resolve_location_each(path: str | os.PathLike[str], revision: str | None) ->
         "Resolving the checkpoint on rank 0",
         lambda: resolve_checkpoint_location(path, revision=revision) if first else None,
     )
-    resolved: Path = agree(
+    resolved: Location = agree(
         "Resolving the checkpoint",
         lambda: location if first else resolve_checkpoint_location(path, revision=revision, cache_first=True),
     )
     return resolved
+
+
+def raised_on(stage: str, rank: int, name: str, message: str) -> Exception:
+    """The exception every rank raises for a step that failed on ``rank`` with ``name: message`` (the same type
+    where it is one of the rebuildable types, else ``RuntimeError``)."""
+    cls = _REBUILDABLE.get(name)
+    text = f"{stage} failed on rank {rank}: {name}: {message}"
+    if cls is not None and issubclass(cls, Exception):
+        return cls(text)
+    return RuntimeError(text)

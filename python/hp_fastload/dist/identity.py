@@ -16,6 +16,8 @@ from hp_fastload import errors
 from hp_fastload.dist.agree import agree
 from hp_fastload.runtime import dist_active, interrupts_deferred
 from hp_fastload.source.index import CheckpointIndex
+from hp_fastload.source.location import Location
+from hp_fastload.source.objstore import ObjectLocation, checkpoint_identity
 
 #: Blocks of data the ranks compare (``_content_sample``), and their size.
 SAMPLE_BLOCKS = 64
@@ -54,17 +56,19 @@ def _content_sample(index: CheckpointIndex, root: Path) -> str:
     return digest.hexdigest()
 
 
-def _checkpoint_identity(location: Path, index: CheckpointIndex) -> tuple[list[tuple[str, int, int]], str]:
+def _checkpoint_identity(location: Location, index: CheckpointIndex) -> tuple[list[tuple[str, int, int]], str]:
     """What makes two resolved checkpoints the same one: each file's name relative to the location, its
     size and its header digest (computed by the header parser from the bytes it read), and a digest of a
     sample of the data (``_content_sample``). Where the files are is not part of it: node-local copies of
-    one checkpoint agree."""
+    one checkpoint agree. Objects compare their ETags instead of a data sample (an ETag names the content)."""
+    if isinstance(location, ObjectLocation):
+        return checkpoint_identity(location, index.files)
     root = location if location.is_dir() else location.parent
     files = sorted((os.path.relpath(f.path, root), f.file_size, f.header.digest) for f in index.files)
     return files, _content_sample(index, root)
 
 
-def agree_checkpoint(location: Path, index: CheckpointIndex) -> None:
+def agree_checkpoint(location: Location, index: CheckpointIndex) -> None:
     """Every rank raises :class:`~hp_fastload.CheckpointMismatchError` unless all ranks' checkpoints have the
     same identity (``_checkpoint_identity``), naming rank 0's location and each other rank's."""
     if not dist_active() or torch.distributed.get_world_size() == 1:

@@ -43,6 +43,9 @@ class LoadReport:
     #: non-persistent buffers nothing re-created after the load: after ``to_empty`` they hold garbage until
     #: the caller sets them (``finalize.recreate_buffers`` recomputes those of transformers models)
     unfilled_buffers: tuple[str, ...] = field(default=(), compare=False)
+    #: model tensors no checkpoint holds by design, left as they are: those a ``state_dict_adapter`` does not
+    #: map (torchtitan's ``expert_bias``) and those matching ``ignore_missing``
+    ignored_missing_keys: tuple[str, ...] = field(default=(), compare=False)
     #: bytes this rank received from / sent to other ranks (``share="job"`` or ``"replicated"``)
     bytes_received: int = field(default=0, compare=False)
     bytes_sent: int = field(default=0, compare=False)
@@ -58,6 +61,9 @@ class LoadReport:
             f"in {self.seconds:.3f} s ({rate:.2f} GB/s); {self.region_targets} region targets, "
             f"{len(self.deferred_targets)} deferred"
         )
+        if self.ignored_missing_keys:
+            shown = ", ".join(self.ignored_missing_keys[:3]) + (", ..." if len(self.ignored_missing_keys) > 3 else "")
+            text += f"; {len(self.ignored_missing_keys)} not in any checkpoint, left as they are ({shown})"
         if self.bytes_received or self.bytes_sent or self.share not in ("", "none"):
             text += (
                 f"; share={self.share or 'none'}: received {self.bytes_received / 1e6:.1f} MB, "

@@ -6,15 +6,18 @@ dequantization fallbacks, runs the strict check and builds the ``LoadPlan`` and 
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hp_fastload.convert.adapter import hook_renamed
 from hp_fastload.convert.detect import detect_in_index
 from hp_fastload.convert.groups import LoadGroup, build_groups
 from hp_fastload.convert.quant_info import QuantInfo
-from hp_fastload.errors import MissingKeysError
+from hp_fastload.errors import MissingKeysError, PlanError
 from hp_fastload.model.targets import Target
+from hp_fastload.planning.adapter import plan_adapter
 from hp_fastload.planning.claims import Claims
 from hp_fastload.planning.context import LoadContext, PendingGroup
 from hp_fastload.planning.intersect import BlockCache, region_items
@@ -92,6 +95,20 @@ def share_planning(
     return SharedPlanning(detect_in_index(index), groups, traced, list(unexpected), BlockCache(), trace)
 
 
+def _refuse_hooked(model: Any, targets: dict[str, Target], loaded: Collection[str]) -> None:
+    """Rules writing straight into a tensor whose checkpoint layout the model's own hooks define would bypass
+    them (a plain concatenation into torchtitan's per-KV-group fused ``wqkv`` loads wrong values silently)."""
+    hooked = hook_renamed(model, {n: (tuple(t.global_shape), t.dtype) for n, t in targets.items()})
+    bad = [n for n in hooked if n in loaded]
+    if bad:
+        raise PlanError(
+            f"{len(bad)} model tensors have their checkpoint layout defined by the model's own state_dict / "
+            f"load_state_dict hooks (first: {', '.join(bad[:3])}), which a weights_mapping load bypasses: pass "
+            "state_dict_adapter= (torchtitan's StateDictAdapter, e.g. Llama3StateDictAdapter(model_config, None)), "
+            "which applies the hooks as torchtitan does"
+        )
+
+
 def plan_load(
     model: Any,
     index: CheckpointIndex,
@@ -105,6 +122,8 @@ def plan_load(
     loader: str = "dcp",
     replacement: Replacement | None = None,
     shared: SharedPlanning | None = None,
+    adapter: Any = None,
+    ignore_missing: Sequence[str] = (),
 ) -> tuple[LoadPlan, LoadContext]:
     """Plan one rank's load: the plain ``LoadPlan`` and the ``LoadContext`` that executes it. Raises (before
     any byte is read) on strict misses and bad targets.
@@ -116,6 +135,11 @@ def plan_load(
 
     ``shared`` (:func:`share_planning` of the same model, checkpoint, rules and ``trace``; ``targets`` may be
     another rank's) skips the rank-independent work: groups, traces and quantization detection.
+
+    ``adapter`` (a state-dict adapter, ``convert.adapter``) replaces the rules: the model tensors are what its
+    ``from_hf`` and the model's load hooks trace to (``planning.adapter``); the tensors it does not map are
+    not missing. ``ignore_missing`` (regexes searched in model names) names more tensors no checkpoint holds.
+    Both kinds are listed in ``LoadReport.ignored_missing_keys``.
     """
     if replacement is None:
         replacement = replacement_of(model)
@@ -124,7 +148,13 @@ def plan_load(
     quant = shared.quant.for_rank() if shared is not None else detect_in_index(index)
     claims = Claims(index, targets, quant)
     used_replacements: list[Any] = []
-    if shared is not None:
+    ignored: list[str] = []
+    if adapter is not None:
+        decided = plan_adapter(model, index, targets, adapter, claims, keys)
+        claims.unexpected.extend(decided.unexpected)
+        ignored.extend(decided.unmapped)
+        rules = []
+    elif shared is not None:
         if shared.trace != trace:
             raise ValueError("plan_load: shared planning was made with another trace setting")
         claims.blocks = shared.blocks
@@ -191,7 +221,13 @@ def plan_load(
             if target is not None:
                 pending.claims[name] = target
             claims.add_deferred(pending)
-    missing = sorted(set(targets) - claims.loaded, key=natural_sort_key)
+    if adapter is None:
+        _refuse_hooked(model, targets, claims.loaded)
+    if ignore_missing:
+        patterns = [re.compile(p) for p in ignore_missing]
+        ignored.extend(n for n in set(targets) - claims.loaded if any(p.search(n) for p in patterns))
+    ignored_set = set(ignored) - claims.loaded
+    missing = sorted(set(targets) - claims.loaded - ignored_set, key=natural_sort_key)
     if (
         shared is not None
         and shared.outcome is not None
@@ -221,6 +257,7 @@ def plan_load(
         region_targets=len(claims.region_reads),
         deferred_targets=tuple(n for d in claims.deferred for n in d.claims),
         loader=loader,
+        ignored_missing_keys=tuple(sorted(ignored_set, key=natural_sort_key)),
     )
     used = [r for r in rules if getattr(r, "was_used", lambda: False)()]
     specs = quant.dequantized  # built for the keys this rank reads (QuantInfo.read), not every claimed one

@@ -1,25 +1,31 @@
 """Side files of a checkpoint, read once: ``config.json`` through ``AutoConfig`` and its ``quantization_config`` (a
-FIFO or socket in its place is refused, never read).
+FIFO or socket in its place is refused, never read); from object storage, the ``config.json`` object.
 """
 
 from __future__ import annotations
 
 import errno
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 from hp_fastload.errors import HeaderError
 from hp_fastload.formats import CONFIG_NAME
+from hp_fastload.source.objstore import ObjectLocation, is_object_url, read_side_object
 
 
 def read_config_json(directory: str | Path) -> dict[str, Any] | None:
     """``directory/config.json`` as a dict, or None when there is none, it cannot be read or it is not a JSON
-    object. A FIFO or socket there raises ``HeaderError`` (refused, never read)."""
+    object. A FIFO or socket there raises ``HeaderError`` (refused, never read). ``directory`` may be an
+    ``s3://`` folder URL (the ``config.json`` object)."""
     from hp_fastload.source.location import read_regular_file
 
     try:
-        raw = read_regular_file(Path(directory) / CONFIG_NAME)
+        if is_object_url(os.fspath(directory)):
+            raw = read_side_object(f"{os.fspath(directory).rstrip('/')}/{CONFIG_NAME}")
+        else:
+            raw = read_regular_file(Path(directory) / CONFIG_NAME)
     except HeaderError:
         raise
     except OSError:
@@ -45,9 +51,11 @@ def read_quant_config(directory: str | Path) -> dict[str, Any] | None:
     return None
 
 
-def read_config(location: Path, config_overrides: dict[str, Any]) -> Any:
+def read_config(location: Path | ObjectLocation, config_overrides: dict[str, Any]) -> Any:
     """The checkpoint's ``config.json`` through ``AutoConfig`` (``config_overrides`` applied); refused unopened
     when it is missing or not a regular file (a FIFO or a device would block the read)."""
+    if isinstance(location, ObjectLocation):
+        return _read_object_config(location, config_overrides)
     folder = location if location.is_dir() else location.parent
     config_path = folder / CONFIG_NAME
     if not config_path.is_file():
@@ -66,3 +74,24 @@ def read_config(location: Path, config_overrides: dict[str, Any]) -> Any:
             "without it, build the model yourself and call hp_fastload.load(model, path)"
         ) from exc
     return AutoConfig.from_pretrained(folder, **config_overrides)
+
+
+def _read_object_config(location: ObjectLocation, config_overrides: dict[str, Any]) -> Any:
+    """``read_config`` of an object checkpoint: its ``config.json`` object, parsed by ``AutoConfig`` from a
+    temporary directory (``AutoConfig`` reads only paths and Hub ids)."""
+    import tempfile
+
+    from transformers import AutoConfig
+
+    url = location.child(CONFIG_NAME)
+    raw = read_side_object(url)
+    if raw is None:
+        raise FileNotFoundError(
+            errno.ENOENT,
+            f"{url} does not exist: the model is built from the checkpoint's config.json; build the model "
+            "yourself and call hp_fastload.load(model, url)",
+            url,
+        )
+    with tempfile.TemporaryDirectory(prefix="hp_fastload-config-") as tmp:
+        Path(tmp, CONFIG_NAME).write_bytes(raw)
+        return AutoConfig.from_pretrained(tmp, **config_overrides)

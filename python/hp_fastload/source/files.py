@@ -58,9 +58,10 @@ class SafetensorsFile:
             :class:`~hp_fastload.ReadError` instead of returning wrong bytes.
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], header: _core.SafetensorsHeader | None = None) -> None:
         self.path = os.fspath(path)
-        self.header = _core.SafetensorsHeader(self.path)
+        #: ``header``: one already parsed (an object's, fetched by ``source.objstore``; its path is the URL).
+        self.header = header if header is not None else _core.SafetensorsHeader(self.path)
         #: Every HeaderEntry, built with the header when it has at most EAGER_ENTRIES tensors (``read_many``
         #: asks for most of a small file's, one dict lookup each); else empty: a big file's entries are built
         #: when asked for (most keys of a big MoE's shard never are).

@@ -21,6 +21,7 @@ import torch
 import hp_fastload._core as _core
 from hp_fastload.errors import HeaderError, shown_key
 from hp_fastload.formats import INDEX_NAME, SAFETENSORS_TO_TORCH, SINGLE_NAME, SUB_BYTE_BITS
+from hp_fastload.source import objstore
 from hp_fastload.source.files import SafetensorsFile, open_file
 from hp_fastload.source.natural import KeyOrder, dot_natural_key
 
@@ -76,8 +77,13 @@ class CheckpointIndex:
         self._headers = [f.header for f in files]
 
     @classmethod
-    def open(cls, location: str | os.PathLike[str]) -> CheckpointIndex:
-        """Index a resolved location (see ``resolve_checkpoint_location``)."""
+    def open(cls, location: str | os.PathLike[str] | objstore.ObjectLocation) -> CheckpointIndex:
+        """Index a resolved location (see ``resolve_checkpoint_location``): files, or objects (``s3://``)."""
+        if isinstance(location, objstore.ObjectLocation):
+            object_files, object_keys = objstore.open_index(location)
+            for file in object_files:
+                _refuse_torch_sharded(file)
+            return cls(object_files, object_keys)
         path = Path(location)
         if path.is_file():
             file = open_file(path)

@@ -1,5 +1,6 @@
 """Checkpoint locations: a user's ``path`` (a ``.safetensors`` file of any name, a directory, a Hub repo id resolved
-through huggingface_hub) to a local path, and regular-file reads of small side files.
+through huggingface_hub, an ``s3://`` URL) to a local path or an object location, and regular-file reads of small side
+files.
 """
 
 from __future__ import annotations
@@ -11,6 +12,18 @@ from pathlib import Path
 
 from hp_fastload.errors import HeaderError
 from hp_fastload.formats import CONFIG_NAME
+from hp_fastload.source.objstore import ObjectLocation, is_object_url
+
+#: A resolved checkpoint location: a local file or directory, or a prefix (or one object) in object storage.
+Location = Path | ObjectLocation
+
+
+def folder_of(location: Location) -> Path | str:
+    """The directory (or, for objects, the ``s3://`` folder URL) that holds the checkpoint's files and its
+    ``config.json``."""
+    if isinstance(location, ObjectLocation):
+        return location.folder
+    return location if location.is_dir() else location.parent
 
 
 def _looks_local(text: str) -> bool:
@@ -65,16 +78,21 @@ def _resolve_hub(repo_id: str, revision: str | None, cache_first: bool = False) 
 
 
 def resolve_checkpoint_location(
-    path: str | os.PathLike[str], *, revision: str | None = None, cache_first: bool = False
-) -> Path:
-    """A local file or directory for ``path``; Hub ids go through huggingface_hub (offline-aware).
+    path: str | os.PathLike[str] | ObjectLocation, *, revision: str | None = None, cache_first: bool = False
+) -> Location:
+    """A local file or directory for ``path``; Hub ids go through huggingface_hub (offline-aware); an
+    ``s3://bucket/prefix`` URL gives an :class:`~hp_fastload.source.objstore.ObjectLocation`.
 
     ``cache_first``: try the local Hub cache before asking the Hub (``load`` resolves on rank 0 first, then
     on the other ranks with it, so a job does not send one request per rank).
     """
+    if isinstance(path, ObjectLocation):  # already resolved
+        return path
     text = os.fspath(path)
     if not text:
         raise ValueError("pretrained_path must be provided: got an empty checkpoint path")
+    if is_object_url(text):  # s3://bucket/prefix: a Path would fold the '//'
+        return ObjectLocation.parse(text)
     local = Path(text).expanduser()
     if local.is_file():
         if local.suffix != ".safetensors":

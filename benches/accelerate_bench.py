@@ -1,0 +1,217 @@
+"""accelerate's own load against hp_fastload's, on 2 gloo ranks with accelerate's real FSDP2 code, same run.
+
+    python benches/accelerate_bench.py               # a ~420 MB fp32 Llama (106M parameters), 3 repeats
+    python benches/accelerate_bench.py --quick       # a tiny Llama, 1 repeat (tests/benches/test_bench_scripts.py)
+
+Each (method, repeat) runs in a fresh 2-rank spawn. Every rank creates an ``Accelerator`` with
+``FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap")`` and sets its state
+to ``DistributedType.FSDP`` (on CPU accelerate would otherwise fall back to DDP), then, between barriers:
+
+- ``accelerate``: ``AutoModelForCausalLM.from_pretrained(path)`` on every rank, ``AdamW``,
+  ``accelerator.prepare(model, optimizer)`` (the whole model on every rank, then ``fully_shard``);
+- ``hp_fastload``: ``hp_fastload.integrations.prepare_pretrained(accelerator, path, optimizer=AdamW)`` (meta
+  model, ``prepare``, each rank reads its shards).
+
+Per rank: wall seconds and RSS growth (peak sampled every 5 ms minus the RSS before the call). The local shards'
+digests must agree between the methods (exit 1 otherwise). The page cache is warmed once before the runs (both
+methods read warm). Results: a table on stdout and ``<out>/accelerate_bench.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+METHODS = ["accelerate", "hp_fastload"]
+
+
+def model_config(quick: bool) -> dict[str, Any]:
+    if quick:
+        return dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    # 106M parameters: 424 MB fp32 (untied embedding and head)
+    return dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=12)
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class _Peak:
+    """The peak RSS while the block runs, sampled every 5 ms by a thread."""
+
+    def __init__(self) -> None:
+        self.peak = _rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, _rss())
+
+    def __enter__(self) -> _Peak:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss())
+
+
+def _accelerator(rank: int, world: int) -> Any:
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap")
+    accelerator = Accelerator(fsdp_plugin=plugin, cpu=True)
+    accelerator.state.distributed_type = DistributedType.FSDP
+    accelerator.state.fsdp_plugin = plugin
+    assert accelerator.is_fsdp2
+    return accelerator
+
+
+def _digest(model: Any) -> str:
+    import torch
+
+    digest = hashlib.blake2b(digest_size=16)
+    for name, p in sorted(model.named_parameters()):
+        digest.update(name.encode())
+        digest.update(p.to_local().detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _rank_main(rank: int, world: int, port: int, path: str, method: str, q: Any) -> None:
+    try:
+        import torch
+        import torch.distributed as dist
+
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=600)
+        )
+        torch.set_num_threads(1)
+        from transformers import AutoModelForCausalLM
+
+        import hp_fastload.integrations
+
+        accelerator = _accelerator(rank, world)
+        # Warm-up outside the timing, the same for both methods: transformers' lazy model modules and FSDP2.
+        from accelerate.utils import fsdp_utils  # noqa: F401
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+        from transformers import AutoConfig
+
+        with torch.device("meta"):
+            AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+        dist.barrier()
+        rss0, t0 = _rss(), time.perf_counter()
+        with _Peak() as peak:
+            if method == "accelerate":
+                model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+                model, _ = accelerator.prepare(model, torch.optim.AdamW(model.parameters()))
+            else:
+                model, _ = hp_fastload.integrations.prepare_pretrained(
+                    accelerator, path, optimizer=torch.optim.AdamW, dtype=torch.float32
+                )
+            dist.barrier()
+        seconds = time.perf_counter() - t0
+        q.put((rank, {"seconds": seconds, "rss_growth": peak.peak - rss0, "digest": _digest(model)}))
+        dist.destroy_process_group()
+    except BaseException as exc:
+        import traceback
+
+        q.put((rank, {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"}))
+
+
+def run_one(path: str, method: str, world: int = 2) -> list[dict[str, Any]]:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, path, method, q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, dict[str, Any]] = {}
+    deadline = time.monotonic() + 900
+    while len(results) < world and time.monotonic() < deadline:
+        try:
+            rank, value = q.get(timeout=1)
+            results[rank] = value
+        except Exception:
+            if not any(p.is_alive() for p in procs) and q.empty():
+                break
+    for p in procs:
+        p.join(10)
+        if p.is_alive():
+            p.kill()
+    return [results.get(r, {"error": "no result (died or timed out)"}) for r in range(world)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    repeats = args.repeats or (1 if args.quick else 3)
+    out = args.out or Path(tempfile.mkdtemp(prefix="hp_accelerate_bench_"))
+    out.mkdir(parents=True, exist_ok=True)
+
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    path = out / "llama"
+    config = LlamaConfig(tie_word_embeddings=False, **model_config(args.quick))
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    for f in path.glob("*.safetensors"):
+        f.read_bytes()  # warm the page cache: both methods read warm
+
+    rows: list[dict[str, Any]] = []
+    for repeat in range(repeats):
+        for method in METHODS if repeat % 2 == 0 else METHODS[::-1]:
+            ranks = run_one(str(path), method)
+            rows.append({"method": method, "repeat": repeat, "ranks": ranks})
+            print(f"{method} repeat {repeat}: {ranks}", file=sys.stderr, flush=True)
+    errors = [r for r in rows for rank in r["ranks"] if "error" in rank]
+    summary: dict[str, Any] = {"checkpoint_bytes": size, "methods": {}}
+    for method in METHODS:
+        mine = [r for r in rows if r["method"] == method and all("error" not in x for x in r["ranks"])]
+        if not mine:
+            continue
+        summary["methods"][method] = {
+            "seconds_median": statistics.median(max(x["seconds"] for x in r["ranks"]) for r in mine),
+            "rss_growth_median_per_rank": statistics.median(max(x["rss_growth"] for x in r["ranks"]) for r in mine),
+        }
+    digests = {tuple(x.get("digest") for x in r["ranks"]) for r in rows}
+    same = not errors and len(digests) == 1
+    summary["local_shards_equal"] = same
+    (out / "accelerate_bench.json").write_text(json.dumps({"summary": summary, "rows": rows}, indent=1))
+    print(f"checkpoint: {size / 1e6:.0f} MB fp32, 2 gloo ranks, FSDP2 via accelerate, {repeats} repeats (median)")
+    print(f"{'method':<12} {'seconds':>8} {'RSS growth / rank':>18}")
+    for method, s in summary["methods"].items():
+        print(f"{method:<12} {s['seconds_median']:>8.2f} {s['rss_growth_median_per_rank'] / 1e6:>15.0f} MB")
+    print(f"local shards bit-equal between the methods: {same}")
+    if errors:
+        print(json.dumps(errors, indent=1)[:4000], file=sys.stderr)
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

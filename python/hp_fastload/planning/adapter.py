@@ -1,0 +1,90 @@
+"""Planning a load through a state-dict adapter (torchtitan's ``StateDictAdapter`` protocol): the adapter and the
+model's own hooks traced on the checkpoint's leaves (``convert.adapter``), each model tensor claimed as the
+exact region reads it traced to.
+
+Which checkpoint keys are read is decided as torchtitan decides it: the keys ``to_hf`` gives for the model's
+state dict. A checkpoint key outside them is unexpected; a model tensor that no key ``to_hf`` gives is made of
+(a buffer only the model owns, as torchtitan's ``expert_bias``) is *unmapped*: the model's own initialization
+keeps it, and it is not missing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Any
+
+from hp_fastload.convert.adapter import StateDictAdapter, loaded_regions, released_regions
+from hp_fastload.convert.symbolic import RegionTensor, UnsupportedRegionOp
+from hp_fastload.errors import PlanError, shown_key
+from hp_fastload.model.targets import Target
+from hp_fastload.planning.claims import Claims
+from hp_fastload.source.index import CheckpointIndex
+
+
+class AdapterError(PlanError, RuntimeError):
+    """A state-dict adapter (or a model hook) did something that cannot be planned as exact region reads."""
+
+
+@dataclass
+class AdapterPlan:
+    """What tracing the adapter decided: the model tensors it leaves to the model (unmapped) and the checkpoint
+    keys it does not read (unexpected)."""
+
+    unmapped: list[str]
+    unexpected: list[str]
+
+
+def _regions(values: dict[str, Any], what: str) -> dict[str, RegionTensor]:
+    bad = [k for k, v in values.items() if not isinstance(v, RegionTensor)]
+    if bad:
+        raise AdapterError(
+            f"the state_dict_adapter's {what} produced values that are not traced regions for "
+            f"{', '.join(map(shown_key, bad[:5]))} (type {type(values[bad[0]]).__name__}): an op that reads values "
+            "cannot be planned as region reads; load through torchtitan's own path (dcp_load) instead"
+        )
+    return values
+
+
+def released(model: Any, adapter: StateDictAdapter, targets: dict[str, Target]) -> dict[str, RegionTensor]:
+    """Hugging Face key -> region of model tensors (named by model name), for every key ``to_hf`` gives."""
+    tensors = {name: (tuple(t.global_shape), t.dtype) for name, t in targets.items()}
+    try:
+        out = released_regions(model, adapter, tensors)
+    except UnsupportedRegionOp as exc:
+        raise AdapterError(f"the state_dict_adapter's to_hf (or a state_dict hook) cannot be traced: {exc}") from exc
+    return _regions(out, "to_hf")
+
+
+def plan_adapter(
+    model: Any,
+    index: CheckpointIndex,
+    targets: dict[str, Target],
+    adapter: StateDictAdapter,
+    claims: Claims,
+    keys: Collection[str],
+) -> AdapterPlan:
+    """Claim every model tensor ``from_hf`` (and the model's load hooks) fill, as region reads."""
+    hf = released(model, adapter, targets)
+    present = set(keys)
+    leaves = {}
+    for key in hf:
+        if key in present:
+            entry = index.locate(key)
+            leaves[key] = RegionTensor.leaf(key, entry.shape, entry.dtype)
+    try:
+        native = loaded_regions(model, adapter, leaves)
+    except UnsupportedRegionOp as exc:
+        raise AdapterError(
+            f"the state_dict_adapter's from_hf (or a load_state_dict pre-hook of the model) cannot be traced: {exc}"
+        ) from exc
+    except (KeyError, AssertionError) as exc:
+        raise AdapterError(
+            f"the state_dict_adapter's from_hf failed on this checkpoint's keys: {type(exc).__name__}: {exc}"
+        ) from exc
+    for name, region in _regions(native, "from_hf").items():
+        claims.region(name, tuple(region.shape), region.blocks, None)
+    mapped = {b.source for region in hf.values() for b in region.blocks}
+    unmapped = [name for name, target in targets.items() if mapped.isdisjoint(target.names)]
+    unexpected = [key for key in keys if key not in hf]
+    return AdapterPlan(unmapped, unexpected)

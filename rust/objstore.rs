@@ -1,0 +1,827 @@
+//! Object storage (feature `s3`): safetensors files in S3-compatible stores, read with ranged GETs.
+//!
+//! An object `s3://bucket/key` is a file of the engine whose bytes come from the network instead of a map
+//! or `pread`: [`open_headers`] fetches each object's 8-byte length and then its header (two ranged GETs,
+//! objects in parallel) and parses it like a file's, remembering the object's ETag and size
+//! ([`ObjectFile`]); [`execute`] validates a batch exactly as for files, then fetches the byte ranges its
+//! items need (coalesced across gaps that add at most 1/32 of the bytes, cut into pieces of at most
+//! [`Settings::piece`] bytes, [`Settings::concurrency`] requests in flight) into [`Staging`] memory at their
+//! file offsets, and only then copies (casts, dequantizes) from it with the executor's mapped path
+//! (`crate::exec::execute_staged`): a failed fetch leaves every destination untouched.
+//!
+//! Every request after the first names the ETag it expects (`If-Match`), so an object replaced during a
+//! load is [`LoadError::Changed`], never a mix of two objects. Failures carry bucket, key and HTTP status
+//! ([`LoadError::Object`]); transient ones (5xx, 429, connection resets, timeouts, bodies cut short) are
+//! retried per piece with bounded exponential backoff, on top of the client's own retries, within a bounded
+//! time. Credentials, region and endpoint come from the standard `AWS_*` variables (`AWS_ENDPOINT_URL`,
+//! `AWS_ACCESS_KEY_ID`, ...; object_store's `AmazonS3Builder::from_env`); an `http://` endpoint is allowed
+//! without `AWS_ALLOW_HTTP`. Each call runs its own tokio runtime (nothing outlives it, nothing to re-create
+//! after `fork`). Process-wide counters ([`counters`]) say what was fetched.
+
+use std::collections::HashMap;
+use std::ops::Range;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use futures::{StreamExt, TryStreamExt};
+use object_store::aws::AmazonS3Builder;
+use object_store::path::Path as Key;
+use object_store::{
+    BackoffConfig, ClientOptions, GetOptions, GetRange, ObjectStore, ObjectStoreExt, RetryConfig,
+};
+
+use crate::dest::DestBuf;
+use crate::error::LoadError;
+use crate::exec::{execute_staged, ExecOptions, ExecStats, Interrupt, Scale, INTERRUPT_POLL};
+use crate::header::Header;
+use crate::mmap::{Mapping, Staging};
+use crate::types::Item;
+
+/// One object's identity when its header was read.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ObjectFile {
+    /// `s3://bucket/key`.
+    pub url: String,
+    /// The bucket.
+    pub bucket: String,
+    /// The key.
+    pub key: String,
+    /// The ETag the server gave (None when it gave none: then nothing checks that the object is unchanged).
+    pub e_tag: Option<String>,
+    /// The object's size in bytes.
+    pub size: u64,
+}
+
+/// Knobs read from the environment once per call (`HP_FASTLOAD_S3_*`), with defaults.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    /// Requests in flight per call (`HP_FASTLOAD_S3_CONCURRENCY`, default 32).
+    pub concurrency: usize,
+    /// Largest ranged GET, bytes (`HP_FASTLOAD_S3_PIECE_MB`, default 8 MiB).
+    pub piece: u64,
+    /// Attempts per piece for transient failures (`HP_FASTLOAD_S3_ATTEMPTS`, default 4).
+    pub attempts: u32,
+    /// Seconds one request may take, connect included (`HP_FASTLOAD_S3_TIMEOUT`, default 60).
+    pub timeout: Duration,
+}
+
+impl Settings {
+    /// The settings of the current environment.
+    pub fn from_env() -> Settings {
+        let get = |name: &str, default: u64| {
+            std::env::var(name)
+                .ok()
+                .and_then(|v| v.trim().parse::<u64>().ok())
+                .filter(|&v| v > 0)
+                .unwrap_or(default)
+        };
+        Settings {
+            concurrency: get("HP_FASTLOAD_S3_CONCURRENCY", 32) as usize,
+            piece: get("HP_FASTLOAD_S3_PIECE_MB", 8) << 20,
+            attempts: get("HP_FASTLOAD_S3_ATTEMPTS", 4) as u32,
+            timeout: Duration::from_secs(get("HP_FASTLOAD_S3_TIMEOUT", 60)),
+        }
+    }
+}
+
+/// Ranges closer than this are fetched as one request when the call's gap budget allows ([`coalesce_all`]).
+pub const COALESCE_GAP: u64 = 1 << 20;
+/// A call fetches at most `1 + 1/COALESCE_SLACK` times the bytes its ranges need ([`coalesce_all`]).
+pub const COALESCE_SLACK: u64 = 32;
+
+static FETCHED: AtomicU64 = AtomicU64::new(0);
+static REQUESTS: AtomicU64 = AtomicU64::new(0);
+static RETRIES: AtomicU64 = AtomicU64::new(0);
+
+/// Process-wide totals since start (or the last [`reset_counters`]): bytes fetched, GET requests that
+/// succeeded, and retries after transient failures.
+pub fn counters() -> (u64, u64, u64) {
+    (
+        FETCHED.load(Ordering::Relaxed),
+        REQUESTS.load(Ordering::Relaxed),
+        RETRIES.load(Ordering::Relaxed),
+    )
+}
+
+/// Sets the [`counters`] to zero.
+pub fn reset_counters() {
+    for c in [&FETCHED, &REQUESTS, &RETRIES] {
+        c.store(0, Ordering::Relaxed);
+    }
+}
+
+/// `(bucket, key)` of `s3://bucket/key` (also `s3a://`); a request error for anything else.
+pub fn split_url(url: &str) -> Result<(String, String), LoadError> {
+    let rest = url
+        .strip_prefix("s3://")
+        .or_else(|| url.strip_prefix("s3a://"))
+        .ok_or_else(|| LoadError::request(format!("'{url}' is not an s3:// URL")))?;
+    match rest.split_once('/') {
+        Some((bucket, key)) if !bucket.is_empty() && !key.is_empty() => {
+            Ok((bucket.to_string(), key.to_string()))
+        }
+        _ => Err(LoadError::request(format!(
+            "'{url}' does not name an object (expected s3://bucket/key)"
+        ))),
+    }
+}
+
+/// One call's client: a runtime and one store per bucket.
+struct Client {
+    rt: tokio::runtime::Runtime,
+    stores: HashMap<String, Arc<dyn ObjectStore>>,
+    settings: Settings,
+}
+
+fn install_crypto() {
+    static ONCE: OnceLock<()> = OnceLock::new();
+    ONCE.get_or_init(|| {
+        // Another provider installed first (by another library in the process) is as good.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    });
+}
+
+impl Client {
+    fn new() -> Result<Client, LoadError> {
+        install_crypto();
+        let settings = Settings::from_env();
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("hp_fastload-s3")
+            .enable_all()
+            .build()
+            .map_err(|e| LoadError::request(format!("cannot start the S3 client runtime: {e}")))?;
+        Ok(Client {
+            rt,
+            stores: HashMap::new(),
+            settings,
+        })
+    }
+
+    fn store(&mut self, bucket: &str) -> Result<Arc<dyn ObjectStore>, LoadError> {
+        if let Some(s) = self.stores.get(bucket) {
+            return Ok(Arc::clone(s));
+        }
+        let mut builder = AmazonS3Builder::from_env().with_bucket_name(bucket);
+        let endpoint = std::env::var("AWS_ENDPOINT_URL_S3")
+            .or_else(|_| std::env::var("AWS_ENDPOINT_URL"))
+            .ok();
+        let mut options = ClientOptions::new()
+            .with_timeout(self.settings.timeout)
+            .with_connect_timeout(Duration::from_secs(10))
+            .with_pool_max_idle_per_host(self.settings.concurrency);
+        if let Some(endpoint) = endpoint {
+            options = options.with_allow_http(endpoint.starts_with("http://"));
+            builder = builder.with_endpoint(endpoint);
+        }
+        let retry = RetryConfig {
+            backoff: BackoffConfig {
+                init_backoff: Duration::from_millis(50),
+                max_backoff: Duration::from_secs(2),
+                base: 2.0,
+            },
+            max_retries: 2,
+            retry_timeout: Duration::from_secs(20),
+        };
+        let store: Arc<dyn ObjectStore> = Arc::new(
+            builder
+                .with_client_options(options)
+                .with_retry(retry)
+                .build()
+                .map_err(|e| object_error(bucket, "", "cannot configure the S3 client", e))?,
+        );
+        self.stores.insert(bucket.to_string(), Arc::clone(&store));
+        Ok(store)
+    }
+}
+
+/// The HTTP status inside an object_store error, when the server answered. object_store keeps its request
+/// error type private, so the status is read from the message of the error chain ("status code: 503 ...").
+fn status_of(err: &object_store::Error) -> Option<u16> {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(err);
+    while let Some(e) = source {
+        let text = e.to_string();
+        if let Some(at) = text.find("status code: ") {
+            let digits: String = text[at + 13..].chars().take(3).collect();
+            if let Ok(s) = digits.parse::<u16>() {
+                return Some(s);
+            }
+        }
+        source = e.source();
+    }
+    match err {
+        object_store::Error::NotFound { .. } => Some(404),
+        object_store::Error::PermissionDenied { .. } => Some(403),
+        object_store::Error::Unauthenticated { .. } => Some(401),
+        object_store::Error::Precondition { .. } => Some(412),
+        _ => None,
+    }
+}
+
+fn object_error(bucket: &str, key: &str, what: &str, err: object_store::Error) -> LoadError {
+    let status = status_of(&err);
+    let why = match &err {
+        object_store::Error::NotFound { .. } => "no such object".to_string(),
+        object_store::Error::PermissionDenied { .. } => "access denied".to_string(),
+        object_store::Error::Unauthenticated { .. } => {
+            "the credentials were refused (check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY)"
+                .to_string()
+        }
+        _ => what.to_string(),
+    };
+    LoadError::Object {
+        bucket: bucket.to_string(),
+        key: key.to_string(),
+        status,
+        reason: format!("{why}: {}", short_message(&err.to_string())),
+    }
+}
+
+/// The client's message without the XML error body the server sent, its `<Code>` kept.
+fn short_message(text: &str) -> String {
+    let Some(at) = text.find("<?xml") else {
+        return text.chars().take(500).collect();
+    };
+    let code = text
+        .split_once("<Code>")
+        .and_then(|(_, rest)| rest.split_once("</Code>"))
+        .map(|(code, _)| format!(" {code}"))
+        .unwrap_or_default();
+    let head = text[..at].trim_end().trim_end_matches(':');
+    format!("{head}{code}")
+}
+
+/// Whether a failed request may succeed when repeated: no answer (reset, timeout, refused), a 5xx, a 429,
+/// or a body cut short. Not found, denied, bad credentials and a changed object are final.
+fn transient(err: &LoadError) -> bool {
+    match err {
+        LoadError::Object { status, .. } => match status {
+            None => true,
+            Some(s) => *s >= 500 || *s == 429 || *s == 408,
+        },
+        _ => false,
+    }
+}
+
+fn object_path(f: &ObjectFile) -> PathBuf {
+    PathBuf::from(&f.url)
+}
+
+/// Fetches `range` of an object into `out` (exactly its length), retrying transient failures.
+async fn fetch_into(
+    store: &dyn ObjectStore,
+    f: &ObjectFile,
+    range: Range<u64>,
+    out: &mut [u8],
+    settings: &Settings,
+) -> Result<(), LoadError> {
+    let mut attempt = 0;
+    loop {
+        attempt += 1;
+        match fetch_once(store, f, range.clone(), out).await {
+            Ok(()) => return Ok(()),
+            Err(e) if transient(&e) && attempt < settings.attempts => {
+                RETRIES.fetch_add(1, Ordering::Relaxed);
+                let wait =
+                    Duration::from_millis(100 << (attempt - 1).min(4)).min(Duration::from_secs(2));
+                tokio::time::sleep(wait).await;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+async fn fetch_once(
+    store: &dyn ObjectStore,
+    f: &ObjectFile,
+    range: Range<u64>,
+    out: &mut [u8],
+) -> Result<(), LoadError> {
+    let failed = |e| object_error(&f.bucket, &f.key, "ranged GET failed", e);
+    let options = GetOptions {
+        range: Some(GetRange::Bounded(range.clone())),
+        if_match: f.e_tag.clone(),
+        ..GetOptions::default()
+    };
+    let got = store
+        .get_opts(&Key::from(f.key.as_str()), options)
+        .await
+        .map_err(|e| match e {
+            object_store::Error::Precondition { .. } => LoadError::Changed {
+                path: object_path(f),
+            },
+            e => failed(e),
+        })?;
+    if got.meta.size != f.size || (f.e_tag.is_some() && got.meta.e_tag != f.e_tag) {
+        return Err(LoadError::Changed {
+            path: object_path(f),
+        });
+    }
+    let mut stream = got.into_stream();
+    let mut at = 0usize;
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.map_err(failed)?;
+        let end = at + chunk.len();
+        if end > out.len() {
+            return Err(LoadError::Object {
+                bucket: f.bucket.clone(),
+                key: f.key.clone(),
+                status: None,
+                reason: format!(
+                    "range {range:?}: the server sent more than {} bytes",
+                    out.len()
+                ),
+            });
+        }
+        out[at..end].copy_from_slice(&chunk);
+        at = end;
+    }
+    FETCHED.fetch_add(at as u64, Ordering::Relaxed);
+    if at != out.len() {
+        return Err(LoadError::Object {
+            bucket: f.bucket.clone(),
+            key: f.key.clone(),
+            status: None,
+            reason: format!(
+                "range {range:?}: the body ended after {at} of {} bytes",
+                out.len()
+            ),
+        });
+    }
+    REQUESTS.fetch_add(1, Ordering::Relaxed);
+    Ok(())
+}
+
+/// The first `n <= 8` bytes and the object's identity (one ranged GET, retried like any piece).
+async fn fetch_head(
+    store: &dyn ObjectStore,
+    bucket: &str,
+    key: &str,
+    url: &str,
+    settings: &Settings,
+) -> Result<(Vec<u8>, ObjectFile), LoadError> {
+    let mut attempt = 0;
+    loop {
+        attempt += 1;
+        let got = store
+            .get_opts(
+                &Key::from(key),
+                GetOptions {
+                    range: Some(GetRange::Bounded(0..8)),
+                    ..GetOptions::default()
+                },
+            )
+            .await;
+        let result = match got {
+            Ok(got) => {
+                let meta = got.meta.clone();
+                match got.bytes().await {
+                    Ok(bytes) => Ok((bytes.to_vec(), meta)),
+                    Err(e) => Err(object_error(
+                        bucket,
+                        key,
+                        "GET of the length prefix failed",
+                        e,
+                    )),
+                }
+            }
+            // An empty object has no byte 0: a 416 for the range.
+            Err(e) => Err(object_error(
+                bucket,
+                key,
+                "GET of the length prefix failed",
+                e,
+            )),
+        };
+        match result {
+            Ok((bytes, meta)) => {
+                FETCHED.fetch_add(bytes.len() as u64, Ordering::Relaxed);
+                REQUESTS.fetch_add(1, Ordering::Relaxed);
+                let f = ObjectFile {
+                    url: url.to_string(),
+                    bucket: bucket.to_string(),
+                    key: key.to_string(),
+                    e_tag: meta.e_tag,
+                    size: meta.size,
+                };
+                return Ok((bytes, f));
+            }
+            Err(e) if transient(&e) && attempt < settings.attempts => {
+                RETRIES.fetch_add(1, Ordering::Relaxed);
+                tokio::time::sleep(Duration::from_millis(100 << (attempt - 1).min(4))).await;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+async fn open_one(
+    store: Arc<dyn ObjectStore>,
+    bucket: String,
+    key: String,
+    url: String,
+    settings: &Settings,
+) -> Result<(Header, ObjectFile), LoadError> {
+    let path = PathBuf::from(&url);
+    let (prefix, f) = fetch_head(store.as_ref(), &bucket, &key, &url, settings).await?;
+    if prefix.len() < 8 || f.size < 8 {
+        return Err(LoadError::header(
+            &path,
+            format!(
+                "object has {} bytes, fewer than the 8-byte length prefix",
+                f.size
+            ),
+        ));
+    }
+    let n = u64::from_le_bytes(prefix[..8].try_into().expect("8 bytes"));
+    if n > f.size - 8 {
+        return Err(LoadError::header(
+            &path,
+            format!(
+                "header length {n} exceeds the object's {} bytes after the length prefix",
+                f.size - 8
+            ),
+        ));
+    }
+    if n > crate::header::MAX_HEADER_LEN {
+        return Err(LoadError::header(
+            &path,
+            format!(
+                "header length {n} is over the limit of {} bytes",
+                crate::header::MAX_HEADER_LEN
+            ),
+        ));
+    }
+    let mut buf = vec![0u8; 8 + n as usize];
+    buf[..8].copy_from_slice(&prefix[..8]);
+    fetch_into(store.as_ref(), &f, 8..8 + n, &mut buf[8..], settings).await?;
+    let header = Header::parse(&path, &buf, f.size)?;
+    Ok((header, f))
+}
+
+/// Fetches and parses the header of each `s3://bucket/key` (all at once); the first error in `urls` order.
+pub fn open_headers(urls: &[String]) -> Result<Vec<(Header, ObjectFile)>, LoadError> {
+    let mut client = Client::new()?;
+    let mut jobs = Vec::with_capacity(urls.len());
+    for url in urls {
+        let (bucket, key) = split_url(url)?;
+        jobs.push((client.store(&bucket)?, bucket, key, url.clone()));
+    }
+    let settings = client.settings.clone();
+    let concurrency = settings.concurrency;
+    client.rt.block_on(async {
+        let opened: Vec<Result<(Header, ObjectFile), LoadError>> = futures::stream::iter(
+            jobs.into_iter()
+                .map(|(store, bucket, key, url)| open_one(store, bucket, key, url, &settings)),
+        )
+        .buffered(concurrency)
+        .collect()
+        .await;
+        opened.into_iter().collect()
+    })
+}
+
+/// The whole object at `url` (an index or `config.json`), or None when there is no such object.
+pub fn read_object(url: &str) -> Result<Option<Vec<u8>>, LoadError> {
+    let (bucket, key) = split_url(url)?;
+    let mut client = Client::new()?;
+    let store = client.store(&bucket)?;
+    let attempts = client.settings.attempts;
+    client.rt.block_on(async {
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let got = match store.get(&Key::from(key.as_str())).await {
+                Ok(got) => got.bytes().await,
+                Err(e) => Err(e),
+            };
+            match got {
+                Ok(bytes) => {
+                    FETCHED.fetch_add(bytes.len() as u64, Ordering::Relaxed);
+                    REQUESTS.fetch_add(1, Ordering::Relaxed);
+                    return Ok(Some(bytes.to_vec()));
+                }
+                Err(object_store::Error::NotFound { .. }) => return Ok(None),
+                Err(e) => {
+                    let e = object_error(&bucket, &key, "GET failed", e);
+                    if !(transient(&e) && attempt < attempts) {
+                        return Err(e);
+                    }
+                    RETRIES.fetch_add(1, Ordering::Relaxed);
+                    tokio::time::sleep(Duration::from_millis(100 << (attempt - 1).min(4))).await;
+                }
+            }
+        }
+    })
+}
+
+/// The keys under `prefix/` (one level: no deeper keys), sorted: a checkpoint "directory" without an index.
+pub fn list_keys(bucket_url: &str) -> Result<Vec<String>, LoadError> {
+    let (bucket, prefix) = split_url(bucket_url)?;
+    let mut client = Client::new()?;
+    let store = client.store(&bucket)?;
+    client.rt.block_on(async {
+        let listed = store
+            .list_with_delimiter(Some(&Key::from(prefix.as_str())))
+            .await
+            .map_err(|e| object_error(&bucket, &prefix, "LIST failed", e))?;
+        let mut keys: Vec<String> = listed
+            .objects
+            .into_iter()
+            .map(|m| m.location.to_string())
+            .collect();
+        keys.sort();
+        Ok(keys)
+    })
+}
+
+/// Sorted, coalesced, non-empty ranges of one object: [`coalesce_all`] of one file.
+pub fn coalesce(ranges: &[(u64, u64)], piece: u64) -> Vec<Range<u64>> {
+    coalesce_all(&[ranges.to_vec()], piece)
+        .pop()
+        .unwrap_or_default()
+}
+
+/// Per object, its sorted needed ranges as requests: touching and overlapping ranges joined; then, over the
+/// whole call, the gaps of at most [`COALESCE_GAP`] joined smallest first while the bytes fetched for gaps
+/// stay within `1/COALESCE_SLACK` of the bytes needed (each joined gap is one request fewer, so this is the
+/// fewest requests for that many extra bytes: a column shard's thousands of row halves become one request
+/// when the call also reads enough contiguous bytes to pay for them); then cut into pieces of at most `piece`.
+pub fn coalesce_all(needed: &[Vec<(u64, u64)>], piece: u64) -> Vec<Vec<Range<u64>>> {
+    let mut merged: Vec<Vec<(u64, u64)>> = Vec::with_capacity(needed.len());
+    let mut total: u64 = 0;
+    for ranges in needed {
+        let mut out: Vec<(u64, u64)> = Vec::new();
+        for &(a, b) in ranges.iter().filter(|(a, b)| b > a) {
+            match out.last_mut() {
+                Some(last) if a <= last.1 => last.1 = last.1.max(b),
+                _ => out.push((a, b)),
+            }
+        }
+        total += out.iter().map(|(a, b)| b - a).sum::<u64>();
+        merged.push(out);
+    }
+    // (gap bytes, file, index of the range after the gap)
+    let mut gaps: Vec<(u64, usize, usize)> = Vec::new();
+    for (f, ranges) in merged.iter().enumerate() {
+        for k in 1..ranges.len() {
+            let gap = ranges[k].0 - ranges[k - 1].1;
+            if gap <= COALESCE_GAP {
+                gaps.push((gap, f, k));
+            }
+        }
+    }
+    gaps.sort_unstable();
+    let budget = total / COALESCE_SLACK;
+    let mut spent = 0u64;
+    let mut join: Vec<Vec<bool>> = merged.iter().map(|r| vec![false; r.len()]).collect();
+    for (gap, f, k) in gaps {
+        if spent + gap > budget {
+            break;
+        }
+        spent += gap;
+        join[f][k] = true;
+    }
+    merged
+        .iter()
+        .zip(&join)
+        .map(|(ranges, join)| {
+            let mut requests: Vec<(u64, u64)> = Vec::with_capacity(ranges.len());
+            for (&(a, b), &joined) in ranges.iter().zip(join) {
+                match requests.last_mut() {
+                    Some(last) if joined => last.1 = b,
+                    _ => requests.push((a, b)),
+                }
+            }
+            let mut out = Vec::with_capacity(requests.len());
+            for (a, b) in requests {
+                let mut at = a;
+                while at < b {
+                    let end = b.min(at.saturating_add(piece.max(1)));
+                    out.push(at..end);
+                    at = end;
+                }
+            }
+            out
+        })
+        .collect()
+}
+
+/// Fetches `needed[f]` of each object file `f` into staging memory, all files' pieces in flight together.
+fn stage(
+    objects: &[Option<ObjectFile>],
+    needed: &[Vec<(u64, u64)>],
+    interrupt: Option<&Interrupt>,
+) -> Result<Vec<Option<Arc<Mapping>>>, LoadError> {
+    let mut client = Client::new()?;
+    let settings = client.settings.clone();
+    let mut stagings: Vec<Option<Staging>> = Vec::with_capacity(objects.len());
+    let mut plans: Vec<Vec<Range<u64>>> = Vec::with_capacity(objects.len());
+    let mut stores: Vec<Option<Arc<dyn ObjectStore>>> = Vec::with_capacity(objects.len());
+    let of_objects: Vec<Vec<(u64, u64)>> = objects
+        .iter()
+        .zip(needed)
+        .map(|(obj, ranges)| {
+            if obj.is_some() {
+                ranges.clone()
+            } else {
+                Vec::new()
+            }
+        })
+        .collect();
+    let requests = coalesce_all(&of_objects, settings.piece);
+    for ((obj, ranges), pieces) in objects.iter().zip(needed).zip(requests) {
+        match obj {
+            Some(f) if !ranges.is_empty() => {
+                if let Some(last) = pieces.last() {
+                    if last.end > f.size {
+                        return Err(LoadError::Truncated {
+                            path: object_path(f),
+                            expected: last.end,
+                            actual: f.size,
+                        });
+                    }
+                }
+                stagings.push(Some(Staging::new(f.size, &object_path(f))?));
+                plans.push(pieces);
+                stores.push(Some(client.store(&f.bucket)?));
+            }
+            _ => {
+                stagings.push(None);
+                plans.push(Vec::new());
+                stores.push(None);
+            }
+        }
+    }
+    // Carve each staging buffer into the disjoint slices its sorted pieces fill.
+    let mut jobs = Vec::new();
+    for (f, staging) in stagings.iter_mut().enumerate() {
+        let Some(staging) = staging else { continue };
+        let (obj, store) = (
+            objects[f].as_ref().expect("staged"),
+            stores[f].as_ref().expect("staged"),
+        );
+        let mut rest: &mut [u8] = staging.bytes_mut();
+        let mut base = 0u64;
+        for r in &plans[f] {
+            let (_, tail) = rest.split_at_mut((r.start - base) as usize);
+            let (piece, tail) = tail.split_at_mut((r.end - r.start) as usize);
+            rest = tail;
+            base = r.end;
+            jobs.push((store.as_ref(), obj, r.clone(), piece));
+        }
+    }
+    let concurrency = settings.concurrency;
+    let requests = jobs.len();
+    let done = AtomicUsize::new(0);
+    client.rt.block_on(async {
+        let fetches =
+            futures::stream::iter(jobs.into_iter().map(|(store, obj, range, out)| async {
+                fetch_into(store, obj, range, out, &settings).await?;
+                done.fetch_add(1, Ordering::Relaxed);
+                Ok::<(), LoadError>(())
+            }))
+            .buffer_unordered(concurrency)
+            .try_collect::<()>();
+        // The interrupt is asked every INTERRUPT_POLL while requests are in flight; a yes drops them (their
+        // connections close) and nothing has been written into any destination yet.
+        let stop = async {
+            loop {
+                tokio::time::sleep(INTERRUPT_POLL).await;
+                if interrupt.is_some_and(Interrupt::check) {
+                    return;
+                }
+            }
+        };
+        futures::pin_mut!(fetches, stop);
+        match futures::future::select(fetches, stop).await {
+            futures::future::Either::Left((fetched, _)) => fetched,
+            futures::future::Either::Right(((), _)) => Err(LoadError::Interrupted {
+                done: done.load(Ordering::Relaxed),
+                tasks: requests,
+            }),
+        }
+    })?;
+    stagings
+        .into_iter()
+        .zip(objects)
+        .map(|(s, obj)| match (s, obj) {
+            (Some(s), Some(f)) => s.into_mapping(&object_path(f)).map(|m| Some(Arc::new(m))),
+            _ => Ok(None),
+        })
+        .collect()
+}
+
+/// [`crate::execute_scaled`] where `objects[f]` is the object of `files[f]` (None: a local file, read as
+/// usual). Validation first, then every needed range of every object is fetched, then copied: on error no
+/// destination byte has been written. `bytes_read_from_files` counts the bytes fetched from the store plus
+/// those read from local files.
+pub fn execute(
+    files: &[Arc<Header>],
+    objects: &[Option<ObjectFile>],
+    dests: &[DestBuf<'_>],
+    items: &[Item],
+    scales: &[Scale],
+    opts: &ExecOptions,
+) -> Result<ExecStats, LoadError> {
+    let fetched = AtomicU64::new(0);
+    let fetch = |needed: &[Vec<(u64, u64)>]| {
+        let before = FETCHED.load(Ordering::Relaxed);
+        let staged = stage(objects, needed, opts.interrupt.as_ref());
+        fetched.store(FETCHED.load(Ordering::Relaxed) - before, Ordering::Relaxed);
+        staged
+    };
+    let mut stats = execute_staged(files, dests, items, scales, opts, &fetch)?;
+    // The copy "read" the staged bytes from memory; what counts is what came over the network (plus, in a
+    // call that mixes local files and objects, the copy's count, which then includes both).
+    let fetched = fetched.load(Ordering::Relaxed);
+    stats.bytes_read_from_files = match objects.iter().all(Option::is_some) {
+        true => fetched,
+        false => stats.bytes_read_from_files + fetched,
+    };
+    Ok(stats)
+}
+
+/// The object identity of `url` now (a HEAD): for callers that cache headers keyed on ETag and size.
+pub fn identity(url: &str) -> Result<ObjectFile, LoadError> {
+    let (bucket, key) = split_url(url)?;
+    let mut client = Client::new()?;
+    let store = client.store(&bucket)?;
+    client.rt.block_on(async {
+        let meta = store
+            .head(&Key::from(key.as_str()))
+            .await
+            .map_err(|e| object_error(&bucket, &key, "HEAD failed", e))?;
+        Ok(ObjectFile {
+            url: url.to_string(),
+            bucket: bucket.clone(),
+            key: key.clone(),
+            e_tag: meta.e_tag,
+            size: meta.size,
+        })
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_split_into_bucket_and_key() {
+        assert_eq!(
+            split_url("s3://b/p/model.safetensors").unwrap(),
+            ("b".to_string(), "p/model.safetensors".to_string())
+        );
+        assert!(split_url("s3://b").is_err());
+        assert!(split_url("s3:///k").is_err());
+        assert!(split_url("/local/file").is_err());
+    }
+
+    #[test]
+    fn coalescing_joins_small_gaps_only_and_cuts_pieces() {
+        // Touching and overlapping ranges join.
+        assert_eq!(
+            coalesce(&[(0, 10), (10, 20), (15, 30)], 1 << 20),
+            vec![0..30]
+        );
+        // A 4 KiB gap between 4 KiB rows (a column half) is half the bytes: not joined.
+        let rows: Vec<(u64, u64)> = (0..4).map(|i| (i * 8192, i * 8192 + 4096)).collect();
+        assert_eq!(coalesce(&rows, 1 << 20).len(), 4);
+        // A 100-byte gap between 1 MiB ranges is joined.
+        let big = [(0, 1 << 20), ((1 << 20) + 100, 2 << 20)];
+        assert_eq!(coalesce(&big, 8 << 20), vec![0..(2 << 20)]);
+        // Cut into pieces.
+        assert_eq!(coalesce(&[(0, 25)], 10), vec![0..10, 10..20, 20..25]);
+        // Fetched never exceeds needed by more than 1/32.
+        let many: Vec<(u64, u64)> = (0..1000).map(|i| (i * 1100, i * 1100 + 1000)).collect();
+        let fetched: u64 = coalesce(&many, u64::MAX)
+            .iter()
+            .map(|r| r.end - r.start)
+            .sum();
+        assert!(fetched * 32 <= 1000 * 1000 * 33, "{fetched}");
+    }
+
+    #[test]
+    fn the_gap_budget_is_spent_over_the_whole_call_smallest_gaps_first() {
+        // File 0: 1000 row halves of 512 B with 512 B gaps (a column shard); file 1: 64 MiB contiguous.
+        let rows: Vec<(u64, u64)> = (0..1000).map(|i| (i * 1024, i * 1024 + 512)).collect();
+        let big = vec![(0, 64 << 20)];
+        let out = coalesce_all(&[rows.clone(), big.clone()], u64::MAX);
+        assert_eq!(out[0], vec![0..(999 * 1024 + 512)]); // one request: its gaps fit the call's budget
+        assert_eq!(out[1], vec![0..(64 << 20)]);
+        // Alone, the rows pay for 31 of their 999 gaps (512 000 / 32 bytes): 969 requests.
+        assert_eq!(coalesce_all(&[rows], u64::MAX)[0].len(), 1000 - 31);
+        // Smallest gaps first: a 1 KiB gap is joined before a 64 KiB one when only one fits.
+        let mixed = vec![(0, 40_000), (41_024, 80_000), (144_000, 180_000)];
+        assert_eq!(
+            coalesce_all(&[mixed], u64::MAX)[0],
+            vec![0..80_000, 144_000..180_000]
+        );
+        // Fetched stays within 1/32 of needed over the call.
+        let needed: u64 = 1000 * 512 + (64 << 20);
+        let fetched: u64 = out.iter().flatten().map(|r| r.end - r.start).sum();
+        assert!(fetched * 32 <= needed * 33, "{fetched}");
+    }
+}

@@ -1,0 +1,261 @@
+"""torchtitan 0.3.0 models loaded with ``state_dict_adapter=`` on 2 gloo ranks, parallelized by torchtitan's own
+functions, against torchtitan's own HF load (``CheckpointManager.dcp_load(from_hf=True)``): every local shard
+bit-equal, the same loss. Also: the two recipes that used to load silently wrong values now raise, and the
+README's torchtitan line runs as written.
+
+One spawn runs every distributed check (``run_subchecks``); checkpoints are written once per module.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("torchtitan")
+
+from tests.helpers import titan
+from tests.helpers.dist import run_distributed, run_subchecks, subcheck_values
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
+
+WORLD = 2
+
+
+ROOT_ENV = "HP_FASTLOAD_TEST_TITAN_ROOT"  # the checkpoints' directory, inherited by the spawned ranks
+
+
+def _compare(name: str, layout: str) -> dict[str, Any]:
+    import hp_fastload as hf
+
+    path = Path(os.environ[ROOT_ENV]) / name
+    theirs, cfg = titan.parallel_model(name, layout, WORLD)
+    titan.torchtitan_load(theirs, titan.adapter(name, cfg), path)
+    ours, cfg = titan.parallel_model(name, layout, WORLD)
+    report = hf.load(ours, path, state_dict_adapter=titan.adapter(name, cfg))
+    a, b = titan.local_state(theirs), titan.local_state(ours)
+    return {
+        "differ": sorted(k for k in a if not torch.equal(a[k], b[k])),
+        "keys": (sorted(a) == sorted(b), len(a)),
+        "loss": (titan.loss(theirs, cfg.vocab_size), titan.loss(ours, cfg.vocab_size)),
+        "report": report,
+    }
+
+
+def check_llama3_fsdp(rank: int, world: int) -> Any:
+    return _compare("llama3", "fsdp")
+
+
+def check_llama3_tp(rank: int, world: int) -> Any:
+    return _compare("llama3", "tp")
+
+
+def check_llama3_fsdp_ac(rank: int, world: int) -> Any:
+    return _compare("llama3", "fsdp_ac")
+
+
+def check_qwen3_fsdp(rank: int, world: int) -> Any:
+    return _compare("qwen3", "fsdp")
+
+
+def check_qwen3_moe_fsdp(rank: int, world: int) -> Any:
+    return _compare("qwen3_moe", "fsdp")
+
+
+def check_deepseek_v3_fsdp(rank: int, world: int) -> Any:
+    return _compare("deepseek_v3", "fsdp")
+
+
+CHECKS = [
+    check_llama3_fsdp,
+    check_llama3_tp,
+    check_llama3_fsdp_ac,
+    check_qwen3_fsdp,
+    check_qwen3_moe_fsdp,
+    check_deepseek_v3_fsdp,
+]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    base = tmp_path_factory.mktemp("titan")
+    for name in titan.NAMES:
+        titan.write_checkpoint(name, base / name)
+    return base
+
+
+@pytest.fixture(scope="module")
+def outcomes(root: Path) -> Any:
+    os.environ[ROOT_ENV] = str(root)
+    try:
+        return run_distributed(run_subchecks, WORLD, checks=CHECKS, timeout=500)
+    finally:
+        os.environ.pop(ROOT_ENV, None)
+
+
+@pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__.removeprefix("check_"))
+def test_bit_equal_to_torchtitans_own_load(outcomes: Any, check: Any) -> None:
+    for value in subcheck_values(outcomes, check.__name__):
+        assert value["differ"] == []
+        assert value["keys"][0] and value["keys"][1] > 0
+        theirs, ours = value["loss"]
+        assert ours == theirs
+        report = value["report"]
+        assert report.missing_keys == () and report.unexpected_keys == ()
+        assert report.summary().startswith("dcp: ")
+
+
+def test_moe_expert_bias_is_not_missing(outcomes: Any) -> None:
+    (value, _) = subcheck_values(outcomes, check_qwen3_moe_fsdp.__name__)
+    ignored = value["report"].ignored_missing_keys
+    assert ignored and all(k.endswith("moe.expert_bias_E") for k in ignored)
+
+
+# ---- single process: the recipes that loaded silently wrong values, the README line, the report ----
+
+
+def _model(name: str) -> tuple[torch.nn.Module, Any]:
+    cfg = titan.config(name)
+    model = cfg.build()
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    return model, cfg
+
+
+def test_concatenate_into_fused_wqkv_raises(root: Path) -> None:
+    """The old README recipe (Concatenate(0) of q/k/v into torchtitan's per-KV-group fused wqkv) loaded wrong
+    values without an error; the fused layout is the model's hooks', so a rules load into it raises."""
+    import hp_fastload as hf
+    from hp_fastload import errors, rules
+
+    model, _ = _model("llama3")
+    with pytest.raises(errors.PlanError, match="state_dict_adapter="):
+        hf.load(
+            model,
+            root / "llama3",
+            key_mapping={r"^model\.": "", r"\.self_attn\.": ".attention.qkv_linear."},
+            weights_mapping=[
+                rules.WeightConverter(
+                    [f"attention.qkv_linear.{p}_proj.weight" for p in "qkv"],
+                    "attention.qkv_linear.wqkv.weight",
+                    [rules.Concatenate(0)],
+                )
+            ],
+            strict=False,
+        )
+
+
+def test_permute_for_rope_needs_a_head_count() -> None:
+    from hp_fastload import rules
+
+    op = rules.PermuteForRope()
+    with pytest.raises(ValueError, match="head count"):
+        op.convert({"q_proj": [torch.zeros(8, 4)]}, ["q_proj"], ["q_proj"], config=object())
+
+
+def test_permute_for_rope_uses_kv_heads_for_keys(root: Path) -> None:
+    """PermuteForRope with explicit counts gives torchtitan's own reverse permutes (q with 8 heads, k with the
+    2 KV heads)."""
+    from safetensors.torch import load_file
+
+    from hp_fastload import rules
+
+    _, cfg = _model("llama3")
+    adapter = titan.adapter("llama3", cfg)
+    hf_state = load_file(str(root / "llama3" / "model.safetensors"))
+    theirs = adapter.from_hf(dict(hf_state))
+    op = rules.PermuteForRope(inverse=True, num_heads=8, num_kv_heads=2, head_dim=8)
+    for src, dst in (("q_proj", "wq"), ("k_proj", "wk")):
+        key = f"model.layers.0.self_attn.{src}.weight"
+        out = op.convert({key: [hf_state[key]]}, [key], [key])[key]
+        assert torch.equal(out, theirs[f"layers.0.attention.qkv_linear.{dst}.weight"])
+    with pytest.raises(ValueError, match="rows are not"):  # k with the query head count
+        rules.PermuteForRope(inverse=True, num_heads=8, head_dim=8).convert(
+            {"k_proj": [hf_state["model.layers.0.self_attn.k_proj.weight"]]}, ["k_proj"], ["k_proj"]
+        )
+
+
+def test_fuse_grouped_qkv_is_torchtitans_layout_and_inverts() -> None:
+    """FuseGroupedQKV equals torchtitan's own _merge_qkv_on_load; its inverse its _split_qkv_on_save; traced on
+    symbolic tensors, both are exact region reads."""
+    from hp_fastload import rules
+    from hp_fastload.convert.symbolic import RegionTensor
+
+    model, _ = _model("llama3")
+    qkv = model.layers["0"].attention.qkv_linear
+    g = torch.Generator().manual_seed(0)
+    wq, wk, wv = (torch.randn(r, 64, generator=g) for r in (64, 16, 16))
+    state = {"p.wq.weight": wq, "p.wk.weight": wk, "p.wv.weight": wv}
+    type(qkv)._merge_qkv_on_load(qkv, state, "p.")
+    fused = state["p.wqkv.weight"]
+    op = rules.FuseGroupedQKV(num_heads=8, num_kv_heads=2)
+    out = op.convert({"q": [wq], "k": [wk], "v": [wv]}, ["q", "k", "v"], ["wqkv"])["wqkv"]
+    assert torch.equal(out, fused)
+    back = op.reverse_op.convert({"wqkv": [fused]}, ["wqkv"], ["q", "k", "v"])
+    split: dict[str, torch.Tensor] = {"p.wqkv.weight": fused}
+    type(qkv)._split_qkv_on_save(qkv, split, "p.", {})
+    for ours, key in zip(back.values(), ("wq", "wk", "wv"), strict=True):
+        assert torch.equal(ours, split[f"p.{key}.weight"])
+    leaves = {n: RegionTensor.leaf(n, t.shape, t.dtype) for n, t in (("q", wq), ("k", wk), ("v", wv))}
+    traced = op.convert({n: [leaf] for n, leaf in leaves.items()}, ["q", "k", "v"], ["wqkv"])["wqkv"]
+    assert isinstance(traced, RegionTensor)
+    assert torch.equal(traced.materialize({"q": wq, "k": wk, "v": wv}), fused)
+
+
+def test_ignore_missing_keeps_strict_usable(root: Path) -> None:
+    import hp_fastload as hf
+
+    model, cfg = _model("qwen3_moe")
+    # without the adapter's knowledge (rename-only rules can't reach the experts): strict names the tensors
+    plan = hf.plan(model, root / "qwen3_moe", state_dict_adapter=titan.adapter("qwen3_moe", cfg), strict=True)
+    assert plan.report.missing_keys == ()
+    ours = hf.plan(
+        model,
+        root / "qwen3_moe",
+        state_dict_adapter=titan.adapter("qwen3_moe", cfg),
+        ignore_missing=[r"\.norm\.weight$"],
+        strict=True,
+    )
+    assert "norm.weight" not in ours.report.ignored_missing_keys  # loaded: ignore_missing only names unloaded ones
+    with pytest.raises(ValueError, match="not a valid regex"):
+        hf.plan(model, root / "qwen3_moe", state_dict_adapter=titan.adapter("qwen3_moe", cfg), ignore_missing=["("])
+
+
+def test_ignore_missing_with_rules(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    import hp_fastload as hf
+
+    model = torch.nn.Linear(4, 3)
+    model.register_buffer("extra", torch.zeros(2))
+    save_file({"weight": torch.ones(3, 4), "bias": torch.ones(3)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(hf.MissingKeysError, match="extra"):
+        hf.load(model, tmp_path)
+    report = hf.load(model, tmp_path, ignore_missing=[r"^extra$"])
+    assert report.ignored_missing_keys == ("extra",) and report.missing_keys == ()
+    assert torch.equal(model.weight, torch.ones(3, 4))
+
+
+def test_readme_torchtitan_line(root: Path) -> None:
+    """The README's torchtitan section, as written (its one line of user code), on a plain model."""
+    import hp_fastload as hf
+
+    model, model_config = _model("llama3")
+    path = root / "llama3"
+    from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
+
+    report = hf.load(model, path, state_dict_adapter=Llama3StateDictAdapter(model_config, None))  # README
+    reference, _ = _model("llama3")
+    reference.load_state_dict(titan.adapter("llama3", model_config).from_hf(_read(path)))
+    for (name, a), (_, b) in zip(reference.state_dict().items(), model.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    assert report.loader == "dcp" and report.summary().startswith("dcp: loaded")
+
+
+def _read(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "model.safetensors"))
