@@ -195,6 +195,24 @@ def test_meta_parameter_is_named(tmp_path: Path) -> None:
     assert _siblings(tmp_path / "out") == []
 
 
+def test_plain_module_saved_after_a_load_round_trips(tmp_path: Path) -> None:
+    """A module that is not a transformers model, loaded by ``hf.load`` (which records its empty rule list) and
+    saved: the files hold safetensors' own bytes of the same tensors (no transformers revert is attempted)."""
+    g = torch.Generator().manual_seed(4)
+    tensors = {"a.weight": torch.randn(12, 8, generator=g), "b.weight": torch.randn(5, generator=g).bfloat16()}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    model = torch.nn.Module()
+    model.a = torch.nn.Linear(8, 12, bias=False)
+    model.b = torch.nn.Module()
+    model.b.weight = torch.nn.Parameter(torch.zeros(5, dtype=torch.bfloat16))
+    hf.load(model, tmp_path)
+    hf.save(model, tmp_path / "out")
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as f:
+        saved = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+    assert sorted(saved) == sorted(tensors)
+    assert all(torch.equal(saved[k], v) and saved[k].dtype == v.dtype for k, v in tensors.items())
+
+
 def test_value_changing_conversion_falls_back_to_torch(tmp_path: Path) -> None:
     """A conversion without a region inverse: the tensor is computed with torch (transformers' reverse op),
     reported, and the files equal save_pretrained's under the same rules."""

@@ -137,8 +137,8 @@ def _released(model: nn.Module, rules: list[Any] | None, meta_ok: bool = False) 
     state = (
         remove_tied_weights_from_state_dict(state, cast(Any, model)) if pretrained else _drop_plain_ties(model, state)
     )
-    if not pretrained and rules is None and getattr(model, "_weight_conversions", None) is None:
-        return state
+    if not pretrained and not rules and not getattr(model, "_weight_conversions", None):
+        return state  # no rules to revert (load records an empty list on a plain module)
     for rule in rules or getattr(model, "_weight_conversions", None) or ():
         if not callable(getattr(rule, "reverse_transform", None)):
             raise PlanError(
