@@ -24,6 +24,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -86,17 +87,22 @@ def _interrupted(call: Any, after: float) -> dict[str, Any]:
     timer = threading.Timer(after, fire)
     start = time.perf_counter()
     timer.start()
+    where = ""
     try:
         outcome = f"returned {call()!r}"[:200]
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         outcome = "KeyboardInterrupt"
+        where = " <- ".join(
+            f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in traceback.extract_tb(exc.__traceback__)[::-1][:4]
+        )
     ended = time.perf_counter()
     try:
         timer.join()
         time.sleep(0.05)  # a signal that came after the call is raised here, not in the caller
     except KeyboardInterrupt:
         outcome += " (the signal came after)"
-    return {"outcome": outcome, "latency": ended - sent[0] if sent else None, "seconds": ended - start}
+    latency = ended - sent[0] if sent else None
+    return {"outcome": outcome, "latency": latency, "seconds": ended - start, "raised_at": where}
 
 
 def _timed(call: Any) -> float:
@@ -293,6 +299,41 @@ def _rank_checks(rank: int, world: int, root: str) -> dict[str, Any]:
     load()
     one["again_all_read"] = bool((local == 0).all())
     out["one"] = one
+
+    # The job-wide plan over a replicated tensor: each rank reads half and sends it to the other, so a signal
+    # finds rank 0 reading, agreeing or waiting for rank 1's message; rank 0 only is interrupted.
+    from torch.distributed.tensor import Replicate
+
+    whole = torch.ones(ROWS, COLS, dtype=torch.bfloat16)
+    model.w = torch.nn.Parameter(DTensor.from_local(whole, mesh, [Replicate()], run_check=False))
+
+    def load_job() -> Any:
+        return hf.load(model, ckpt, backend="pread", share="job").bytes_received
+
+    def cold_job() -> None:
+        cold()
+        with torch.no_grad():
+            whole.fill_(1)
+
+    cold_job()
+    full = _timed(load_job)
+    cold_job()
+    if rank == 0:
+        job = _interrupted(load_job, full / 2)
+    else:
+        start = time.perf_counter()
+        try:
+            load_job()
+            job = {"outcome": "returned"}
+        except hf.PeerInterrupted as exc:
+            job = {"outcome": f"PeerInterrupted {exc.ranks}: {exc}"}
+        job["seconds"] = time.perf_counter() - start
+    job["full"] = full
+    job["held"] = _held(base)
+    cold_job()
+    job["received"] = load_job()
+    job["again_all_read"] = bool((whole == 0).all())
+    out["job"] = job
     return out
 
 
@@ -316,3 +357,17 @@ def test_a_two_rank_load_interrupted_on_one_rank_raises_on_both(ranks: list[dict
     assert other["held"] == {"fds": [], "maps": []}, other
     for rank, got in enumerate(ranks):
         assert got["one"]["again_all_read"], (rank, got)
+
+
+def test_a_job_wide_load_interrupted_on_one_rank_raises_on_both(ranks: list[dict[str, Any]]) -> None:
+    """``share="job"``: the interrupted rank raises within the latency bound wherever the signal finds it (its
+    read, an agreement, its messages or the wait for a peer's), the peer either raises ``PeerInterrupted``
+    naming it or, when it had already received everything it needs, returns; and the next job-wide load works
+    on both (each received the half the other read): no notice of the interrupted call is read by the next."""
+    _check_cut(ranks[0]["job"], "rank 0")
+    other = ranks[1]["job"]
+    assert other["outcome"].startswith("PeerInterrupted (0,)") or other["outcome"] == "returned", other
+    assert other["seconds"] < ranks[1]["job"]["full"] + 5, other
+    for rank, got in enumerate(ranks):
+        assert got["job"]["again_all_read"], (rank, got)
+        assert got["job"]["received"] > 0, (rank, got)

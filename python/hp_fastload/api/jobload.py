@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from hp_fastload.convert.rules import resolve_mapping
-from hp_fastload.dist.agree import agree, agree_digest
+from hp_fastload.dist.agree import agree, agree_digest, exchanging, wait_work
 from hp_fastload.errors import PlanError
 from hp_fastload.execute.deliver import deliver
 from hp_fastload.execute.read import execute_plan
@@ -154,7 +154,17 @@ def run_job(
         )
         stats.bytes_read += done.bytes_read
     delivered = deliver(
-        job, rank, plan, context, threads=threads, backend=backend, packed=packed, agree=agree, progress=progress
+        job,
+        rank,
+        plan,
+        context,
+        threads=threads,
+        backend=backend,
+        packed=packed,
+        agree=agree,
+        wait=wait_work,
+        exchange=exchanging,
+        progress=progress,
     )
     stats.bytes_read += delivered.bytes_read
     stats.bytes_sent = delivered.bytes_sent

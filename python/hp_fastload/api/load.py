@@ -25,7 +25,7 @@ from hp_fastload import errors
 from hp_fastload.api.jobload import JobStats, agree_job_plan, resolve_share, run_job
 from hp_fastload.convert.adapter import check_adapter
 from hp_fastload.convert.rules import resolve_mapping
-from hp_fastload.dist.agree import agree, resolve_location_each
+from hp_fastload.dist.agree import agree, interrupts_between_steps, resolve_location_each
 from hp_fastload.dist.identity import agree_checkpoint
 from hp_fastload.errors import HeaderError
 from hp_fastload.execute.read import ExecStats, execute_plan
@@ -255,6 +255,7 @@ def _config_mismatch(model: nn.Module, location: Location) -> str:
 
 # The cyclic GC is paused for the whole load: planning and packing a 20k-tensor MoE allocate ~10^5 small
 # objects, and each full collection walks everything the trainer holds (docs/perf-notes.md).
+@interrupts_between_steps()
 @gc_paused()
 def load(
     model: nn.Module,

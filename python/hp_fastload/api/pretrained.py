@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from hp_fastload.api.load import load
-from hp_fastload.dist.agree import agree, resolve_location_each
+from hp_fastload.dist.agree import agree, interrupts_between_steps, resolve_location_each
 from hp_fastload.dist.bounded import agree_bounded
 from hp_fastload.errors import CheckpointMismatchError
 from hp_fastload.model.finalize import initialize_missing
@@ -120,6 +120,7 @@ def _default_device(bound: Any) -> torch.device:
     return torch.device("cpu")
 
 
+@interrupts_between_steps()
 def from_pretrained(
     path_or_hub_id: str | os.PathLike[str],
     *,

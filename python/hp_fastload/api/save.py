@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from hp_fastload.api.load import plan_at
+from hp_fastload.dist.agree import interrupts_between_steps
 from hp_fastload.dist.collectives import (
     agree_in_save,
     broadcast_object,
@@ -151,6 +152,7 @@ def _publish(tmp: Path, path: Path, overwrite: bool) -> None:
         )
 
 
+@interrupts_between_steps()
 @gc_paused()
 def save(
     model: nn.Module,

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -50,7 +53,82 @@ _POLL_SECONDS = 0.002
 #: How often a waiting rank looks for a peer's interrupt notice in the store.
 _NOTICE_SECONDS = 0.05
 _NOTICE_KEY = "hp_fastload/interrupted/"
-_sequence = 0  # agreements this process entered: the same count on every rank of a job in step
+_sequence = 0  # agreements of the running call so far: the same count on every rank of a job in step
+_call = 0  # distributed calls (load, save, from_pretrained) this process made: notices are keyed by both
+_depth = 0  # 1 inside such a call (nested calls share it)
+#: SIGINTs that arrived between the steps of the running distributed call (None: no such call holds them).
+_held: list[int] | None = None
+
+
+@contextlib.contextmanager
+def interrupts_between_steps() -> Iterator[None]:
+    """For a distributed call made of agreements (``load``, ``from_pretrained``, ``save``): a SIGINT that arrives
+    between two agreements is held, then raised by this rank in the next agreement as its interrupted status (so
+    every rank stops in that same step, their collectives in step), or when the call returns. Inside an
+    agreement's step and its waits the signal raises at once, as without this block. A ``KeyboardInterrupt``
+    raised between steps would leave the peers waiting for this rank in a collective it never enters.
+
+    Each such call numbers its agreements from 1 and is counted, on every rank alike: the interrupt notices a
+    rank leaves in the store are keyed by both, so a notice of a call that ended is never read by the next.
+    Signals are held only with torch.distributed running, on the main thread, under Python's default SIGINT
+    handler; nested calls share the outer block."""
+    global _held, _depth, _call, _sequence
+    if _depth:
+        yield
+        return
+    _depth, _call, _sequence = 1, _call + 1, 0
+    try:
+        if (
+            not dist_active()
+            or threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+        ):
+            yield
+            return
+        held: list[int] = []
+        _held = held
+        signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            _held = None
+        if held:
+            raise KeyboardInterrupt
+    finally:
+        _depth = 0
+
+
+@contextlib.contextmanager
+def _signals_live() -> Iterator[None]:
+    """Inside an agreement's step or wait: Python's default SIGINT handler (the signal raises), then holding
+    again (see :func:`interrupts_between_steps`)."""
+    if _held is None:
+        yield
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@contextlib.contextmanager
+def exchanging() -> Iterator[None]:
+    """A step between two agreements in which the ranks exchange messages directly (the job-wide delivery):
+    a signal raises here, as in an agreement's wait, after leaving a notice in the store that the peers find in
+    their waits of this step or in the next agreement (they raise ``PeerInterrupted`` naming this rank)."""
+    sequence = _sequence
+    try:
+        with _signals_live():
+            yield
+    except KeyboardInterrupt:
+        store = _store() if dist_active() else None
+        if store is not None:
+            with contextlib.suppress(RuntimeError, ValueError):
+                store.set(f"{_NOTICE_KEY}{_call}/{sequence}", f"rank {torch.distributed.get_rank()}")
+        raise
 
 
 def agree(stage: str, fn: Callable[[], Any], call: str = "hp_fastload.load (or from_pretrained)") -> Any:
@@ -66,7 +144,11 @@ def agree(stage: str, fn: Callable[[], Any], call: str = "hp_fastload.load (or f
     result = None
     failure: BaseException | None = None
     try:
-        result = fn()
+        if _held:  # a signal came since the last step (interrupts_between_steps): this rank stops here
+            _held.clear()
+            raise KeyboardInterrupt
+        with _signals_live():
+            result = fn()
     except (Exception, KeyboardInterrupt) as exc:
         failure = exc
     if not dist_active():
@@ -74,7 +156,8 @@ def agree(stage: str, fn: Callable[[], Any], call: str = "hp_fastload.load (or f
             raise failure
         return result
     status = _OK if failure is None else _INTERRUPTED if isinstance(failure, KeyboardInterrupt) else _FAILED
-    statuses = _gather_status(stage, status, call)
+    with _signals_live():
+        statuses = _gather_status(stage, status, call)
     if failure is not None and status == _INTERRUPTED:
         raise failure
     interrupted = [rank for rank, s in enumerate(statuses) if s == _INTERRUPTED]
@@ -123,7 +206,7 @@ def _store() -> Any:
 
 def _notice(store: Any, sequence: int) -> str | None:
     """The interrupt notice a peer left in agreement ``sequence`` ("rank r"), if any."""
-    key = f"{_NOTICE_KEY}{sequence}"
+    key = f"{_NOTICE_KEY}{_call}/{sequence}"
     try:
         return store.get(key).decode() if store.check([key]) else None
     except (RuntimeError, ValueError):
@@ -164,10 +247,52 @@ def _gather_status(stage: str, status: int, call: str) -> list[int]:
     except KeyboardInterrupt:
         if store is not None:
             with contextlib.suppress(RuntimeError, ValueError):
-                store.set(f"{_NOTICE_KEY}{sequence}", f"rank {torch.distributed.get_rank()}")
+                store.set(f"{_NOTICE_KEY}{_call}/{sequence}", f"rank {torch.distributed.get_rank()}")
         raise
     _waiting(stage, work.wait, call)
     return [int(t.item()) for t in out]
+
+
+def wait_work(stage: str, work: Any, peer: int, timeout_s: float | None = None) -> None:
+    """Wait for a point-to-point ``work`` (an ``isend``/``irecv`` with ``peer``) between two agreements so that
+    this rank still answers a signal: the blocking ``wait`` runs in a helper thread (gloo's point-to-point work
+    reports completion only through ``wait``) while this thread sleeps in short steps. Called inside
+    :func:`exchanging` (which leaves the notice when a signal raises here); a peer's notice of this step ends
+    the wait with ``PeerInterrupted`` naming it, and the work's own error (a lost peer, ``timeout_s`` passed)
+    is raised."""
+    done = threading.Event()
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            work.wait() if timeout_s is None else work.wait(timedelta(seconds=timeout_s))
+        except BaseException as exc:  # handed to the waiting thread
+            failure.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name=f"hp_fastload-wait-{peer}", daemon=True).start()
+    with _signals_live():
+        _wait_polled(stage, done)
+    if failure:
+        raise failure[0]
+
+
+def _wait_polled(stage: str, done: threading.Event) -> None:
+    store, sequence = _store(), _sequence
+    looked = time.monotonic()
+    sleep = 0.0001
+    while not done.wait(sleep):  # a signal's handler runs (and raises) in this wait
+        sleep = min(sleep * 2, _POLL_SECONDS)
+        now = time.monotonic()
+        if store is not None and now - looked >= _NOTICE_SECONDS:
+            looked = now
+            noticed = _notice(store, sequence)
+            if noticed is not None:
+                rank = int(noticed.split()[-1])
+                raise errors.PeerInterrupted(
+                    f"{stage}: rank {rank} was interrupted (KeyboardInterrupt); every rank stops", [rank]
+                )
 
 
 _COLLECTIVE_FAILURES = ("gloo", "nccl", "connection closed", "connection reset", "timed out", "timeout", "processgroup")

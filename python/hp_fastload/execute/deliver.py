@@ -25,6 +25,7 @@ import errno
 import math
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -33,7 +34,7 @@ import numpy as np
 import torch
 
 from hp_fastload.convert.symbolic import apply_post
-from hp_fastload.errors import ReadError
+from hp_fastload.errors import PeerInterrupted, ReadError
 from hp_fastload.execute.batch import Batch
 from hp_fastload.planning.items import LoadPlan, Reads
 from hp_fastload.planning.jobneeds import Needs, delivered_rows
@@ -140,12 +141,25 @@ def _read_with_retries(
             time.sleep(RETRY_SLEEP_S * (attempt + 1))
 
 
+#: Bytes copied per numpy call when packing and placing messages: a signal's handler runs between two.
+COPY_PIECE = 2 << 20
+
+
+def copy_bytes(dst: np.ndarray, src: np.ndarray) -> None:
+    """``dst[:] = src`` in pieces of at most ``COPY_PIECE`` bytes (one numpy copy cannot be interrupted)."""
+    for at in range(0, len(src), COPY_PIECE):
+        dst[at : at + COPY_PIECE] = src[at : at + COPY_PIECE]
+
+
 def _gather(src: np.ndarray, pos: np.ndarray, lens: np.ndarray) -> np.ndarray:
-    """The bytes ``src[pos[i] : pos[i] + lens[i]]``, concatenated."""
+    """The bytes ``src[pos[i] : pos[i] + lens[i]]``, concatenated (one run: a view of ``src``, not a copy)."""
+    if len(lens) == 1:
+        p = int(pos[0])
+        return src[p : p + int(lens[0])]
     out = np.empty(int(lens.sum()), dtype=np.uint8)
     at = 0
     for p, n in zip(pos.tolist(), lens.tolist(), strict=True):
-        out[at : at + n] = src[p : p + n]
+        copy_bytes(out[at : at + n], src[p : p + n])
         at += n
     return out
 
@@ -190,7 +204,7 @@ class MemoryStorage:
             lo, hi = self.key_rows[k]
             j = lo + int(np.searchsorted(self.needs.start[lo:hi], s, "right")) - 1
             off = int(self.offset[j]) + (s - int(self.needs.start[j])) * int(smap.itemsize[k])
-            self.buffer(k).numpy()[off : off + n] = data[a : a + n]
+            copy_bytes(self.buffer(k).numpy()[off : off + n], data[a : a + n])
             a += n
 
     def packed_index(self, key: int, elements: np.ndarray) -> np.ndarray:
@@ -311,13 +325,18 @@ def deliver(
     backend: str | None = None,
     packed: frozenset[str] = frozenset(),
     agree: Callable[[str, Callable[[], Any]], Any] | None = None,
+    wait: Callable[[str, Any, int, float | None], None] | None = None,
+    exchange: Callable[[], AbstractContextManager[None]] | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> DeliveryStats:
     """Run ``job`` on this rank: read its chunks, exchange the messages, fill its targets from memory.
 
     ``plan`` / ``context``: this rank's own plan (its items, unchanged); ``packed``: MXFP4 keys, whose items
     are left to the caller (``delivered_rows``). ``agree(stage, fn)`` runs ``fn`` and makes every rank raise
-    when it failed on any (``dist.agree.agree``). Every rank of the default group calls it together.
+    when it failed on any (``dist.agree.agree``); ``wait(stage, work, peer, timeout_s)`` waits for one message
+    (``dist.agree.wait_work``: interruptible, a peer's interrupt ends it; None: ``work.wait``); ``exchange()``
+    is entered around each round's messages (``dist.agree.exchanging``: a signal there raises and tells the
+    peers). Every rank of the default group calls it together.
     """
     import torch.distributed as dist
 
@@ -375,46 +394,52 @@ def deliver(
             )
             staging, piece_lo, piece_hi, piece_off = outcome
             del piece_hi
-            works: list[tuple[int, Any]] = []
-            inbox: dict[int, torch.Tensor] = {}
-            for peer, rows in receives.items():
-                if peer == rank:
-                    continue
-                buf = torch.empty(int(split_bytes[rows].sum()), dtype=torch.uint8)
-                inbox[peer] = buf
-                works.append((peer, dist.irecv(buf, src=peer, tag=rnd)))
-            outbox: list[torch.Tensor] = []
-            for peer, rows in sends.items():
-                data = _pack(job, peer, rows, staging, piece_lo, piece_off)
-                tensor = torch.from_numpy(data)
-                outbox.append(tensor)
-                stats.bytes_sent += tensor.numel()
-                works.append((peer, dist.isend(tensor, dst=peer, tag=rnd)))
-            own = receives.get(rank)
-            if own is not None:
-                data = _pack(job, rank, own, staging, piece_lo, piece_off)
-                _place(storage, split_key[own], split_start[own], data, split_bytes[own])
-            t0 = time.perf_counter()
-            for peer, work in works:
-                try:
-                    if WAIT_TIMEOUT_S is None:
-                        work.wait()
-                    else:
-                        work.wait(timedelta(seconds=WAIT_TIMEOUT_S))
-                except RuntimeError as exc:
-                    raise RuntimeError(
-                        f"hp_fastload.load: rank {rank} lost rank {peer} during round {rnd + 1} of the job-wide "
-                        f"delivery ({str(exc).splitlines()[0][:200]}); rank {peer} failed or exited"
-                    ) from exc
-            stats.seconds_wait += time.perf_counter() - t0
-            for peer, buf in inbox.items():
-                rows = receives[peer]
-                _place(storage, split_key[rows], split_start[rows], buf.numpy(), split_bytes[rows])
-                stats.bytes_received += buf.numel()
-            del outbox, staging
-            run_ready(rnd)
-            if progress is not None:
-                progress(int(split_bytes[receives[rank]].sum()) if rank in receives else 0)
+            with nullcontext() if exchange is None else exchange():
+                works: list[tuple[int, Any]] = []
+                inbox: dict[int, torch.Tensor] = {}
+                for peer, rows in receives.items():
+                    if peer == rank:
+                        continue
+                    buf = torch.empty(int(split_bytes[rows].sum()), dtype=torch.uint8)
+                    inbox[peer] = buf
+                    works.append((peer, dist.irecv(buf, src=peer, tag=rnd)))
+                outbox: list[torch.Tensor] = []
+                for peer, rows in sends.items():
+                    data = _pack(job, peer, rows, staging, piece_lo, piece_off)
+                    tensor = torch.from_numpy(data)
+                    outbox.append(tensor)
+                    stats.bytes_sent += tensor.numel()
+                    works.append((peer, dist.isend(tensor, dst=peer, tag=rnd)))
+                own = receives.get(rank)
+                if own is not None:
+                    data = _pack(job, rank, own, staging, piece_lo, piece_off)
+                    _place(storage, split_key[own], split_start[own], data, split_bytes[own])
+                t0 = time.perf_counter()
+                for peer, work in works:
+                    try:
+                        if wait is not None:
+                            stage = f"Round {rnd + 1} of {job.rounds} of the job-wide delivery"
+                            wait(stage, work, peer, WAIT_TIMEOUT_S)
+                        elif WAIT_TIMEOUT_S is None:
+                            work.wait()
+                        else:
+                            work.wait(timedelta(seconds=WAIT_TIMEOUT_S))
+                    except PeerInterrupted:
+                        raise
+                    except RuntimeError as exc:
+                        raise RuntimeError(
+                            f"hp_fastload.load: rank {rank} lost rank {peer} during round {rnd + 1} of the job-wide "
+                            f"delivery ({str(exc).splitlines()[0][:200]}); rank {peer} failed or exited"
+                        ) from exc
+                stats.seconds_wait += time.perf_counter() - t0
+                for peer, buf in inbox.items():
+                    rows = receives[peer]
+                    _place(storage, split_key[rows], split_start[rows], buf.numpy(), split_bytes[rows])
+                    stats.bytes_received += buf.numel()
+                del outbox, staging
+                run_ready(rnd)
+                if progress is not None:
+                    progress(int(split_bytes[receives[rank]].sum()) if rank in receives else 0)
     if by_round:
         raise ReadError(f"rank {rank}: items left after the last round of the job-wide plan")
     return stats
