@@ -11,11 +11,12 @@ Usage::
 
 Semantics of :func:`run_distributed`:
 
-- ``world_size`` processes are started with ``torch.multiprocessing`` (start method ``spawn``), each with
-  ``OMP_NUM_THREADS=1``; rank ``r`` runs ``init_process_group(backend, rank=r, world_size=world_size)``
-  against a free TCP port on 127.0.0.1, calls ``fn(rank, world_size, *args, **kwargs)``, sends back the
-  result (pickled by value with the standard pickler, so tensors survive the child's exit), and destroys
-  the group.
+- ``world_size`` processes are started with ``torch.multiprocessing`` (start method ``forkserver``: one server per
+  test session imports torch once, each rank is forked from it), each with the parent's environment of the moment plus
+  ``OMP_NUM_THREADS=1`` and one intra-op thread; rank ``r`` runs ``init_process_group(backend, rank=r,
+  world_size=world_size)`` against a free TCP port on 127.0.0.1, calls ``fn(rank, world_size, *args, **kwargs)``,
+  sends back the result (pickled by value with the standard pickler, so tensors survive the child's exit), and
+  destroys the group.
 - The call returns the results as a list indexed by rank.
 - If any rank raises (or dies), the harness waits a short grace period for the other ranks (a peer of a
   failed rank usually fails too, once gloo notices the closed connection), kills the rest, and raises one
@@ -26,7 +27,9 @@ Semantics of :func:`run_distributed`:
 - ``timeout`` and ``backend`` are the harness's own keywords; every other keyword goes to ``fn``. A run whose
   rendezvous port was taken in the meantime (``EADDRINUSE``) is retried with a new port.
 
-Spawning costs one ``import torch`` per rank (seconds on a small machine), so run many checks in one spawn:
+A rank starts in a fraction of a second (``import torch`` took 5-6 CPU seconds per spawned rank here); still,
+each start of a process group costs a rendezvous and the imports torch does not make, so run many checks in one
+spawn:
 pass :func:`run_subchecks` as ``fn`` with a list of module-level check functions
 (``run_distributed(run_subchecks, 4, checks=[check_a, check_b])``, typically in a module-scoped fixture);
 each check runs on every rank, its failures are caught per check, and :func:`subcheck_values` turns the
@@ -86,6 +89,20 @@ def _child_environment(values: Mapping[str, str]) -> Iterator[None]:
                 os.environ[key] = old
 
 
+#: What the fork server imports once (torch's own import is most of a rank's start). Not transformers or
+#: huggingface_hub: they read the environment (HF_HOME, offline flags) when imported, and tests set it per run.
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "numpy", "safetensors.torch"]
+_ctx: Any = None
+
+
+def _context() -> Any:
+    global _ctx
+    if _ctx is None:
+        _ctx = mp.get_context("forkserver")
+        _ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
+    return _ctx
+
+
 def _worker(
     rank: int,
     world_size: int,
@@ -98,9 +115,16 @@ def _worker(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     results: Any,
+    environ: Mapping[str, str],
 ) -> None:
-    """Child process body: join the group, run ``fn``, report ``("ok"|"error", payload)`` on the queue."""
+    """Child process body: take the parent's environment, join the group, run ``fn``, report
+    ``("ok"|"error", payload)`` on the queue."""
+    os.environ.clear()
+    os.environ.update(environ)  # a forked rank has the fork server's environment, not the test's
+    import torch
     import torch.distributed as dist
+
+    torch.set_num_threads(1)  # torch read OMP_NUM_THREADS when the fork server imported it
 
     with open(stack_file, "w") as stacks:
         # Dump this rank's stacks shortly before the parent gives up on it, so a hang is diagnosable.
@@ -172,7 +196,7 @@ def _spawn_once(
     timeout: float,
     backend: str,
 ) -> _Attempt:
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results: Any = ctx.Queue()
     port = find_free_port()
     start = time.monotonic()
@@ -185,7 +209,8 @@ def _spawn_once(
         with _child_environment(env):
             for rank in range(world_size):
                 worker_args = (rank, world_size, port, backend, timeout, wall_deadline, stack_files[rank])
-                proc = ctx.Process(target=_worker, args=(*worker_args, fn, args, kwargs, results), daemon=True)
+                environ = dict(os.environ)
+                proc = ctx.Process(target=_worker, args=(*worker_args, fn, args, kwargs, results, environ), daemon=True)
                 proc.start()
                 procs.append(proc)
 
