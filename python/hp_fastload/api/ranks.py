@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from hp_fastload.model.layouts import apply_layout, mesh_shape_for
+from hp_fastload.runtime import gc_paused
 from hp_fastload.source.location import Location
 
 
@@ -121,7 +122,10 @@ def plan_ranks(
 
     mesh_shape_for(layout, world, mesh)
     _check_ranks(ranks, world)
-    with laid_out(checkpoint, layout, world, mesh, auto_class) as (model, description, location, built):
+    with (
+        laid_out(checkpoint, layout, world, mesh, auto_class) as (model, description, location, built),
+        gc_paused(),  # once for every rank (a pause per rank ends in a full collection of the model per rank)
+    ):
         plans = []
         t0 = time.perf_counter()
         for rank, p in plan_each(model, str(location), ranks):  # a path or an s3:// URL

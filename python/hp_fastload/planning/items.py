@@ -248,10 +248,18 @@ class Reads(Sequence[ReadItem]):
         )
 
     def _derived(self, **changes: Any) -> Reads:
-        """A copy sharing the unchanged (read-only) columns."""
+        """A copy sharing the unchanged (read-only) columns (attribute by attribute: a plan of 10^3 targets
+        derives one per target and rank)."""
         out = object.__new__(Reads)
-        for name in self.__slots__:
-            object.__setattr__(out, name, changes[name] if name in changes else getattr(self, name))
+        get = changes.get
+        out.keys = get("keys", self.keys)
+        out.storage_base = get("storage_base", self.storage_base)
+        out.storage_strides = get("storage_strides", self.storage_strides)
+        out.lengths = get("lengths", self.lengths)
+        out.dest_offsets = get("dest_offsets", self.dest_offsets)
+        out.nbytes = get("nbytes", self.nbytes)
+        out.post = get("post", self.post)
+        out.second = get("second", self.second)
         return out
 
     def renamed(self, keys: Sequence[str]) -> Reads:
