@@ -271,9 +271,11 @@ def test_closed_form_chunks_match_arange_path() -> None:
         for mesh_shape in [(1,), (2,), (3,), (4,), (7,), (2, 2), (3, 4), (8, 2), (2, 3, 2)]:
             for coord in itertools.product(*(range(s) for s in mesh_shape)):
                 steps = tuple((Shard(0), s, c) for s, c in zip(mesh_shape, coord, strict=True))
-                assert targets_mod.dim_intervals_chunks(size, steps) == targets_mod.dim_intervals_arange(
-                    size, steps
-                ), (size, mesh_shape, coord)
+                assert targets_mod.dim_intervals_chunks(size, steps) == targets_mod.dim_intervals_arange(size, steps), (
+                    size,
+                    mesh_shape,
+                    coord,
+                )
                 checked += 1
     assert checked > 2000
     assert targets_mod.dim_intervals_chunks(12, ((_StridedShard(0, split_factor=2), 2, 1),)) is None

@@ -140,7 +140,7 @@ class Tracer:
             return Traced(
                 {group.target: blocks}, {group.target: tuple(entry.shape)}, {group.target: entry.dtype}, {"#0": key}
             )
-        patterns, keys_t = zip(*group.sources) if group.sources else ((), ())
+        patterns, keys_t = zip(*group.sources, strict=True) if group.sources else ((), ())
         keys = list(keys_t)
         sources = dict(zip(placeholders(len(keys)), keys, strict=True))
         facts = self.index.facts_many(keys)  # each source's dtype name and shape, as ids: nothing is located
