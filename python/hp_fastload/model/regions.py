@@ -332,8 +332,9 @@ def local_region(
     """The region that the rank at ``coordinate`` of a ``mesh_shape`` mesh holds of a DTensor.
 
     ``placements`` has one entry per mesh dim (as ``DTensor.placements``). Shard-like placements are applied
-    in mesh-dim order with torch's own splitting (``_StridedShard`` included); ``Replicate`` keeps
-    everything; ``Partial`` (and any other placement type) raises :class:`TargetError`, as do mismatched
+    in mesh-dim order with torch's own splitting (``_StridedShard`` included; plain ``Shard`` steps in its
+    closed form, ``dim_intervals_chunks``, tested equal); ``Replicate`` keeps everything; ``Partial`` (and any
+    other placement type) raises :class:`TargetError`, as do mismatched
     lengths and a coordinate outside the mesh. Negative shard dims are normalized. ``coordinate=None`` is a
     rank outside the mesh: the region is empty (``in_mesh=False``). No process group is needed. Results are
     cached per layout (the same object is returned for the same arguments).
