@@ -352,36 +352,57 @@ static FACTS: std::sync::Mutex<Option<FactsTable>> = std::sync::Mutex::new(None)
 /// [`FACTS`]' table: `[dtype as u64, dims...]` -> id.
 type FactsTable = HashMap<Vec<u64>, u32, std::hash::BuildHasherDefault<WordHasher>>;
 
+/// How many of the headers last hit [`facts_of`] probes first.
+const RECENT_HEADERS: usize = 4;
+
 /// The facts id of every name of `names` (see [`FACTS`]), each looked up in the header of `headers` that
-/// has it (callers pass headers that share no name; the header that matched the previous name is tried
-/// first, then the ones after it, since a group's names mostly sit in one file), or `Err(i)` for the first name `names[i]` that no
-/// header has. Only the asked names' dtypes and shapes are read: nothing is built per tensor of a header.
+/// has it (callers pass headers that share no name; the headers that matched the last names are tried
+/// first, most recent first, then the others from the last one on, since a group's names sit in a few
+/// files), or `Err(i)` for the first name `names[i]` that no header has. Only the asked names' dtypes and
+/// shapes are read: nothing is built per tensor of a header.
 pub fn facts_of(headers: &[&Header], names: &[&str]) -> Result<Vec<u32>, usize> {
     let mut guard = FACTS
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
     let table = guard.get_or_insert_with(HashMap::default);
     let mut out = Vec::with_capacity(names.len());
-    let mut first = 0;
+    // The headers the last names were found in, most recent first: a group's names alternate between a
+    // few shards (a stacked-experts group's gate and up weights, 3-4 files), and scanning every header from
+    // the last hit on made a name of the shard before it probe all others (~3 us a name at 161 shards).
+    let mut recent = [usize::MAX; RECENT_HEADERS];
     let mut previous: Option<(&TensorInfo, u32)> = None;
     let mut key = Vec::new();
+    let probe = |h: usize, name: &str, hash: u64| {
+        let header = headers[h];
+        let at = header
+            .index
+            .get_hashed(&header.tensors, |t| &t.name, name, hash)?;
+        Some((h, &header.tensors[at]))
+    };
     for (i, &name) in names.iter().enumerate() {
         let hash = NameTable::hash(name);
-        // From the previous name's header on, wrapping: a group's names that leave a shard (sorted shard
-        // names, keys in natural order) mostly continue in the next one.
-        let found = (0..headers.len())
-            .map(|d| (first + d) % headers.len())
-            .find_map(|h| {
-                let header = headers[h];
-                let at = header
-                    .index
-                    .get_hashed(&header.tensors, |t| &t.name, name, hash)?;
-                Some((h, &header.tensors[at]))
+        let first = recent[0].min(headers.len().saturating_sub(1));
+        let found = recent
+            .iter()
+            .filter(|&&h| h < headers.len())
+            .find_map(|&h| probe(h, name, hash))
+            .or_else(|| {
+                // From the last hit on, wrapping: names that leave a shard (sorted shard names, keys in
+                // natural order) mostly continue in the next one.
+                (0..headers.len())
+                    .map(|d| (first + d) % headers.len())
+                    .filter(|h| !recent.contains(h))
+                    .find_map(|h| probe(h, name, hash))
             });
         let Some((h, tensor)) = found else {
             return Err(i);
         };
-        first = h;
+        if let Some(at) = recent.iter().position(|&r| r == h) {
+            recent[..=at].rotate_right(1);
+        } else {
+            recent.rotate_right(1);
+            recent[0] = h;
+        }
         let id = match previous {
             Some((p, id)) if p.dtype == tensor.dtype && p.shape == tensor.shape => id,
             _ => {
@@ -1371,6 +1392,62 @@ mod tests {
         assert_eq!(facts_of(&[&a, &b], &["x", "nope", "p"]), Err(1));
         assert_eq!(facts_of(&[], &["x"]), Err(0));
         assert_eq!(facts_of(&[], &[]), Ok(vec![]));
+    }
+
+    #[test]
+    fn facts_of_finds_names_alternating_between_many_headers() {
+        // Header h holds "t{h}_{j}" with shape [h + 1, j + 1]: every name's facts tell where it was found.
+        let headers: Vec<Header> = (0..9)
+            .map(|h: usize| {
+                let mut at = 0;
+                let entries: Vec<String> = (0..3)
+                    .map(|j: usize| {
+                        let n = (h + 1) * (j + 1) * 4;
+                        at += n;
+                        format!(
+                            r#""t{h}_{j}":{{"dtype":"F32","shape":[{},{}],"data_offsets":[{},{}]}}"#,
+                            h + 1,
+                            j + 1,
+                            at - n,
+                            at
+                        )
+                    })
+                    .collect();
+                let json = format!("{{{}}}", entries.join(","));
+                parse(&file(&json, at)).unwrap()
+            })
+            .collect();
+        let refs: Vec<&Header> = headers.iter().collect();
+        // More distinct headers than the recent ones probed first, visited backwards and back and forth.
+        let order = [
+            (7, 0),
+            (2, 1),
+            (7, 1),
+            (2, 2),
+            (8, 0),
+            (0, 2),
+            (5, 1),
+            (1, 0),
+            (8, 2),
+            (7, 2),
+            (3, 0),
+        ];
+        let names: Vec<String> = order.iter().map(|(h, j)| format!("t{h}_{j}")).collect();
+        let strs: Vec<&str> = names.iter().map(String::as_str).collect();
+        let ids = facts_of(&refs, &strs).unwrap();
+        for (&(h, j), &id) in order.iter().zip(&ids) {
+            let alone = facts_of(&[refs[h]], &[format!("t{h}_{j}").as_str()]).unwrap();
+            assert_eq!(alone, vec![id], "t{h}_{j}");
+        }
+        let shape_ids: std::collections::HashSet<u32> = ids.iter().copied().collect();
+        assert_eq!(
+            shape_ids.len(),
+            order.len(),
+            "every (h, j) has its own shape"
+        );
+        let mut missing = strs.clone();
+        missing.insert(5, "t9_0");
+        assert_eq!(facts_of(&refs, &missing), Err(5));
     }
 
     #[test]

@@ -238,6 +238,20 @@ def test_plan_each_equals_plan_of_each_rank(deepseek: Path, fake_world: Any) -> 
     for rank in range(4):
         assert each[rank] == hp_fastload.plan(model, deepseek, rank=rank), rank
     assert each[0] != each[3]
+    # Both share the per-plan intersection memo (one intersection per traced block list and region object):
+    # it gives the plans that intersecting every target on its own gives.
+    from hp_fastload.planning import claims as claims_mod
+    from hp_fastload.planning import intersect as intersect_mod
+
+    plain = intersect_mod.region_items
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(
+            claims_mod,
+            "region_items",
+            lambda target, blocks, index, sources, cache, memo: plain(target, blocks, index, sources),
+        )
+        for rank in (0, 3):
+            assert hp_fastload.plan(model, deepseek, rank=rank) == each[rank], rank
     assert hp_fastload.plan(model, deepseek) == each[0]  # on meta: this process's rank
     assert any("layers.1.mlp.experts" in k for k in each[0].dequant)
     with pytest.raises(ValueError, match="rank or mesh_override"):

@@ -262,6 +262,26 @@ def test_lazy_path_matches_arange_path() -> None:
     assert lazy.intervals[0] == targets_mod.dim_intervals_arange(big, steps_big)
 
 
+def test_closed_form_chunks_match_arange_path() -> None:
+    """Plain ``Shard`` steps take the closed form (``dim_intervals_chunks``): equal to torch's own splitting of
+    an index list for every size, chunk count and chunk, nested steps included; other placements are not
+    taken (None)."""
+    checked = 0
+    for size in range(0, 40):
+        for mesh_shape in [(1,), (2,), (3,), (4,), (7,), (2, 2), (3, 4), (8, 2), (2, 3, 2)]:
+            for coord in itertools.product(*(range(s) for s in mesh_shape)):
+                steps = tuple((Shard(0), s, c) for s, c in zip(mesh_shape, coord, strict=True))
+                assert targets_mod.dim_intervals_chunks(size, steps) == targets_mod.dim_intervals_arange(size, steps), (
+                    size,
+                    mesh_shape,
+                    coord,
+                )
+                checked += 1
+    assert checked > 2000
+    assert targets_mod.dim_intervals_chunks(12, ((_StridedShard(0, split_factor=2), 2, 1),)) is None
+    assert targets_mod.dim_intervals_chunks(12, ((Shard(0), 2, 1), (_StridedShard(0, split_factor=2), 2, 0))) is None
+
+
 def test_region_helpers() -> None:
     region = local_region((12, 4), (2, 2), (1, 0), [_StridedShard(0, split_factor=3), Shard(1)])
     assert region.intervals == (((2, 4), (6, 8), (10, 12)), ((0, 2),))

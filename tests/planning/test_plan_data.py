@@ -169,3 +169,38 @@ def test_staging_chunks_clip_the_reads_exactly() -> None:
     assert all(
         int(n) == int(np.prod(ls)) * 2 for _, part in chunks for n, ls in zip(part.nbytes, part.lengths, strict=True)
     )
+
+
+def test_touched_scale_rows_item_by_item_equals_the_vector_form(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Few items take the plain-Python path (``_FEW_ITEMS``): the same rows, in the same spec order, as the
+    vectorized form, for random reads over several specs (empty items, negative strides, 0-d and shared specs,
+    items without a spec, merging into earlier rows)."""
+    import random
+
+    from hp_fastload.convert.quant import Dequant
+    from hp_fastload.planning import items as items_mod
+
+    rng = random.Random(7)
+    specs = [
+        Dequant("a_scale", (300, 256), (128, 128)),
+        Dequant("b_scale", (7, 5, 64), (1, 1, 32)),
+        Dequant("c_scale", (1000,), (100,)),
+        Dequant("d_scale", (), ()),
+    ]
+    checked = 0
+    for _ in range(400):
+        n = rng.randint(1, 12)
+        ndim = rng.choice([1, 2, 3])
+        lengths = [[rng.choice([0, 1, 2, 5, 17]) for _ in range(ndim)] for _ in range(n)]
+        strides = [[rng.choice([-3, 1, 64, 256, 5000]) for _ in range(ndim)] for _ in range(n)]
+        bases = [rng.randrange(0, 300 * 256) for _ in range(n)]
+        second = [rng.choice([*specs, None]) for _ in range(n)]
+        reads = items_mod.Reads(["k"] * n, bases, strides, lengths, [[0] * ndim] * n, [1] * n, None, second)
+        into = {specs[0]: (1, 1)} if rng.random() < 0.3 else None
+        few = items_mod.touched_scale_rows(reads, dict(into) if into else None)
+        monkeypatch.setattr(items_mod, "_FEW_ITEMS", -1)
+        vector = items_mod.touched_scale_rows(reads, dict(into) if into else None)
+        monkeypatch.setattr(items_mod, "_FEW_ITEMS", 16)
+        assert list(few.items()) == list(vector.items()), (bases, strides, lengths, second)
+        checked += bool(vector)
+    assert checked > 200

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from hp_fastload.model.layouts import apply_layout, mesh_shape_for
+from hp_fastload.runtime import gc_paused
 from hp_fastload.source.location import Location
 
 
@@ -32,6 +33,9 @@ class RankPlan:
     unexpected: int
     seconds: float
     summary: str = field(repr=False, default="")
+    #: process CPU seconds of this rank's share (``time.process_time``: every thread; the index open and the
+    #: shared work counted in the first rank's)
+    cpu_seconds: float = 0.0
 
 
 def meta_model(checkpoint: Location, auto_class: str | None) -> nn.Module:
@@ -121,10 +125,14 @@ def plan_ranks(
 
     mesh_shape_for(layout, world, mesh)
     _check_ranks(ranks, world)
-    with laid_out(checkpoint, layout, world, mesh, auto_class) as (model, description, location, built):
+    with (
+        laid_out(checkpoint, layout, world, mesh, auto_class) as (model, description, location, built),
+        gc_paused(),  # once for every rank (a pause per rank ends in a full collection of the model per rank)
+    ):
         plans = []
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for rank, p in plan_each(model, str(location), ranks):  # a path or an s3:// URL
+            seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
             plans.append(
                 RankPlan(
                     rank=rank,
@@ -134,11 +142,12 @@ def plan_ranks(
                     region_targets=len(p.region_reads),
                     missing=len(p.report.missing_keys),
                     unexpected=len(p.report.unexpected_keys),
-                    seconds=time.perf_counter() - t0,
+                    seconds=seconds,
                     summary=p.summary() if len(ranks) == 1 else "",
+                    cpu_seconds=cpu_seconds,
                 )
             )
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
     return description, plans, built
 
 

@@ -28,7 +28,7 @@ from hp_fastload.convert.rules import resolve_mapping
 from hp_fastload.execute.read import execute_plan
 from hp_fastload.execute.staging import DEFAULT_STAGING_BYTES
 from hp_fastload.execute.threads import threads_per_rank
-from hp_fastload.model.targets import Target, build_targets
+from hp_fastload.model.targets import Target, build_targets, model_tensors
 from hp_fastload.model.wrappers import unwrapped
 from hp_fastload.planning.items import LoadPlan
 from hp_fastload.planning.orchestrate import SharedPlanning, plan_load, share_planning
@@ -58,11 +58,12 @@ def plan_each(
     with gc_paused():
         index = CheckpointIndex.open(location)
         rules = resolve_mapping(model, weights_mapping, key_mapping)
+        tensors = model_tensors(model)
     shared: SharedPlanning | None = None
     first = True
     for rank in ranks:
         with gc_paused():
-            targets = build_targets(model, mesh_override=as_rank(rank))
+            targets = build_targets(model, mesh_override=as_rank(rank), tensors=tensors)
             if first:
                 shared, first = share_planning(model, index, targets, rules), False
             plan, _ = plan_load(model, index, targets, rules, strict=strict, shared=shared)

@@ -240,7 +240,7 @@ def _plan(args: argparse.Namespace) -> int:
         print(
             f"rank {p.rank} of {args.world}: reads {p.bytes_needed:,} bytes from {len(p.files)} files, "
             f"{p.region_targets} region targets, {len(p.deferred)} deferred groups, missing {p.missing}, "
-            f"unexpected {p.unexpected}; planned in {p.seconds:.3f} s"
+            f"unexpected {p.unexpected}; planned in {p.seconds:.3f} s ({p.cpu_seconds:.3f} s CPU)"
         )
         print("\n".join(map(_printable, p.summary.splitlines())))
         return 0
@@ -256,6 +256,8 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"{node // per_node:>6} {sum(p.bytes_needed for p in group):>16,} {len(files):>6}")
     total = sum(p.bytes_needed for p in plans)
     print(f"total storage traffic of the job: {total:,} bytes over {args.world} ranks")
+    wall, cpu = sum(p.seconds for p in plans), sum(p.cpu_seconds for p in plans)
+    print(f"planned {len(plans)} ranks in {wall:.2f} s ({cpu:.2f} s CPU) after the model's build ({build_s:.2f} s)")
     return 0
 
 

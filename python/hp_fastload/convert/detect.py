@@ -91,7 +91,8 @@ def detect(
     a float, when the caller has them in bulk (``CheckpointIndex.keys_not_stored_as``); without it the
     ``quantization_config`` scan asks ``dtype_of`` of every key. ``not_stored_as``: that bulk query itself,
     for :meth:`QuantInfo.check_claim` (see ``QuantInfo.not_stored_as``). ``membership``: ``key in membership``
-    for exactly the ``keys`` (a ``CheckpointIndex``), when the caller has one; otherwise a set of them is built.
+    for exactly the ``keys`` (a ``CheckpointIndex``'s ``membership``), when the caller has one; otherwise a set
+    of them is built.
 
     The scan is over names (a key's companions); a tensor's layout, which needs its and its scale's dtype
     and shape, is computed when its :class:`QuantTensor` is first asked for (see :class:`QuantTensors`)."""
@@ -269,5 +270,5 @@ def detect_in_index(index: Any) -> QuantInfo:
         lambda k: index.locate(k).shape,
         nonfloat,
         index.keys_not_stored_as,
-        index,
+        index.membership,
     )

@@ -9,7 +9,7 @@ import dataclasses
 import functools
 from collections.abc import Callable, Collection, Container, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import chain, repeat
+from itertools import chain, filterfalse, repeat
 from typing import Any, NamedTuple
 
 import torch
@@ -59,6 +59,8 @@ class QuantTensors(Mapping[str, QuantTensor]):
         self._spec = spec
         self._built: dict[str, QuantTensor] = {}
         self._any: bool | None = None
+        #: every quantized key (the scan's and the bulk block-fp8 ones), made on the first bulk ``among``
+        self._quantized: frozenset[str] | None = None
 
     def __getitem__(self, key: str) -> QuantTensor:
         q = self._built.get(key)
@@ -94,6 +96,11 @@ class QuantTensors(Mapping[str, QuantTensor]):
         """True when block-fp8 tensors are held in bulk (their kind is ``"block"``, their records made lazily)."""
         return self._block is not None
 
+    @property
+    def has_records(self) -> bool:
+        """True when the scan made a record for some tensor (False: only bulk block-fp8 tensors, if any)."""
+        return bool(self._found)
+
     def scanned(self, key: str) -> bool:
         """True when ``key`` has a record of the scan (False: a bulk block-fp8 tensor, or not quantized)."""
         return key in self._found
@@ -111,15 +118,17 @@ class QuantTensors(Mapping[str, QuantTensor]):
         found, block = self._found, self._block
         if block is None:
             return [k for k in keys if k in found]
-        scales, present = block.scale_set, block.present
-        return [k for k in keys if k in found or (k + SCALE_INV in scales and k in present)]
+        if self._quantized is None:  # once (shared by every rank): then one filter in C per call
+            self._quantized = frozenset(found).union(block.values())
+        return list(filter(self._quantized.__contains__, keys))
 
     def companions_of(self, keys: Collection[str]) -> set[str]:
         """The companions of quantized ``keys`` (a block-fp8 tensor's is its name + ``_scale_inv``)."""
         found = self._found
-        out = {c for k in keys if k in found for c in found[k].companions}
+        out = {c for k in keys if k in found for c in found[k].companions} if found else set()
         if self._block is not None:
-            out.update(map(str.__add__, (k for k in keys if k not in found), repeat(SCALE_INV)))
+            rest = filterfalse(found.__contains__, keys) if found else keys
+            out.update(map(str.__add__, rest, repeat(SCALE_INV)))
         return out
 
     def built(self) -> list[str]:
@@ -185,13 +194,13 @@ class QuantInfo:
         if floats and not resolve and tensors.has_bulk:
             # the bulk block-fp8 tensors' kind is "block" (dequantized into floats): no record per key (a
             # DeepSeek-V3 rank claims all 45,572 of them, 0.36 s of records; docs/perf-notes.md, "Full scale")
-            claimed, rest = self.claimed, []
-            for key in differ:
-                if tensors.scanned(key):
-                    rest.append(key)
-                else:
-                    claimed[key] = claim
-            differ = rest
+            if tensors.has_records:
+                rest = list(filter(tensors.scanned, differ))
+                self.claimed.update(zip(filterfalse(tensors.scanned, differ), repeat(claim)))
+                differ = rest
+            else:  # (no record at all: every one is a bulk tensor, claimed in one C-level update)
+                self.claimed.update(zip(differ, repeat(claim)))
+                differ = []
         for key in differ:
             f = tensors.record(key)
             assert f is not None

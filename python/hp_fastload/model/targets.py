@@ -224,6 +224,7 @@ def build_targets(
     *,
     external_target_fqns: Collection[str] = frozenset(),
     mesh_override: MeshOverride | None = None,
+    tensors: ModelTensors | None = None,
 ) -> dict[str, Target]:
     """Map every load-target name of ``model`` to its :class:`Target` (aliases share one object).
 
@@ -244,7 +245,37 @@ def build_targets(
     meta tensors are not an error for them.
 
     Problems are recorded on the target (``Target.error``), not raised here; see :func:`check_targets`.
+
+    ``tensors`` (:func:`model_tensors` of ``model``, made once) skips the walk over the modules: planning many
+    virtual ranks of one model builds its targets once per rank.
     """
+    by_id, order = tensors if tensors is not None else model_tensors(model)
+    external = set(external_target_fqns)
+    if external:
+        known = {name for _, names in by_id.values() for name in names}
+        unknown = sorted(external - known, key=dot_natural_key)
+        if unknown:
+            raise ValueError(
+                f"external_target_fqns names {len(unknown)} tensor(s) the model does not have "
+                f"(parameters and persistent buffers only): {', '.join(unknown)}"
+            )
+
+    resolver = _LayoutResolver(mesh_override)
+    by_tensor: dict[int, Target] = {}
+    for key, (tensor, names) in by_id.items():
+        if not external or external.isdisjoint(names):
+            by_tensor[key] = _make_target(names, tensor, resolver)
+    return {name: by_tensor[key] for name, key in order if key in by_tensor}
+
+
+#: :func:`model_tensors`' result: tensor id -> (tensor, its names), and (name, tensor id) in traversal order.
+ModelTensors: TypeAlias = tuple[dict[int, tuple[torch.Tensor, list[str]]], list[tuple[str, int]]]
+
+
+def model_tensors(model: nn.Module) -> ModelTensors:
+    """The parameters and persistent buffers of ``model`` as :func:`build_targets` finds them (through
+    ``named_modules(remove_duplicate=False)``, wrapper components left out of the names): tensor id ->
+    (tensor, names in registration order), and every (name, tensor id) in traversal order."""
     by_id: dict[int, tuple[torch.Tensor, list[str]]] = {}
     order: list[tuple[str, int]] = []
     canonical: dict[str, str] = {"": ""}
@@ -263,23 +294,7 @@ def build_targets(
             if buf is not None and key not in non_persistent:
                 by_id.setdefault(id(buf), (buf, []))[1].append(prefix + key)
                 order.append((prefix + key, id(buf)))
-
-    external = set(external_target_fqns)
-    if external:
-        known = {name for _, names in by_id.values() for name in names}
-        unknown = sorted(external - known, key=dot_natural_key)
-        if unknown:
-            raise ValueError(
-                f"external_target_fqns names {len(unknown)} tensor(s) the model does not have "
-                f"(parameters and persistent buffers only): {', '.join(unknown)}"
-            )
-
-    resolver = _LayoutResolver(mesh_override)
-    by_tensor: dict[int, Target] = {}
-    for key, (tensor, names) in by_id.items():
-        if not external or external.isdisjoint(names):
-            by_tensor[key] = _make_target(names, tensor, resolver)
-    return {name: by_tensor[key] for name, key in order if key in by_tensor}
+    return by_id, order
 
 
 def unique_targets(targets: Mapping[str, Target]) -> list[Target]:

@@ -43,6 +43,8 @@ class Claims:
         self.region_reads: dict[str, tuple[Target, Reads]] = {}
         self.deferred: list[PendingGroup] = []
         self.blocks = BlockCache()  # per-block work on shared traces (see BlockCache)
+        #: this rank's intersections of a block list with a region object (``region_items``' ``memo``)
+        self.intersections: dict[tuple[int, int], tuple[Any, Any, Reads]] = {}
         #: True when another rank's planning of the same model already checked the quantized claims (shared
         #: planning: ``quant.claimed`` then comes filled, and the checks, rank-independent, are skipped)
         self.quant_checked = False
@@ -66,7 +68,7 @@ class Claims:
             self._check_quant(name, [sources[s] for s in srcs] if sources is not None else srcs)
         target = self.claim(name, shape)
         if target is not None:
-            items = region_items(target, blocks, self.index, sources, self.blocks)
+            items = region_items(target, blocks, self.index, sources, self.blocks, self.intersections)
             if self.quant and self.quant.claimed:  # the layouts of the quantized keys this rank reads
                 self.quant.read(items.keys)
             self.region_reads[target.names[0]] = (target, items)

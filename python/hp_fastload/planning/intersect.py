@@ -138,14 +138,33 @@ def region_items(
     index: CheckpointIndex,
     sources: dict[str, str] | None = None,
     cache: BlockCache | None = None,
+    memo: dict[tuple[int, int], tuple[Any, Any, Reads]] | None = None,
 ) -> Reads:
     """Exact reads for the part of the converted global tensor (``blocks``) this rank holds.
 
     ``sources`` maps the blocks' source names to checkpoint keys (placeholders of a shared trace); ``cache``
-    keeps per-block work across calls that share a block list (see ``BlockCache``).
+    keeps per-block work across calls that share a block list (see ``BlockCache``). ``memo`` (one plan's: the
+    targets of one rank) keeps the intersection of a block list with a region object, keyed by both identities:
+    the targets of one layout share their region object (``build_targets``), and the layers of a model share
+    their traced block lists, so each (trace, layout) pair is intersected once and renamed per target.
     """
     region = target.region
-    ndim_t = len(target.global_shape)
+    if memo is None:
+        return _region_reads(region, len(target.global_shape), blocks, sources, cache)
+    memo_key = (id(blocks), id(region))
+    hit = memo.get(memo_key)
+    if hit is None or hit[0] is not blocks or hit[1] is not region:
+        hit = memo[memo_key] = (blocks, region, _region_reads(region, len(target.global_shape), blocks, None, cache))
+    raw = hit[2]
+    if sources is None or not len(raw):
+        return raw.renamed(raw.keys)  # (a Reads of its own per target, as without the memo)
+    return raw.renamed(list(map(sources.__getitem__, raw.keys)))
+
+
+def _region_reads(
+    region: Any, ndim_t: int, blocks: Sequence[Block], sources: dict[str, str] | None, cache: BlockCache | None
+) -> Reads:
+    """``region_items`` without the memo."""
     boxes = list(region.boxes())
     if not boxes:
         return Reads.empty(ndim_t)
@@ -155,7 +174,7 @@ def region_items(
     if region.is_full:  # the whole tensor is local: one item per block, no intersection
         columns = cache.columns(blocks)
         if columns is not None:
-            return columns.renamed(list(map(key, columns.keys)))
+            return columns.renamed(list(map(key, columns.keys))) if sources is not None else columns
         return intersect(cache.templates(blocks), range(len(blocks)), boxes, blocks, key, ndim_t)
     # The region's bounding box: blocks outside it (other ranks' experts, rows, ...) are dropped before any
     # per-block arithmetic, which keeps planning linear in the blocks this rank actually reads.
@@ -169,9 +188,9 @@ def region_items(
         if columns is not None and cache.inside(blocks, rows, bb_lo, bb_hi):
             goff, _, loff = boxes[0]
             picked = columns.take(rows)
-            return picked.renamed(list(map(key, picked.keys))).moved(
-                [int(lo) - int(go) for lo, go in zip(loff, goff, strict=True)]
-            )
+            if sources is not None:
+                picked = picked.renamed(list(map(key, picked.keys)))
+            return picked.moved([int(lo) - int(go) for lo, go in zip(loff, goff, strict=True)])
     return intersect(cache.templates(blocks), rows, boxes, blocks, key, ndim_t)
 
 

@@ -69,6 +69,9 @@ class SharedPlanning:
     #: (loaded names, unexpected keys, sorted loaded names) of the first rank: ranks claiming the same names
     #: have the same unexpected keys (claims and quantized companions do not depend on the region)
     outcome: tuple[set[str], list[str], tuple[str, ...]] | None = None
+    #: the targets whose checkpoint layout the model's own hooks define (``convert.adapter.hook_renamed``:
+    #: names, global shapes and dtypes only, so the same for every rank), after the first rank asked
+    hooked: list[str] | None = None
 
 
 @gc_paused()
@@ -95,10 +98,18 @@ def share_planning(
     return SharedPlanning(detect_in_index(index), groups, traced, list(unexpected), BlockCache(), trace)
 
 
-def _refuse_hooked(model: Any, targets: dict[str, Target], loaded: Collection[str]) -> None:
+def _hooked(model: Any, targets: dict[str, Target], shared: SharedPlanning | None) -> list[str]:
+    if shared is not None and shared.hooked is not None:
+        return shared.hooked
+    hooked = hook_renamed(model, {n: (tuple(t.global_shape), t.dtype) for n, t in targets.items()})
+    if shared is not None:
+        shared.hooked = hooked
+    return hooked
+
+
+def _refuse_hooked(hooked: list[str], loaded: Collection[str]) -> None:
     """Rules writing straight into a tensor whose checkpoint layout the model's own hooks define would bypass
     them (a plain concatenation into torchtitan's per-KV-group fused ``wqkv`` loads wrong values silently)."""
-    hooked = hook_renamed(model, {n: (tuple(t.global_shape), t.dtype) for n, t in targets.items()})
     bad = [n for n in hooked if n in loaded]
     if bad:
         raise PlanError(
@@ -222,7 +233,7 @@ def plan_load(
                 pending.claims[name] = target
             claims.add_deferred(pending)
     if adapter is None:
-        _refuse_hooked(model, targets, claims.loaded)
+        _refuse_hooked(_hooked(model, targets, shared), claims.loaded)
     if ignore_missing:
         patterns = [re.compile(p) for p in ignore_missing]
         ignored.extend(n for n in set(targets) - claims.loaded if any(p.search(n) for p in patterns))

@@ -140,13 +140,14 @@ class Tracer:
             return Traced(
                 {group.target: blocks}, {group.target: tuple(entry.shape)}, {group.target: entry.dtype}, {"#0": key}
             )
-        keys = [k for _, k in group.sources]
+        patterns, keys_t = zip(*group.sources, strict=True) if group.sources else ((), ())
+        keys = list(keys_t)
         sources = dict(zip(placeholders(len(keys)), keys, strict=True))
         facts = self.index.facts_many(keys)  # each source's dtype name and shape, as ids: nothing is located
         signature = (
             id(group.rule),
             self.trace,
-            tuple(p for p, _ in group.sources),
+            patterns,
             facts,
             masked_name(group.target),
             self.shape_of(group.target),

@@ -174,6 +174,12 @@ class CheckpointIndex:
     def __contains__(self, key: object) -> bool:
         return key in self._files
 
+    @property
+    def membership(self) -> Collection[str]:
+        """The indexed keys as a container whose ``in`` runs in C (``filter(index.membership.__contains__,
+        ...)`` over 10^4 keys costs no Python call per key, unlike ``index.__contains__``)."""
+        return self._files.keys()
+
     def __len__(self) -> int:
         return len(self._files)
 
