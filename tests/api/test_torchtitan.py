@@ -259,3 +259,21 @@ def _read(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return load_file(str(path / "model.safetensors"))
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen3_moe", "deepseek_v3"])
+def test_memoized_trace_equals_the_unshared_trace(name: str) -> None:
+    """torchtitan's own adapters and hooks traced with the op memo (block arithmetic once per layer structure)
+    give exactly the blocks of tracing every layer afresh, in both directions, on a 3-layer model."""
+    from hp_fastload.convert.adapter import loaded_regions, released_regions
+
+    cfg = titan.config(name, layers=3)
+    with torch.device("meta"):
+        model = cfg.build()
+    tensors = {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
+    released = released_regions(model, titan.adapter(name, cfg), tensors)
+    assert released == released_regions(model, titan.adapter(name, cfg), tensors, share=False)
+    hf_keys = {k: (v.shape, v.dtype) for k, v in released.items()}
+    loaded = loaded_regions(model, titan.adapter(name, cfg), hf_keys)
+    assert loaded == loaded_regions(model, titan.adapter(name, cfg), hf_keys, share=False)
+    assert len(loaded) > 3 * 4 and all(len(v.blocks) > 0 for v in loaded.values())

@@ -7,8 +7,8 @@ source tensors.
 from __future__ import annotations
 
 import math
-from contextvars import ContextVar
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextvars import ContextVar
 from typing import Any
 
 import torch
