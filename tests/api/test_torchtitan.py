@@ -28,7 +28,7 @@ WORLD = 2
 ROOT_ENV = "HP_FASTLOAD_TEST_TITAN_ROOT"  # the checkpoints' directory, inherited by the spawned ranks
 
 
-def _compare(name: str, layout: str) -> dict[str, Any]:
+def _compare(name: str, layout: str, forward: bool = True) -> dict[str, Any]:
     import hp_fastload as hf
 
     path = Path(os.environ[ROOT_ENV]) / name
@@ -40,7 +40,7 @@ def _compare(name: str, layout: str) -> dict[str, Any]:
     return {
         "differ": sorted(k for k in a if not torch.equal(a[k], b[k])),
         "keys": (sorted(a) == sorted(b), len(a)),
-        "loss": (titan.loss(theirs, cfg.vocab_size), titan.loss(ours, cfg.vocab_size)),
+        "loss": (titan.loss(theirs, cfg.vocab_size), titan.loss(ours, cfg.vocab_size)) if forward else None,
         "report": report,
     }
 
@@ -69,12 +69,20 @@ def check_deepseek_v3_fsdp(rank: int, world: int) -> Any:
     return _compare("deepseek_v3", "fsdp")
 
 
+def check_qwen3_moe_ep(rank: int, world: int) -> Any:
+    # torchtitan 0.3.0's expert-parallel forward does not run on CPU gloo ranks (its token dispatcher has no
+    # process group there: AttributeError 'NoneType' object has no attribute 'get_group', on both ranks), so
+    # only the shards are compared
+    return _compare("qwen3_moe", "ep", forward=False)
+
+
 CHECKS = [
     check_llama3_fsdp,
     check_llama3_tp,
     check_llama3_fsdp_ac,
     check_qwen3_fsdp,
     check_qwen3_moe_fsdp,
+    check_qwen3_moe_ep,
     check_deepseek_v3_fsdp,
 ]
 
@@ -101,8 +109,9 @@ def test_bit_equal_to_torchtitans_own_load(outcomes: Any, check: Any) -> None:
     for value in subcheck_values(outcomes, check.__name__):
         assert value["differ"] == []
         assert value["keys"][0] and value["keys"][1] > 0
-        theirs, ours = value["loss"]
-        assert ours == theirs
+        if check is not check_qwen3_moe_ep:
+            theirs, ours = value["loss"]
+            assert ours == theirs
         report = value["report"]
         assert report.missing_keys == () and report.unexpected_keys == ()
         assert report.summary().startswith("dcp: ")
