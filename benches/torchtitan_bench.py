@@ -6,8 +6,8 @@ Three ways to fill a torchtitan 0.3.0 model parallelized by torchtitan's own fun
 * ``drop-in``: the same, with ``hp_fastload.dcp.HuggingFaceStorageReader`` (only the read step changes);
 * ``adapter``: ``hp_fastload.load(model, path, state_dict_adapter=adapter)``.
 
-Each is timed (median of ``--repeat`` runs, the slowest rank of each run) on a fresh model per run; the shards
-are checked bit-equal to torchtitan's own. Usage::
+Each is timed (median of ``--repeat`` runs, the slowest rank of each run; wall and process CPU seconds) on a
+fresh model per run; the shards are checked bit-equal to torchtitan's own. Usage::
 
     python benches/torchtitan_bench.py --scale 8 --layers 4 --repeat 3
 """
@@ -47,6 +47,7 @@ def _one(way: str, name: str, layout: str, world: int, path: Path, kw: dict[str,
     adapter = titan.adapter(name, cfg)
     dist.barrier()
     start = time.perf_counter()
+    cpu = time.process_time()
     if way == "torchtitan":
         titan.torchtitan_load(model, adapter, path)
     elif way == "drop-in":
@@ -54,25 +55,28 @@ def _one(way: str, name: str, layout: str, world: int, path: Path, kw: dict[str,
     else:
         hf.load(model, path, state_dict_adapter=adapter)
     seconds = time.perf_counter() - start
-    return seconds, titan.local_state(model)
+    return seconds, time.process_time() - cpu, titan.local_state(model)
 
 
 def _body(rank: int, world: int, name: str, layout: str, path: str, repeat: int, kw: dict[str, Any]) -> Any:
     import torch.distributed as dist
 
     times: dict[str, list[float]] = {"torchtitan": [], "drop-in": [], "adapter": []}
+    cpus: dict[str, list[float]] = {way: [] for way in times}
     reference = None
     equal = {}
     for _ in range(repeat):
         for way in times:
-            seconds, state = _one(way, name, layout, world, Path(path), kw)
-            slowest = torch.tensor([seconds])
+            seconds, cpu, state = _one(way, name, layout, world, Path(path), kw)
+            slowest = torch.tensor([seconds, cpu])
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-            times[way].append(float(slowest))
+            times[way].append(float(slowest[0]))
+            cpus[way].append(float(slowest[1]))
             if reference is None:
                 reference = state
             equal[way] = all(torch.equal(reference[k], state[k]) for k in reference)
-    return {way: statistics.median(ts) for way, ts in times.items()}, equal
+    median = {way: statistics.median(ts) for way, ts in times.items()}
+    return median, {way: statistics.median(cs) for way, cs in cpus.items()}, equal
 
 
 def main() -> None:
@@ -88,8 +92,11 @@ def main() -> None:
     print(
         f"torchtitan 0.3.0, {args.world} gloo ranks, scale {args.scale}, {args.layers} layers, median of {args.repeat}"
     )
-    print("| model | layout | checkpoint MB | torchtitan ms | drop-in ms | adapter ms | adapter speed-up | bit-equal |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(
+        "| model | layout | checkpoint MB | torchtitan ms | drop-in ms | adapter ms | adapter speed-up "
+        "| torchtitan CPU ms | adapter CPU ms | CPU ratio | bit-equal |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         for name, layout in chosen:
             path = Path(tmp) / name
@@ -97,11 +104,13 @@ def main() -> None:
                 titan.write_checkpoint(name, path, **kw)
             mb = (path / "model.safetensors").stat().st_size / 1e6
             results = run_distributed(_body, args.world, name, layout, str(path), args.repeat, kw, timeout=1200)
-            times, _ = results[0]
-            ok = all(all(e.values()) for _, e in results)
+            times, cpus, _ = results[0]
+            ok = all(all(e.values()) for _, _, e in results)
             print(
                 f"| {name} | {layout} | {mb:.1f} | {times['torchtitan'] * 1e3:.0f} | {times['drop-in'] * 1e3:.0f} | "
-                f"{times['adapter'] * 1e3:.0f} | {times['torchtitan'] / times['adapter']:.2f}x | {ok} |"
+                f"{times['adapter'] * 1e3:.0f} | {times['torchtitan'] / times['adapter']:.2f}x | "
+                f"{cpus['torchtitan'] * 1e3:.0f} | {cpus['adapter'] * 1e3:.0f} | "
+                f"{cpus['torchtitan'] / cpus['adapter']:.2f}x | {ok} |"
             )
 
 

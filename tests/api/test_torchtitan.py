@@ -28,7 +28,7 @@ WORLD = 2
 ROOT_ENV = "HP_FASTLOAD_TEST_TITAN_ROOT"  # the checkpoints' directory, inherited by the spawned ranks
 
 
-def _compare(name: str, layout: str) -> dict[str, Any]:
+def _compare(name: str, layout: str, forward: bool = True) -> dict[str, Any]:
     import hp_fastload as hf
 
     path = Path(os.environ[ROOT_ENV]) / name
@@ -40,7 +40,7 @@ def _compare(name: str, layout: str) -> dict[str, Any]:
     return {
         "differ": sorted(k for k in a if not torch.equal(a[k], b[k])),
         "keys": (sorted(a) == sorted(b), len(a)),
-        "loss": (titan.loss(theirs, cfg.vocab_size), titan.loss(ours, cfg.vocab_size)),
+        "loss": (titan.loss(theirs, cfg.vocab_size), titan.loss(ours, cfg.vocab_size)) if forward else None,
         "report": report,
     }
 
@@ -69,12 +69,20 @@ def check_deepseek_v3_fsdp(rank: int, world: int) -> Any:
     return _compare("deepseek_v3", "fsdp")
 
 
+def check_qwen3_moe_ep(rank: int, world: int) -> Any:
+    # torchtitan 0.3.0's expert-parallel forward does not run on CPU gloo ranks (its token dispatcher has no
+    # process group there: AttributeError 'NoneType' object has no attribute 'get_group', on both ranks), so
+    # only the shards are compared
+    return _compare("qwen3_moe", "ep", forward=False)
+
+
 CHECKS = [
     check_llama3_fsdp,
     check_llama3_tp,
     check_llama3_fsdp_ac,
     check_qwen3_fsdp,
     check_qwen3_moe_fsdp,
+    check_qwen3_moe_ep,
     check_deepseek_v3_fsdp,
 ]
 
@@ -101,8 +109,9 @@ def test_bit_equal_to_torchtitans_own_load(outcomes: Any, check: Any) -> None:
     for value in subcheck_values(outcomes, check.__name__):
         assert value["differ"] == []
         assert value["keys"][0] and value["keys"][1] > 0
-        theirs, ours = value["loss"]
-        assert ours == theirs
+        if check is not check_qwen3_moe_ep:
+            theirs, ours = value["loss"]
+            assert ours == theirs
         report = value["report"]
         assert report.missing_keys == () and report.unexpected_keys == ()
         assert report.summary().startswith("dcp: ")
@@ -259,3 +268,21 @@ def _read(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return load_file(str(path / "model.safetensors"))
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen3_moe", "deepseek_v3"])
+def test_memoized_trace_equals_the_unshared_trace(name: str) -> None:
+    """torchtitan's own adapters and hooks traced with the op memo (block arithmetic once per layer structure)
+    give exactly the blocks of tracing every layer afresh, in both directions, on a 3-layer model."""
+    from hp_fastload.convert.adapter import loaded_regions, released_regions
+
+    cfg = titan.config(name, layers=3)
+    with torch.device("meta"):
+        model = cfg.build()
+    tensors = {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
+    released = released_regions(model, titan.adapter(name, cfg), tensors)
+    assert released == released_regions(model, titan.adapter(name, cfg), tensors, share=False)
+    hf_keys = {k: (v.shape, v.dtype) for k, v in released.items()}
+    loaded = loaded_regions(model, titan.adapter(name, cfg), hf_keys)
+    assert loaded == loaded_regions(model, titan.adapter(name, cfg), hf_keys, share=False)
+    assert len(loaded) > 3 * 4 and all(len(v.blocks) > 0 for v in loaded.values())

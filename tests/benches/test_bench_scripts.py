@@ -353,3 +353,10 @@ def test_accelerate_bench_quick(tmp_path: Path) -> None:
     assert set(doc["summary"]["methods"]) == {"accelerate", "hp_fastload"}
     for row in doc["rows"]:
         assert [rank["seconds"] > 0 and rank["rss_growth"] > 0 for rank in row["ranks"]] == [True, True]
+
+
+def test_titan_plan_quick() -> None:
+    """``benches/titan_plan.py`` plans a tiny torchtitan llama3 through its adapter and prints CPU times."""
+    pytest.importorskip("torchtitan")
+    proc = _run([str(BENCHES / "titan_plan.py"), "--scale", "1", "--layers", "2", "--repeat", "2"], timeout=300)
+    assert "llama3 scale 1 2 layers: plan CPU ms min" in proc.stdout

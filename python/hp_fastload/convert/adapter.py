@@ -28,6 +28,7 @@ from typing import Any, Protocol, TypeGuard
 import torch
 from torch import nn
 
+from hp_fastload.convert.structure import ShapeDtype, trace_by_structure
 from hp_fastload.convert.symbolic import RegionTensor
 from hp_fastload.model.wrappers import WRAPPED_CHILDREN
 
@@ -130,20 +131,30 @@ def run_load_hooks(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
 
 
 def released_regions(
-    model: nn.Module, adapter: StateDictAdapter, tensors: Mapping[str, tuple[tuple[int, ...], torch.dtype]]
+    model: nn.Module, adapter: StateDictAdapter, tensors: Mapping[str, ShapeDtype], *, share: bool = True
 ) -> dict[str, Any]:
-    """Hugging Face key -> the region of model tensors it is made of (leaves named by model name), through the
-    model's ``state_dict`` post-hooks and ``to_hf``. ``tensors``: model name -> (global shape, dtype)."""
-    state: dict[str, Any] = {name: RegionTensor.leaf(name, shape, dtype) for name, (shape, dtype) in tensors.items()}
-    state = run_save_hooks(model, state)
-    return dict(private_copy(adapter).to_hf(state))
+    """Hugging Face key -> the region of model tensors it is made of (a :class:`Mapped` whose sources are model
+    names; any other value is what the adapter gave where it could not be traced), through the model's
+    ``state_dict`` post-hooks and ``to_hf``. ``tensors``: model name -> (global shape, dtype). ``share``: the
+    block arithmetic once per layer structure (``convert.structure``)."""
+
+    def convert(state: dict[str, RegionTensor]) -> Mapping[str, Any]:
+        return private_copy(adapter).to_hf(run_save_hooks(model, dict(state)))
+
+    return trace_by_structure(convert, tensors, share=share)
 
 
-def loaded_regions(model: nn.Module, adapter: StateDictAdapter, leaves: Mapping[str, RegionTensor]) -> dict[str, Any]:
-    """Model name -> its value from the checkpoint ``leaves`` (Hugging Face key -> leaf), through ``from_hf`` and
-    the model's ``load_state_dict`` pre-hooks."""
-    state = dict(private_copy(adapter).from_hf(dict(leaves)))
-    return run_load_hooks(model, state)
+def loaded_regions(
+    model: nn.Module, adapter: StateDictAdapter, leaves: Mapping[str, ShapeDtype], *, share: bool = True
+) -> dict[str, Any]:
+    """Model name -> its value from the checkpoint tensors ``leaves`` (Hugging Face key -> (shape, dtype)): a
+    :class:`Mapped` over checkpoint keys (or what the adapter gave where it could not be traced), through
+    ``from_hf`` and the model's ``load_state_dict`` pre-hooks."""
+
+    def convert(state: dict[str, RegionTensor]) -> Mapping[str, Any]:
+        return run_load_hooks(model, dict(private_copy(adapter).from_hf(dict(state))))
+
+    return trace_by_structure(convert, leaves, share=share)
 
 
 def hook_renamed(model: nn.Module, tensors: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> list[str]:

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from hp_fastload.convert.adapter import StateDictAdapter, loaded_regions, released_regions
-from hp_fastload.convert.symbolic import RegionTensor, UnsupportedRegionOp
+from hp_fastload.convert.structure import Mapped
+from hp_fastload.convert.symbolic import UnsupportedRegionOp
 from hp_fastload.errors import PlanError, shown_key
 from hp_fastload.model.targets import Target
 from hp_fastload.planning.claims import Claims
@@ -35,8 +36,8 @@ class AdapterPlan:
     unexpected: list[str]
 
 
-def _regions(values: dict[str, Any], what: str) -> dict[str, RegionTensor]:
-    bad = [k for k, v in values.items() if not isinstance(v, RegionTensor)]
+def _regions(values: dict[str, Any], what: str) -> dict[str, Mapped]:
+    bad = [k for k, v in values.items() if not isinstance(v, Mapped)]
     if bad:
         raise AdapterError(
             f"the state_dict_adapter's {what} produced values that are not traced regions for "
@@ -46,7 +47,7 @@ def _regions(values: dict[str, Any], what: str) -> dict[str, RegionTensor]:
     return values
 
 
-def released(model: Any, adapter: StateDictAdapter, targets: dict[str, Target]) -> dict[str, RegionTensor]:
+def released(model: Any, adapter: StateDictAdapter, targets: dict[str, Target]) -> dict[str, Mapped]:
     """Hugging Face key -> region of model tensors (named by model name), for every key ``to_hf`` gives."""
     tensors = {name: (tuple(t.global_shape), t.dtype) for name, t in targets.items()}
     try:
@@ -71,7 +72,7 @@ def plan_adapter(
     for key in hf:
         if key in present:
             entry = index.locate(key)
-            leaves[key] = RegionTensor.leaf(key, entry.shape, entry.dtype)
+            leaves[key] = (tuple(entry.shape), entry.dtype)
     try:
         native = loaded_regions(model, adapter, leaves)
     except UnsupportedRegionOp as exc:
@@ -83,8 +84,8 @@ def plan_adapter(
             f"the state_dict_adapter's from_hf failed on this checkpoint's keys: {type(exc).__name__}: {exc}"
         ) from exc
     for name, region in _regions(native, "from_hf").items():
-        claims.region(name, tuple(region.shape), region.blocks, None)
-    mapped = {b.source for region in hf.values() for b in region.blocks}
+        claims.region(name, region.shape, region.blocks, None)
+    mapped = set().union(*(region.input_keys() for region in hf.values()))
     unmapped = [name for name, target in targets.items() if mapped.isdisjoint(target.names)]
     unexpected = [key for key in keys if key not in hf]
     return AdapterPlan(unmapped, unexpected)

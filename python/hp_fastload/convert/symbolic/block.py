@@ -211,6 +211,12 @@ def make_block(
     )
 
 
+def sub_block(b: Block, offsets: Vec, lengths: Vec, base: Vec, cols: Sequence[Vec]) -> Block:
+    """A block that reads a subset of ``b``'s source elements (a reshape piece of ``b``, or ``b`` merged with a
+    neighbour it continues): in bounds because ``b`` is, so built without the bounds check."""
+    return raw_block(offsets, lengths, b.source, base, _rows(cols, len(b.src_shape)), b.post, b.src_dtype, b.src_shape)
+
+
 def _try_merge(a: Block, b: Block, d: int) -> Block | None:
     """``a`` followed by ``b`` along dim ``d`` as one block, if one affine map describes both."""
     la, lb = a.lengths[d], b.lengths[d]
@@ -232,7 +238,7 @@ def _try_merge(a: Block, b: Block, d: int) -> Block | None:
     cols[d] = step
     lens = list(a.lengths)
     lens[d] = la + lb
-    return make_block(a, a.offsets, tuple(lens), a.base, cols)
+    return sub_block(a, a.offsets, tuple(lens), a.base, cols)  # a's elements and b's: both in bounds
 
 
 def coalesce_blocks(blocks: list[Block], ndim: int) -> list[Block]:
@@ -244,39 +250,46 @@ def coalesce_blocks(blocks: list[Block], ndim: int) -> list[Block]:
     changed = True
     while changed:
         changed = False
+        # Per block, once per pass: its columns where its box has more than one element along them (a merge
+        # along d needs these equal on every other dim).
+        shapes = [tuple(col if n > 1 else None for col, n in zip(columns(b), b.lengths, strict=True)) for b in blocks]
         for d in range(ndim):
-            groups: dict[Any, list[Block]] = {}
-            for b in blocks:
-                cols = columns(b)
+            groups: dict[Any, list[int]] = {}
+            for i, b in enumerate(blocks):
+                sig = shapes[i]
                 key = (
                     b.source,
                     b.post,
                     b.offsets[:d] + b.offsets[d + 1 :],
                     b.lengths[:d] + b.lengths[d + 1 :],
-                    tuple(
-                        col if n > 1 else None for i, (col, n) in enumerate(zip(cols, b.lengths, strict=True)) if i != d
-                    ),
+                    sig[:d] + sig[d + 1 :],
                 )
-                groups.setdefault(key, []).append(b)
+                groups.setdefault(key, []).append(i)
             if len(groups) == len(blocks):
                 continue
             merged: list[Block] = []
+            merged_shapes: list[Any] = []
             for members in groups.values():
                 if len(members) == 1:
-                    merged.append(members[0])
+                    merged.append(blocks[members[0]])
+                    merged_shapes.append(shapes[members[0]])
                     continue
-                members.sort(key=lambda b: b.offsets[d])
-                cur = members[0]
-                for nxt in members[1:]:
+                members.sort(key=lambda i: blocks[i].offsets[d])
+                cur, cur_shape = blocks[members[0]], shapes[members[0]]
+                for i in members[1:]:
+                    nxt = blocks[i]
                     m = None
                     if nxt.offsets[d] == cur.offsets[d] + cur.lengths[d]:
                         m = _try_merge(cur, nxt, d)
                     if m is None:
                         merged.append(cur)
-                        cur = nxt
+                        merged_shapes.append(cur_shape)
+                        cur, cur_shape = nxt, shapes[i]
                     else:
                         cur = m
+                        cur_shape = tuple(col if n > 1 else None for col, n in zip(columns(m), m.lengths, strict=True))
                         changed = True
                 merged.append(cur)
-            blocks = merged
+                merged_shapes.append(cur_shape)
+            blocks, shapes = merged, merged_shapes
     return sorted(blocks, key=lambda b: b.offsets)

@@ -17,9 +17,9 @@ from hp_fastload.convert.symbolic.block import (
     axpy,
     coalesce_blocks,
     columns,
-    make_block,
     row_major_strides,
     scaled,
+    sub_block,
 )
 from hp_fastload.convert.symbolic.tensor import (
     RegionTensor,
@@ -188,7 +188,7 @@ def _reshape_blocks(r: RegionTensor, new_shape: tuple[int, ...]) -> list[Block]:
                 offsets = tuple(offs_k[pos_new[j]] if j in pos_new else 0 for j in range(new_nd))
                 lengths = tuple(lens_k[pos_new[j]] if j in pos_new else 1 for j in range(new_nd))
                 cols = [cols_k[pos_new[j]] if j in pos_new else zero for j in range(new_nd)]
-            out.append(make_block(b, offsets, lengths, base, cols))
+            out.append(sub_block(b, offsets, lengths, base, cols))
     return coalesce_blocks(out, new_nd)
 
 

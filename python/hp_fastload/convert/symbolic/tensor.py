@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -210,7 +211,26 @@ HANDLERS: dict[Any, Handler] = {}
 _PASSTHROUGH: set[Any] = set()
 
 
+#: The op memo in effect (``convert.symbolic.memo``), or None.
+OP_MEMO: ContextVar[Any] = ContextVar("hp_fastload_op_memo", default=None)
+
+
 def _dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    memo = OP_MEMO.get()
+    if memo is None or func in _PASSTHROUGH:
+        return _run(func, args, kwargs)
+    found = memo.key(func, args, kwargs)
+    if found is None:
+        return _run(func, args, kwargs)
+    hit = memo.get(*found)
+    if hit is not None:
+        return hit
+    out = _run(func, args, kwargs)
+    memo.put(*found, out)
+    return out
+
+
+def _run(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if func in _PASSTHROUGH:
         out = run_meta(func, args, kwargs)
         if isinstance(out, torch.Tensor):
