@@ -25,7 +25,9 @@ Methods:
 - ``download_then_load``: boto3 ``download_file`` of every object (s3transfer, 8 MiB parts, 32 threads, all
   files in parallel) into a fresh local directory, then ``hp_fastload.load`` from it; bytes = the objects.
 
-``GB/s`` is the rank's needed bytes (what lands in its shards) over the wall time of the method. Every
+``GB/s`` is the rank's needed bytes (what lands in its shards) over the wall time of the method; ``client CPU``
+is the worker process's CPU seconds (all its threads) during the method, ``server CPU`` the ``weed`` process's
+(the server shares the cores with the client here, so a client's CPU per byte slows the server it waits on). Every
 destination is compared bit for bit with safetensors' own slice of the local file after each method. Outputs
 ``<out>/s3_bench.json`` and a Markdown table ``<out>/s3_bench.md``; the summary checks issue 26's targets.
 """
@@ -234,6 +236,17 @@ def verify(ctx: dict[str, Any]) -> list[str]:
     return bad
 
 
+def server_cpu(pid: int | None) -> float:
+    """CPU seconds (user + system) the server process has used so far (0 when unknown)."""
+    if not pid:
+        return 0.0
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def worker(args: argparse.Namespace) -> None:
     scenario = args.worker
     world, rank = SCENARIOS[scenario]
@@ -253,15 +266,19 @@ def worker(args: argparse.Namespace) -> None:
     }
     needed = sum(t.numel() * t.element_size() for t in locals_.values())
     methods = [m for m in args.methods.split(",") if m]
-    rows: dict[str, dict[str, Any]] = {m: {"seconds": [], "fetched": None, "mismatched": []} for m in methods}
+    rows: dict[str, dict[str, Any]] = {
+        m: {"seconds": [], "client_cpu": [], "server_cpu": [], "fetched": None, "mismatched": []} for m in methods
+    }
     for rep in range(args.repeats + 1):  # the first round warms up (imports, thread pools, connections): untimed
         for method in methods:
             for t in locals_.values():
                 t.zero_()
-            start = time.perf_counter()
+            cpu, server, start = time.process_time(), server_cpu(args.server_pid), time.perf_counter()
             fetched = RUNNERS[method](args.url, model, ctx)
             if rep > 0:
                 rows[method]["seconds"].append(time.perf_counter() - start)
+                rows[method]["client_cpu"].append(time.process_time() - cpu)
+                rows[method]["server_cpu"].append(server_cpu(args.server_pid) - server)
             rows[method]["fetched"] = fetched
             rows[method]["mismatched"] = verify(ctx)
     out = {"scenario": scenario, "world": world, "rank": rank, "needed_bytes": needed, "methods": {}}
@@ -271,6 +288,8 @@ def worker(args: argparse.Namespace) -> None:
             "seconds": r["seconds"],
             "median_s": median,
             "gbps_needed": needed / median / 1e9,
+            "client_cpu_s": statistics.median(r["client_cpu"]),
+            "server_cpu_s": statistics.median(r["server_cpu"]),
             "fetched_bytes": r["fetched"],
             "fetched_over_needed": r["fetched"] / needed,
             "mismatched": r["mismatched"][:5],
@@ -288,8 +307,8 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"{meta['seaweedfs']}; median of {meta['repeats']}; command: `{meta['command']}`",
         "",
         "| scenario | needed MB | method | median s | GB/s of needed | fetched MB | fetched / needed "
-        "| its time / hp_fastload's |",
-        "|---|---:|---|---:|---:|---:|---:|---:|",
+        "| client CPU s | server CPU s | its time / hp_fastload's |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         hp = r["methods"].get("hp_fastload")
@@ -297,7 +316,8 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             ratio = f"{m['median_s'] / hp['median_s']:.2f}x" if hp and method != "hp_fastload" else ""
             lines.append(
                 f"| {r['scenario']} | {r['needed_bytes'] / 1e6:.0f} | {method} | {m['median_s']:.3f} | "
-                f"{m['gbps_needed']:.3f} | {m['fetched_bytes'] / 1e6:.1f} | {m['fetched_over_needed']:.3f} | {ratio} |"
+                f"{m['gbps_needed']:.3f} | {m['fetched_bytes'] / 1e6:.1f} | {m['fetched_over_needed']:.3f} | "
+                f"{m['client_cpu_s']:.2f} | {m['server_cpu_s']:.2f} | {ratio} |"
             )
     return "\n".join(lines) + "\n"
 
@@ -343,6 +363,7 @@ def main() -> int:
     ap.add_argument("--local", help=argparse.SUPPRESS)
     ap.add_argument("--scratch", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
+    ap.add_argument("--server-pid", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         worker(args)
@@ -387,6 +408,7 @@ def main() -> int:
                 cmd = [sys.executable, __file__, "--worker", scenario, "--url", url, "--local", str(local)]
                 cmd += ["--scratch", str(work), "--result", str(result), "--size-mb", str(args.size_mb)]
                 cmd += ["--repeats", str(args.repeats), "--methods", ",".join(methods)]
+                cmd += ["--server-pid", str(server.proc.pid)]
                 proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
                 if proc.returncode != 0:
                     print(proc.stdout[-3000:], proc.stderr[-5000:], file=sys.stderr)
@@ -399,6 +421,7 @@ def main() -> int:
                     print(
                         f"  {method:>20}: {m['median_s']:.3f} s  {m['gbps_needed']:.3f} GB/s needed  "
                         f"fetched {m['fetched_bytes'] / 1e6:.1f} MB ({m['fetched_over_needed']:.3f}x)  "
+                        f"cpu client {m['client_cpu_s']:.2f} s server {m['server_cpu_s']:.2f} s  "
                         f"mismatched {m['mismatched']}"
                     )
     finally:

@@ -108,6 +108,20 @@ pub(crate) fn with_dense_dst<R>(run: &Run, f: impl FnOnce(&mut [u8]) -> R) -> R 
     with_dense_rep(run, 0, f)
 }
 
+/// Writes `bytes` at byte `at` of repetition `rep` of a direct run ([`Run::is_direct`]: same dtype, elements
+/// adjacent on both sides): the bytes the source holds at `src_off + rep * rep_src_stride + at`. Object
+/// storage writes fetched bytes this way as they arrive (`crate::objstore`).
+#[cfg(feature = "s3")]
+pub(crate) fn write_direct(run: &Run, rep: u64, at: usize, bytes: &[u8]) {
+    assert!(
+        run.is_direct() && !run.src_dtype.is_sub_byte(),
+        "write_direct needs a plain byte-copy run"
+    );
+    with_dense_rep(run, rep, |out| {
+        out[at..at + bytes.len()].copy_from_slice(bytes)
+    });
+}
+
 struct SliceSink<'s> {
     out: &'s mut [u8],
     size: usize,

@@ -4,10 +4,13 @@
 //! or `pread`: [`open_headers`] fetches each object's 8-byte length and then its header (two ranged GETs,
 //! objects in parallel) and parses it like a file's, remembering the object's ETag and size
 //! ([`ObjectFile`]); [`execute`] validates a batch exactly as for files, then fetches the byte ranges its
-//! items need (coalesced across gaps that add at most 1/32 of the bytes, cut into pieces of at most
-//! [`Settings::piece`] bytes, [`Settings::concurrency`] requests in flight) into [`Staging`] memory at their
-//! file offsets, and only then copies (casts, dequantizes) from it with the executor's mapped path
-//! (`crate::exec::execute_staged`): a failed fetch leaves every destination untouched.
+//! items need (coalesced across gaps that add at most 1/32 of the bytes, cut at the multiples of
+//! [`Settings::piece`] bytes, [`Settings::concurrency`] requests in flight). The bytes of plain copies (same
+//! dtype, adjacent elements, no scale) go straight into their destinations as they arrive
+//! ([`Settings::direct`]); the others (casts, dequantization, scale rows) into [`Staging`] memory at their
+//! file offsets, copied once every request has succeeded with the executor's mapped path
+//! (`crate::exec::execute_staged`). With `HP_FASTLOAD_S3_DIRECT=0` every byte is staged, and a failed fetch
+//! leaves every destination untouched.
 //!
 //! Every request after the first names the ETag it expects (`If-Match`), so an object replaced during a
 //! load is [`LoadError::Changed`], never a mix of two objects. Failures carry bucket, key and HTTP status
@@ -15,14 +18,15 @@
 //! retried per piece with bounded exponential backoff, on top of the client's own retries, within a bounded
 //! time. Credentials, region and endpoint come from the standard `AWS_*` variables (`AWS_ENDPOINT_URL`,
 //! `AWS_ACCESS_KEY_ID`, ...; object_store's `AmazonS3Builder::from_env`); an `http://` endpoint is allowed
-//! without `AWS_ALLOW_HTTP`. Each call runs its own tokio runtime (nothing outlives it, nothing to re-create
-//! after `fork`). Process-wide counters ([`counters`]) say what was fetched.
+//! without `AWS_ALLOW_HTTP`. One client (a tokio runtime and its connection pools) is kept per process and
+//! configuration, made again after `fork` (`Client::shared`). Process-wide counters ([`counters`]) say
+//! what was fetched.
 
 use std::collections::HashMap;
 use std::ops::Range;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use futures::{StreamExt, TryStreamExt};
@@ -32,12 +36,12 @@ use object_store::{
     BackoffConfig, ClientOptions, GetOptions, GetRange, ObjectStore, ObjectStoreExt, RetryConfig,
 };
 
-use crate::dest::DestBuf;
+use crate::dest::{write_direct, DestBuf};
 use crate::error::LoadError;
 use crate::exec::{execute_staged, ExecOptions, ExecStats, Interrupt, Scale, INTERRUPT_POLL};
 use crate::header::Header;
 use crate::mmap::{Mapping, Staging};
-use crate::types::Item;
+use crate::types::{Item, Run};
 
 /// One object's identity when its header was read.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -65,6 +69,10 @@ pub struct Settings {
     pub attempts: u32,
     /// Seconds one request may take, connect included (`HP_FASTLOAD_S3_TIMEOUT`, default 60).
     pub timeout: Duration,
+    /// Plain byte copies (same dtype, adjacent elements, no scale) are written straight from the fetched
+    /// bytes into their destinations (`HP_FASTLOAD_S3_DIRECT`, default on; `0` stages every byte first, so a
+    /// failed fetch leaves every destination untouched).
+    pub direct: bool,
 }
 
 impl Settings {
@@ -82,6 +90,7 @@ impl Settings {
             piece: get("HP_FASTLOAD_S3_PIECE_MB", 8) << 20,
             attempts: get("HP_FASTLOAD_S3_ATTEMPTS", 4) as u32,
             timeout: Duration::from_secs(get("HP_FASTLOAD_S3_TIMEOUT", 60)),
+            direct: std::env::var("HP_FASTLOAD_S3_DIRECT").map_or(true, |v| v.trim() != "0"),
         }
     }
 }
@@ -128,12 +137,17 @@ pub fn split_url(url: &str) -> Result<(String, String), LoadError> {
     }
 }
 
-/// One call's client: a runtime and one store per bucket.
+/// A client: a runtime and one store (with its connection pool) per bucket. One is kept per process and
+/// configuration ([`Client::shared`]).
 struct Client {
     rt: tokio::runtime::Runtime,
-    stores: HashMap<String, Arc<dyn ObjectStore>>,
+    stores: Mutex<HashMap<String, Arc<dyn ObjectStore>>>,
     settings: Settings,
 }
+
+/// The process's client: the process id and the `AWS_*` / `HP_FASTLOAD_S3_*` variables it was made with.
+type SharedClient = (u32, Vec<(String, String)>, Arc<Client>);
+static SHARED: Mutex<Option<SharedClient>> = Mutex::new(None);
 
 fn install_crypto() {
     static ONCE: OnceLock<()> = OnceLock::new();
@@ -144,6 +158,33 @@ fn install_crypto() {
 }
 
 impl Client {
+    /// The client of this process for the current environment, made on first use. Kept between calls (a
+    /// new client per call cost ~30 ms of wall time and ~10 ms of CPU each, four times per load: the
+    /// runtime, the TLS roots, new connections; docs/perf-notes.md, "Object storage"); made again when an
+    /// `AWS_*` or `HP_FASTLOAD_S3_*` variable changed, or in a forked child (whose copy of the parent's runtime
+    /// has no threads: it is leaked, never dropped or used).
+    fn shared() -> Result<Arc<Client>, LoadError> {
+        let mut config: Vec<(String, String)> = std::env::vars()
+            .filter(|(k, _)| k.starts_with("AWS_") || k.starts_with("HP_FASTLOAD_S3_"))
+            .collect();
+        config.sort_unstable();
+        let pid = std::process::id();
+        let mut slot = SHARED.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((p, c, client)) = slot.as_ref() {
+            if *p == pid && *c == config {
+                return Ok(Arc::clone(client));
+            }
+        }
+        if let Some((p, _, old)) = slot.take() {
+            if p != pid {
+                std::mem::forget(old);
+            }
+        }
+        let client = Arc::new(Client::new()?);
+        *slot = Some((pid, config, Arc::clone(&client)));
+        Ok(client)
+    }
+
     fn new() -> Result<Client, LoadError> {
         install_crypto();
         let settings = Settings::from_env();
@@ -155,13 +196,14 @@ impl Client {
             .map_err(|e| LoadError::request(format!("cannot start the S3 client runtime: {e}")))?;
         Ok(Client {
             rt,
-            stores: HashMap::new(),
+            stores: Mutex::new(HashMap::new()),
             settings,
         })
     }
 
-    fn store(&mut self, bucket: &str) -> Result<Arc<dyn ObjectStore>, LoadError> {
-        if let Some(s) = self.stores.get(bucket) {
+    fn store(&self, bucket: &str) -> Result<Arc<dyn ObjectStore>, LoadError> {
+        let mut stores = self.stores.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(s) = stores.get(bucket) {
             return Ok(Arc::clone(s));
         }
         let mut builder = AmazonS3Builder::from_env().with_bucket_name(bucket);
@@ -192,7 +234,7 @@ impl Client {
                 .build()
                 .map_err(|e| object_error(bucket, "", "cannot configure the S3 client", e))?,
         );
-        self.stores.insert(bucket.to_string(), Arc::clone(&store));
+        stores.insert(bucket.to_string(), Arc::clone(&store));
         Ok(store)
     }
 }
@@ -269,18 +311,107 @@ fn object_path(f: &ObjectFile) -> PathBuf {
     PathBuf::from(&f.url)
 }
 
-/// Fetches `range` of an object into `out` (exactly its length), retrying transient failures.
+/// One repetition of a direct run as the object bytes it reads: repetition `rep` of `direct[run]` reads
+/// `start..end` (and writes them, in order, from the start of its destination).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Segment {
+    start: u64,
+    end: u64,
+    run: usize,
+    rep: u64,
+}
+
+/// Where the bytes of one request go, as they arrive: the parts inside `staged` (absolute, sorted,
+/// disjoint, within the request) into `staging` (the request's own slice of its object's staging memory,
+/// from the request's first byte; empty when nothing of the request is staged), and the parts inside the
+/// `direct` segments (indices into `segments`, sorted by start) straight into their destinations.
+struct Sink<'a> {
+    start: u64,
+    staging: &'a mut [u8],
+    staged: Vec<Range<u64>>,
+    direct: Vec<usize>,
+    segments: &'a [Segment],
+    runs: &'a [Run],
+    /// First staged range / direct segment that may still meet the bytes to come (bodies arrive in order).
+    cursor: (usize, usize),
+}
+
+impl<'a> Sink<'a> {
+    /// A sink that keeps every byte of the request from object offset `start` in `out` (its length).
+    fn buffer(start: u64, out: &'a mut [u8]) -> Sink<'a> {
+        Sink {
+            start,
+            staged: std::iter::once(start..start + out.len() as u64).collect(),
+            staging: out,
+            direct: Vec::new(),
+            segments: &[],
+            runs: &[],
+            cursor: (0, 0),
+        }
+    }
+
+    /// The request's body starts again (a retry).
+    fn restart(&mut self) {
+        self.cursor = (0, 0);
+    }
+
+    /// Places `bytes`, the object's bytes from offset `at` (after every earlier byte of the request).
+    fn put(&mut self, at: u64, bytes: &[u8]) {
+        let end = at + bytes.len() as u64;
+        let part = |lo: u64, hi: u64| &bytes[(lo - at) as usize..(hi - at) as usize];
+        while self.staged.get(self.cursor.0).is_some_and(|r| r.end <= at) {
+            self.cursor.0 += 1;
+        }
+        for r in self.staged[self.cursor.0..]
+            .iter()
+            .take_while(|r| r.start < end)
+        {
+            let (lo, hi) = (r.start.max(at), r.end.min(end));
+            if lo < hi {
+                self.staging[(lo - self.start) as usize..(hi - self.start) as usize]
+                    .copy_from_slice(part(lo, hi));
+            }
+        }
+        // Segments are sorted by start; every segment before the cursor ended at or before an earlier
+        // `at` (overlapping segments, one source range read into two destinations, are each written).
+        while self
+            .direct
+            .get(self.cursor.1)
+            .is_some_and(|&k| self.segments[k].end <= at)
+        {
+            self.cursor.1 += 1;
+        }
+        for &k in &self.direct[self.cursor.1..] {
+            let s = self.segments[k];
+            if s.start >= end {
+                break;
+            }
+            let (lo, hi) = (s.start.max(at), s.end.min(end));
+            if lo < hi {
+                write_direct(
+                    &self.runs[s.run],
+                    s.rep,
+                    (lo - s.start) as usize,
+                    part(lo, hi),
+                );
+            }
+        }
+    }
+}
+
+/// Fetches `range` of an object into `sink`, retrying transient failures.
 async fn fetch_into(
     store: &dyn ObjectStore,
     f: &ObjectFile,
     range: Range<u64>,
-    out: &mut [u8],
+    sink: &mut Sink<'_>,
     settings: &Settings,
 ) -> Result<(), LoadError> {
     let mut attempt = 0;
     loop {
         attempt += 1;
-        match fetch_once(store, f, range.clone(), out).await {
+        sink.restart();
+        match fetch_once(store, f, range.clone(), sink).await {
             Ok(()) => return Ok(()),
             Err(e) if transient(&e) && attempt < settings.attempts => {
                 RETRIES.fetch_add(1, Ordering::Relaxed);
@@ -297,9 +428,10 @@ async fn fetch_once(
     store: &dyn ObjectStore,
     f: &ObjectFile,
     range: Range<u64>,
-    out: &mut [u8],
+    sink: &mut Sink<'_>,
 ) -> Result<(), LoadError> {
     let failed = |e| object_error(&f.bucket, &f.key, "ranged GET failed", e);
+    let len = range.end - range.start;
     let options = GetOptions {
         range: Some(GetRange::Bounded(range.clone())),
         if_match: f.e_tag.clone(),
@@ -320,34 +452,28 @@ async fn fetch_once(
         });
     }
     let mut stream = got.into_stream();
-    let mut at = 0usize;
+    let mut at = 0u64;
     while let Some(chunk) = stream.next().await {
         let chunk = chunk.map_err(failed)?;
-        let end = at + chunk.len();
-        if end > out.len() {
+        let end = at + chunk.len() as u64;
+        if end > len {
             return Err(LoadError::Object {
                 bucket: f.bucket.clone(),
                 key: f.key.clone(),
                 status: None,
-                reason: format!(
-                    "range {range:?}: the server sent more than {} bytes",
-                    out.len()
-                ),
+                reason: format!("range {range:?}: the server sent more than {len} bytes"),
             });
         }
-        out[at..end].copy_from_slice(&chunk);
+        sink.put(range.start + at, &chunk);
         at = end;
     }
-    FETCHED.fetch_add(at as u64, Ordering::Relaxed);
-    if at != out.len() {
+    FETCHED.fetch_add(at, Ordering::Relaxed);
+    if at != len {
         return Err(LoadError::Object {
             bucket: f.bucket.clone(),
             key: f.key.clone(),
             status: None,
-            reason: format!(
-                "range {range:?}: the body ended after {at} of {} bytes",
-                out.len()
-            ),
+            reason: format!("range {range:?}: the body ended after {at} of {len} bytes"),
         });
     }
     REQUESTS.fetch_add(1, Ordering::Relaxed);
@@ -456,14 +582,21 @@ async fn open_one(
     }
     let mut buf = vec![0u8; 8 + n as usize];
     buf[..8].copy_from_slice(&prefix[..8]);
-    fetch_into(store.as_ref(), &f, 8..8 + n, &mut buf[8..], settings).await?;
+    fetch_into(
+        store.as_ref(),
+        &f,
+        8..8 + n,
+        &mut Sink::buffer(8, &mut buf[8..]),
+        settings,
+    )
+    .await?;
     let header = Header::parse(&path, &buf, f.size)?;
     Ok((header, f))
 }
 
 /// Fetches and parses the header of each `s3://bucket/key` (all at once); the first error in `urls` order.
 pub fn open_headers(urls: &[String]) -> Result<Vec<(Header, ObjectFile)>, LoadError> {
-    let mut client = Client::new()?;
+    let client = Client::shared()?;
     let mut jobs = Vec::with_capacity(urls.len());
     for url in urls {
         let (bucket, key) = split_url(url)?;
@@ -486,7 +619,7 @@ pub fn open_headers(urls: &[String]) -> Result<Vec<(Header, ObjectFile)>, LoadEr
 /// The whole object at `url` (an index or `config.json`), or None when there is no such object.
 pub fn read_object(url: &str) -> Result<Option<Vec<u8>>, LoadError> {
     let (bucket, key) = split_url(url)?;
-    let mut client = Client::new()?;
+    let client = Client::shared()?;
     let store = client.store(&bucket)?;
     let attempts = client.settings.attempts;
     client.rt.block_on(async {
@@ -520,7 +653,7 @@ pub fn read_object(url: &str) -> Result<Option<Vec<u8>>, LoadError> {
 /// The keys under `prefix/` (one level: no deeper keys), sorted: a checkpoint "directory" without an index.
 pub fn list_keys(bucket_url: &str) -> Result<Vec<String>, LoadError> {
     let (bucket, prefix) = split_url(bucket_url)?;
-    let mut client = Client::new()?;
+    let client = Client::shared()?;
     let store = client.store(&bucket)?;
     client.rt.block_on(async {
         let listed = store
@@ -548,7 +681,8 @@ pub fn coalesce(ranges: &[(u64, u64)], piece: u64) -> Vec<Range<u64>> {
 /// whole call, the gaps of at most [`COALESCE_GAP`] joined smallest first while the bytes fetched for gaps
 /// stay within `1/COALESCE_SLACK` of the bytes needed (each joined gap is one request fewer, so this is the
 /// fewest requests for that many extra bytes: a column shard's thousands of row halves become one request
-/// when the call also reads enough contiguous bytes to pay for them); then cut into pieces of at most `piece`.
+/// when the call also reads enough contiguous bytes to pay for them); then cut at the multiples of `piece`
+/// (object offsets), so no request is longer than `piece` or straddles a `piece` boundary.
 pub fn coalesce_all(needed: &[Vec<(u64, u64)>], piece: u64) -> Vec<Vec<Range<u64>>> {
     let mut merged: Vec<Vec<(u64, u64)>> = Vec::with_capacity(needed.len());
     let mut total: u64 = 0;
@@ -595,11 +729,16 @@ pub fn coalesce_all(needed: &[Vec<(u64, u64)>], piece: u64) -> Vec<Vec<Range<u64
                     _ => requests.push((a, b)),
                 }
             }
+            let piece = piece.max(1);
             let mut out = Vec::with_capacity(requests.len());
             for (a, b) in requests {
                 let mut at = a;
                 while at < b {
-                    let end = b.min(at.saturating_add(piece.max(1)));
+                    // Cut at multiples of `piece` in the object, not `piece` after the range's start: a
+                    // store keeps an object in parts (SeaweedFS: 4 MiB chunks; S3: the multipart upload's
+                    // parts, 8 MiB by default in the AWS tools), and a request that straddles one boundary
+                    // more costs the server one more part read (docs/perf-notes.md, "Object storage").
+                    let end = b.min((at / piece).saturating_add(1).saturating_mul(piece));
                     out.push(at..end);
                     at = end;
                 }
@@ -609,84 +748,177 @@ pub fn coalesce_all(needed: &[Vec<(u64, u64)>], piece: u64) -> Vec<Vec<Range<u64
         .collect()
 }
 
-/// Fetches `needed[f]` of each object file `f` into staging memory, all files' pieces in flight together.
+/// Sorted, merged (touching or overlapping joined) copy of `ranges`.
+fn merged(ranges: &[(u64, u64)]) -> Vec<Range<u64>> {
+    let mut sorted: Vec<(u64, u64)> = ranges.iter().copied().filter(|(a, b)| b > a).collect();
+    sorted.sort_unstable();
+    let mut out: Vec<Range<u64>> = Vec::with_capacity(sorted.len());
+    for (a, b) in sorted {
+        match out.last_mut() {
+            Some(last) if a <= last.end => last.end = last.end.max(b),
+            _ => out.push(a..b),
+        }
+    }
+    out
+}
+
+/// Per file, the repetitions of the `direct` runs as [`Segment`]s sorted by start.
+fn segments_of(direct: &[Run], files: usize) -> Vec<Vec<Segment>> {
+    let mut out: Vec<Vec<Segment>> = vec![Vec::new(); files];
+    for (k, r) in direct.iter().enumerate() {
+        let extent = r.run_extent();
+        for rep in 0..r.reps {
+            let start = r.src_off + rep * r.rep_src_stride;
+            out[r.file].push(Segment {
+                start,
+                end: start + extent,
+                run: k,
+                rep,
+            });
+        }
+    }
+    for segs in &mut out {
+        segs.sort_unstable_by_key(|s| (s.start, s.end));
+    }
+    out
+}
+
+/// For each of the sorted, disjoint `requests`: the parts of the sorted, disjoint `staged` ranges inside it,
+/// and the indices of the `segments` (sorted by start) that meet it, in order.
+fn route(
+    requests: &[Range<u64>],
+    staged: &[Range<u64>],
+    segments: &[Segment],
+) -> Vec<(Vec<Range<u64>>, Vec<usize>)> {
+    let mut out: Vec<(Vec<Range<u64>>, Vec<usize>)> =
+        vec![(Vec::new(), Vec::new()); requests.len()];
+    let first_ending_after = |at: u64| requests.partition_point(|q| q.end <= at);
+    for r in staged {
+        for (q, slot) in requests[first_ending_after(r.start)..]
+            .iter()
+            .zip(&mut out[first_ending_after(r.start)..])
+            .take_while(|(q, _)| q.start < r.end)
+        {
+            slot.0.push(r.start.max(q.start)..r.end.min(q.end));
+        }
+    }
+    for (k, s) in segments.iter().enumerate() {
+        let from = first_ending_after(s.start);
+        for (q, slot) in requests[from..].iter().zip(&mut out[from..]) {
+            if q.start >= s.end {
+                break;
+            }
+            slot.1.push(k);
+        }
+    }
+    out
+}
+
+/// Fetches, all files' requests in flight together, `needed[f]` of each object file `f` into staging
+/// memory (returned as one map per file that has any) and the bytes of the `direct` runs straight into
+/// their destinations.
 fn stage(
     objects: &[Option<ObjectFile>],
     needed: &[Vec<(u64, u64)>],
+    direct: &[Run],
     interrupt: Option<&Interrupt>,
 ) -> Result<Vec<Option<Arc<Mapping>>>, LoadError> {
-    let mut client = Client::new()?;
+    let client = Client::shared()?;
     let settings = client.settings.clone();
-    let mut stagings: Vec<Option<Staging>> = Vec::with_capacity(objects.len());
-    let mut plans: Vec<Vec<Range<u64>>> = Vec::with_capacity(objects.len());
-    let mut stores: Vec<Option<Arc<dyn ObjectStore>>> = Vec::with_capacity(objects.len());
-    let of_objects: Vec<Vec<(u64, u64)>> = objects
+    let staged: Vec<Vec<Range<u64>>> = needed.iter().map(|r| merged(r)).collect();
+    let segments = segments_of(direct, objects.len());
+    // What each object's requests cover: its staged ranges and its direct segments.
+    let wanted: Vec<Vec<(u64, u64)>> = objects
         .iter()
-        .zip(needed)
-        .map(|(obj, ranges)| {
-            if obj.is_some() {
-                ranges.clone()
-            } else {
-                Vec::new()
+        .enumerate()
+        .map(|(f, obj)| match obj {
+            None => Vec::new(),
+            Some(_) => {
+                let mut all: Vec<(u64, u64)> = staged[f].iter().map(|r| (r.start, r.end)).collect();
+                all.extend(segments[f].iter().map(|s| (s.start, s.end)));
+                merged(&all).into_iter().map(|r| (r.start, r.end)).collect()
             }
         })
         .collect();
-    let requests = coalesce_all(&of_objects, settings.piece);
-    for ((obj, ranges), pieces) in objects.iter().zip(needed).zip(requests) {
+    let requests = coalesce_all(&wanted, settings.piece);
+    let mut stagings: Vec<Option<Staging>> = Vec::with_capacity(objects.len());
+    let mut stores: Vec<Option<Arc<dyn ObjectStore>>> = Vec::with_capacity(objects.len());
+    for (f, obj) in objects.iter().enumerate() {
         match obj {
-            Some(f) if !ranges.is_empty() => {
-                if let Some(last) = pieces.last() {
-                    if last.end > f.size {
+            Some(f_obj) if !requests[f].is_empty() => {
+                if let Some(last) = requests[f].last() {
+                    if last.end > f_obj.size {
                         return Err(LoadError::Truncated {
-                            path: object_path(f),
+                            path: object_path(f_obj),
                             expected: last.end,
-                            actual: f.size,
+                            actual: f_obj.size,
                         });
                     }
                 }
-                stagings.push(Some(Staging::new(f.size, &object_path(f))?));
-                plans.push(pieces);
-                stores.push(Some(client.store(&f.bucket)?));
+                stagings.push(match staged[f].is_empty() {
+                    true => None,
+                    false => Some(Staging::new(f_obj.size, &object_path(f_obj))?),
+                });
+                stores.push(Some(client.store(&f_obj.bucket)?));
             }
             _ => {
                 stagings.push(None);
-                plans.push(Vec::new());
                 stores.push(None);
             }
         }
     }
-    // Carve each staging buffer into the disjoint slices its sorted pieces fill.
+    // Carve each staging buffer into the disjoint slices its sorted requests fill; route each request's
+    // bytes to its staged parts and its direct segments.
     let mut jobs = Vec::new();
     for (f, staging) in stagings.iter_mut().enumerate() {
-        let Some(staging) = staging else { continue };
-        let (obj, store) = (
-            objects[f].as_ref().expect("staged"),
-            stores[f].as_ref().expect("staged"),
-        );
-        let mut rest: &mut [u8] = staging.bytes_mut();
+        let (Some(obj), Some(store)) = (objects[f].as_ref(), stores[f].as_ref()) else {
+            continue;
+        };
+        let routes = route(&requests[f], &staged[f], &segments[f]);
+        let mut rest: &mut [u8] = match staging {
+            Some(s) => s.bytes_mut(),
+            None => &mut [],
+        };
         let mut base = 0u64;
-        for r in &plans[f] {
-            let (_, tail) = rest.split_at_mut((r.start - base) as usize);
-            let (piece, tail) = tail.split_at_mut((r.end - r.start) as usize);
-            rest = tail;
-            base = r.end;
-            jobs.push((store.as_ref(), obj, r.clone(), piece));
+        for (r, (staged, segs)) in requests[f].iter().zip(routes) {
+            let piece: &mut [u8] = if staged.is_empty() {
+                &mut []
+            } else {
+                let (_, tail) = std::mem::take(&mut rest).split_at_mut((r.start - base) as usize);
+                let (piece, tail) = tail.split_at_mut((r.end - r.start) as usize);
+                rest = tail;
+                base = r.end;
+                piece
+            };
+            let sink = Sink {
+                start: r.start,
+                staging: piece,
+                staged,
+                direct: segs,
+                segments: &segments[f],
+                runs: direct,
+                cursor: (0, 0),
+            };
+            jobs.push((store.as_ref(), obj, r.clone(), sink));
         }
     }
     let concurrency = settings.concurrency;
     let requests = jobs.len();
     let done = AtomicUsize::new(0);
+    let (settings, counted) = (&settings, &done);
     client.rt.block_on(async {
-        let fetches =
-            futures::stream::iter(jobs.into_iter().map(|(store, obj, range, out)| async {
-                fetch_into(store, obj, range, out, &settings).await?;
-                done.fetch_add(1, Ordering::Relaxed);
+        let fetches = futures::stream::iter(jobs.into_iter().map(
+            |(store, obj, range, mut sink)| async move {
+                fetch_into(store, obj, range, &mut sink, settings).await?;
+                counted.fetch_add(1, Ordering::Relaxed);
                 Ok::<(), LoadError>(())
-            }))
-            .buffer_unordered(concurrency)
-            .try_collect::<()>();
+            },
+        ))
+        .buffer_unordered(concurrency)
+        .try_collect::<()>();
         // The interrupt is asked every INTERRUPT_POLL while requests are in flight; a yes drops them (their
-        // connections close) and nothing has been written into any destination yet.
+        // connections close). Nothing has been written into any destination by the copy path yet; direct
+        // runs may have been written in part.
         let stop = async {
             loop {
                 tokio::time::sleep(INTERRUPT_POLL).await;
@@ -727,13 +959,16 @@ pub fn execute(
     opts: &ExecOptions,
 ) -> Result<ExecStats, LoadError> {
     let fetched = AtomicU64::new(0);
-    let fetch = |needed: &[Vec<(u64, u64)>]| {
+    let fetch = |needed: &[Vec<(u64, u64)>], direct: &[Run]| {
         let before = FETCHED.load(Ordering::Relaxed);
-        let staged = stage(objects, needed, opts.interrupt.as_ref());
+        let staged = stage(objects, needed, direct, opts.interrupt.as_ref());
         fetched.store(FETCHED.load(Ordering::Relaxed) - before, Ordering::Relaxed);
         staged
     };
-    let mut stats = execute_staged(files, dests, items, scales, opts, &fetch)?;
+    // Straight into the destinations unless turned off, or when the call also reads local files (their
+    // runs are not the store's to fetch).
+    let direct = Settings::from_env().direct && objects.iter().all(Option::is_some);
+    let mut stats = execute_staged(files, dests, items, scales, opts, &fetch, direct)?;
     // The copy "read" the staged bytes from memory; what counts is what came over the network (plus, in a
     // call that mixes local files and objects, the copy's count, which then includes both).
     let fetched = fetched.load(Ordering::Relaxed);
@@ -747,7 +982,7 @@ pub fn execute(
 /// The object identity of `url` now (a HEAD): for callers that cache headers keyed on ETag and size.
 pub fn identity(url: &str) -> Result<ObjectFile, LoadError> {
     let (bucket, key) = split_url(url)?;
-    let mut client = Client::new()?;
+    let client = Client::shared()?;
     let store = client.store(&bucket)?;
     client.rt.block_on(async {
         let meta = store
@@ -792,8 +1027,13 @@ mod tests {
         // A 100-byte gap between 1 MiB ranges is joined.
         let big = [(0, 1 << 20), ((1 << 20) + 100, 2 << 20)];
         assert_eq!(coalesce(&big, 8 << 20), vec![0..(2 << 20)]);
-        // Cut into pieces.
+        // Cut into pieces at the multiples of the piece size (object offsets).
         assert_eq!(coalesce(&[(0, 25)], 10), vec![0..10, 10..20, 20..25]);
+        assert_eq!(
+            coalesce(&[(7, 31)], 10),
+            vec![7..10, 10..20, 20..30, 30..31]
+        );
+        assert_eq!(coalesce(&[(12, 18)], 10), vec![12..18]);
         // Fetched never exceeds needed by more than 1/32.
         let many: Vec<(u64, u64)> = (0..1000).map(|i| (i * 1100, i * 1100 + 1000)).collect();
         let fetched: u64 = coalesce(&many, u64::MAX)
@@ -823,5 +1063,87 @@ mod tests {
         let needed: u64 = 1000 * 512 + (64 << 20);
         let fetched: u64 = out.iter().flatten().map(|r| r.end - r.start).sum();
         assert!(fetched * 32 <= needed * 33, "{fetched}");
+    }
+
+    fn byte_run(src_off: u64, count: u64, reps: u64, rep_src_stride: u64, dst: &mut [u8]) -> Run {
+        Run {
+            item: 0,
+            file: 0,
+            src_off,
+            src_stride: 1,
+            count,
+            dst_addr: dst.as_mut_ptr() as usize,
+            dst_stride: 1,
+            reps,
+            rep_src_stride,
+            rep_dst_stride: count as usize,
+            src_dtype: crate::dtype::Dtype::U8,
+            dst_dtype: crate::dtype::Dtype::U8,
+            src_nibble: 0,
+        }
+    }
+
+    #[test]
+    fn fetched_bytes_reach_their_destinations_and_the_staging_in_any_chunking() {
+        let object: Vec<u8> = (0..100u8).collect();
+        let (mut a, mut b, mut c) = (vec![0u8; 20], vec![0u8; 12], vec![0u8; 5]);
+        // A: 10..30; B: 3 rows of 4 bytes at 50, 60, 70 (a column slice); C: 20..25, overlapping A (the same
+        // source bytes into a second destination). Staged (the copy path's bytes): 35..45.
+        let direct = vec![
+            byte_run(10, 20, 1, 0, &mut a),
+            byte_run(50, 4, 3, 10, &mut b),
+            byte_run(20, 5, 1, 0, &mut c),
+        ];
+        let segments = segments_of(&direct, 1);
+        assert_eq!(segments[0].len(), 5);
+        let staged: Vec<Range<u64>> = std::iter::once(35..45).collect();
+        let mut wanted: Vec<(u64, u64)> = segments[0].iter().map(|s| (s.start, s.end)).collect();
+        wanted.push((35, 45));
+        let wanted: Vec<(u64, u64)> = merged(&wanted).iter().map(|r| (r.start, r.end)).collect();
+        let requests = coalesce_all(&[wanted], 16).pop().unwrap();
+        assert!(
+            requests.iter().all(|r| r.start / 16 == (r.end - 1) / 16),
+            "{requests:?}"
+        );
+        for chunk in [1usize, 3, 7, 64] {
+            a.fill(0);
+            b.fill(0);
+            c.fill(0);
+            let mut staging = [0u8; 100];
+            let routes = route(&requests, &staged, &segments[0]);
+            for (r, (parts, segs)) in requests.iter().zip(routes) {
+                let out = &mut staging[r.start as usize..r.end as usize];
+                let mut sink = Sink {
+                    start: r.start,
+                    staging: out,
+                    staged: parts,
+                    direct: segs,
+                    segments: &segments[0],
+                    runs: &direct,
+                    cursor: (0, 0),
+                };
+                // A first attempt cut short, then the retry from the start.
+                sink.put(
+                    r.start,
+                    &object[r.start as usize..(r.start as usize + 1).min(r.end as usize)],
+                );
+                sink.restart();
+                let mut at = r.start as usize;
+                while at < r.end as usize {
+                    let end = (at + chunk).min(r.end as usize);
+                    sink.put(at as u64, &object[at..end]);
+                    at = end;
+                }
+            }
+            assert_eq!(a, object[10..30], "chunk {chunk}");
+            assert_eq!(
+                b,
+                [&object[50..54], &object[60..64], &object[70..74]].concat()
+            );
+            assert_eq!(c, object[20..25]);
+            assert_eq!(staging[35..45], object[35..45]);
+            // Only the staged range went to the staging memory.
+            assert!(staging[..35].iter().chain(&staging[45..]).all(|&x| x == 0));
+        }
     }
 }

@@ -154,7 +154,8 @@ def execute(
     MAX_NDIM, block x MAX_NDIM] naming the scale tensor and the quantized tensor's shape and block shape; each
     element becomes ``f32(q) * f32(scale[block])``, rounded once (fp8 sources into F16/BF16/F32/F64; scales
     F32/BF16/F16/F8_E8M0, or U8 holding e8m0 exponents). ``backend``: "auto", "mmap" or "pread". Returns the stats
-    bytes_copied, bytes_read_from_files, runs, spans, backend, threads.
+    bytes_copied, bytes_read_from_files, runs, spans, backend, threads (over objects, backend "direct" or
+    "direct+mmap" when plain copies were written straight from the fetched bytes).
 
     ``direction="write"``: the same items the other way: each box is copied from its buffer into its
     tensor's bytes in the file (positioned writes; the files exist at their final size with their headers

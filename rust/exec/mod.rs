@@ -48,7 +48,7 @@ mod write;
 
 pub use crate::threads::{default_threads, MAX_DEFAULT_THREADS};
 pub use scales::Scale;
-pub(crate) use staged::Stage;
+pub(crate) use staged::{Fetch, Stage};
 pub use write::execute_write;
 
 /// Fraction of needed pages that must be cached for `auto` to pick `mmap`.
@@ -213,7 +213,8 @@ pub fn execute_scaled(
 }
 
 /// [`execute_scaled`] over files whose bytes `stage` provides (object storage, `crate::objstore`; see
-/// [`Stage`]): called once after validation, before any destination byte is written.
+/// [`Stage`]): called once after validation, before the executor writes any destination byte; with
+/// `direct`, the plain byte-copy runs are handed to it to be written straight into their destinations.
 #[cfg(feature = "s3")]
 pub(crate) fn execute_staged(
     files: &[Arc<Header>],
@@ -221,7 +222,9 @@ pub(crate) fn execute_staged(
     items: &[Item],
     scales: &[Scale],
     opts: &ExecOptions,
-    stage: Stage<'_>,
+    fetch: Fetch<'_>,
+    direct: bool,
 ) -> Result<ExecStats, LoadError> {
+    let stage = Stage { fetch, direct };
     read::execute_scaled_reading(files, dests, items, scales, opts, false, Some(stage))
 }

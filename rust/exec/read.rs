@@ -73,21 +73,37 @@ pub(super) fn execute_scaled_reading(
         .map(|(k, s)| check_scale(k, s, files))
         .collect::<Result<_, _>>()?;
     let per_item = item_scales(files, dests, items, &loaded)?;
-    let runs = plan(files, dests, items)?;
+    let mut runs = plan(files, dests, items)?;
+    let all_runs: usize = runs.iter().map(|r| r.reps as usize).sum();
     let mut staged = None;
+    let mut direct_bytes = 0;
     if !runs.is_empty() {
         let cells = scale_cells(&loaded, items, &per_item, whole_scales);
         if let Some(stage) = stage {
-            staged = Some(stage(&needed_ranges(&runs, &loaded, &cells, files))?);
+            // Plain byte copies go straight from the fetched bytes into their destinations (when the
+            // source allows it, `stage.direct`); the others are copied from the staged bytes below.
+            let (direct, copied): (Vec<Run>, Vec<Run>) = runs.into_iter().partition(|r| {
+                stage.direct
+                    && r.is_direct()
+                    && !r.src_dtype.is_sub_byte()
+                    && per_item.get(r.item).copied().flatten().is_none()
+            });
+            direct_bytes = direct.iter().map(Run::needed_bytes).sum();
+            staged = Some((stage.fetch)(
+                &needed_ranges(&copied, &loaded, &cells, files),
+                &direct,
+            )?);
+            runs = copied;
         }
         read_scale_cells(&mut loaded, &cells, files, staged.as_deref())?;
     }
     let scale_bytes: u64 = loaded.iter().map(|s| s.bytes).sum();
     let threads = opts.threads.unwrap_or_else(default_threads).max(1);
     let mut stats = ExecStats {
-        runs: runs.iter().map(|r| r.reps as usize).sum(),
-        backend: "none",
+        runs: all_runs,
+        backend: if direct_bytes > 0 { "direct" } else { "none" },
         threads: 1,
+        bytes_copied: direct_bytes,
         ..ExecStats::default()
     };
     if runs.is_empty() {
@@ -125,6 +141,7 @@ pub(super) fn execute_scaled_reading(
     let uses_mmap = sources.iter().flatten().any(|s| s.map.is_some());
     let uses_pread = sources.iter().flatten().any(|s| s.map.is_none());
     stats.backend = match (uses_mmap, uses_pread) {
+        (true, false) if direct_bytes > 0 => "direct+mmap",
         (true, true) => "mixed",
         (true, false) => "mmap",
         _ => "pread",
@@ -143,10 +160,10 @@ pub(super) fn execute_scaled_reading(
         }
     }
     stats.spans = tasks.len();
-    stats.bytes_copied = pieces
+    stats.bytes_copied += pieces
         .iter()
         .map(|r| r.reps * (r.count * r.dst_dtype.bits()).div_ceil(8))
-        .sum();
+        .sum::<u64>();
     // Reads that go to storage (pread: the pages are not cached) wait on the device, not on a core: twice
     // the threads keep more requests in flight. Plain 8 MiB preads went 0.84 -> 1.3 GB/s cold here; with the
     // engine's WILLNEED look-ahead it measured a tie on this disk (docs/perf-notes.md, "Cold reads"), kept

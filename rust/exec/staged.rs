@@ -1,7 +1,9 @@
 //! Staged sources: the hook through which another byte source (object storage, `crate::objstore`) feeds the
-//! read direction. Once a batch is validated, [`needed_ranges`] lists per file the byte ranges its runs and
-//! scale rows read; a [`Stage`] callback brings those bytes into memory at their file offsets, and the read
-//! direction copies from that memory through its mapped path, exactly as from a mapped file.
+//! read direction. Once a batch is validated, the plain byte-copy runs may go to the source to be written
+//! straight into their destinations ([`Stage::direct`]); for the others [`needed_ranges`] lists per file the
+//! byte ranges they and the scale rows read; a [`Stage`] callback brings those bytes into memory at their
+//! file offsets, and the read direction copies from that memory through its mapped path, exactly as from a
+//! mapped file.
 
 use std::sync::Arc;
 
@@ -12,11 +14,23 @@ use crate::mmap::Mapping;
 use crate::types::Run;
 
 /// Brings the bytes a call needs into memory: given, per file, the sorted absolute byte ranges the validated
-/// items (and their scales) read (empty for a file the call does not read), returns per file a map holding
-/// those bytes at their file offsets, or `None` to read that file from the file system as usual. Called once,
-/// after validation and before any destination byte is written.
-pub(crate) type Stage<'a> =
-    &'a dyn Fn(&[Vec<(u64, u64)>]) -> Result<Vec<Option<Arc<Mapping>>>, LoadError>;
+/// items (and their scales) read through the copy path (empty for a file the call does not read that way),
+/// and the `direct` runs (plain byte copies: same dtype, adjacent elements, no scale; empty unless
+/// [`Stage::direct`]), writes the direct runs' bytes straight into their destinations
+/// ([`crate::dest::write_direct`]) and returns per file a map holding the other bytes at their file
+/// offsets, or `None` to read that file from the file system as usual. Called once, after validation and
+/// before the executor writes any destination byte.
+pub(crate) type Fetch<'a> =
+    &'a dyn Fn(&[Vec<(u64, u64)>], &[Run]) -> Result<Vec<Option<Arc<Mapping>>>, LoadError>;
+
+/// Another byte source for the read direction: its [`Fetch`], and whether plain byte copies go straight
+/// into the destinations (`direct`: a failed fetch may then leave some destinations written) or through
+/// the staged bytes (nothing written before every byte is fetched).
+#[derive(Clone, Copy)]
+pub(crate) struct Stage<'a> {
+    pub(crate) fetch: Fetch<'a>,
+    pub(crate) direct: bool,
+}
 
 /// Per file, the absolute byte ranges that `runs` and the scale `cells` read, sorted (repetitions one range
 /// each; a repeated run whose repetitions touch is one range).
