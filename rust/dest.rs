@@ -563,7 +563,11 @@ unsafe fn nibble_tiles_avx2(
     const T: usize = NIBBLE_SIMD_TILE;
     const BAND: usize = T * NIBBLE_BAND;
     let high = run.src_nibble == 2;
-    let (count, reps, stride) = (run.count as usize, run.reps as usize, run.src_stride as usize);
+    let (count, reps, stride) = (
+        run.count as usize,
+        run.reps as usize,
+        run.src_stride as usize,
+    );
     let pair = (high, Dtype::BF16);
     let scalar = |r: usize, y0: usize, y1: usize| {
         with_dense_rep(run, r as u64, |out| {
@@ -574,7 +578,10 @@ unsafe fn nibble_tiles_avx2(
     };
     let (rfull, yfull) = (reps / T * T, count / T * T);
     let steps = RunSteps::new(&cells[..rfull], cell_step, count, values);
-    let (lo_tab, hi_tab) = (E2M1_BF16_BITS.map(|b| b as u8), E2M1_BF16_BITS.map(|b| (b >> 8) as u8));
+    let (lo_tab, hi_tab) = (
+        E2M1_BF16_BITS.map(|b| b as u8),
+        E2M1_BF16_BITS.map(|b| (b >> 8) as u8),
+    );
     // SAFETY: each array holds the 16 bytes read.
     let (tlo, thi) = unsafe {
         (
@@ -582,7 +589,11 @@ unsafe fn nibble_tiles_avx2(
             _mm_loadu_si128(hi_tab.as_ptr().cast()),
         )
     };
-    let (low4, mag, zero) = (_mm_set1_epi8(0x0f), _mm_set1_epi8(0x07), _mm_setzero_si128());
+    let (low4, mag, zero) = (
+        _mm_set1_epi8(0x0f),
+        _mm_set1_epi8(0x07),
+        _mm_setzero_si128(),
+    );
     let mut stage = vec![[0u8; 2 * NIBBLE_STAGE]; BAND];
     let mut streamed = false;
     for b0 in (0..rfull).step_by(BAND) {
@@ -687,9 +698,7 @@ unsafe fn nibble_tiles_avx2(
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 #[inline]
-fn transpose_16x16(
-    r: [std::arch::x86_64::__m128i; 16],
-) -> [std::arch::x86_64::__m128i; 16] {
+fn transpose_16x16(r: [std::arch::x86_64::__m128i; 16]) -> [std::arch::x86_64::__m128i; 16] {
     use std::arch::x86_64::*;
     macro_rules! round {
         ($v:ident, $lo:ident, $hi:ident, [$(($x:literal, $y:literal)),*]) => {
@@ -697,17 +706,69 @@ fn transpose_16x16(
         };
     }
     // a[2p + h]: rows 2p, 2p + 1, columns 8h..8h + 8 (byte pairs).
-    let a = round!(r, _mm_unpacklo_epi8, _mm_unpackhi_epi8,
-        [(0, 1), (2, 3), (4, 5), (6, 7), (8, 9), (10, 11), (12, 13), (14, 15)]);
+    let a = round!(
+        r,
+        _mm_unpacklo_epi8,
+        _mm_unpackhi_epi8,
+        [
+            (0, 1),
+            (2, 3),
+            (4, 5),
+            (6, 7),
+            (8, 9),
+            (10, 11),
+            (12, 13),
+            (14, 15)
+        ]
+    );
     // b[4q + 2h + k]: rows 4q..4q + 4, columns 8h + 4k..8h + 4k + 4.
-    let b = round!(a, _mm_unpacklo_epi16, _mm_unpackhi_epi16,
-        [(0, 2), (1, 3), (4, 6), (5, 7), (8, 10), (9, 11), (12, 14), (13, 15)]);
+    let b = round!(
+        a,
+        _mm_unpacklo_epi16,
+        _mm_unpackhi_epi16,
+        [
+            (0, 2),
+            (1, 3),
+            (4, 6),
+            (5, 7),
+            (8, 10),
+            (9, 11),
+            (12, 14),
+            (13, 15)
+        ]
+    );
     // c[8s + 2j + k]: rows 8s..8s + 8, columns 4j + 2k, 4j + 2k + 1.
-    let c = round!(b, _mm_unpacklo_epi32, _mm_unpackhi_epi32,
-        [(0, 4), (1, 5), (2, 6), (3, 7), (8, 12), (9, 13), (10, 14), (11, 15)]);
+    let c = round!(
+        b,
+        _mm_unpacklo_epi32,
+        _mm_unpackhi_epi32,
+        [
+            (0, 4),
+            (1, 5),
+            (2, 6),
+            (3, 7),
+            (8, 12),
+            (9, 13),
+            (10, 14),
+            (11, 15)
+        ]
+    );
     // column 2m + k, all 16 rows.
-    round!(c, _mm_unpacklo_epi64, _mm_unpackhi_epi64,
-        [(0, 8), (1, 9), (2, 10), (3, 11), (4, 12), (5, 13), (6, 14), (7, 15)])
+    round!(
+        c,
+        _mm_unpacklo_epi64,
+        _mm_unpackhi_epi64,
+        [
+            (0, 8),
+            (1, 9),
+            (2, 10),
+            (3, 11),
+            (4, 12),
+            (5, 13),
+            (6, 14),
+            (7, 15)
+        ]
+    )
 }
 
 /// The write direction's zero-copy case: calls `f` with the memory of repetitions `reps` of a same-dtype,

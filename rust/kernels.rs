@@ -514,8 +514,8 @@ pub const E2M1_VALUES: [f32; 16] = [
 /// The bfloat16 bits of each e2m1 value ([`E2M1_VALUES`], all exact in bf16): the lookup table of the
 /// vectorized MXFP4 kernel (`crate::dest`).
 pub(crate) const E2M1_BF16_BITS: [u16; 16] = [
-    0x0000, 0x3f00, 0x3f80, 0x3fc0, 0x4000, 0x4040, 0x4080, 0x40c0, 0x8000, 0xbf00, 0xbf80, 0xbfc0, 0xc000,
-    0xc040, 0xc080, 0xc0c0,
+    0x0000, 0x3f00, 0x3f80, 0x3fc0, 0x4000, 0x4040, 0x4080, 0x40c0, 0x8000, 0xbf00, 0xbf80, 0xbfc0,
+    0xc000, 0xc040, 0xc080, 0xc0c0,
 ];
 
 /// For a scale `2^(e - 127)` with `2 <= e <= 252`: the amount `(e - 127) << 7` to add to the bf16 bits of a
@@ -827,7 +827,15 @@ mod tests {
                 assert_eq!(got, want, "code {c} scale byte {s}");
             }
         }
-        for bad in [3.0f32, -1.0, -0.0, 0.75, f32::INFINITY, f32::NAN, f32::from_bits(1)] {
+        for bad in [
+            3.0f32,
+            -1.0,
+            -0.0,
+            0.75,
+            f32::INFINITY,
+            f32::NAN,
+            f32::from_bits(1),
+        ] {
             assert_eq!(pow2_exponent_step(bad), None, "{bad}");
         }
     }
