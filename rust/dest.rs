@@ -23,6 +23,8 @@ use crate::kernels::{
     cast_dense, cast_scaled, cast_scaled_dense, cast_scaled_nibbles, cast_strided,
     nibble_rows_dense, ElemSink, ScaleMap,
 };
+#[cfg(target_arch = "x86_64")]
+use crate::kernels::{pow2_exponent_step, E2M1_BF16_BITS};
 use crate::types::Run;
 
 /// Caller memory that a batch of reads writes into, interpreted as elements of `dtype`.
@@ -403,6 +405,15 @@ fn write_nibble_run(run: &Run, src: &[u8], map: &ScaleMap<'_>, begin: u64) {
             // Tiles of NIBBLE_TILE elements of every repetition in turn: neighbouring repetitions (the next
             // columns) read the same source lines, which then stay in L1.
             let cells: Vec<usize> = (0..run.reps).map(|r| map.locate(flat_of(r)).0).collect();
+            #[cfg(target_arch = "x86_64")]
+            if run.dst_dtype == Dtype::BF16
+                && run.rep_src_stride == 1
+                && std::arch::is_x86_feature_detected!("avx2")
+            {
+                // SAFETY: AVX2 support was just detected on this CPU.
+                unsafe { nibble_tiles_avx2(run, src, map.values, &cells, cell_step) };
+                return;
+            }
             let size = run.dst_elem_size();
             let pair = (high, run.dst_dtype);
             for t0 in (0..count).step_by(NIBBLE_TILE) {
@@ -468,6 +479,312 @@ fn write_nibble_run(run: &Run, src: &[u8], map: &ScaleMap<'_>, begin: u64) {
     }
 }
 
+/// Byte columns (repetitions) and source rows (elements) of one tile of [`nibble_tiles_avx2`].
+#[cfg(target_arch = "x86_64")]
+const NIBBLE_SIMD_TILE: usize = 16;
+
+/// Tiles side by side in one band of [`nibble_tiles_avx2`] (64 byte columns: a whole cache line of each
+/// source row).
+#[cfg(target_arch = "x86_64")]
+const NIBBLE_BAND: usize = 4;
+
+/// The scales of a run of [`nibble_tiles_avx2`] as exponent steps ([`pow2_exponent_step`]), transposed so
+/// that a tile reads its 16 steps as two vectors: the run's byte columns share a few scale columns
+/// (`slot[r]` for column `r`: the 32 elements of a block are 16 byte columns), and `steps[slot * pitch +
+/// i]` is element `i`'s step in that scale column; `bad[slot * blocks + i / 16]` says whether a scale of
+/// that tile height is not a power of two in range. The pitch is the count padded to a multiple of 16 plus
+/// 16, so that slots are never a multiple of 4 KiB apart (a count of 2048 made every slot's steps of one
+/// element fall into the same L1 set, and their writes cost a third of the kernel).
+#[cfg(target_arch = "x86_64")]
+struct RunSteps {
+    pitch: usize,
+    blocks: usize,
+    slot: Vec<usize>,
+    steps: Vec<i16>,
+    bad: Vec<bool>,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl RunSteps {
+    /// The steps of `count` elements of byte columns whose first scale cells are `cells`, the cells of
+    /// consecutive elements `step` apart. Consecutive columns with the same first cell share a slot; the
+    /// scales are read row by row (element `i`'s cells of every slot, adjacent in the grid when the slots
+    /// are consecutive blocks), each once.
+    fn new(cells: &[usize], step: usize, count: usize, values: &[f32]) -> Self {
+        const T: usize = NIBBLE_SIMD_TILE;
+        let mut slot = Vec::with_capacity(cells.len());
+        let mut bases: Vec<usize> = Vec::new();
+        for &c in cells {
+            if bases.last() != Some(&c) {
+                bases.push(c);
+            }
+            slot.push(bases.len() - 1);
+        }
+        let blocks = count.div_ceil(T);
+        let pitch = blocks * T + T;
+        let mut steps = vec![0i16; bases.len() * pitch];
+        let mut bad = vec![false; bases.len() * blocks];
+        for i in 0..count {
+            for (s, &base) in bases.iter().enumerate() {
+                match pow2_exponent_step(values[base + i * step]) {
+                    Some(v) => steps[s * pitch + i] = v,
+                    None => bad[s * blocks + i / T] = true,
+                }
+            }
+        }
+        RunSteps {
+            pitch,
+            blocks,
+            slot,
+            steps,
+            bad,
+        }
+    }
+}
+
+/// Elements (source rows) of one staged piece of a band in [`nibble_tiles_avx2`]: a band's 64 columns of
+/// 128 bf16 elements are 16 KiB, decoded into an L1-resident buffer and then written out row by row.
+#[cfg(target_arch = "x86_64")]
+const NIBBLE_STAGE: usize = 128;
+
+/// The row-stepping case of [`write_nibble_run`] into bf16 when the repetitions are adjacent byte columns
+/// (transformers' transposed gpt-oss layout: repetition `r` is byte column `r` of the packed rows, element
+/// `i` its byte in the next source row), in tiles of 16 byte columns x 16 rows: the 16 rows' bytes are
+/// loaded as vectors and their nibble kept, the tile is transposed in registers (each byte column becomes
+/// one vector of 16 rows), a table lookup (`pshufb`) turns each code into the bf16 bits of its e2m1 value,
+/// and the scale is applied by adding `(e - 127) << 7` to the exponent field of every non-zero value
+/// ([`pow2_exponent_step`]: the exact product, as the scalar kernel rounds it, when every scale of the
+/// column is a power of two `2^(e - 127)` with `2 <= e <= 252`; computed once per run, [`RunSteps`]).
+/// Bands of 4 tiles side by side (a cache line of each source row) walk down the rows; each 128 rows of a
+/// band are decoded into a small buffer first and then written to the band's 64 destination rows one after
+/// the other, 256 bytes each, with streaming stores where 16-byte aligned (written straight from the tiles,
+/// the 64 rows' lines were each read from memory before being overwritten). Columns with any other scale,
+/// and the ragged edges, go through the scalar [`nibble_rows_dense`], which stays the reference
+/// (`nibble_tiles_equal_the_scalar_kernel`).
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn nibble_tiles_avx2(
+    run: &Run,
+    src: &[u8],
+    values: &[f32],
+    cells: &[usize],
+    cell_step: usize,
+) {
+    use std::arch::x86_64::*;
+    const T: usize = NIBBLE_SIMD_TILE;
+    const BAND: usize = T * NIBBLE_BAND;
+    let high = run.src_nibble == 2;
+    let (count, reps, stride) = (
+        run.count as usize,
+        run.reps as usize,
+        run.src_stride as usize,
+    );
+    let pair = (high, Dtype::BF16);
+    let scalar = |r: usize, y0: usize, y1: usize| {
+        with_dense_rep(run, r as u64, |out| {
+            let at = (cells[r] + y0 * cell_step, cell_step);
+            let from = &src[r + y0 * stride..];
+            nibble_rows_dense(pair, from, stride, values, at, &mut out[2 * y0..2 * y1])
+        })
+    };
+    let (rfull, yfull) = (reps / T * T, count / T * T);
+    let steps = RunSteps::new(&cells[..rfull], cell_step, count, values);
+    let (lo_tab, hi_tab) = (
+        E2M1_BF16_BITS.map(|b| b as u8),
+        E2M1_BF16_BITS.map(|b| (b >> 8) as u8),
+    );
+    // SAFETY: each array holds the 16 bytes read.
+    let (tlo, thi) = unsafe {
+        (
+            _mm_loadu_si128(lo_tab.as_ptr().cast()),
+            _mm_loadu_si128(hi_tab.as_ptr().cast()),
+        )
+    };
+    let (low4, mag, zero) = (
+        _mm_set1_epi8(0x0f),
+        _mm_set1_epi8(0x07),
+        _mm_setzero_si128(),
+    );
+    let mut stage = vec![[0u8; 2 * NIBBLE_STAGE]; BAND];
+    let mut streamed = false;
+    for b0 in (0..rfull).step_by(BAND) {
+        let b1 = rfull.min(b0 + BAND);
+        let mut y0 = 0;
+        while y0 < yfull {
+            let y1 = yfull.min(y0 + NIBBLE_STAGE);
+            let mut bad = 0u64; // columns of the band with a scale outside the fast path in y0..y1
+            for yy in (y0..y1).step_by(T) {
+                if yy + 3 * T <= count {
+                    for y in yy + 2 * T..yy + 3 * T {
+                        prefetch_lines(&src[y * stride + b0..][..1]);
+                    }
+                }
+                for r0 in (b0..b1).step_by(T) {
+                    let mut rows = [zero; T];
+                    for (y, row) in rows.iter_mut().enumerate() {
+                        let bytes = &src[(yy + y) * stride + r0..][..T];
+                        // SAFETY: `bytes` holds the 16 bytes read (unaligned, as `loadu` allows).
+                        let v = unsafe { _mm_loadu_si128(bytes.as_ptr().cast()) };
+                        *row = match high {
+                            true => _mm_and_si128(_mm_srli_epi16::<4>(v), low4),
+                            false => _mm_and_si128(v, low4),
+                        };
+                    }
+                    let cols = transpose_16x16(rows);
+                    for (k, &codes) in cols.iter().enumerate() {
+                        let slot = steps.slot[r0 + k];
+                        if steps.bad[slot * steps.blocks + yy / T] {
+                            bad |= 1 << (r0 - b0 + k);
+                            continue;
+                        }
+                        let st = &steps.steps[slot * steps.pitch + yy..][..T];
+                        let o = &mut stage[r0 - b0 + k][2 * (yy - y0)..][..2 * T];
+                        // SAFETY: `st` holds 16 `i16` (two 16-byte loads), `o` the 32 bytes stored; all
+                        // unaligned.
+                        unsafe {
+                            let s0 = _mm_loadu_si128(st.as_ptr().cast());
+                            let s1 = _mm_loadu_si128(st[8..].as_ptr().cast());
+                            let lo = _mm_shuffle_epi8(tlo, codes);
+                            let hi = _mm_shuffle_epi8(thi, codes);
+                            let zeros = _mm_cmpeq_epi8(_mm_and_si128(codes, mag), zero);
+                            let v0 = _mm_add_epi16(
+                                _mm_unpacklo_epi8(lo, hi),
+                                _mm_andnot_si128(_mm_unpacklo_epi8(zeros, zeros), s0),
+                            );
+                            let v1 = _mm_add_epi16(
+                                _mm_unpackhi_epi8(lo, hi),
+                                _mm_andnot_si128(_mm_unpackhi_epi8(zeros, zeros), s1),
+                            );
+                            _mm_storeu_si128(o.as_mut_ptr().cast(), v0);
+                            _mm_storeu_si128(o[16..].as_mut_ptr().cast(), v1);
+                        }
+                    }
+                }
+            }
+            for (k, staged) in stage[..b1 - b0].iter().enumerate() {
+                let r = b0 + k;
+                if bad >> k & 1 == 1 {
+                    scalar(r, y0, y1);
+                    continue;
+                }
+                let from = &staged[..2 * (y1 - y0)];
+                with_dense_rep(run, r as u64, |out| {
+                    let o = &mut out[2 * y0..2 * y1];
+                    let p = o.as_mut_ptr();
+                    if p as usize % 16 != 0 {
+                        o.copy_from_slice(from);
+                        return;
+                    }
+                    streamed = true;
+                    for i in (0..from.len()).step_by(16) {
+                        // SAFETY: `o` and `from` hold the 16 bytes at `i` (their lengths are equal
+                        // multiples of 32); `p + i` is 16-byte aligned as `_mm_stream_si128` requires.
+                        // The `_mm_sfence` below orders the streaming stores before the return.
+                        unsafe {
+                            let v = _mm_loadu_si128(from.as_ptr().add(i).cast());
+                            _mm_stream_si128(p.add(i).cast(), v);
+                        }
+                    }
+                });
+            }
+            y0 = y1;
+        }
+        if y0 < count {
+            for r in b0..b1 {
+                scalar(r, y0, count);
+            }
+        }
+    }
+    for r in rfull..reps {
+        scalar(r, 0, count);
+    }
+    if streamed {
+        _mm_sfence();
+    }
+}
+
+/// Transposes a 16 x 16 byte matrix held as 16 row vectors: byte `c` of row `r` becomes byte `r` of
+/// column `c`, in four rounds that interleave 8-, 16-, 32- and 64-bit units of vector pairs (written out so
+/// that the vectors stay in registers).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+fn transpose_16x16(r: [std::arch::x86_64::__m128i; 16]) -> [std::arch::x86_64::__m128i; 16] {
+    use std::arch::x86_64::*;
+    macro_rules! round {
+        ($v:ident, $lo:ident, $hi:ident, [$(($x:literal, $y:literal)),*]) => {
+            [$($lo($v[$x], $v[$y]), $hi($v[$x], $v[$y])),*]
+        };
+    }
+    // a[2p + h]: rows 2p, 2p + 1, columns 8h..8h + 8 (byte pairs).
+    let a = round!(
+        r,
+        _mm_unpacklo_epi8,
+        _mm_unpackhi_epi8,
+        [
+            (0, 1),
+            (2, 3),
+            (4, 5),
+            (6, 7),
+            (8, 9),
+            (10, 11),
+            (12, 13),
+            (14, 15)
+        ]
+    );
+    // b[4q + 2h + k]: rows 4q..4q + 4, columns 8h + 4k..8h + 4k + 4.
+    let b = round!(
+        a,
+        _mm_unpacklo_epi16,
+        _mm_unpackhi_epi16,
+        [
+            (0, 2),
+            (1, 3),
+            (4, 6),
+            (5, 7),
+            (8, 10),
+            (9, 11),
+            (12, 14),
+            (13, 15)
+        ]
+    );
+    // c[8s + 2j + k]: rows 8s..8s + 8, columns 4j + 2k, 4j + 2k + 1.
+    let c = round!(
+        b,
+        _mm_unpacklo_epi32,
+        _mm_unpackhi_epi32,
+        [
+            (0, 4),
+            (1, 5),
+            (2, 6),
+            (3, 7),
+            (8, 12),
+            (9, 13),
+            (10, 14),
+            (11, 15)
+        ]
+    );
+    // column 2m + k, all 16 rows.
+    round!(
+        c,
+        _mm_unpacklo_epi64,
+        _mm_unpackhi_epi64,
+        [
+            (0, 8),
+            (1, 9),
+            (2, 10),
+            (3, 11),
+            (4, 12),
+            (5, 13),
+            (6, 14),
+            (7, 15)
+        ]
+    )
+}
+
 /// The write direction's zero-copy case: calls `f` with the memory of repetitions `reps` of a same-dtype,
 /// byte-sized run when it is one contiguous byte range (elements adjacent, repetitions back to back), else
 /// returns `None` without calling it.
@@ -528,7 +845,8 @@ mod tests {
     use proptest::prelude::*;
 
     use crate::kernels::{
-        bf16_to_f32, e4m3fn_to_f32, e5m2_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16,
+        bf16_to_f32, e4m3fn_to_f32, e5m2_to_f32, e8m0_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16,
+        E2M1_VALUES,
     };
 
     /// A sink writing element `i` at element `offset + i * stride` of a buffer of `size`-byte elements.
@@ -686,6 +1004,107 @@ mod tests {
                 } else {
                     prop_assert_eq!(got, &formula(Dtype::F8_E4M3, Dtype::BF16, qv, scale)[..], "row {}", r);
                 }
+            }
+        }
+
+        /// MXFP4 nibble runs in transformers' transposed layout (repetition `r` = byte column `r`, element
+        /// `i` = the next source row), through `write_run_scaled` as the engine calls it (the vectorized
+        /// tiles on an AVX2 CPU, else the scalar kernel) and through the tile kernel directly, equal the
+        /// scalar kernel `nibble_rows_dense` run per repetition (the reference) and the formula
+        /// `f32_to_bf16(e2m1 * scale)`, bit for bit, and write nothing outside the run's rows: both nibbles,
+        /// runs starting at any row and byte column (ragged tiles on both edges), padded destination rows,
+        /// e8m0 scales of every byte (the extremes 0..2 and 253..255 take the scalar path) and arbitrary
+        /// `f32` scales.
+        #[test]
+        fn nibble_tiles_equal_the_scalar_kernel(
+            rows in 1usize..300,
+            groups in 1usize..5,
+            row0 in 0usize..8,
+            col0 in 0usize..40,
+            count in 1usize..300,
+            reps in 1usize..80,
+            high: bool,
+            pad in 0usize..5,
+            seed: u64,
+            odd in prop_oneof![4 => Just(0u8), 1 => Just(1u8), 1 => Just(2u8)],
+            wild in proptest::collection::vec(scale_value(), 1..8),
+        ) {
+            let width = groups * 16; // bytes a row: `groups` blocks of 32 nibbles
+            let rows = rows.max(row0 + 1);
+            let (row0, count) = (row0, count.min(rows - row0));
+            let col0 = col0 % width;
+            let reps = reps.min(width - col0);
+            let mut state = seed | 1;
+            let mut next = || {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                state
+            };
+            let begin = 3usize; // the tensor's first byte inside `file`
+            let file: Vec<u8> = (0..begin + rows * width).map(|_| next() as u8).collect();
+            // per-cell scales: e8m0 bytes (mostly ordinary, `odd` 1 adds the extremes, 2 arbitrary f32s)
+            let values: Vec<f32> = (0..rows * groups)
+                .map(|_| {
+                    let r = next();
+                    match (odd, r % 8) {
+                        (1, 0) => e8m0_to_f32([0u8, 1, 2, 252, 253, 254, 255][(r >> 8) as usize % 7]),
+                        (2, 0 | 1) => wild[(r >> 8) as usize % wild.len()],
+                        _ => e8m0_to_f32(110 + (r >> 8) as u8 % 30),
+                    }
+                })
+                .collect();
+            let mut shape = [1u64; crate::types::MAX_NDIM];
+            let mut block = [1u64; crate::types::MAX_NDIM];
+            let mut grid_strides = [0u64; crate::types::MAX_NDIM];
+            shape[..2].copy_from_slice(&[rows as u64, 2 * width as u64]);
+            block[..2].copy_from_slice(&[1, 32]);
+            grid_strides[..2].copy_from_slice(&[groups as u64, 1]);
+            let map = ScaleMap { values: &values, ndim: 2, shape, block, grid_strides };
+            let dst_row = 2 * (count + pad);
+            let mut out = vec![0x5au8; dst_row * reps + 64];
+            let mut want = out.clone();
+            let src_off = begin + row0 * width + col0;
+            let run = Run {
+                item: 0,
+                file: 0,
+                src_off: src_off as u64,
+                src_stride: width as u64,
+                count: count as u64,
+                dst_addr: out.as_mut_ptr() as usize,
+                dst_stride: 2,
+                reps: reps as u64,
+                rep_src_stride: 1,
+                rep_dst_stride: dst_row,
+                src_dtype: Dtype::F4,
+                dst_dtype: Dtype::BF16,
+                src_nibble: 1 + u8::from(high),
+            };
+            let cell_step = groups;
+            for r in 0..reps {
+                let col = col0 + r;
+                let cell0 = row0 * groups + (2 * col + usize::from(high)) / 32;
+                let from = &file[src_off + r..];
+                let row = &mut want[r * dst_row..][..2 * count];
+                nibble_rows_dense((high, Dtype::BF16), from, width, &values, (cell0, cell_step), row);
+                for i in 0..count {
+                    let byte = file[src_off + r + i * width];
+                    let code = if high { byte >> 4 } else { byte & 15 };
+                    let v = E2M1_VALUES[usize::from(code)] * values[cell0 + i * cell_step];
+                    prop_assert_eq!(&row[2 * i..2 * i + 2], &f32_to_bf16(v).to_le_bytes()[..], "formula r {} i {}", r, i);
+                }
+            }
+            write_run_scaled(&run, &file[src_off..], &map, begin as u64);
+            prop_assert_eq!(&out, &want, "write_run_scaled");
+            #[cfg(target_arch = "x86_64")]
+            if std::arch::is_x86_feature_detected!("avx2") {
+                out.fill(0x5a);
+                let cells: Vec<usize> = (0..reps)
+                    .map(|r| row0 * groups + (2 * (col0 + r) + usize::from(high)) / 32)
+                    .collect();
+                // SAFETY: AVX2 support was just detected on this CPU.
+                unsafe { nibble_tiles_avx2(&run, &file[src_off..], &values, &cells, cell_step) };
+                prop_assert_eq!(&out, &want, "nibble_tiles_avx2");
             }
         }
 

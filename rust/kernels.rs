@@ -511,6 +511,29 @@ pub const E2M1_VALUES: [f32; 16] = [
     0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
 ];
 
+/// The bfloat16 bits of each e2m1 value ([`E2M1_VALUES`], all exact in bf16): the lookup table of the
+/// vectorized MXFP4 kernel (`crate::dest`).
+pub(crate) const E2M1_BF16_BITS: [u16; 16] = [
+    0x0000, 0x3f00, 0x3f80, 0x3fc0, 0x4000, 0x4040, 0x4080, 0x40c0, 0x8000, 0xbf00, 0xbf80, 0xbfc0,
+    0xc000, 0xc040, 0xc080, 0xc0c0,
+];
+
+/// For a scale `2^(e - 127)` with `2 <= e <= 252`: the amount `(e - 127) << 7` to add to the bf16 bits of a
+/// non-zero e2m1 value to multiply it by the scale; `None` for any other scale. In that range the product of
+/// any e2m1 value (`±0.5..=±6`, exponents -1..=2, one mantissa bit) is a normal, finite bf16 (biased exponent
+/// `e - 1..=e + 2` within 1..=254), so the exact product, which `f32_to_bf16` of the `f32` product is, has the
+/// code's sign and mantissa and its exponent field moved by `e - 127`. Zero codes stay zero (the caller
+/// masks them).
+#[inline(always)]
+pub(crate) fn pow2_exponent_step(scale: f32) -> Option<i16> {
+    let bits = scale.to_bits();
+    let e = bits >> 23; // the sign bit lands at bit 8: a negative scale is out of range
+    match bits & 0x007f_ffff == 0 && (2..=252).contains(&e) {
+        true => Some((e as i16 - 127) << 7),
+        false => None,
+    }
+}
+
 /// The low (`HIGH = false`) or high nibble of a byte as an e2m1 value: a source of the dequantizing
 /// kernels only (never a destination).
 struct CE2M1<const HIGH: bool>;
@@ -782,6 +805,40 @@ pub(crate) fn cast_dense(sd: Dtype, dd: Dtype, src: &[u8], dst: &mut [u8]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The bf16 table is the e2m1 values rounded by the scalar conversion, and the exponent step gives, for
+    /// every e8m0 scale byte it accepts and every code, exactly what the scalar kernel computes
+    /// (`f32_to_bf16(e2m1 * scale)`); it refuses every scale byte outside 2..=252 (zero, subnormal
+    /// products, overflow, NaN) and any scale that is not a power of two.
+    #[test]
+    fn e2m1_exponent_steps_equal_the_scalar_product() {
+        assert_eq!(E2M1_BF16_BITS, E2M1_VALUES.map(f32_to_bf16));
+        for s in 0..=255u8 {
+            let scale = e8m0_to_f32(s);
+            let got = pow2_exponent_step(scale);
+            assert_eq!(got.is_some(), (2..=252).contains(&s), "scale byte {s}");
+            let Some(step) = got else { continue };
+            for (c, &bits) in E2M1_BF16_BITS.iter().enumerate() {
+                let want = f32_to_bf16(E2M1_VALUES[c] * scale);
+                let got = match c & 7 {
+                    0 => bits,
+                    _ => bits.wrapping_add(step as u16),
+                };
+                assert_eq!(got, want, "code {c} scale byte {s}");
+            }
+        }
+        for bad in [
+            3.0f32,
+            -1.0,
+            -0.0,
+            0.75,
+            f32::INFINITY,
+            f32::NAN,
+            f32::from_bits(1),
+        ] {
+            assert_eq!(pow2_exponent_step(bad), None, "{bad}");
+        }
+    }
 
     #[test]
     fn half_round_trips_every_pattern() {
