@@ -146,6 +146,8 @@ def agree(stage: str, fn: Callable[[], Any], call: str = "hp_fastload.load (or f
     try:
         if _held:  # a signal came since the last step (interrupts_between_steps): this rank stops here
             _held.clear()
+            if _peer_left_last_step():  # the peers will not come to this step: stop without posting
+                raise errors.PeerInterrupted(f"{stage}: a peer was interrupted in the previous step", [])
             raise KeyboardInterrupt
         with _signals_live():
             result = fn()
@@ -245,12 +247,35 @@ def _gather_status(stage: str, status: int, call: str) -> list[int]:
                         [rank],
                     )
     except KeyboardInterrupt:
-        if store is not None:
-            with contextlib.suppress(RuntimeError, ValueError):
-                store.set(f"{_NOTICE_KEY}{_call}/{sequence}", f"rank {torch.distributed.get_rank()}")
-        raise
+        if work.is_completed() and _held is not None:
+            # Every status is in: the peers go on to the next step; this rank stops there, with them.
+            _held.append(signal.SIGINT)
+        else:
+            if store is not None:
+                with contextlib.suppress(RuntimeError, ValueError):
+                    store.set(f"{_NOTICE_KEY}{_call}/{sequence}", f"rank {torch.distributed.get_rank()}")
+            raise
     _waiting(stage, work.wait, call)
     return [int(t.item()) for t in out]
+
+
+#: How long a rank holding a signal looks for a peer's notice of the previous step before it posts its status.
+_LEFT_WAIT_SECONDS = 0.05
+
+
+def _peer_left_last_step() -> bool:
+    """Whether a peer raised while waiting in the previous step (its notice is in the store, written within
+    milliseconds of the signal that also reached this rank): such a peer never posts a status for this step."""
+    store = _store()
+    if store is None:
+        return False
+    deadline = time.monotonic() + _LEFT_WAIT_SECONDS
+    while True:
+        if _notice(store, _sequence - 1) is not None:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.005)
 
 
 def wait_work(stage: str, work: Any, peer: int, timeout_s: float | None = None) -> None:
