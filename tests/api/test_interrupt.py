@@ -240,6 +240,23 @@ def test_an_interrupted_save_leaves_the_previous_directory(single: dict[str, Any
     assert cut["again_value"] == 2.0, cut
 
 
+def _one_sided(rank: int, call: Any, after: float) -> dict[str, Any]:
+    """``call()`` on every rank, SIGINT sent to rank 0 only ``after`` seconds in: rank 0's ``_interrupted``
+    outcome; another rank's outcome ("returned" or its ``PeerInterrupted``) and seconds."""
+    import hp_fastload as hf
+
+    if rank == 0:
+        return _interrupted(call, after)
+    start = time.perf_counter()
+    try:
+        call()
+        got = {"outcome": "returned"}
+    except hf.PeerInterrupted as exc:
+        got = {"outcome": f"PeerInterrupted {exc.ranks}: {exc}"}
+    got["seconds"] = time.perf_counter() - start
+    return got
+
+
 def _rank_checks(rank: int, world: int, root: str) -> dict[str, Any]:
     """Each rank loads its Shard(0) half of the sparse checkpoint: uninterrupted, then SIGINT on both ranks
     (as a terminal's Ctrl-C or torchrun sends it), then SIGINT on rank 0 only, each followed by a load that
@@ -283,16 +300,7 @@ def _rank_checks(rank: int, world: int, root: str) -> dict[str, Any]:
     both["again_all_read"] = bool((local == 0).all())
     out["both"] = both
     cold()
-    if rank == 0:
-        one = _interrupted(load, full / 3)
-    else:
-        start = time.perf_counter()
-        try:
-            load()
-            one = {"outcome": "returned"}
-        except hf.PeerInterrupted as exc:
-            one = {"outcome": f"PeerInterrupted {exc.ranks}: {exc}"}
-        one["seconds"] = time.perf_counter() - start
+    one = _one_sided(rank, load, full / 3)
     one["full"] = full
     one["held"] = _held(base)
     cold()
@@ -321,16 +329,7 @@ def _rank_checks(rank: int, world: int, root: str) -> dict[str, Any]:
     full = time.perf_counter() - start
     all_read = bool((whole == 0).all())
     cold_job()
-    if rank == 0:
-        job = _interrupted(load_job, full / 2)
-    else:
-        start = time.perf_counter()
-        try:
-            load_job()
-            job = {"outcome": "returned"}
-        except hf.PeerInterrupted as exc:
-            job = {"outcome": f"PeerInterrupted {exc.ranks}: {exc}"}
-        job["seconds"] = time.perf_counter() - start
+    job = _one_sided(rank, load_job, full / 2)
     job["full"] = full
     job["held"] = _held(base)
     job["received"] = received

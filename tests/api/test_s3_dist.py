@@ -60,7 +60,9 @@ def _model() -> nn.Module:
     return model
 
 
-def check_bit_exact_and_share(rank: int, world: int) -> tuple[list[str], int, int, int]:
+def _load_and_compare(**kwargs: Any) -> tuple[list[str], int, Any]:
+    """``hf.load`` of the s3 checkpoint into a fresh model (``kwargs`` to ``load``): the names whose local shard
+    differs from torch's ``distribute_tensor`` of safetensors' ``load_file``, the bytes fetched, the report."""
     from safetensors.torch import load_file
     from torch.distributed.tensor import distribute_tensor
 
@@ -71,7 +73,7 @@ def check_bit_exact_and_share(rank: int, world: int) -> tuple[list[str], int, in
     full = {**load_file(str(local / "s0.safetensors")), **load_file(str(local / "s1.safetensors"))}
     model = _model()
     _core.object_counters(reset=True)
-    report = hf.load(model, os.environ["HPF_S3_URL"])
+    report = hf.load(model, os.environ["HPF_S3_URL"], **kwargs)
     fetched = _core.object_counters()[0]
     bad = []
     for name, value in full.items():
@@ -79,6 +81,11 @@ def check_bit_exact_and_share(rank: int, world: int) -> tuple[list[str], int, in
         expected = distribute_tensor(value.to(param.dtype), param.device_mesh, param.placements, src_data_rank=None)
         if not torch.equal(expected.to_local(), param.to_local()):
             bad.append(name)
+    return bad, fetched, report
+
+
+def check_bit_exact_and_share(rank: int, world: int) -> tuple[list[str], int, int, int]:
+    bad, fetched, report = _load_and_compare()
     return bad, fetched, report.bytes_needed, report.checkpoint_bytes
 
 
@@ -94,24 +101,7 @@ def check_same_as_local_files(rank: int, world: int) -> bool:
 
 def check_job_share_reads_each_byte_once(rank: int, world: int) -> tuple[list[str], int, int]:
     """``share="job"`` over objects: every byte fetched by one rank only, the rest received from peers."""
-    from safetensors.torch import load_file
-    from torch.distributed.tensor import distribute_tensor
-
-    import hp_fastload as hf
-    import hp_fastload._core as _core
-
-    local = Path(os.environ["HPF_S3_LOCAL"])
-    full = {**load_file(str(local / "s0.safetensors")), **load_file(str(local / "s1.safetensors"))}
-    model = _model()
-    _core.object_counters(reset=True)
-    report = hf.load(model, os.environ["HPF_S3_URL"], share="job")
-    fetched = _core.object_counters()[0]
-    bad = []
-    for name, value in full.items():
-        param = model.get_parameter(name)
-        expected = distribute_tensor(value.to(param.dtype), param.device_mesh, param.placements, src_data_rank=None)
-        if not torch.equal(expected.to_local(), param.to_local()):
-            bad.append(name)
+    bad, fetched, report = _load_and_compare(share="job")
     return bad, fetched, report.checkpoint_bytes
 
 
