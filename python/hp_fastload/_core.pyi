@@ -44,6 +44,11 @@ __all__ = [
     "CAST_FLOATS",
     "DTYPE_CODES",
     "DEFAULT_THREADS",
+    "HAS_OBJECT_STORE",
+    "read_object",
+    "list_objects",
+    "object_identity",
+    "object_counters",
 ]
 
 @final
