@@ -27,11 +27,13 @@ import socket
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _rss import PeakRss, rss
 
 METHODS = ["accelerate", "hp_fastload"]
 
@@ -41,33 +43,6 @@ def model_config(quick: bool) -> dict[str, Any]:
         return dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
     # 106M parameters: 424 MB fp32 (untied embedding and head)
     return dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=12)
-
-
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-class _Peak:
-    """The peak RSS while the block runs, sampled every 5 ms by a thread."""
-
-    def __init__(self) -> None:
-        self.peak = _rss()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.005):
-            self.peak = max(self.peak, _rss())
-
-    def __enter__(self) -> _Peak:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, _rss())
 
 
 def _accelerator(rank: int, world: int) -> Any:
@@ -115,8 +90,8 @@ def _rank_main(rank: int, world: int, port: int, path: str, method: str, q: Any)
         with torch.device("meta"):
             AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
         dist.barrier()
-        rss0, t0 = _rss(), time.perf_counter()
-        with _Peak() as peak:
+        rss0, t0 = rss(), time.perf_counter()
+        with PeakRss() as peak:
             if method == "accelerate":
                 model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
                 model, _ = accelerator.prepare(model, torch.optim.AdamW(model.parameters()))

@@ -31,6 +31,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _rss import PeakRss, rss
+
 METHODS = ["hp_save", "dcp_hf", "gather_save_pretrained"]
 
 
@@ -77,37 +80,8 @@ def _io() -> dict[str, int]:
     return out
 
 
-def _peak_rss() -> int:
+def _peakrss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-class _RssSampler:
-    """The largest RSS seen while the method runs (sampled every 5 ms on a thread)."""
-
-    def __init__(self) -> None:
-        import threading
-
-        self.peak = _rss()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.005):
-            self.peak = max(self.peak, _rss())
-
-    def __enter__(self) -> _RssSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, _rss())
 
 
 def _build(config: dict[str, Any]) -> Any:
@@ -169,8 +143,8 @@ def _rank_main(rank: int, world: int, port: int, config: dict[str, Any], method:
     try:
         model = _build(config)
         dist.barrier()
-        io0, rss0, t0 = _io(), _rss(), time.perf_counter()
-        with _RssSampler() as sampler:
+        io0, rss0, t0 = _io(), rss(), time.perf_counter()
+        with PeakRss() as sampler:
             _method(method, model, Path(out))
         seconds = time.perf_counter() - t0
         io1 = _io()
@@ -183,7 +157,7 @@ def _rank_main(rank: int, world: int, port: int, config: dict[str, Any], method:
                     write_bytes=io1["write_bytes"] - io0["write_bytes"],
                     peak_rss=sampler.peak,
                     rss_before=rss0,
-                    lifetime_peak_rss=_peak_rss(),
+                    lifetime_peak_rss=_peakrss(),
                 ),
             )
         )
