@@ -286,3 +286,30 @@ def test_memoized_trace_equals_the_unshared_trace(name: str) -> None:
     loaded = loaded_regions(model, titan.adapter(name, cfg), hf_keys)
     assert loaded == loaded_regions(model, titan.adapter(name, cfg), hf_keys, share=False)
     assert len(loaded) > 3 * 4 and all(len(v.blocks) > 0 for v in loaded.values())
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen3_moe", "deepseek_v3"])
+def test_released_sources_are_the_regions_input_keys(name: str) -> None:
+    """The light ``to_hf`` trace a load uses (which model tensors feed each key) gives the keys, and for each the
+    model tensors, of the element-exact region trace; an op the region tracer refuses is refused too."""
+    from hp_fastload.convert.adapter import released_regions, released_sources
+    from hp_fastload.convert.symbolic import UnsupportedRegionOp
+    from hp_fastload.convert.symbolic.sources import SourceTensor
+
+    cfg = titan.config(name, layers=3)
+    with torch.device("meta"):
+        model = cfg.build()
+    tensors = {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
+    regions = released_regions(model, titan.adapter(name, cfg), tensors, share=False)
+    sources = released_sources(model, titan.adapter(name, cfg), tensors)
+    assert list(sources) == list(regions)
+    assert {k: set(v) for k, v in sources.items()} == {k: v.input_keys() for k, v in regions.items()}
+    leaf = SourceTensor.leaf("a", (4, 6), torch.float32)
+    assert torch.cat([leaf, SourceTensor.leaf("b", (2, 6), torch.float32)]).sources == {"a", "b"}
+    assert leaf.reshape(24)[3:].sources == {"a"}
+    with pytest.raises(UnsupportedRegionOp):
+        leaf.sum()
+    with pytest.raises(UnsupportedRegionOp):
+        leaf + torch.ones(4, 6)
+    with pytest.raises(UnsupportedRegionOp):
+        leaf.add_(1)

@@ -14,7 +14,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
-from hp_fastload.convert.adapter import StateDictAdapter, loaded_regions, released_regions
+from hp_fastload.convert.adapter import StateDictAdapter, loaded_regions, released_sources
 from hp_fastload.convert.structure import Mapped
 from hp_fastload.convert.symbolic import UnsupportedRegionOp
 from hp_fastload.errors import PlanError, shown_key
@@ -47,14 +47,21 @@ def _regions(values: dict[str, Any], what: str) -> dict[str, Mapped]:
     return values
 
 
-def released(model: Any, adapter: StateDictAdapter, targets: dict[str, Target]) -> dict[str, Mapped]:
-    """Hugging Face key -> region of model tensors (named by model name), for every key ``to_hf`` gives."""
+def released(model: Any, adapter: StateDictAdapter, targets: dict[str, Target]) -> dict[str, frozenset[str]]:
+    """Hugging Face key -> the model tensors (by model name) it is made of, for every key ``to_hf`` gives."""
     tensors = {name: (tuple(t.global_shape), t.dtype) for name, t in targets.items()}
     try:
-        out = released_regions(model, adapter, tensors)
+        out = released_sources(model, adapter, tensors)
     except UnsupportedRegionOp as exc:
         raise AdapterError(f"the state_dict_adapter's to_hf (or a state_dict hook) cannot be traced: {exc}") from exc
-    return _regions(out, "to_hf")
+    bad = [k for k, v in out.items() if not isinstance(v, frozenset)]
+    if bad:
+        raise AdapterError(
+            f"the state_dict_adapter's to_hf produced values that are not traced tensors for "
+            f"{', '.join(map(shown_key, bad[:5]))} (type {type(out[bad[0]]).__name__}): an op that reads values "
+            "cannot be planned as region reads; load through torchtitan's own path (dcp_load) instead"
+        )
+    return out
 
 
 def plan_adapter(
@@ -85,7 +92,7 @@ def plan_adapter(
         ) from exc
     for name, region in _regions(native, "from_hf").items():
         claims.region(name, region.shape, region.blocks, None)
-    mapped = set().union(*(region.input_keys() for region in hf.values()))
+    mapped = set().union(*hf.values())
     unmapped = [name for name, target in targets.items() if mapped.isdisjoint(target.names)]
     unexpected = [key for key in keys if key not in hf]
     return AdapterPlan(unmapped, unexpected)
