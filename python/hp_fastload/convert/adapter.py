@@ -146,16 +146,23 @@ def released_regions(
     return trace_by_structure(convert, tensors, share=share)
 
 
-def released_sources(
-    model: nn.Module, adapter: StateDictAdapter, tensors: Mapping[str, ShapeDtype]
-) -> dict[str, Any]:
+def released_sources(model: nn.Module, adapter: StateDictAdapter, tensors: Mapping[str, ShapeDtype]) -> dict[str, Any]:
     """Hugging Face key -> the model tensors it is made of (a frozenset of model names; any other value is what
     the adapter gave where it could not be traced), through the model's ``state_dict`` post-hooks and ``to_hf``
     on :class:`SourceTensor` leaves: what a load needs of ``to_hf`` (which keys, from which tensors), without the
     element regions :func:`released_regions` traces."""
+    return {
+        key: v.sources if isinstance(v, SourceTensor) else v
+        for key, v in released_tensors(model, adapter, tensors).items()
+    }
+
+
+def released_tensors(model: nn.Module, adapter: StateDictAdapter, tensors: Mapping[str, ShapeDtype]) -> dict[str, Any]:
+    """``to_hf`` (after the model's ``state_dict`` post-hooks) on :class:`SourceTensor` leaves of ``tensors``
+    (model name -> (global shape, dtype)): Hugging Face key -> a ``SourceTensor`` with the key's shape, dtype
+    and model tensors (any other value as the adapter gave it)."""
     state: dict[str, Any] = {name: SourceTensor.leaf(name, *shape_dtype) for name, shape_dtype in tensors.items()}
-    out = private_copy(adapter).to_hf(run_save_hooks(model, state))
-    return {key: v.sources if isinstance(v, SourceTensor) else v for key, v in out.items()}
+    return dict(private_copy(adapter).to_hf(run_save_hooks(model, state)))
 
 
 def loaded_regions(

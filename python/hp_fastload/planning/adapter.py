@@ -2,6 +2,10 @@
 model's own hooks traced on the checkpoint's leaves (``convert.adapter``), each model tensor claimed as the
 exact region reads it traced to.
 
+A save through an adapter (:func:`released_layout`) is the same plan run backwards: the files hold the keys
+``to_hf`` gives, with the shapes and dtypes it gives them, and each model tensor's traced region says where in
+them its elements go.
+
 Which checkpoint keys are read is decided as torchtitan decides it: the keys ``to_hf`` gives for the model's
 state dict. A checkpoint key outside them is unexpected; a model tensor that no key ``to_hf`` gives is made of
 (a buffer only the model owns, as torchtitan's ``expert_bias``) is *unmapped*: the model's own initialization
@@ -14,7 +18,9 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
-from hp_fastload.convert.adapter import StateDictAdapter, loaded_regions, released_sources
+import torch
+
+from hp_fastload.convert.adapter import StateDictAdapter, loaded_regions, released_sources, released_tensors
 from hp_fastload.convert.structure import Mapped
 from hp_fastload.convert.symbolic import UnsupportedRegionOp
 from hp_fastload.errors import PlanError, shown_key
@@ -62,6 +68,23 @@ def released(model: Any, adapter: StateDictAdapter, targets: dict[str, Target]) 
             "cannot be planned as region reads; load through torchtitan's own path (dcp_load) instead"
         )
     return out
+
+
+def released_layout(model: Any, adapter: StateDictAdapter, targets: dict[str, Target]) -> dict[str, torch.Tensor]:
+    """Hugging Face key -> a meta tensor of the shape and dtype ``to_hf`` gives it (each its own storage), in
+    ``to_hf``'s order: the checkpoint a save through the adapter writes."""
+    tensors = {name: (tuple(t.global_shape), t.dtype) for name, t in targets.items()}
+    try:
+        out = released_tensors(model, adapter, tensors)
+    except UnsupportedRegionOp as exc:
+        raise AdapterError(f"the state_dict_adapter's to_hf (or a state_dict hook) cannot be traced: {exc}") from exc
+    bad = [k for k, v in out.items() if not isinstance(v, torch.Tensor)]
+    if bad:
+        raise AdapterError(
+            f"the state_dict_adapter's to_hf produced values that are not traced tensors for "
+            f"{', '.join(map(shown_key, bad[:5]))} (type {type(out[bad[0]]).__name__})"
+        )
+    return {key: torch.empty(tuple(v.shape), dtype=v.dtype, device="meta") for key, v in out.items()}
 
 
 def plan_adapter(
