@@ -21,7 +21,7 @@ import torch
 from torch._C import DisableTorchFunctionSubclass
 
 from hp_fastload.convert.symbolic.block import leaf_meta
-from hp_fastload.convert.symbolic.tensor import _OPERATORS, _PASSTHROUGH, HANDLERS, UnsupportedRegionOp, op_name
+from hp_fastload.convert.symbolic.tensor import HANDLERS, OPERATORS, PASSTHROUGH, UnsupportedRegionOp, op_name
 
 
 class SourceTensor(torch.Tensor):
@@ -87,7 +87,7 @@ def _rewrap(x: Any, sources: frozenset[str]) -> Any:
 
 
 def _dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    passthrough = func in _PASSTHROUGH
+    passthrough = func in PASSTHROUGH
     if not passthrough and func not in HANDLERS:
         raise UnsupportedRegionOp(f"{op_name(func)} is not supported on a traced tensor")
     if kwargs.get("out") is not None:
@@ -120,7 +120,7 @@ def _operator(name: str) -> Callable[[SourceTensor, Any], Any]:
 
 
 # As on RegionTensor: torch would turn a refusal inside a binary operator into NotImplemented.
-for _op_name in _OPERATORS:
+for _op_name in OPERATORS:
     if hasattr(torch.Tensor, _op_name):
         setattr(SourceTensor, _op_name, _operator(_op_name))
 SourceTensor.__hash__ = torch.Tensor.__hash__  # type: ignore[method-assign]
