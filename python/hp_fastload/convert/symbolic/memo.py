@@ -37,7 +37,7 @@ class OpMemo:
         # source key -> (template, layer); keys outside any layer are their own template, layer None
         self.layers = layers
         self.by_template: dict[tuple[Any, str], str] = {(lay, t): k for k, (t, lay) in layers.items()}
-        self.results: dict[Any, tuple[Any, Any]] = {}
+        self.results: dict[Any, tuple[Any, Any, list[tuple[Any, Any]]]] = {}
         self.hits = 0
         self.misses = 0
 

@@ -38,6 +38,8 @@ class RegionTensor(torch.Tensor):
     _blocks: tuple[Block, ...]
     _rshape: tuple[int, ...]
     _rdtype: torch.dtype
+    #: set by the op memo on its results: (the memo, the layer, the key part); see ``convert.symbolic.memo``
+    _memo_frozen: tuple[Any, Any, Any]
 
     @staticmethod
     def leaf(source: str, shape: Sequence[int], dtype: torch.dtype) -> RegionTensor:
