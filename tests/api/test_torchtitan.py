@@ -76,6 +76,45 @@ def check_qwen3_moe_ep(rank: int, world: int) -> Any:
     return _compare("qwen3_moe", "ep", forward=False)
 
 
+def _save(name: str, layout: str) -> dict[str, Any]:
+    """Load a checkpoint through the adapter, save it back through ``to_hf``: the file is byte-equal to the
+    checkpoint (torchtitan's ``to_hf`` written by safetensors' own ``save_file``), and every tensor equal to
+    torchtitan's own HF export (``dcp_save(to_hf=True)``) of the same model."""
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    import hp_fastload as hf
+
+    root = Path(os.environ[ROOT_ENV])
+    model, cfg = titan.parallel_model(name, layout, WORLD)
+    hf.load(model, root / name, state_dict_adapter=titan.adapter(name, cfg))
+    ours, theirs = root / f"saved-{name}-{layout}", root / f"exported-{name}-{layout}"
+    report = hf.save(model, ours, state_dict_adapter=titan.adapter(name, cfg))
+    titan.torchtitan_export(model, titan.adapter(name, cfg), theirs)
+    dist.barrier()
+    if dist.get_rank() != 0:
+        return {"written": report.bytes_written_by_rank}
+    exported: dict[str, torch.Tensor] = {}
+    for file in sorted(theirs.glob("*.safetensors")):
+        exported.update(load_file(str(file)))
+    saved = load_file(str(ours / "model.safetensors"))
+    return {
+        "written": report.bytes_written_by_rank,
+        "files": report.files,
+        "byte_equal": (ours / "model.safetensors").read_bytes() == (root / name / "model.safetensors").read_bytes(),
+        "keys": (sorted(saved) == sorted(exported), len(saved)),
+        "differ": sorted(k for k in saved if k in exported and not torch.equal(saved[k], exported[k])),
+    }
+
+
+def check_llama3_fsdp_save(rank: int, world: int) -> Any:
+    return _save("llama3", "fsdp")
+
+
+def check_qwen3_moe_fsdp_save(rank: int, world: int) -> Any:
+    return _save("qwen3_moe", "fsdp")
+
+
 CHECKS = [
     check_llama3_fsdp,
     check_llama3_tp,
@@ -84,7 +123,11 @@ CHECKS = [
     check_qwen3_moe_fsdp,
     check_qwen3_moe_ep,
     check_deepseek_v3_fsdp,
+    check_llama3_fsdp_save,
+    check_qwen3_moe_fsdp_save,
 ]
+
+SAVES = [check_llama3_fsdp_save, check_qwen3_moe_fsdp_save]
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +147,20 @@ def outcomes(root: Path) -> Any:
         os.environ.pop(ROOT_ENV, None)
 
 
-@pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__.removeprefix("check_"))
+@pytest.mark.parametrize("check", SAVES, ids=lambda c: c.__name__.removeprefix("check_"))
+def test_save_through_to_hf_equals_torchtitans_export(outcomes: Any, check: Any) -> None:
+    first, second = subcheck_values(outcomes, check.__name__)
+    assert first["files"] == ["model.safetensors"]
+    assert first["byte_equal"]
+    assert first["keys"][0] and first["keys"][1] > 0
+    assert first["differ"] == []
+    assert first["written"] == second["written"]
+    assert len(first["written"]) == WORLD and min(first["written"]) > 0, first["written"]  # each its own regions
+
+
+@pytest.mark.parametrize(
+    "check", [c for c in CHECKS if c not in SAVES], ids=lambda c: c.__name__.removeprefix("check_")
+)
 def test_bit_equal_to_torchtitans_own_load(outcomes: Any, check: Any) -> None:
     for value in subcheck_values(outcomes, check.__name__):
         assert value["differ"] == []
@@ -286,3 +342,60 @@ def test_memoized_trace_equals_the_unshared_trace(name: str) -> None:
     loaded = loaded_regions(model, titan.adapter(name, cfg), hf_keys)
     assert loaded == loaded_regions(model, titan.adapter(name, cfg), hf_keys, share=False)
     assert len(loaded) > 3 * 4 and all(len(v.blocks) > 0 for v in loaded.values())
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen3_moe", "deepseek_v3"])
+def test_released_sources_are_the_regions_input_keys(name: str) -> None:
+    """The light ``to_hf`` trace a load uses (which model tensors feed each key) gives the keys, and for each the
+    model tensors, of the element-exact region trace; an op the region tracer refuses is refused too."""
+    from hp_fastload.convert.adapter import released_regions, released_sources
+    from hp_fastload.convert.symbolic import UnsupportedRegionOp
+    from hp_fastload.convert.symbolic.sources import SourceTensor
+
+    cfg = titan.config(name, layers=3)
+    with torch.device("meta"):
+        model = cfg.build()
+    tensors = {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
+    regions = released_regions(model, titan.adapter(name, cfg), tensors, share=False)
+    sources = released_sources(model, titan.adapter(name, cfg), tensors)
+    assert list(sources) == list(regions)
+    assert {k: set(v) for k, v in sources.items()} == {k: v.input_keys() for k, v in regions.items()}
+    leaf = SourceTensor.leaf("a", (4, 6), torch.float32)
+    assert torch.cat([leaf, SourceTensor.leaf("b", (2, 6), torch.float32)]).sources == {"a", "b"}
+    assert leaf.reshape(24)[3:].sources == {"a"}
+    with pytest.raises(UnsupportedRegionOp):
+        leaf.sum()
+    with pytest.raises(UnsupportedRegionOp):
+        leaf + torch.ones(4, 6)
+    with pytest.raises(UnsupportedRegionOp):
+        leaf.add_(1)
+
+
+def test_save_through_an_inexact_adapter_raises(root: Path, tmp_path: Path) -> None:
+    """A to_hf/from_hf that scales values is not a rearrangement of elements: save refuses it (it never writes
+    transformers' reverse of an adapter's conversion), and weights_mapping= with an adapter is refused."""
+    import hp_fastload as hf
+    from hp_fastload.planning.adapter import AdapterError
+
+    model, cfg = _model("llama3")
+    hf.load(model, root / "llama3", state_dict_adapter=titan.adapter("llama3", cfg))
+
+    class Scaled:
+        def __init__(self) -> None:
+            self.inner = titan.adapter("llama3", cfg)
+
+        def to_hf(self, state: dict[str, Any]) -> dict[str, Any]:
+            out = self.inner.to_hf(state)
+            out["model.norm.weight"] = out["model.norm.weight"] * 2
+            return out
+
+        def from_hf(self, state: dict[str, Any]) -> dict[str, Any]:
+            out = self.inner.from_hf(state)
+            out["norm.weight"] = out["norm.weight"] / 2
+            return out
+
+    with pytest.raises(AdapterError, match=r"norm\.weight"):
+        hf.save(model, tmp_path / "scaled", state_dict_adapter=Scaled())
+    assert not (tmp_path / "scaled").exists()
+    with pytest.raises(ValueError, match="weights_mapping"):
+        hf.save(model, tmp_path / "both", state_dict_adapter=titan.adapter("llama3", cfg), weights_mapping=[])

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from hp_fastload.api.load import plan_at
+from hp_fastload.convert.adapter import check_adapter
 from hp_fastload.dist.agree import interrupts_between_steps
 from hp_fastload.dist.collectives import (
     agree_in_save,
@@ -47,7 +48,8 @@ from hp_fastload.execute.write import (
     write_whole,
 )
 from hp_fastload.formats import INDEX_NAME
-from hp_fastload.model.targets import Target
+from hp_fastload.model.targets import Target, build_targets
+from hp_fastload.planning.adapter import AdapterError, released_layout
 from hp_fastload.planning.context import LoadContext
 from hp_fastload.planning.export import (
     ExportLayout,
@@ -163,6 +165,7 @@ def save(
     overwrite: bool = False,
     threads: int | None = None,
     batch_bytes: int = DEFAULT_BATCH_BYTES,
+    state_dict_adapter: Any = None,
 ) -> SaveReport:
     """Write ``model`` as a Hugging Face checkpoint at ``path``: what ``save_pretrained`` of the gathered
     model writes, without gathering. Every rank of the default process group calls it together.
@@ -174,15 +177,32 @@ def save(
     into place only when every rank succeeded. A failure on any rank raises on every rank and leaves nothing
     at ``path``. An existing non-empty directory is refused unless ``overwrite=True`` (then swapped
     atomically). Returns a :class:`SaveReport`.
+
+    ``state_dict_adapter`` (instead of ``weights_mapping``): any object with torchtitan's ``StateDictAdapter``
+    protocol; the files hold the keys, shapes and dtypes its ``to_hf`` gives (after the model's own
+    ``state_dict`` hooks, as torchtitan's HF export), and each model tensor's elements go where the traced
+    ``from_hf`` (with the model's ``load_state_dict`` pre-hooks) reads them from. Tensors ``to_hf`` does not
+    map are not written; a conversion that is not an exact rearrangement raises ``AdapterError``.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"save() needs an nn.Module, got {type(model).__name__}")
     start = time.perf_counter()
     path = Path(os.path.abspath(os.fspath(path)))
-    rules = forward_rules(model, weights_mapping)
+    adapter = check_adapter(state_dict_adapter) if state_dict_adapter is not None else None
+    if adapter is not None and weights_mapping is not None:
+        raise ValueError(
+            "state_dict_adapter= converts the whole state dict; it cannot be combined with weights_mapping="
+        )
+    rules = None if adapter is not None else forward_rules(model, weights_mapping)
     agree_in_save("Checking the save destination", lambda: _check_destination(path, overwrite))
     layout: ExportLayout = agree_in_save(
-        "Planning the save layout", lambda: export_layout(model, rules, max_shard_size)
+        "Planning the save layout",
+        lambda: export_layout(
+            model,
+            rules,
+            max_shard_size,
+            None if adapter is None else released_layout(model, adapter, build_targets(model)),
+        ),
     )
     token, first_path = broadcast_object((secrets.token_hex(6), str(path)))
     tmp = path.with_name(f".{path.name}.hp_save-{token}")
@@ -203,12 +223,15 @@ def save(
                 strict=False,
                 external_target_fqns=frozenset(),
                 claimed_source_keys=frozenset(),
+                state_dict_adapter=adapter,
             ),
         )
         save_plan, context = planned_pair
         try:
             agree_in_save("Checking the save plan", lambda: check_coverage(save_plan))
             groups, fallback = _fallback_groups(save_plan, context)
+            if adapter is not None:
+                agree_in_save("Checking the adapter's save", lambda: _exact_only(groups))
             planned = gather_objects(
                 agree_in_save("Planning the writers", lambda: planned_bytes(save_plan, context, fallback, groups))
             )
@@ -240,6 +263,18 @@ def save(
         fallbacks=list(fallbacks),
         seconds=time.perf_counter() - start,
     )
+
+
+def _exact_only(groups: list[tuple[list[str], list[Target]]]) -> None:
+    """Through a state-dict adapter every tensor is written by its traced regions: there is no reverse
+    conversion to run on gathered tensors (transformers' revert knows nothing of the adapter)."""
+    if groups:
+        names = ", ".join(t.name for _, targets in groups[:3] for t in targets)
+        raise AdapterError(
+            f"the state_dict_adapter's conversion of {names} is not an exact rearrangement of elements (an "
+            "elementwise op, or an untraced group): it cannot be saved as region writes; use torchtitan's own "
+            "export (dcp_save(to_hf=True))"
+        )
 
 
 def _fallback_groups(

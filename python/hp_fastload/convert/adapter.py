@@ -8,7 +8,8 @@ tensors:
 
 * the **released** direction: the model's state dict (one leaf per model tensor, global shapes) through the
   model's own ``state_dict`` post-hooks, then ``to_hf``: every Hugging Face key the model maps to, with the
-  regions of model tensors it is made of (which keys a checkpoint must hold; the layout a save writes);
+  regions of model tensors it is made of (the layout a save writes), or only which model tensors feed it (which
+  keys a checkpoint must hold, for a load: :func:`released_sources`, on lighter ``SourceTensor`` leaves);
 * the **load** direction: the checkpoint's leaves through ``from_hf``, then the model's own
   ``load_state_dict`` pre-hooks: every model tensor as a region of checkpoint tensors.
 
@@ -30,6 +31,7 @@ from torch import nn
 
 from hp_fastload.convert.structure import ShapeDtype, trace_by_structure
 from hp_fastload.convert.symbolic import RegionTensor
+from hp_fastload.convert.symbolic.sources import SourceTensor
 from hp_fastload.model.wrappers import WRAPPED_CHILDREN
 
 
@@ -142,6 +144,25 @@ def released_regions(
         return private_copy(adapter).to_hf(run_save_hooks(model, dict(state)))
 
     return trace_by_structure(convert, tensors, share=share)
+
+
+def released_sources(model: nn.Module, adapter: StateDictAdapter, tensors: Mapping[str, ShapeDtype]) -> dict[str, Any]:
+    """Hugging Face key -> the model tensors it is made of (a frozenset of model names; any other value is what
+    the adapter gave where it could not be traced), through the model's ``state_dict`` post-hooks and ``to_hf``
+    on :class:`SourceTensor` leaves: what a load needs of ``to_hf`` (which keys, from which tensors), without the
+    element regions :func:`released_regions` traces."""
+    return {
+        key: v.sources if isinstance(v, SourceTensor) else v
+        for key, v in released_tensors(model, adapter, tensors).items()
+    }
+
+
+def released_tensors(model: nn.Module, adapter: StateDictAdapter, tensors: Mapping[str, ShapeDtype]) -> dict[str, Any]:
+    """``to_hf`` (after the model's ``state_dict`` post-hooks) on :class:`SourceTensor` leaves of ``tensors``
+    (model name -> (global shape, dtype)): Hugging Face key -> a ``SourceTensor`` with the key's shape, dtype
+    and model tensors (any other value as the adapter gave it)."""
+    state: dict[str, Any] = {name: SourceTensor.leaf(name, *shape_dtype) for name, shape_dtype in tensors.items()}
+    return dict(private_copy(adapter).to_hf(run_save_hooks(model, state)))
 
 
 def loaded_regions(

@@ -2,6 +2,10 @@
 model's own hooks traced on the checkpoint's leaves (``convert.adapter``), each model tensor claimed as the
 exact region reads it traced to.
 
+A save through an adapter (:func:`released_layout`) is the same plan run backwards: the files hold the keys
+``to_hf`` gives, with the shapes and dtypes it gives them, and each model tensor's traced region says where in
+them its elements go.
+
 Which checkpoint keys are read is decided as torchtitan decides it: the keys ``to_hf`` gives for the model's
 state dict. A checkpoint key outside them is unexpected; a model tensor that no key ``to_hf`` gives is made of
 (a buffer only the model owns, as torchtitan's ``expert_bias``) is *unmapped*: the model's own initialization
@@ -14,7 +18,9 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
-from hp_fastload.convert.adapter import StateDictAdapter, loaded_regions, released_regions
+import torch
+
+from hp_fastload.convert.adapter import StateDictAdapter, loaded_regions, released_sources, released_tensors
 from hp_fastload.convert.structure import Mapped
 from hp_fastload.convert.symbolic import UnsupportedRegionOp
 from hp_fastload.errors import PlanError, shown_key
@@ -47,14 +53,38 @@ def _regions(values: dict[str, Any], what: str) -> dict[str, Mapped]:
     return values
 
 
-def released(model: Any, adapter: StateDictAdapter, targets: dict[str, Target]) -> dict[str, Mapped]:
-    """Hugging Face key -> region of model tensors (named by model name), for every key ``to_hf`` gives."""
+def released(model: Any, adapter: StateDictAdapter, targets: dict[str, Target]) -> dict[str, frozenset[str]]:
+    """Hugging Face key -> the model tensors (by model name) it is made of, for every key ``to_hf`` gives."""
     tensors = {name: (tuple(t.global_shape), t.dtype) for name, t in targets.items()}
     try:
-        out = released_regions(model, adapter, tensors)
+        out = released_sources(model, adapter, tensors)
     except UnsupportedRegionOp as exc:
         raise AdapterError(f"the state_dict_adapter's to_hf (or a state_dict hook) cannot be traced: {exc}") from exc
-    return _regions(out, "to_hf")
+    bad = [k for k, v in out.items() if not isinstance(v, frozenset)]
+    if bad:
+        raise AdapterError(
+            f"the state_dict_adapter's to_hf produced values that are not traced tensors for "
+            f"{', '.join(map(shown_key, bad[:5]))} (type {type(out[bad[0]]).__name__}): an op that reads values "
+            "cannot be planned as region reads; load through torchtitan's own path (dcp_load) instead"
+        )
+    return out
+
+
+def released_layout(model: Any, adapter: StateDictAdapter, targets: dict[str, Target]) -> dict[str, torch.Tensor]:
+    """Hugging Face key -> a meta tensor of the shape and dtype ``to_hf`` gives it (each its own storage), in
+    ``to_hf``'s order: the checkpoint a save through the adapter writes."""
+    tensors = {name: (tuple(t.global_shape), t.dtype) for name, t in targets.items()}
+    try:
+        out = released_tensors(model, adapter, tensors)
+    except UnsupportedRegionOp as exc:
+        raise AdapterError(f"the state_dict_adapter's to_hf (or a state_dict hook) cannot be traced: {exc}") from exc
+    bad = [k for k, v in out.items() if not isinstance(v, torch.Tensor)]
+    if bad:
+        raise AdapterError(
+            f"the state_dict_adapter's to_hf produced values that are not traced tensors for "
+            f"{', '.join(map(shown_key, bad[:5]))} (type {type(out[bad[0]]).__name__})"
+        )
+    return {key: torch.empty(tuple(v.shape), dtype=v.dtype, device="meta") for key, v in out.items()}
 
 
 def plan_adapter(
@@ -85,7 +115,7 @@ def plan_adapter(
         ) from exc
     for name, region in _regions(native, "from_hf").items():
         claims.region(name, region.shape, region.blocks, None)
-    mapped = set().union(*(region.input_keys() for region in hf.values()))
+    mapped = set().union(*hf.values())
     unmapped = [name for name, target in targets.items() if mapped.isdisjoint(target.names)]
     unexpected = [key for key in keys if key not in hf]
     return AdapterPlan(unmapped, unexpected)

@@ -199,8 +199,16 @@ def shard_files(
     return [(f.name, f.header, f.size, f.keys) for f in layout.files], layout.index
 
 
-def export_layout(model: nn.Module, rules: list[Any] | None, max_shard_size: int | str) -> ExportLayout:
-    released = _released(model, rules)
+def export_layout(
+    model: nn.Module,
+    rules: list[Any] | None,
+    max_shard_size: int | str,
+    released: dict[str, torch.Tensor] | None = None,
+) -> ExportLayout:
+    """The files of ``model``'s export: ``released`` (key -> meta tensor) when given (a state-dict adapter's
+    ``to_hf`` layout), else the one transformers' reverse conversion of ``rules`` gives."""
+    if released is None:
+        released = _released(model, rules)
     if not released:
         raise PlanError("the model has no tensors to save")
     count = getattr(model, "num_parameters", None)

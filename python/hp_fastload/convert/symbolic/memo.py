@@ -17,6 +17,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
+from torch._C import DisableTorchFunctionSubclass
 
 from hp_fastload.convert.symbolic.block import Block, block_with
 from hp_fastload.convert.symbolic.tensor import OP_MEMO, RegionTensor, meta_of, wrap
@@ -36,7 +37,7 @@ class OpMemo:
         # source key -> (template, layer); keys outside any layer are their own template, layer None
         self.layers = layers
         self.by_template: dict[tuple[Any, str], str] = {(lay, t): k for k, (t, lay) in layers.items()}
-        self.results: dict[Any, tuple[Any, Any]] = {}
+        self.results: dict[Any, tuple[Any, Any, list[tuple[Any, Any]]]] = {}
         self.hits = 0
         self.misses = 0
 
@@ -53,7 +54,16 @@ class OpMemo:
 
     def _freeze(self, x: Any, seen: list[Any]) -> Any:
         if isinstance(x, RegionTensor):
-            return ("R", x._rshape, tuple(x.stride()), x.storage_offset(), x._rdtype, self._blocks(x._blocks, seen))
+            known = getattr(x, "_memo_frozen", None)
+            if known is not None and known[0] is self:  # a result of this memo: its key part was kept with it
+                _, layer, frozen = known
+                if layer is not None:
+                    if not seen:
+                        seen.append(layer)
+                    elif seen[0] != layer:
+                        raise _NoMemo
+                return frozen
+            return self._region(x, seen)
         if isinstance(x, torch.Tensor):
             raise _NoMemo
         if isinstance(x, (tuple, list)):
@@ -63,6 +73,21 @@ class OpMemo:
         if isinstance(x, _PLAIN):
             return (type(x), x)
         raise _NoMemo
+
+    def _region(self, x: RegionTensor, seen: list[Any]) -> Any:
+        with DisableTorchFunctionSubclass():
+            stride, offset = tuple(x.stride()), x.storage_offset()
+        return ("R", x._rshape, stride, offset, x._rdtype, self._blocks(x._blocks, seen))
+
+    def _keep(self, x: Any) -> None:
+        """Keep with each region of a result its key part (template form and layer), for the next op's key."""
+        for r in (x,) if isinstance(x, RegionTensor) else x:
+            seen: list[Any] = []
+            try:
+                frozen = self._region(r, seen)
+            except _NoMemo:
+                continue
+            r._memo_frozen = (self, seen[0] if seen else None, frozen)
 
     def _blocks(self, blocks: tuple[Block, ...], seen: list[Any]) -> tuple[Any, ...]:
         layers = self.layers
@@ -86,13 +111,22 @@ class OpMemo:
         if found is None:
             return None
         self.hits += 1
-        result, cached_layer = found
-        return self._rebuild(result, {} if cached_layer != layer else None, layer)
+        result, cached_layer, kept = found
+        out = self._rebuild(result, {} if cached_layer != layer else None, layer)
+        for r, (template_layer, frozen) in zip((out,) if isinstance(out, RegionTensor) else out, kept, strict=True):
+            if frozen is not None:  # the same template form; its layer is this call's where it had one
+                r._memo_frozen = (self, layer if template_layer is not None else None, frozen)
+        return out
 
     def put(self, key: Any, layer: Any, result: Any) -> None:
         self.misses += 1
         if _regions_only(result):
-            self.results[key] = (_frozen_result(result), layer)
+            self._keep(result)
+            kept = []
+            for r in (result,) if isinstance(result, RegionTensor) else result:
+                known = getattr(r, "_memo_frozen", None)
+                kept.append((known[1], known[2]) if known is not None and known[0] is self else (None, None))
+            self.results[key] = (_frozen_result(result), layer, kept)
 
     def _rebuild(self, x: Any, rename: dict[str, str] | None, layer: Any) -> Any:
         if isinstance(x, _Region):

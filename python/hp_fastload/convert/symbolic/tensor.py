@@ -38,6 +38,8 @@ class RegionTensor(torch.Tensor):
     _blocks: tuple[Block, ...]
     _rshape: tuple[int, ...]
     _rdtype: torch.dtype
+    #: set by the op memo on its results: (the memo, the layer, the key part); see ``convert.symbolic.memo``
+    _memo_frozen: tuple[Any, Any, Any]
 
     @staticmethod
     def leaf(source: str, shape: Sequence[int], dtype: torch.dtype) -> RegionTensor:
@@ -135,7 +137,7 @@ def _operator(name: str) -> Callable[[RegionTensor, Any], Any]:
 # torch turns a TypeError raised inside a binary operator into NotImplemented, so Python would answer with
 # its own "unsupported operand" TypeError, or silently fall back (identity for ==, ``x = x + 1`` for +=).
 # Route the operators straight to the dispatcher so that a refusal surfaces as UnsupportedRegionOp.
-_OPERATORS = [
+OPERATORS = [
     *("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__"),
     *(
         "__rdiv__",
@@ -164,7 +166,7 @@ _OPERATORS = [
 ]
 
 
-for _op_name in _OPERATORS:
+for _op_name in OPERATORS:
     if hasattr(torch.Tensor, _op_name):
         setattr(RegionTensor, _op_name, _operator(_op_name))
 RegionTensor.__hash__ = torch.Tensor.__hash__  # type: ignore[method-assign]
@@ -208,7 +210,7 @@ Handler = Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]
 HANDLERS: dict[Any, Handler] = {}
 
 
-_PASSTHROUGH: set[Any] = set()
+PASSTHROUGH: set[Any] = set()
 
 
 #: The op memo in effect (``convert.symbolic.memo``), or None.
@@ -217,7 +219,7 @@ OP_MEMO: ContextVar[Any] = ContextVar("hp_fastload_op_memo", default=None)
 
 def _dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     memo = OP_MEMO.get()
-    if memo is None or func in _PASSTHROUGH:
+    if memo is None or func in PASSTHROUGH:
         return _run(func, args, kwargs)
     found = memo.key(func, args, kwargs)
     if found is None:
@@ -231,7 +233,7 @@ def _dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 
 def _run(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    if func in _PASSTHROUGH:
+    if func in PASSTHROUGH:
         out = run_meta(func, args, kwargs)
         if isinstance(out, torch.Tensor):
             raise UnsupportedRegionOp(f"{op_name(func)} would expose the meta tensor under a RegionTensor")
@@ -291,10 +293,10 @@ for _name in (
 ):
     _attr = getattr(torch.Tensor, _name, None)
     if _attr is not None and hasattr(_attr, "__get__"):
-        _PASSTHROUGH.add(_attr.__get__)
+        PASSTHROUGH.add(_attr.__get__)
 
 
-_PASSTHROUGH.update(
+PASSTHROUGH.update(
     [
         torch.Tensor.size,
         torch.Tensor.dim,
