@@ -846,7 +846,7 @@ mod tests {
 
     use crate::kernels::{
         bf16_to_f32, e4m3fn_to_f32, e5m2_to_f32, e8m0_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16,
-        E2M1_VALUES,
+        mxfp4_scale_to_f32, E2M1_VALUES,
     };
 
     /// A sink writing element `i` at element `offset + i * stride` of a buffer of `size`-byte elements.
@@ -1010,8 +1010,9 @@ mod tests {
         /// MXFP4 nibble runs in transformers' transposed layout (repetition `r` = byte column `r`, element
         /// `i` = the next source row), through `write_run_scaled` as the engine calls it (the vectorized
         /// tiles on an AVX2 CPU, else the scalar kernel) and through the tile kernel directly, equal the
-        /// scalar kernel `nibble_rows_dense` run per repetition (the reference) and the formula
-        /// `f32_to_bf16(e2m1 * scale)`, bit for bit, and write nothing outside the run's rows: both nibbles,
+        /// scalar kernel `nibble_rows_dense` run per repetition (the reference) and the formula (`e2m1 *
+        /// 2^(b - 127)` exact for an e8m0 byte `b`, 2^128 for 0xff as transformers' `ldexp` gives it, else
+        /// `e2m1 * scale`, rounded once to bf16), bit for bit, and write nothing outside the run's rows: both nibbles,
         /// runs starting at any row and byte column (ragged tiles on both edges), padded destination rows,
         /// e8m0 scales of every byte (the extremes 0..2 and 253..255 take the scalar path) and arbitrary
         /// `f32` scales.
@@ -1044,15 +1045,21 @@ mod tests {
             let begin = 3usize; // the tensor's first byte inside `file`
             let file: Vec<u8> = (0..begin + rows * width).map(|_| next() as u8).collect();
             // per-cell scales: e8m0 bytes (mostly ordinary, `odd` 1 adds the extremes, 2 arbitrary f32s)
-            let values: Vec<f32> = (0..rows * groups)
+            // (the e8m0 byte of each cell, `None` for an f32 scale)
+            let bytes: Vec<Option<u8>> = (0..rows * groups)
                 .map(|_| {
                     let r = next();
                     match (odd, r % 8) {
-                        (1, 0) => e8m0_to_f32([0u8, 1, 2, 252, 253, 254, 255][(r >> 8) as usize % 7]),
-                        (2, 0 | 1) => wild[(r >> 8) as usize % wild.len()],
-                        _ => e8m0_to_f32(110 + (r >> 8) as u8 % 30),
+                        (1, 0) => Some([0u8, 1, 2, 252, 253, 254, 255][(r >> 8) as usize % 7]),
+                        (2, 0 | 1) => None,
+                        _ => Some(110 + (r >> 8) as u8 % 30),
                     }
                 })
+                .collect();
+            let values: Vec<f32> = bytes
+                .iter()
+                .enumerate()
+                .map(|(k, b)| b.map_or(wild[k % wild.len()], mxfp4_scale_to_f32))
                 .collect();
             let mut shape = [1u64; crate::types::MAX_NDIM];
             let mut block = [1u64; crate::types::MAX_NDIM];
@@ -1090,7 +1097,16 @@ mod tests {
                 for i in 0..count {
                     let byte = file[src_off + r + i * width];
                     let code = if high { byte >> 4 } else { byte & 15 };
-                    let v = E2M1_VALUES[usize::from(code)] * values[cell0 + i * cell_step];
+                    // an e8m0 byte's value is exact in f64 (2^(b - 127): 2^128 for 0xff, as ldexp gives
+                    // it), rounded once into f32 (overflow to infinity; exact otherwise) and then bf16
+                    let e2m1 = E2M1_VALUES[usize::from(code)];
+                    // (an infinite f32 scale is 2^128 too: MXFP4 scales are exponents)
+                    let scale = values[cell0 + i * cell_step];
+                    let v = match bytes[cell0 + i * cell_step] {
+                        Some(b) => (f64::from(e2m1) * 2f64.powi(i32::from(b) - 127)) as f32,
+                        None if scale == f32::INFINITY => (f64::from(e2m1) * 2f64.powi(128)) as f32,
+                        None => e2m1 * scale,
+                    };
                     prop_assert_eq!(&row[2 * i..2 * i + 2], &f32_to_bf16(v).to_le_bytes()[..], "formula r {} i {}", r, i);
                 }
             }
