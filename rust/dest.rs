@@ -524,12 +524,19 @@ impl RunSteps {
         let pitch = blocks * T + T;
         let mut steps = vec![0i16; bases.len() * pitch];
         let mut bad = vec![false; bases.len() * blocks];
-        for i in 0..count {
+        // Tile height by tile height, each slot's 16 steps written side by side without a branch (the 16
+        // source lines of the scales stay in L1 across the slots).
+        for b in 0..blocks {
+            let rows = b * T..count.min(b * T + T);
             for (s, &base) in bases.iter().enumerate() {
-                match pow2_exponent_step(values[base + i * step]) {
-                    Some(v) => steps[s * pitch + i] = v,
-                    None => bad[s * blocks + i / T] = true,
+                let out = &mut steps[s * pitch + rows.start..s * pitch + rows.end];
+                let mut any = false;
+                for (o, i) in out.iter_mut().zip(rows.clone()) {
+                    let st = pow2_exponent_step(values[base + i * step]);
+                    *o = st.unwrap_or(0);
+                    any |= st.is_none();
                 }
+                bad[s * blocks + b] = any;
             }
         }
         RunSteps {
@@ -545,7 +552,7 @@ impl RunSteps {
 /// Elements (source rows) of one staged piece of a band in [`nibble_tiles_avx2`]: a band's 64 columns of
 /// 128 bf16 elements are 16 KiB, decoded into an L1-resident buffer and then written out row by row.
 #[cfg(target_arch = "x86_64")]
-const NIBBLE_STAGE: usize = 128;
+const NIBBLE_STAGE: usize = 2048;
 
 /// The row-stepping case of [`write_nibble_run`] into bf16 when the repetitions are adjacent byte columns
 /// (transformers' transposed gpt-oss layout: repetition `r` is byte column `r` of the packed rows, element
@@ -608,13 +615,25 @@ unsafe fn nibble_tiles_avx2(
         _mm_set1_epi8(0x07),
         _mm_setzero_si128(),
     );
-    let mut stage = vec![[0u8; 2 * NIBBLE_STAGE]; BAND];
+    let (tlo2, thi2) = (
+        _mm256_broadcastsi128_si256(tlo),
+        _mm256_broadcastsi128_si256(thi),
+    );
+    let (low4_2, mag2, zero2) = (
+        _mm256_set1_epi8(0x0f),
+        _mm256_set1_epi8(0x07),
+        _mm256_setzero_si256(),
+    );
+    let stage_rows = yfull.clamp(T, NIBBLE_STAGE);
+    // bytes of one column's staged rows, plus a line: columns a multiple of 4 KiB apart would share an L1 set
+    let pitch = 2 * stage_rows + 64;
+    let mut stage = vec![0u8; BAND * pitch];
     let mut streamed = false;
     for b0 in (0..rfull).step_by(BAND) {
         let b1 = rfull.min(b0 + BAND);
         let mut y0 = 0;
         while y0 < yfull {
-            let y1 = yfull.min(y0 + NIBBLE_STAGE);
+            let y1 = yfull.min(y0 + stage_rows);
             let mut bad = 0u64; // columns of the band with a scale outside the fast path in y0..y1
             for yy in (y0..y1).step_by(T) {
                 if yy + 3 * T <= count {
@@ -622,7 +641,70 @@ unsafe fn nibble_tiles_avx2(
                         prefetch_lines(&src[y * stride + b0..][..1]);
                     }
                 }
-                for r0 in (b0..b1).step_by(T) {
+                let mut r0 = b0;
+                while r0 < b1 {
+                    // Two tiles side by side (32 byte columns), each within one scale column whose steps
+                    // hold for these rows: one 256-bit pass, a tile in each 128-bit lane.
+                    let pair = r0 + 2 * T <= b1 && {
+                        let (sa, sb) = (steps.slot[r0], steps.slot[r0 + T]);
+                        let fine = |s: usize| !steps.bad[s * steps.blocks + yy / T];
+                        steps.slot[r0 + T - 1] == sa
+                            && steps.slot[r0 + 2 * T - 1] == sb
+                            && fine(sa)
+                            && fine(sb)
+                    };
+                    if pair {
+                        let mut rows = [zero2; T];
+                        for (y, row) in rows.iter_mut().enumerate() {
+                            let bytes = &src[(yy + y) * stride + r0..][..2 * T];
+                            // SAFETY: `bytes` holds the 32 bytes read (unaligned, as `loadu` allows).
+                            let v = unsafe { _mm256_loadu_si256(bytes.as_ptr().cast()) };
+                            *row = match high {
+                                true => _mm256_and_si256(_mm256_srli_epi16::<4>(v), low4_2),
+                                false => _mm256_and_si256(v, low4_2),
+                            };
+                        }
+                        let cols = transpose_16x16_lanes(rows);
+                        let (sa, sb) = (steps.slot[r0], steps.slot[r0 + T]);
+                        let sta = &steps.steps[sa * steps.pitch + yy..][..T];
+                        let stb = &steps.steps[sb * steps.pitch + yy..][..T];
+                        // SAFETY: `sta` and `stb` hold the 16 `i16` (32 bytes) each load reads, unaligned.
+                        let (sa, sb) = unsafe {
+                            (
+                                _mm256_loadu_si256(sta.as_ptr().cast()),
+                                _mm256_loadu_si256(stb.as_ptr().cast()),
+                            )
+                        };
+                        // rows 0..8 and 8..16 of the left tile's steps | of the right tile's
+                        let s0 = _mm256_permute2x128_si256::<0x20>(sa, sb);
+                        let s1 = _mm256_permute2x128_si256::<0x31>(sa, sb);
+                        for (k, &codes) in cols.iter().enumerate() {
+                            let lo = _mm256_shuffle_epi8(tlo2, codes);
+                            let hi = _mm256_shuffle_epi8(thi2, codes);
+                            let zeros = _mm256_cmpeq_epi8(_mm256_and_si256(codes, mag2), zero2);
+                            let v0 = _mm256_add_epi16(
+                                _mm256_unpacklo_epi8(lo, hi),
+                                _mm256_andnot_si256(_mm256_unpacklo_epi8(zeros, zeros), s0),
+                            );
+                            let v1 = _mm256_add_epi16(
+                                _mm256_unpackhi_epi8(lo, hi),
+                                _mm256_andnot_si256(_mm256_unpackhi_epi8(zeros, zeros), s1),
+                            );
+                            // column r0 + k (the low lanes) and column r0 + 16 + k (the high lanes)
+                            let left = _mm256_permute2x128_si256::<0x20>(v0, v1);
+                            let right = _mm256_permute2x128_si256::<0x31>(v0, v1);
+                            let at = 2 * (yy - y0);
+                            let (a, b) = stage[(r0 - b0 + k) * pitch..].split_at_mut(T * pitch);
+                            let (oa, ob) = (&mut a[at..][..2 * T], &mut b[at..][..2 * T]);
+                            // SAFETY: `oa` and `ob` hold the 32 bytes each store writes, unaligned.
+                            unsafe {
+                                _mm256_storeu_si256(oa.as_mut_ptr().cast(), left);
+                                _mm256_storeu_si256(ob.as_mut_ptr().cast(), right);
+                            }
+                        }
+                        r0 += 2 * T;
+                        continue;
+                    }
                     let mut rows = [zero; T];
                     for (y, row) in rows.iter_mut().enumerate() {
                         let bytes = &src[(yy + y) * stride + r0..][..T];
@@ -641,7 +723,7 @@ unsafe fn nibble_tiles_avx2(
                             continue;
                         }
                         let st = &steps.steps[slot * steps.pitch + yy..][..T];
-                        let o = &mut stage[r0 - b0 + k][2 * (yy - y0)..][..2 * T];
+                        let o = &mut stage[(r0 - b0 + k) * pitch + 2 * (yy - y0)..][..2 * T];
                         // SAFETY: `st` holds 16 `i16` (two 16-byte loads), `o` the 32 bytes stored; all
                         // unaligned.
                         unsafe {
@@ -662,9 +744,10 @@ unsafe fn nibble_tiles_avx2(
                             _mm_storeu_si128(o[16..].as_mut_ptr().cast(), v1);
                         }
                     }
+                    r0 += T;
                 }
             }
-            for (k, staged) in stage[..b1 - b0].iter().enumerate() {
+            for (k, staged) in stage.chunks_exact(pitch).take(b1 - b0).enumerate() {
                 let r = b0 + k;
                 if bad >> k & 1 == 1 {
                     scalar(r, y0, y1);
@@ -772,6 +855,85 @@ fn transpose_16x16(r: [std::arch::x86_64::__m128i; 16]) -> [std::arch::x86_64::_
         c,
         _mm_unpacklo_epi64,
         _mm_unpackhi_epi64,
+        [
+            (0, 8),
+            (1, 9),
+            (2, 10),
+            (3, 11),
+            (4, 12),
+            (5, 13),
+            (6, 14),
+            (7, 15)
+        ]
+    )
+}
+
+/// [`transpose_16x16`] of two matrices at once, one in each 128-bit lane of 16 row vectors (the unpacks work
+/// lane by lane): byte `c` of lane `l` of row `r` becomes byte `r` of lane `l` of column `c`, in four rounds that interleave 8-, 16-, 32- and 64-bit units of vector pairs (written out so
+/// that the vectors stay in registers).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+fn transpose_16x16_lanes(r: [std::arch::x86_64::__m256i; 16]) -> [std::arch::x86_64::__m256i; 16] {
+    use std::arch::x86_64::*;
+    macro_rules! round {
+        ($v:ident, $lo:ident, $hi:ident, [$(($x:literal, $y:literal)),*]) => {
+            [$($lo($v[$x], $v[$y]), $hi($v[$x], $v[$y])),*]
+        };
+    }
+    // a[2p + h]: rows 2p, 2p + 1, columns 8h..8h + 8 (byte pairs).
+    let a = round!(
+        r,
+        _mm256_unpacklo_epi8,
+        _mm256_unpackhi_epi8,
+        [
+            (0, 1),
+            (2, 3),
+            (4, 5),
+            (6, 7),
+            (8, 9),
+            (10, 11),
+            (12, 13),
+            (14, 15)
+        ]
+    );
+    // b[4q + 2h + k]: rows 4q..4q + 4, columns 8h + 4k..8h + 4k + 4.
+    let b = round!(
+        a,
+        _mm256_unpacklo_epi16,
+        _mm256_unpackhi_epi16,
+        [
+            (0, 2),
+            (1, 3),
+            (4, 6),
+            (5, 7),
+            (8, 10),
+            (9, 11),
+            (12, 14),
+            (13, 15)
+        ]
+    );
+    // c[8s + 2j + k]: rows 8s..8s + 8, columns 4j + 2k, 4j + 2k + 1.
+    let c = round!(
+        b,
+        _mm256_unpacklo_epi32,
+        _mm256_unpackhi_epi32,
+        [
+            (0, 4),
+            (1, 5),
+            (2, 6),
+            (3, 7),
+            (8, 12),
+            (9, 13),
+            (10, 14),
+            (11, 15)
+        ]
+    );
+    // column 2m + k, all 16 rows.
+    round!(
+        c,
+        _mm256_unpacklo_epi64,
+        _mm256_unpackhi_epi64,
         [
             (0, 8),
             (1, 9),
