@@ -638,7 +638,10 @@ unsafe fn nibble_tiles_avx2(
             for yy in (y0..y1).step_by(T) {
                 if yy + 3 * T <= count {
                     for y in yy + 2 * T..yy + 3 * T {
+                        // the band's first and last byte of the row: its bytes span two lines
+                        // unless the row happens to start a line
                         prefetch_lines(&src[y * stride + b0..][..1]);
+                        prefetch_lines(&src[y * stride + b1 - 1..][..1]);
                     }
                 }
                 let mut r0 = b0;
