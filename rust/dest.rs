@@ -549,6 +549,10 @@ impl RunSteps {
     }
 }
 
+/// Tile heights ahead of the one decoded whose source lines [`nibble_tiles_avx2`] prefetches.
+#[cfg(target_arch = "x86_64")]
+const NIBBLE_AHEAD: usize = 2;
+
 /// Elements (source rows) of one staged piece of a band in [`nibble_tiles_avx2`]: a band's 64 columns of
 /// 128 bf16 elements are 16 KiB, decoded into an L1-resident buffer and then written out row by row.
 #[cfg(target_arch = "x86_64")]
@@ -636,8 +640,8 @@ unsafe fn nibble_tiles_avx2(
             let y1 = yfull.min(y0 + stage_rows);
             let mut bad = 0u64; // columns of the band with a scale outside the fast path in y0..y1
             for yy in (y0..y1).step_by(T) {
-                if yy + 3 * T <= count {
-                    for y in yy + 2 * T..yy + 3 * T {
+                if yy + (NIBBLE_AHEAD + 1) * T <= count {
+                    for y in yy + NIBBLE_AHEAD * T..yy + (NIBBLE_AHEAD + 1) * T {
                         // the band's first and last byte of the row: its bytes span two lines
                         // unless the row happens to start a line
                         prefetch_lines(&src[y * stride + b0..][..1]);
