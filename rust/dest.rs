@@ -1014,7 +1014,7 @@ mod tests {
     use proptest::prelude::*;
 
     use crate::kernels::{
-        bf16_to_f32, e4m3fn_to_f32, e5m2_to_f32, e8m0_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16,
+        bf16_to_f32, e4m3fn_to_f32, e5m2_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16,
         mxfp4_scale_to_f32, E2M1_VALUES,
     };
 
