@@ -553,8 +553,9 @@ impl RunSteps {
 #[cfg(target_arch = "x86_64")]
 const NIBBLE_AHEAD: usize = 2;
 
-/// Elements (source rows) of one staged piece of a band in [`nibble_tiles_avx2`]: a band's 64 columns of
-/// 128 bf16 elements are 16 KiB, decoded into an L1-resident buffer and then written out row by row.
+/// Elements (source rows) of one staged piece of a band in [`nibble_tiles_avx2`] at most: a band's 64 columns
+/// of up to 2048 bf16 elements (256 KiB, L2-resident) are decoded into a buffer and then written out row by
+/// row, so that a band's destination rows, adjacent in memory, are streamed back to back.
 #[cfg(target_arch = "x86_64")]
 const NIBBLE_STAGE: usize = 2048;
 
@@ -566,10 +567,11 @@ const NIBBLE_STAGE: usize = 2048;
 /// and the scale is applied by adding `(e - 127) << 7` to the exponent field of every non-zero value
 /// ([`pow2_exponent_step`]: the exact product, as the scalar kernel rounds it, when every scale of the
 /// column is a power of two `2^(e - 127)` with `2 <= e <= 252`; computed once per run, [`RunSteps`]).
-/// Bands of 4 tiles side by side (a cache line of each source row) walk down the rows; each 128 rows of a
-/// band are decoded into a small buffer first and then written to the band's 64 destination rows one after
-/// the other, 256 bytes each, with streaming stores where 16-byte aligned (written straight from the tiles,
-/// the 64 rows' lines were each read from memory before being overwritten). Columns with any other scale,
+/// Two tiles go through one 256-bit pass (a tile per 128-bit lane) when each lies in one scale column.
+/// Bands of 4 tiles side by side (a cache line of each source row) walk down the rows; each
+/// [`NIBBLE_STAGE`] rows of a band are decoded into a buffer first and then written to the band's 64
+/// destination rows one after the other, with streaming stores where 16-byte aligned (written straight from
+/// the tiles, the 64 rows' lines were each read from memory before being overwritten). Columns with any other scale,
 /// and the ragged edges, go through the scalar [`nibble_rows_dense`], which stays the reference
 /// (`nibble_tiles_equal_the_scalar_kernel`).
 ///
