@@ -524,12 +524,19 @@ impl RunSteps {
         let pitch = blocks * T + T;
         let mut steps = vec![0i16; bases.len() * pitch];
         let mut bad = vec![false; bases.len() * blocks];
-        for i in 0..count {
+        // Tile height by tile height, each slot's 16 steps written side by side without a branch (the 16
+        // source lines of the scales stay in L1 across the slots).
+        for b in 0..blocks {
+            let rows = b * T..count.min(b * T + T);
             for (s, &base) in bases.iter().enumerate() {
-                match pow2_exponent_step(values[base + i * step]) {
-                    Some(v) => steps[s * pitch + i] = v,
-                    None => bad[s * blocks + i / T] = true,
+                let out = &mut steps[s * pitch + rows.start..s * pitch + rows.end];
+                let mut any = false;
+                for (o, i) in out.iter_mut().zip(rows.clone()) {
+                    let st = pow2_exponent_step(values[base + i * step]);
+                    *o = st.unwrap_or(0);
+                    any |= st.is_none();
                 }
+                bad[s * blocks + b] = any;
             }
         }
         RunSteps {
@@ -542,10 +549,15 @@ impl RunSteps {
     }
 }
 
-/// Elements (source rows) of one staged piece of a band in [`nibble_tiles_avx2`]: a band's 64 columns of
-/// 128 bf16 elements are 16 KiB, decoded into an L1-resident buffer and then written out row by row.
+/// Tile heights ahead of the one decoded whose source lines [`nibble_tiles_avx2`] prefetches.
 #[cfg(target_arch = "x86_64")]
-const NIBBLE_STAGE: usize = 128;
+const NIBBLE_AHEAD: usize = 2;
+
+/// Elements (source rows) of one staged piece of a band in [`nibble_tiles_avx2`] at most: a band's 64 columns
+/// of up to 2048 bf16 elements (256 KiB, L2-resident) are decoded into a buffer and then written out row by
+/// row, so that a band's destination rows, adjacent in memory, are streamed back to back.
+#[cfg(target_arch = "x86_64")]
+const NIBBLE_STAGE: usize = 2048;
 
 /// The row-stepping case of [`write_nibble_run`] into bf16 when the repetitions are adjacent byte columns
 /// (transformers' transposed gpt-oss layout: repetition `r` is byte column `r` of the packed rows, element
@@ -555,10 +567,11 @@ const NIBBLE_STAGE: usize = 128;
 /// and the scale is applied by adding `(e - 127) << 7` to the exponent field of every non-zero value
 /// ([`pow2_exponent_step`]: the exact product, as the scalar kernel rounds it, when every scale of the
 /// column is a power of two `2^(e - 127)` with `2 <= e <= 252`; computed once per run, [`RunSteps`]).
-/// Bands of 4 tiles side by side (a cache line of each source row) walk down the rows; each 128 rows of a
-/// band are decoded into a small buffer first and then written to the band's 64 destination rows one after
-/// the other, 256 bytes each, with streaming stores where 16-byte aligned (written straight from the tiles,
-/// the 64 rows' lines were each read from memory before being overwritten). Columns with any other scale,
+/// Two tiles go through one 256-bit pass (a tile per 128-bit lane) when each lies in one scale column.
+/// Bands of 4 tiles side by side (a cache line of each source row) walk down the rows; each
+/// [`NIBBLE_STAGE`] rows of a band are decoded into a buffer first and then written to the band's 64
+/// destination rows one after the other, with streaming stores where 16-byte aligned (written straight from
+/// the tiles, the 64 rows' lines were each read from memory before being overwritten). Columns with any other scale,
 /// and the ragged edges, go through the scalar [`nibble_rows_dense`], which stays the reference
 /// (`nibble_tiles_equal_the_scalar_kernel`).
 ///
@@ -608,21 +621,99 @@ unsafe fn nibble_tiles_avx2(
         _mm_set1_epi8(0x07),
         _mm_setzero_si128(),
     );
-    let mut stage = vec![[0u8; 2 * NIBBLE_STAGE]; BAND];
+    let (tlo2, thi2) = (
+        _mm256_broadcastsi128_si256(tlo),
+        _mm256_broadcastsi128_si256(thi),
+    );
+    let (low4_2, mag2, zero2) = (
+        _mm256_set1_epi8(0x0f),
+        _mm256_set1_epi8(0x07),
+        _mm256_setzero_si256(),
+    );
+    let stage_rows = yfull.clamp(T, NIBBLE_STAGE);
+    // bytes of one column's staged rows, plus a line: columns a multiple of 4 KiB apart would share an L1 set
+    let pitch = 2 * stage_rows + 64;
+    let mut stage = vec![0u8; BAND * pitch];
     let mut streamed = false;
     for b0 in (0..rfull).step_by(BAND) {
         let b1 = rfull.min(b0 + BAND);
         let mut y0 = 0;
         while y0 < yfull {
-            let y1 = yfull.min(y0 + NIBBLE_STAGE);
+            let y1 = yfull.min(y0 + stage_rows);
             let mut bad = 0u64; // columns of the band with a scale outside the fast path in y0..y1
             for yy in (y0..y1).step_by(T) {
-                if yy + 3 * T <= count {
-                    for y in yy + 2 * T..yy + 3 * T {
+                if yy + (NIBBLE_AHEAD + 1) * T <= count {
+                    for y in yy + NIBBLE_AHEAD * T..yy + (NIBBLE_AHEAD + 1) * T {
+                        // the band's first and last byte of the row: its bytes span two lines
+                        // unless the row happens to start a line
                         prefetch_lines(&src[y * stride + b0..][..1]);
+                        prefetch_lines(&src[y * stride + b1 - 1..][..1]);
                     }
                 }
-                for r0 in (b0..b1).step_by(T) {
+                let mut r0 = b0;
+                while r0 < b1 {
+                    // Two tiles side by side (32 byte columns), each within one scale column whose steps
+                    // hold for these rows: one 256-bit pass, a tile in each 128-bit lane.
+                    let pair = r0 + 2 * T <= b1 && {
+                        let (sa, sb) = (steps.slot[r0], steps.slot[r0 + T]);
+                        let fine = |s: usize| !steps.bad[s * steps.blocks + yy / T];
+                        steps.slot[r0 + T - 1] == sa
+                            && steps.slot[r0 + 2 * T - 1] == sb
+                            && fine(sa)
+                            && fine(sb)
+                    };
+                    if pair {
+                        let mut rows = [zero2; T];
+                        for (y, row) in rows.iter_mut().enumerate() {
+                            let bytes = &src[(yy + y) * stride + r0..][..2 * T];
+                            // SAFETY: `bytes` holds the 32 bytes read (unaligned, as `loadu` allows).
+                            let v = unsafe { _mm256_loadu_si256(bytes.as_ptr().cast()) };
+                            *row = match high {
+                                true => _mm256_and_si256(_mm256_srli_epi16::<4>(v), low4_2),
+                                false => _mm256_and_si256(v, low4_2),
+                            };
+                        }
+                        let cols = transpose_16x16_lanes(rows);
+                        let (sa, sb) = (steps.slot[r0], steps.slot[r0 + T]);
+                        let sta = &steps.steps[sa * steps.pitch + yy..][..T];
+                        let stb = &steps.steps[sb * steps.pitch + yy..][..T];
+                        // SAFETY: `sta` and `stb` hold the 16 `i16` (32 bytes) each load reads, unaligned.
+                        let (sa, sb) = unsafe {
+                            (
+                                _mm256_loadu_si256(sta.as_ptr().cast()),
+                                _mm256_loadu_si256(stb.as_ptr().cast()),
+                            )
+                        };
+                        // rows 0..8 and 8..16 of the left tile's steps | of the right tile's
+                        let s0 = _mm256_permute2x128_si256::<0x20>(sa, sb);
+                        let s1 = _mm256_permute2x128_si256::<0x31>(sa, sb);
+                        for (k, &codes) in cols.iter().enumerate() {
+                            let lo = _mm256_shuffle_epi8(tlo2, codes);
+                            let hi = _mm256_shuffle_epi8(thi2, codes);
+                            let zeros = _mm256_cmpeq_epi8(_mm256_and_si256(codes, mag2), zero2);
+                            let v0 = _mm256_add_epi16(
+                                _mm256_unpacklo_epi8(lo, hi),
+                                _mm256_andnot_si256(_mm256_unpacklo_epi8(zeros, zeros), s0),
+                            );
+                            let v1 = _mm256_add_epi16(
+                                _mm256_unpackhi_epi8(lo, hi),
+                                _mm256_andnot_si256(_mm256_unpackhi_epi8(zeros, zeros), s1),
+                            );
+                            // column r0 + k (the low lanes) and column r0 + 16 + k (the high lanes)
+                            let left = _mm256_permute2x128_si256::<0x20>(v0, v1);
+                            let right = _mm256_permute2x128_si256::<0x31>(v0, v1);
+                            let at = 2 * (yy - y0);
+                            let (a, b) = stage[(r0 - b0 + k) * pitch..].split_at_mut(T * pitch);
+                            let (oa, ob) = (&mut a[at..][..2 * T], &mut b[at..][..2 * T]);
+                            // SAFETY: `oa` and `ob` hold the 32 bytes each store writes, unaligned.
+                            unsafe {
+                                _mm256_storeu_si256(oa.as_mut_ptr().cast(), left);
+                                _mm256_storeu_si256(ob.as_mut_ptr().cast(), right);
+                            }
+                        }
+                        r0 += 2 * T;
+                        continue;
+                    }
                     let mut rows = [zero; T];
                     for (y, row) in rows.iter_mut().enumerate() {
                         let bytes = &src[(yy + y) * stride + r0..][..T];
@@ -641,7 +732,7 @@ unsafe fn nibble_tiles_avx2(
                             continue;
                         }
                         let st = &steps.steps[slot * steps.pitch + yy..][..T];
-                        let o = &mut stage[r0 - b0 + k][2 * (yy - y0)..][..2 * T];
+                        let o = &mut stage[(r0 - b0 + k) * pitch + 2 * (yy - y0)..][..2 * T];
                         // SAFETY: `st` holds 16 `i16` (two 16-byte loads), `o` the 32 bytes stored; all
                         // unaligned.
                         unsafe {
@@ -662,9 +753,10 @@ unsafe fn nibble_tiles_avx2(
                             _mm_storeu_si128(o[16..].as_mut_ptr().cast(), v1);
                         }
                     }
+                    r0 += T;
                 }
             }
-            for (k, staged) in stage[..b1 - b0].iter().enumerate() {
+            for (k, staged) in stage.chunks_exact(pitch).take(b1 - b0).enumerate() {
                 let r = b0 + k;
                 if bad >> k & 1 == 1 {
                     scalar(r, y0, y1);
@@ -785,6 +877,85 @@ fn transpose_16x16(r: [std::arch::x86_64::__m128i; 16]) -> [std::arch::x86_64::_
     )
 }
 
+/// [`transpose_16x16`] of two matrices at once, one in each 128-bit lane of 16 row vectors (the unpacks work
+/// lane by lane): byte `c` of lane `l` of row `r` becomes byte `r` of lane `l` of column `c`, in four rounds that interleave 8-, 16-, 32- and 64-bit units of vector pairs (written out so
+/// that the vectors stay in registers).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+fn transpose_16x16_lanes(r: [std::arch::x86_64::__m256i; 16]) -> [std::arch::x86_64::__m256i; 16] {
+    use std::arch::x86_64::*;
+    macro_rules! round {
+        ($v:ident, $lo:ident, $hi:ident, [$(($x:literal, $y:literal)),*]) => {
+            [$($lo($v[$x], $v[$y]), $hi($v[$x], $v[$y])),*]
+        };
+    }
+    // a[2p + h]: rows 2p, 2p + 1, columns 8h..8h + 8 (byte pairs).
+    let a = round!(
+        r,
+        _mm256_unpacklo_epi8,
+        _mm256_unpackhi_epi8,
+        [
+            (0, 1),
+            (2, 3),
+            (4, 5),
+            (6, 7),
+            (8, 9),
+            (10, 11),
+            (12, 13),
+            (14, 15)
+        ]
+    );
+    // b[4q + 2h + k]: rows 4q..4q + 4, columns 8h + 4k..8h + 4k + 4.
+    let b = round!(
+        a,
+        _mm256_unpacklo_epi16,
+        _mm256_unpackhi_epi16,
+        [
+            (0, 2),
+            (1, 3),
+            (4, 6),
+            (5, 7),
+            (8, 10),
+            (9, 11),
+            (12, 14),
+            (13, 15)
+        ]
+    );
+    // c[8s + 2j + k]: rows 8s..8s + 8, columns 4j + 2k, 4j + 2k + 1.
+    let c = round!(
+        b,
+        _mm256_unpacklo_epi32,
+        _mm256_unpackhi_epi32,
+        [
+            (0, 4),
+            (1, 5),
+            (2, 6),
+            (3, 7),
+            (8, 12),
+            (9, 13),
+            (10, 14),
+            (11, 15)
+        ]
+    );
+    // column 2m + k, all 16 rows.
+    round!(
+        c,
+        _mm256_unpacklo_epi64,
+        _mm256_unpackhi_epi64,
+        [
+            (0, 8),
+            (1, 9),
+            (2, 10),
+            (3, 11),
+            (4, 12),
+            (5, 13),
+            (6, 14),
+            (7, 15)
+        ]
+    )
+}
+
 /// The write direction's zero-copy case: calls `f` with the memory of repetitions `reps` of a same-dtype,
 /// byte-sized run when it is one contiguous byte range (elements adjacent, repetitions back to back), else
 /// returns `None` without calling it.
@@ -845,8 +1016,8 @@ mod tests {
     use proptest::prelude::*;
 
     use crate::kernels::{
-        bf16_to_f32, e4m3fn_to_f32, e5m2_to_f32, e8m0_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16,
-        E2M1_VALUES,
+        bf16_to_f32, e4m3fn_to_f32, e5m2_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16,
+        mxfp4_scale_to_f32, E2M1_VALUES,
     };
 
     /// A sink writing element `i` at element `offset + i * stride` of a buffer of `size`-byte elements.
@@ -1010,8 +1181,9 @@ mod tests {
         /// MXFP4 nibble runs in transformers' transposed layout (repetition `r` = byte column `r`, element
         /// `i` = the next source row), through `write_run_scaled` as the engine calls it (the vectorized
         /// tiles on an AVX2 CPU, else the scalar kernel) and through the tile kernel directly, equal the
-        /// scalar kernel `nibble_rows_dense` run per repetition (the reference) and the formula
-        /// `f32_to_bf16(e2m1 * scale)`, bit for bit, and write nothing outside the run's rows: both nibbles,
+        /// scalar kernel `nibble_rows_dense` run per repetition (the reference) and the formula (`e2m1 *
+        /// 2^(b - 127)` exact for an e8m0 byte `b`, 2^128 for 0xff as transformers' `ldexp` gives it, else
+        /// `e2m1 * scale`, rounded once to bf16), bit for bit, and write nothing outside the run's rows: both nibbles,
         /// runs starting at any row and byte column (ragged tiles on both edges), padded destination rows,
         /// e8m0 scales of every byte (the extremes 0..2 and 253..255 take the scalar path) and arbitrary
         /// `f32` scales.
@@ -1044,15 +1216,21 @@ mod tests {
             let begin = 3usize; // the tensor's first byte inside `file`
             let file: Vec<u8> = (0..begin + rows * width).map(|_| next() as u8).collect();
             // per-cell scales: e8m0 bytes (mostly ordinary, `odd` 1 adds the extremes, 2 arbitrary f32s)
-            let values: Vec<f32> = (0..rows * groups)
+            // (the e8m0 byte of each cell, `None` for an f32 scale)
+            let bytes: Vec<Option<u8>> = (0..rows * groups)
                 .map(|_| {
                     let r = next();
                     match (odd, r % 8) {
-                        (1, 0) => e8m0_to_f32([0u8, 1, 2, 252, 253, 254, 255][(r >> 8) as usize % 7]),
-                        (2, 0 | 1) => wild[(r >> 8) as usize % wild.len()],
-                        _ => e8m0_to_f32(110 + (r >> 8) as u8 % 30),
+                        (1, 0) => Some([0u8, 1, 2, 252, 253, 254, 255][(r >> 8) as usize % 7]),
+                        (2, 0 | 1) => None,
+                        _ => Some(110 + (r >> 8) as u8 % 30),
                     }
                 })
+                .collect();
+            let values: Vec<f32> = bytes
+                .iter()
+                .enumerate()
+                .map(|(k, b)| b.map_or(wild[k % wild.len()], mxfp4_scale_to_f32))
                 .collect();
             let mut shape = [1u64; crate::types::MAX_NDIM];
             let mut block = [1u64; crate::types::MAX_NDIM];
@@ -1090,7 +1268,16 @@ mod tests {
                 for i in 0..count {
                     let byte = file[src_off + r + i * width];
                     let code = if high { byte >> 4 } else { byte & 15 };
-                    let v = E2M1_VALUES[usize::from(code)] * values[cell0 + i * cell_step];
+                    // an e8m0 byte's value is exact in f64 (2^(b - 127): 2^128 for 0xff, as ldexp gives
+                    // it), rounded once into f32 (overflow to infinity; exact otherwise) and then bf16
+                    let e2m1 = E2M1_VALUES[usize::from(code)];
+                    // (an infinite f32 scale is 2^128 too: MXFP4 scales are exponents)
+                    let scale = values[cell0 + i * cell_step];
+                    let v = match bytes[cell0 + i * cell_step] {
+                        Some(b) => (f64::from(e2m1) * 2f64.powi(i32::from(b) - 127)) as f32,
+                        None if scale == f32::INFINITY => (f64::from(e2m1) * 2f64.powi(128)) as f32,
+                        None => e2m1 * scale,
+                    };
                     prop_assert_eq!(&row[2 * i..2 * i + 2], &f32_to_bf16(v).to_le_bytes()[..], "formula r {} i {}", r, i);
                 }
             }

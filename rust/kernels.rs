@@ -168,6 +168,27 @@ pub fn e8m0_to_f32(v: u8) -> f32 {
     }
 }
 
+/// An MXFP4 scale byte to `f32` as the exponent transformers' `convert_moe_packed_tensors` applies
+/// (`ldexp(value, v - 127)`): 2^(v-127), and 0xff, whose 2^128 no `f32` holds, as infinity, which
+/// [`mxfp4_scaled`] reads as 2^128 (not the NaN of the e8m0 dtype, [`e8m0_to_f32`]).
+pub fn mxfp4_scale_to_f32(v: u8) -> f32 {
+    match v {
+        0xff => f32::INFINITY,
+        _ => e8m0_to_f32(v),
+    }
+}
+
+/// An e2m1 value times its MXFP4 scale, exactly as `ldexp` gives it before the one rounding into the
+/// destination: an infinite scale is 2^128 ([`mxfp4_scale_to_f32`]), so ±0 stays ±0, ±0.5 becomes
+/// ±2^127 and larger values overflow to infinity (`v * 2 * 2^127`: exact, as the doubled value is).
+#[inline(always)]
+pub(crate) fn mxfp4_scaled(v: f32, scale: f32) -> f32 {
+    match scale == f32::INFINITY {
+        true => v * 2.0 * f32::from_bits(254 << 23),
+        false => v * scale,
+    }
+}
+
 /// `f32` to float8 e8m0 bits as c10 does it: the sign is dropped, the exponent rounded to nearest-even on
 /// the significand, inf and NaN become NaN.
 pub fn f32_to_e8m0(x: f32) -> u8 {
@@ -200,6 +221,11 @@ trait FloatCodec {
         f64::from(Self::to_f32(b))
     }
     fn store_f32(x: f32, out: &mut [u8]);
+    /// One element times its scale (in `f32`, before the rounding into the destination).
+    #[inline(always)]
+    fn scaled(x: f32, scale: f32) -> f32 {
+        x * scale
+    }
     /// Converts one element of `S` into `out`; torch's semantics go through `f32` except into `f64`.
     fn convert_from<S: FloatCodec>(src: &[u8], out: &mut [u8]) {
         Self::store_f32(S::to_f32(src), out);
@@ -428,7 +454,7 @@ fn nibble_rows<const HIGH: bool, D: FloatCodec>(
 ) {
     for (i, o) in dst.chunks_exact_mut(D::SIZE).enumerate() {
         let v = CE2M1::<HIGH>::to_f32(&src[i * src_stride..]);
-        D::store_f32(v * values[cell0 + i * cell_step], o);
+        D::store_f32(mxfp4_scaled(v, values[cell0 + i * cell_step]), o);
     }
 }
 
@@ -475,7 +501,10 @@ fn scaled_kernel<S: FloatCodec, D: FloatCodec, W: ElemSink>(
             (scale, until) = map.at(flat);
         }
         let at = i * src_stride;
-        D::store_f32(S::to_f32(&src[at..at + S::SIZE]) * scale, &mut buf);
+        D::store_f32(
+            S::scaled(S::to_f32(&src[at..at + S::SIZE]), scale),
+            &mut buf,
+        );
         sink.put(i, &buf[..D::SIZE]);
         flat += step;
     }
@@ -544,6 +573,10 @@ impl<const HIGH: bool> FloatCodec for CE2M1<HIGH> {
     fn to_f32(b: &[u8]) -> f32 {
         let code = if HIGH { b[0] >> 4 } else { b[0] & 0x0f };
         E2M1_VALUES[usize::from(code)]
+    }
+    #[inline(always)]
+    fn scaled(x: f32, scale: f32) -> f32 {
+        mxfp4_scaled(x, scale)
     }
     fn store_f32(_: f32, _: &mut [u8]) {
         unreachable!("e2m1 is never a destination")
@@ -731,8 +764,9 @@ fn dense_with_dst_scaled<Q: Fp8Value>(
 }
 
 /// Decodes scale elements stored as `dtype` (`U8` holds e8m0 exponents, as MXFP8 checkpoints ship them)
-/// into `out` (one value per element of `bytes`); `false` for a dtype that is not a scale dtype.
-pub(crate) fn decode_scales_into(dtype: Dtype, bytes: &[u8], out: &mut [f32]) -> bool {
+/// into `out` (one value per element of `bytes`); `false` for a dtype that is not a scale dtype. `mxfp4`:
+/// the scales of MXFP4 nibbles, whose e8m0 byte 0xff is 2^128 ([`mxfp4_scale_to_f32`]), not NaN.
+pub(crate) fn decode_scales_into(dtype: Dtype, bytes: &[u8], out: &mut [f32], mxfp4: bool) -> bool {
     fn fill(out: &mut [f32], values: impl Iterator<Item = f32>) {
         out.iter_mut().zip(values).for_each(|(o, v)| *o = v);
     }
@@ -740,6 +774,9 @@ pub(crate) fn decode_scales_into(dtype: Dtype, bytes: &[u8], out: &mut [f32]) ->
         Dtype::F32 => fill(out, bytes.chunks_exact(4).map(CF32::to_f32)),
         Dtype::BF16 => fill(out, bytes.chunks_exact(2).map(CBF16::to_f32)),
         Dtype::F16 => fill(out, bytes.chunks_exact(2).map(CF16::to_f32)),
+        Dtype::F8_E8M0 | Dtype::U8 if mxfp4 => {
+            fill(out, bytes.iter().map(|&b| mxfp4_scale_to_f32(b)))
+        }
         Dtype::F8_E8M0 | Dtype::U8 => fill(out, bytes.iter().map(|&b| e8m0_to_f32(b))),
         _ => return false,
     }

@@ -72,7 +72,7 @@ pub(super) fn execute_scaled_reading(
         .enumerate()
         .map(|(k, s)| check_scale(k, s, files))
         .collect::<Result<_, _>>()?;
-    let per_item = item_scales(files, dests, items, &loaded)?;
+    let per_item = item_scales(files, dests, items, &mut loaded)?;
     let mut runs = plan(files, dests, items)?;
     let all_runs: usize = runs.iter().map(|r| r.reps as usize).sum();
     let mut staged = None;

@@ -45,6 +45,8 @@ pub(super) struct LoadedScale {
     tensor: usize,
     /// Bytes read from the file.
     pub(super) bytes: u64,
+    /// Whether MXFP4 nibbles use it ([`item_scales`]): its e8m0 byte 0xff then decodes as 2^128.
+    mxfp4: bool,
 }
 
 impl LoadedScale {
@@ -138,6 +140,7 @@ pub(super) fn check_scale(
         file,
         tensor,
         bytes: 0,
+        mxfp4: false,
     })
 }
 
@@ -217,7 +220,12 @@ pub(super) fn read_scale_cells(
             }
         }
         sc.values = vec![0.0f32; sc.cells as usize]; // zeroed pages: untouched cells cost no memory
-        decode_scales_into(t.dtype, &raw, &mut sc.values[c0 as usize..c1 as usize]);
+        decode_scales_into(
+            t.dtype,
+            &raw,
+            &mut sc.values[c0 as usize..c1 as usize],
+            sc.mxfp4,
+        );
         sc.bytes = raw.len() as u64;
     }
     Ok(())
@@ -226,12 +234,16 @@ pub(super) fn read_scale_cells(
 /// Per item: its scale (index into the loaded scales) and the absolute file offset of its tensor.
 pub(super) type ItemScales = Vec<Option<(usize, u64)>>;
 
+/// Each item's scale ([`ItemScales`]), validated against its tensor and destination; marks the scales of
+/// MXFP4 nibbles ([`LoadedScale::mxfp4`]) and refuses a scale that both MXFP4 nibbles and 8-bit floats
+/// use (its byte 0xff means 2^128 to one and NaN to the other).
 pub(super) fn item_scales(
     files: &[Arc<Header>],
     dests: &[DestBuf<'_>],
     items: &[Item],
-    scales: &[LoadedScale],
+    scales: &mut [LoadedScale],
 ) -> Result<ItemScales, LoadError> {
+    let mut users: Vec<Option<bool>> = vec![None; scales.len()];
     let mut out = vec![None; items.len()];
     for (k, it) in items.iter().enumerate() {
         if it.scale == 0 {
@@ -296,6 +308,14 @@ pub(super) fn item_scales(
                 &sc.shape[..sc.ndim]
             )));
         }
+        let nibbles = t.dtype == Dtype::U8;
+        if *users[s].get_or_insert(nibbles) != nibbles {
+            return Err(bad(format!(
+                "scale {} is used by MXFP4 nibbles ('{}' or another) and by 8-bit floats; each needs its own",
+                s, t.name
+            )));
+        }
+        scales[s].mxfp4 = nibbles;
         out[k] = Some((s, h.data_start + t.begin));
     }
     Ok(out)

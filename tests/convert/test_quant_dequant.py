@@ -213,6 +213,55 @@ def test_mxfp4_gpt_oss_matches_transformers_dequantizing_load(tmp_path, loader):
         assert report.bytes_read == plan.bytes_needed == plan.report.checkpoint_bytes  # every byte once, scales too
 
 
+@pytest.fixture(scope="module")
+def every_scale_byte(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, Any]:
+    """A gpt-oss MXFP4 checkpoint whose expert scales take every e8m0 byte 0..255 (each expert's rows cycle
+    through them) over random blocks (every e2m1 code), and transformers' dequantizing load of it, checked
+    against transformers' own ``convert_moe_packed_tensors``: byte 255 is the exponent 128 there (``ldexp``:
+    ±0 stays ±0, ±0.5 is ±2^127, the rest ±inf), never NaN."""
+    from transformers import Mxfp4Config
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    root = tmp_path_factory.mktemp("every_scale_byte")
+    model = qc.build_model("gpt_oss", hidden_size=128, intermediate_size=32)
+    gen = torch.Generator().manual_seed(5)
+    tensors = {}
+    for key, value in qc.released(model, root).items():
+        if key.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            blocks, scales = qc.mxfp4_quantize(value)
+            blocks = torch.randint(0, 256, blocks.shape, dtype=torch.uint8, generator=gen)
+            cycle = torch.arange(scales.numel()) * 7 % 256  # 7 is prime to 256: every byte, in every place
+            tensors[key + "_blocks"], tensors[key + "_scales"] = blocks, cycle.to(torch.uint8).reshape(scales.shape)
+        else:
+            tensors[key] = value
+    qc.rewrite(root, tensors, qc.MXFP4_CONFIG)
+    key = "model.layers.0.mlp.experts.gate_up_proj"
+    blocks, scales = tensors[key + "_blocks"], tensors[key + "_scales"]
+    assert set(scales.flatten().tolist()) == set(range(256))
+    own = convert_moe_packed_tensors(blocks, scales)
+    at_255 = (scales == 255).unsqueeze(-1).expand(*scales.shape, 32).reshape(own.shape[0], own.shape[2], -1)
+    big = own.transpose(1, 2)[at_255]
+    assert big.isinf().any() and not big.isnan().any() and (big.float().abs() == 2.0**127).any()
+    reference = model_class("gpt_oss").from_pretrained(
+        root, dtype=torch.bfloat16, quantization_config=Mxfp4Config(dequantize=True)
+    )
+    assert torch.equal(reference.state_dict()[key].view(torch.int16), own.view(torch.int16))
+    return root, model, reference
+
+
+@pytest.mark.parametrize("loader", LOADERS)
+def test_mxfp4_every_scale_byte_matches_transformers(every_scale_byte, loader):
+    """Every scale byte and code bit for bit as transformers gives them (the fixture): byte 255 included,
+    byte 0's bf16 subnormals too. 64 byte columns by 64 rows an expert: the vectorized tiles and the scalar
+    kernel both run."""
+    root, model, reference = every_scale_byte
+    target = _zeroed(model)
+    hf.load(target, root, loader=loader)
+    got, want = target.state_dict(), reference.state_dict()
+    bad = [k for k in want if not torch.equal(got[k].view(torch.int16), want[k].view(torch.int16))]
+    assert not bad, f"{len(bad)} tensors differ bitwise from transformers, first {bad[:4]}"
+
+
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
 def test_staged_reads_dequantize_in_row_blocks(tmp_path, fmt):
     """The staging path (CUDA targets; here forced on CPU) cuts targets into row blocks of a small slab:
