@@ -205,55 +205,81 @@ def _structure(reads: Reads) -> tuple[bytes, ...]:
 
 
 class _Specs:
-    """Per dequantization spec (``quant.Dequant``), once: ``(elements per dim-0 row, dim-0 rows, dim-0 block,
-    scale key number, scale elements per grid row)``, the numbers ``items.touched_scale_rows`` uses."""
+    """The numbers ``items.touched_scale_rows`` uses, per spec shape (``quant.Dequant``'s shape and block):
+    ``(elements per dim-0 row, dim-0 rows, dim-0 block, scale grid rows)``; and the touched grid rows of each
+    (cut, spec pattern), computed once for every target sharing them (the MoE layers' experts)."""
 
     def __init__(self, smap: StorageMap) -> None:
         self.smap = smap
-        self.rows: dict[Any, tuple[int, int, int, int, int]] = {}
+        self.dims: dict[tuple[Any, Any], tuple[int, int, int, int]] = {}
+        self.touched: dict[tuple[Any, ...], tuple[Int64s, Int64s, Int64s, Int64s]] = {}
 
-    def __call__(self, spec: Any) -> tuple[int, int, int, int, int]:
-        hit = self.rows.get(spec)
+    def __call__(self, spec: Any) -> tuple[int, int, int, int]:
+        shape_block = (spec.shape, spec.block)
+        hit = self.dims.get(shape_block)
         if hit is None:
             inner, rows0, block0 = (
                 (math.prod(spec.shape[1:]), spec.shape[0], spec.block[0]) if spec.shape else (1, 1, 1)
             )
-            k = self.smap.key_id[spec.scale]
-            per_row = int(self.smap.nbytes[k] // self.smap.itemsize[k]) // -(-rows0 // block0)
-            hit = self.rows[spec] = (inner, rows0, block0, k, per_row)
+            hit = self.dims[shape_block] = (inner, rows0, block0, -(-rows0 // block0))
         return hit
 
 
-def _scale_rows(
-    reads: Reads, cut: _Cut, specs_of: _Specs, world: int, out: list[tuple[Int64s, Int64s, Int64s, Int64s]]
-) -> None:
-    """The scale rows each rank's cut items of ``reads`` touch (``items.touched_scale_rows`` per rank, for
-    this target alone, as ``rank_needs`` takes them) appended to ``out`` as intervals of the scale tensors."""
-    if reads.second is None or not len(cut.item):
-        return
-    ids: dict[Any, int] = {}
-    which_item = as_int64([-1 if s is None else ids.setdefault(s, len(ids)) for s in reads.second])
+def _touched_rows(
+    reads: Reads, cut: _Cut, which_item: Int64s, dims: Int64s, world: int
+) -> tuple[Int64s, Int64s, Int64s, Int64s]:
+    """Per (rank, spec) some cut item of ``reads`` touches, in that order: ``(rank, spec, first grid row, last
+    grid row)``; ``which_item``: each item's spec (-1: none), ``dims``: per spec ``_Specs`` numbers."""
+    nspecs = len(dims)
     which = which_item[cut.item]
     live = (which >= 0) & (cut.lengths > 0).all(axis=1)
     if not live.any():
-        return
-    specs = list(ids)
-    inner, rows0, block0, scale_key, per_row = np.array([specs_of(s) for s in specs], dtype=np.int64).reshape(-1, 5).T
+        empty = as_int64([])
+        return empty, empty, empty, empty
+    inner, rows0, block0 = dims[:, 0], dims[:, 1], dims[:, 2]
     which, ranks = which[live], cut.rank[live]
     strides = reads.storage_strides[cut.item[live]]
     first = cut.base[live]
     last = first + ((cut.lengths[live] - 1) * strides).sum(axis=1)
     lo_row = np.minimum(first // inner[which], rows0[which] - 1) // block0[which]
     hi_row = np.minimum(last // inner[which], rows0[which] - 1) // block0[which]
-    slot = ranks * len(specs) + which
-    lo = np.full(world * len(specs), np.iinfo(np.int64).max, dtype=np.int64)
-    hi = np.full(world * len(specs), -1, dtype=np.int64)
+    slot = ranks * nspecs + which
+    lo = np.full(world * nspecs, np.iinfo(np.int64).max, dtype=np.int64)
+    hi = np.full(world * nspecs, -1, dtype=np.int64)
     np.minimum.at(lo, slot, lo_row)
     np.maximum.at(hi, slot, hi_row)
     used = np.flatnonzero(hi >= 0)
-    spec_of = used % len(specs)
+    return used // nspecs, used % nspecs, lo[used], hi[used]
+
+
+def _scale_rows(
+    reads: Reads, cut: _Cut, specs_of: _Specs, world: int, out: list[tuple[Int64s, Int64s, Int64s, Int64s]]
+) -> None:
+    """The scale rows each rank's cut items of ``reads`` touch (``items.touched_scale_rows`` per rank, for
+    this target alone, as ``rank_needs`` takes them) appended to ``out`` as intervals of the scale tensors.
+    The grid rows depend on the cut, which items share a spec and the specs' shapes: targets that share those
+    (the same cut, up to keys) share them (``_Specs.touched``); only the scale keys are per target."""
+    if reads.second is None or not len(cut.item):
+        return
+    ids: dict[Any, int] = {}
+    which_item = as_int64([-1 if s is None else ids.setdefault(s, len(ids)) for s in reads.second])
+    specs = list(ids)
+    dims = tuple(specs_of(s) for s in specs)
+    memo = (id(cut), which_item.tobytes(), dims)
+    hit = specs_of.touched.get(memo)
+    if hit is None:
+        hit = specs_of.touched[memo] = _touched_rows(
+            reads, cut, which_item, np.array(dims, dtype=np.int64).reshape(-1, 4), world
+        )
+    ranks, spec_of, lo, hi = hit
+    if not len(ranks):
+        return
+    smap = specs_of.smap
+    scale_key = as_int64([smap.key_id[s.scale] for s in specs])
+    grid_rows = as_int64([d[3] for d in dims])
+    per_row = smap.nbytes[scale_key] // smap.itemsize[scale_key] // grid_rows
     rows = per_row[spec_of]
-    out.append((used // len(specs), scale_key[spec_of], lo[used] * rows, (hi[used] + 1) * rows))
+    out.append((ranks, scale_key[spec_of], lo * rows, (hi + 1) * rows))
 
 
 def all_rank_needs(
