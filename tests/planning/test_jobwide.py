@@ -209,3 +209,15 @@ def test_merge_needs_refuses_tensors_that_share_bytes() -> None:
     smap = StorageMap.build([("a", 0, 8, 8, 2), ("b", 0, 12, 8, 2)], [("f.safetensors", 20)])
     with pytest.raises(PlanError, match="'a' and 'b' share bytes"):
         merge_needs(smap, np.array([0], dtype=np.int64), np.array([0], dtype=np.int64), np.array([2], dtype=np.int64))
+
+
+def test_needs_out_of_axis_order_give_the_same_chunks_and_readers() -> None:
+    """``Needs`` are sorted by contract; a rank's rows given in another order still make the same chunks,
+    readers and rounds (the per-(rank, chunk) byte counts are summed the same)."""
+    smap, needs = _random_job(5)
+    job = plan_job(needs, smap, ranks_per_node=2, chunk_bytes=1024, budget_bytes=6000)
+    shuffled = [Needs(n.key[::-1].copy(), n.start[::-1].copy(), n.end[::-1].copy()) for n in needs]
+    other = plan_job(shuffled, smap, ranks_per_node=2, chunk_bytes=1024, budget_bytes=6000)
+    for name in ("chunk_lo", "chunk_hi", "chunk_reader", "chunk_round", "pieces_key", "pieces_start", "pieces_end"):
+        assert np.array_equal(getattr(job, name), getattr(other, name)), name
+    assert (job.bytes_received() == other.bytes_received()).all()
