@@ -119,7 +119,11 @@ class Needs:
         """The intervals on the global byte axis."""
         size = smap.itemsize[self.key]
         base = smap.g0[self.key]
-        return base + self.start * size, base + self.end * size
+        lo = self.start * size
+        lo += base
+        hi = self.end * size
+        hi += base
+        return lo, hi
 
     def nbytes(self, smap: StorageMap) -> int:
         return int(((self.end - self.start) * smap.itemsize[self.key]).sum())
@@ -161,23 +165,33 @@ def _tensor_starts(smap: StorageMap) -> tuple[Int64s, Int64s]:
 
 def needs_of_pieces(smap: StorageMap, lo: Int64s, hi: Int64s, shift: int = 0) -> tuple[Int64s, Needs]:
     """Pieces ``[lo, hi)`` on the axis (``sorted_pieces``; each within one tensor; bits from ``shift`` up name
-    a rank, whose stretches never touch) as merged intervals per tensor: pieces that touch within one tensor
-    become one. Returns ``(rank of each, Needs)`` (all ranks 0 when ``shift`` is 0)."""
+    a rank) as merged intervals per tensor: pieces of one rank that touch within one tensor become one.
+    Returns ``(rank of each, Needs)`` (all ranks 0 when ``shift`` is 0). ``lo`` and ``hi`` are consumed: they
+    become the intervals' starts and ends in place (fresh pages of arrays this large cost as much as the
+    arithmetic)."""
     keys, starts = _tensor_starts(smap)
-    local_lo = lo & ((1 << shift) - 1) if shift else lo
-    key = keys[np.searchsorted(starts, local_lo, "right") - 1]
+    rank = lo >> shift if shift else np.zeros(len(lo), dtype=np.int64)
+    if shift:
+        np.bitwise_and(lo, (1 << shift) - 1, out=lo)
+        np.bitwise_and(hi, (1 << shift) - 1, out=hi)
+    at = np.searchsorted(starts, lo, "right")
+    at -= 1
+    key = keys[at]
+    del at
     if len(key) > 1:
-        join = (hi[:-1] == lo[1:]) & (key[:-1] == key[1:])
+        join = (hi[:-1] == lo[1:]) & (key[:-1] == key[1:]) & (rank[:-1] == rank[1:])
         if join.any():
             first = np.flatnonzero(np.concatenate([[True], ~join]))
             last = np.append(first[1:], len(key)) - 1
-            lo, hi, key = lo[first], hi[last], key[first]
-            local_lo = lo & ((1 << shift) - 1) if shift else lo
-    rank = lo >> shift if shift else np.zeros(len(key), dtype=np.int64)
-    size, base = smap.itemsize[key], smap.g0[key]
-    local_hi = local_lo + (hi - lo)
-    start, end = (local_lo - base) // size, (local_hi - base) // size
-    return as_int64(rank), Needs(as_int64(key), as_int64(start), as_int64(end))
+            lo, hi, key, rank = lo[first], hi[last], key[first], rank[first]
+    base = smap.g0[key]
+    lo -= base
+    hi -= base
+    del base
+    size = smap.itemsize[key]
+    lo //= size
+    hi //= size
+    return as_int64(rank), Needs(as_int64(key), lo, hi)
 
 
 def _sorted_bounds(

@@ -221,8 +221,10 @@ def _holder_cuts(positions: Int64s, ranks: Int64s, min_run: int) -> Int64s:
     of the events at it)."""
     if not len(positions):
         return as_int64([])
-    hashes = ranks.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(0x632BE59BD9B4E019)
-    acc = np.bitwise_xor.accumulate(hashes)
+    acc = ranks.astype(np.uint64)  # each event's rank hash, then their running XOR (in place)
+    acc *= np.uint64(0x9E3779B97F4A7C15)
+    acc += np.uint64(0x632BE59BD9B4E019)
+    np.bitwise_xor.accumulate(acc, out=acc)
     last = np.flatnonzero(np.append(positions[1:] != positions[:-1], True))  # the last event at each position
     edges, signature = positions[last], acc[last]
     if len(edges) < 2:
@@ -258,7 +260,8 @@ def _events(rank: Int64s, glo: Int64s, ghi: Int64s, world: int) -> tuple[Int64s,
     del tag
     events = np.concatenate([starts, ends])
     events.sort(kind="stable")  # two sorted runs: one merge
-    event_rank = (events >> 1) & ((1 << rbits) - 1)
+    event_rank = events >> 1
+    event_rank &= (1 << rbits) - 1
     events >>= rbits + 1
     starts >>= rbits + 1
     ends >>= rbits + 1
@@ -464,9 +467,7 @@ def plan_job(
     h = hashlib.blake2b(digest_size=16)
     h.update(smap.digest().encode())
     h.update(f"{world}/{ranks_per_node}/{chunk_bytes}/{budget_bytes}".encode())
-    for array in (plan.chunk_lo, plan.chunk_reader, plan.chunk_round, pc, pk, ps, pe):
-        h.update(array.tobytes())
-    for array in (as_int64(counts), key, start, end):
-        h.update(array.tobytes())
+    for array in (plan.chunk_lo, plan.chunk_reader, plan.chunk_round, pc, pk, ps, pe, as_int64(counts), key, start, end):
+        h.update(memoryview(as_int64(array)).cast("B"))  # the bytes of ``tobytes()``, without a copy
     plan.digest = h.hexdigest()
     return plan
