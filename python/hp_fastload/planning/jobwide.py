@@ -467,7 +467,8 @@ def plan_job(
     h = hashlib.blake2b(digest_size=16)
     h.update(smap.digest().encode())
     h.update(f"{world}/{ranks_per_node}/{chunk_bytes}/{budget_bytes}".encode())
-    for array in (plan.chunk_lo, plan.chunk_reader, plan.chunk_round, pc, pk, ps, pe, as_int64(counts), key, start, end):
+    hashed = (plan.chunk_lo, plan.chunk_reader, plan.chunk_round, pc, pk, ps, pe, as_int64(counts), key, start, end)
+    for array in hashed:
         h.update(memoryview(as_int64(array)).cast("B"))  # the bytes of ``tobytes()``, without a copy
     plan.digest = h.hexdigest()
     return plan
