@@ -25,11 +25,14 @@ __all__ = [
     "Needs",
     "StorageMap",
     "as_int64",
+    "check_axis",
     "delivered_rows",
     "item_runs",
+    "merge_bounds_by_rank",
     "merge_needs",
     "merge_needs_by_rank",
     "needs_of_pieces",
+    "rank_axis_bounds",
     "rank_needs",
     "sorted_pieces",
     "union_bytes",
@@ -225,23 +228,42 @@ def merge_needs(smap: StorageMap, key: Int64s, start: Int64s, end: Int64s) -> Ne
     return needs_of_pieces(smap, *sorted_pieces(lo, hi))[1]
 
 
-def merge_needs_by_rank(
-    smap: StorageMap, world: int, rank: Int64s, key: Int64s, start: Int64s, end: Int64s
-) -> list[Needs]:
-    """``merge_needs`` of every rank at once: rows ``(rank, key, start, end)`` of any order -> one ``Needs`` per
-    rank (equal to ``merge_needs`` of that rank's rows). Each rank's intervals are moved to their own stretch
-    of one axis (``rank << AXIS_BITS``), then merged as ``merge_needs`` merges: one sort of the starts and one
-    of the ends, values only."""
-    keep = end > start
-    if not keep.all():
-        rank, key, start, end = rank[keep], key[keep], start[keep], end[keep]
-    out = [Needs.empty() for _ in range(world)]
-    if not len(key):
-        return out
+def check_axis(smap: StorageMap, world: int) -> None:
+    """``PlanError`` when the job's ranks and the checkpoint's bytes do not fit one axis (``AXIS_BITS``)."""
     total = int((smap.g0 + smap.nbytes).max()) if len(smap.g0) else 0
     if total >= 1 << AXIS_BITS or world >= 1 << (62 - AXIS_BITS):
         raise PlanError(f"a checkpoint of {total} bytes on {world} ranks is past the job plan's axis")
-    lo, hi = _sorted_bounds(smap, key, start, end, rank << AXIS_BITS)
+
+
+def rank_axis_bounds(
+    smap: StorageMap, rank: Int64s, key: Int64s, start: Int64s, end: Int64s, shift: Int64s | None = None
+) -> tuple[Int64s, Int64s]:
+    """Rows ``(rank, key, start, end)`` as bounds on the ranks' axis (``rank << AXIS_BITS`` plus the global
+    byte position; ``shift``: ``rank << AXIS_BITS`` when already made), empty rows dropped: the input of
+    ``merge_bounds_by_rank`` (``check_axis`` first)."""
+    keep = end > start
+    if not keep.all():
+        rank, key, start, end = rank[keep], key[keep], start[keep], end[keep]
+        shift = None
+    size = smap.itemsize[key]
+    base = smap.g0[key]
+    base += rank << AXIS_BITS if shift is None else shift
+    lo = start * size
+    lo += base
+    hi = end * size
+    hi += base
+    return lo, hi
+
+
+def merge_bounds_by_rank(smap: StorageMap, world: int, lo: Int64s, hi: Int64s) -> list[Needs]:
+    """``merge_needs_by_rank`` of rows given as bounds on the ranks' axis (``rank_axis_bounds``, any order);
+    ``lo`` and ``hi`` are consumed (sorted, then overwritten in place). One sort of the starts and one of
+    the ends, values only: no permutation of the rows is gathered."""
+    out = [Needs.empty() for _ in range(world)]
+    if not len(lo):
+        return out
+    lo.sort(kind="stable")
+    hi.sort(kind="stable")
     r, needs = needs_of_pieces(smap, *sorted_pieces(lo, hi), shift=AXIS_BITS)
     bounds = np.searchsorted(r, np.arange(world + 1)).tolist()
     for i in range(world):
@@ -249,6 +271,16 @@ def merge_needs_by_rank(
         if b > a:
             out[i] = Needs(needs.key[a:b], needs.start[a:b], needs.end[a:b])
     return out
+
+
+def merge_needs_by_rank(
+    smap: StorageMap, world: int, rank: Int64s, key: Int64s, start: Int64s, end: Int64s
+) -> list[Needs]:
+    """``merge_needs`` of every rank at once: rows ``(rank, key, start, end)`` of any order -> one ``Needs`` per
+    rank (equal to ``merge_needs`` of that rank's rows). Each rank's intervals are moved to their own stretch
+    of one axis (``rank << AXIS_BITS``), then merged as ``merge_needs`` merges (``merge_bounds_by_rank``)."""
+    check_axis(smap, world)
+    return merge_bounds_by_rank(smap, world, *rank_axis_bounds(smap, rank, key, start, end))
 
 
 def item_runs(lengths: Sequence[int], strides: Sequence[int]) -> tuple[Int64s, int]:

@@ -11,7 +11,7 @@ arithmetic. Work is shared where the ranks' layouts differ only by offsets:
   distinct projection, not per rank;
 - targets with the same layout and the same items up to their checkpoint keys (the decoder layers of a model,
   the experts of every MoE layer) share one intersection, renamed per target;
-- one sort merges every rank's intervals (``jobneeds.merge_needs_by_rank``).
+- one sort of the starts and one of the ends merge every rank's intervals (``jobneeds.merge_bounds_by_rank``).
 
 ``rank_needs_by_planning`` is the reference it is tested against (and the per-rank way: one ``plan_load`` per
 distinct layout). Pure: headers, the rules and the model's layout; nothing is read.
@@ -32,13 +32,16 @@ from hp_fastload.model.regions import local_region, mesh_coordinates, virtual_ra
 from hp_fastload.model.targets import Target, build_targets
 from hp_fastload.planning.items import LoadPlan, Reads
 from hp_fastload.planning.jobneeds import (
+    AXIS_BITS,
     Int64s,
     Needs,
     StorageMap,
     as_int64,
+    check_axis,
     delivered_rows,
     item_runs,
-    merge_needs_by_rank,
+    merge_bounds_by_rank,
+    rank_axis_bounds,
     rank_needs,
 )
 from hp_fastload.planning.orchestrate import plan_load
@@ -162,7 +165,7 @@ class _Cut:
     """One intersection of a target's items (up to keys) with every rank's boxes: per (box, item) pair that
     meets, the rank, the item, the cut item's storage base and lengths; and its element runs."""
 
-    __slots__ = ("base", "item", "lengths", "rank", "run_end", "run_item", "run_rank", "run_start")
+    __slots__ = ("base", "item", "lengths", "rank", "run_end", "run_item", "run_rank", "run_start", "shift")
 
     def __init__(self, reads: Reads, box_rank: Int64s, lo: Int64s, hi: Int64s) -> None:
         dest, lengths, strides = reads.dest_offsets, reads.lengths, reads.storage_strides
@@ -194,6 +197,7 @@ class _Cut:
         join = lambda xs: as_int64(np.concatenate(xs)) if xs else as_int64([])  # noqa: E731
         self.run_rank, self.run_item = join(runs_rank), join(runs_item)
         self.run_start, self.run_end = join(runs_start), join(runs_end)
+        self.shift = self.run_rank << AXIS_BITS  # the runs' ranks on the ranks' axis (``rank_axis_bounds``)
 
 
 def _structure(reads: Reads) -> tuple[bytes, ...]:
@@ -314,7 +318,10 @@ def needs_from_whole_plan(
     packed = packed_keys(plan, index)
     layouts = _Layouts(world)
     cuts: dict[tuple[Any, ...], _Cut] = {}
-    parts: list[tuple[Int64s, Int64s, Int64s, Int64s]] = []
+    check_axis(smap, world)
+    los: list[Int64s] = []  # every rank's rows, as bounds on the ranks' axis (``rank_axis_bounds``)
+    his: list[Int64s] = []
+    scales: list[tuple[Int64s, Int64s, Int64s, Int64s]] = []
     key_id = smap.key_id
     specs_of = _Specs(smap)
     for name, reads in plan.region_reads.items():
@@ -329,12 +336,17 @@ def needs_from_whole_plan(
             cut = cuts[signature] = _Cut(part, *layouts.boxes(target))
         if len(cut.run_item):
             keys = as_int64([key_id[k] for k in part.keys])
-            parts.append((cut.run_rank, keys[cut.run_item], cut.run_start, cut.run_end))
-        _scale_rows(part, cut, specs_of, world, parts)
-    if not parts:
+            lo, hi = rank_axis_bounds(smap, cut.run_rank, keys[cut.run_item], cut.run_start, cut.run_end, cut.shift)
+            los.append(lo)
+            his.append(hi)
+        _scale_rows(part, cut, specs_of, world, scales)
+    for rank, key, start, end in scales:
+        lo, hi = rank_axis_bounds(smap, rank, key, start, end)
+        los.append(lo)
+        his.append(hi)
+    if not los:
         return [Needs.empty() for _ in range(world)]
-    rank, key, start, end = (as_int64(np.concatenate(column)) for column in zip(*parts, strict=True))
-    return merge_needs_by_rank(smap, world, rank, key, start, end)
+    return merge_bounds_by_rank(smap, world, np.concatenate(los), np.concatenate(his))
 
 
 def rank_needs_by_planning(
