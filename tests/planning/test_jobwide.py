@@ -221,3 +221,35 @@ def test_needs_out_of_axis_order_give_the_same_chunks_and_readers() -> None:
     for name in ("chunk_lo", "chunk_hi", "chunk_reader", "chunk_round", "pieces_key", "pieces_start", "pieces_end"):
         assert np.array_equal(getattr(job, name), getattr(other, name)), name
     assert (job.bytes_received() == other.bytes_received()).all()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_holder_events_merged_block_by_block_give_the_same_plan(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The holder events are merged a block of axis positions at a time (bounded temporaries); blocks of a few
+    events give the plan one block gives."""
+    import hp_fastload.planning.jobwide as jobwide
+
+    smap, needs = _random_job(seed, world=5)
+    whole = plan_job(needs, smap, ranks_per_node=2, chunk_bytes=256, budget_bytes=6000)
+    monkeypatch.setattr(jobwide, "EVENT_BLOCK", 2)
+    blocks = plan_job(needs, smap, ranks_per_node=2, chunk_bytes=256, budget_bytes=6000)
+    assert len(whole.chunk_lo) > 3
+    assert blocks.digest == whole.digest
+    assert np.array_equal(blocks.chunk_lo, whole.chunk_lo)
+
+
+def test_needs_made_in_one_piece_plan_as_the_same_needs_in_a_list() -> None:
+    """``merge_needs_by_rank`` returns every rank's needs as stretches of one set of arrays, which the plan
+    takes without concatenating; a list changed since is concatenated as any list."""
+    from hp_fastload.planning.jobneeds import NeedsByRank, merge_needs_by_rank
+
+    smap, needs = _random_job(2, world=4)
+    rank = np.repeat(np.arange(4), [len(n.key) for n in needs])
+    columns = [np.concatenate([getattr(n, f) for n in needs]) for f in ("key", "start", "end")]
+    by_rank = merge_needs_by_rank(smap, 4, rank, *columns)
+    assert isinstance(by_rank, NeedsByRank) and by_rank.intact() is not None
+    assert plan_job(by_rank, smap, ranks_per_node=2).digest == plan_job(list(needs), smap, ranks_per_node=2).digest
+    by_rank[1] = needs[0]
+    assert by_rank.intact() is None
+    changed = [needs[0], needs[0], needs[2], needs[3]]
+    assert plan_job(by_rank, smap, ranks_per_node=2).digest == plan_job(changed, smap, ranks_per_node=2).digest

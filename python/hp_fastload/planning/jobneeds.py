@@ -23,6 +23,7 @@ from hp_fastload.planning.items import LoadPlan, Reads, touched_scale_rows
 __all__ = [
     "Int64s",
     "Needs",
+    "NeedsByRank",
     "StorageMap",
     "as_int64",
     "check_axis",
@@ -137,6 +138,21 @@ class Needs:
         return all(np.array_equal(getattr(self, n), getattr(other, n)) for n in ("key", "start", "end"))
 
     __hash__ = None  # type: ignore[assignment]
+
+
+class NeedsByRank(list[Needs]):
+    """Every rank's ``Needs`` in rank order, made as consecutive stretches of one set of arrays (``flat``): a
+    job plan takes the columns of every rank's rows as they are, without concatenating them again."""
+
+    def __init__(self, parts: Sequence[Needs], flat: Needs) -> None:
+        super().__init__(parts)
+        self.flat = flat
+        self._parts = tuple(parts)
+
+    def intact(self) -> Needs | None:
+        """``flat``, unless the list no longer holds the stretches it was made of."""
+        same = len(self) == len(self._parts) and all(a is b for a, b in zip(self, self._parts, strict=True))
+        return self.flat if same else None
 
 
 def sorted_pieces(lo: Int64s, hi: Int64s) -> tuple[Int64s, Int64s]:
@@ -268,9 +284,8 @@ def merge_bounds_by_rank(smap: StorageMap, world: int, lo: Int64s, hi: Int64s) -
     bounds = np.searchsorted(r, np.arange(world + 1)).tolist()
     for i in range(world):
         a, b = bounds[i], bounds[i + 1]
-        if b > a:
-            out[i] = Needs(needs.key[a:b], needs.start[a:b], needs.end[a:b])
-    return out
+        out[i] = Needs(needs.key[a:b], needs.start[a:b], needs.end[a:b])
+    return NeedsByRank(out, needs)
 
 
 def merge_needs_by_rank(

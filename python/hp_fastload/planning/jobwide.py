@@ -22,7 +22,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hp_fastload.errors import PlanError
-from hp_fastload.planning.jobneeds import Int64s, Needs, StorageMap, as_int64, needs_of_pieces, sorted_pieces
+from hp_fastload.planning.jobneeds import (
+    Int64s,
+    Needs,
+    NeedsByRank,
+    StorageMap,
+    as_int64,
+    needs_of_pieces,
+    sorted_pieces,
+)
 
 FIELDS = ("key", "start", "end")
 
@@ -210,23 +218,47 @@ def _split_at_chunks(
     return (as_int64(chunk), as_int64(k), as_int64(cut_start), as_int64(cut_end), *(np.repeat(x, count) for x in extra))
 
 
-def _holder_cuts(positions: Int64s, ranks: Int64s, min_run: int) -> Int64s:
+#: Events merged at a time by ``_holder_cuts`` (bounded temporaries, reused between blocks).
+EVENT_BLOCK = 1 << 18
+_HASH_MUL, _HASH_ADD = np.uint64(0x9E3779B97F4A7C15), np.uint64(0x632BE59BD9B4E019)
+
+
+def _holder_cuts(starts: Int64s, ends: Int64s, rbits: int, min_run: int) -> Int64s:
     """Axis positions where the set of ranks needing the bytes changes and both sides are runs of at least
     ``min_run`` bytes with one holder set: cutting a chunk there lets a rank that needs a run read it (no send),
     while a strided layout (a column slice changes holders every row) stays in large chunks.
 
-    ``positions``, ``ranks``: every rank's intervals (disjoint within a rank) as two events each, at its start
-    and at its end, sorted by position. The running XOR of the events' rank hashes is the holder set's
-    signature of each segment between event positions (the XOR up to a position does not depend on the order
-    of the events at it)."""
-    if not len(positions):
+    ``starts``, ``ends``: every rank's intervals (disjoint within a rank), packed and sorted as ``_events``
+    makes them. Merged in position order (a block of positions at a time), the running XOR of the events'
+    rank hashes is the holder set's signature of each segment between event positions (the XOR up to a
+    position does not depend on the order of the events at it)."""
+    if not len(starts):
         return as_int64([])
-    acc = ranks.astype(np.uint64)  # each event's rank hash, then their running XOR (in place)
-    acc *= np.uint64(0x9E3779B97F4A7C15)
-    acc += np.uint64(0x632BE59BD9B4E019)
-    np.bitwise_xor.accumulate(acc, out=acc)
-    last = np.flatnonzero(np.append(positions[1:] != positions[:-1], True))  # the last event at each position
-    edges, signature = positions[last], acc[last]
+    shift = rbits + 1
+    # blocks of the axis, each starting at the position of every EVENT_BLOCK-th start: a position's events
+    # all fall in one block
+    firsts = np.unique(starts[EVENT_BLOCK::EVENT_BLOCK] >> shift) << shift
+    s_at = [0, *np.searchsorted(starts, firsts).tolist(), len(starts)]
+    e_at = [0, *np.searchsorted(ends, firsts).tolist(), len(ends)]
+    edge_parts, signature_parts = [], []
+    carry = np.uint64(0)
+    for j in range(len(s_at) - 1):
+        events = np.concatenate([starts[s_at[j] : s_at[j + 1]], ends[e_at[j] : e_at[j + 1]]])
+        if not len(events):
+            continue
+        events.sort(kind="stable")  # two sorted runs: one merge
+        acc = (events >> 1).view(np.uint64)  # each event's rank hash, then the running XOR (in place)
+        acc &= np.uint64((1 << rbits) - 1)
+        acc *= _HASH_MUL
+        acc += _HASH_ADD
+        acc[0] ^= carry
+        np.bitwise_xor.accumulate(acc, out=acc)
+        carry = acc[-1]
+        events >>= shift
+        last = np.flatnonzero(np.append(events[1:] != events[:-1], True))  # the last event at each position
+        edge_parts.append(events[last])
+        signature_parts.append(acc[last])
+    edges, signature = np.concatenate(edge_parts), np.concatenate(signature_parts)
     if len(edges) < 2:
         return as_int64([])
     seg_lo, seg_hi, signature = edges[:-1], edges[1:], signature[:-1]
@@ -241,10 +273,10 @@ def _holder_cuts(positions: Int64s, ranks: Int64s, min_run: int) -> Int64s:
     return as_int64(seg_lo[run_first[1:][big[1:] & big[:-1]]])
 
 
-def _events(rank: Int64s, glo: Int64s, ghi: Int64s, world: int) -> tuple[Int64s, Int64s, Int64s, Int64s]:
+def _events(rank: Int64s, glo: Int64s, ghi: Int64s, world: int) -> tuple[Int64s, Int64s, int]:
     """Every rank's intervals ``[glo, ghi)`` as sorted values, packed ``position << (b + 1) | rank << 1 | end``
-    (``b`` bits hold a rank): ``(sorted starts, sorted ends, event positions, event ranks)``, the events (starts
-    and ends) in position order. Sorting packed values, not the rows: no permutation is gathered."""
+    (``b`` bits hold a rank): ``(sorted starts, sorted ends, b)``. Sorting packed values, not the rows: no
+    permutation is gathered."""
     rbits = max(1, (max(world, 1) - 1).bit_length())
     top = int(ghi.max()) if len(ghi) else 0
     if top.bit_length() + rbits + 1 > 63:
@@ -257,15 +289,7 @@ def _events(rank: Int64s, glo: Int64s, ghi: Int64s, world: int) -> tuple[Int64s,
     ends |= tag
     ends |= 1
     ends.sort(kind="stable")
-    del tag
-    events = np.concatenate([starts, ends])
-    events.sort(kind="stable")  # two sorted runs: one merge
-    event_rank = events >> 1
-    event_rank &= (1 << rbits) - 1
-    events >>= rbits + 1
-    starts >>= rbits + 1
-    ends >>= rbits + 1
-    return starts, ends, events, event_rank
+    return starts, ends, rbits
 
 
 def _chunk_bounds(union: Needs, smap: StorageMap, chunk_bytes: int, cuts: Int64s | None = None) -> Int64s:
@@ -411,21 +435,29 @@ def plan_job(
     chunk_bytes = max(1, min(chunk_bytes, budget_bytes // 4 or 1))
     counts = [len(n.key) for n in needs]
     rank = np.repeat(np.arange(world, dtype=np.int64), counts)
-    key, start, end = (as_int64(np.concatenate([getattr(n, f) for n in needs]) if world else []) for f in FIELDS)
+    flat = needs.intact() if isinstance(needs, NeedsByRank) else None
+    if flat is not None:  # every rank's rows already in one set of arrays
+        key, start, end = flat.key, flat.start, flat.end
+    else:
+        key, start, end = (as_int64(np.concatenate([getattr(n, f) for n in needs]) if world else []) for f in FIELDS)
     glo, ghi = Needs(key, start, end).g_bounds(smap)
     # one sort of the starts and one of the ends (values, rank packed in): the union and the holder events
     live = ghi > glo
     every = bool(live.all())
-    lo_sorted, hi_sorted, event_pos, event_rank = _events(
+    starts, ends, rbits = _events(
         rank if every else rank[live], glo if every else glo[live], ghi if every else ghi[live], world
     )
-    union = needs_of_pieces(smap, *sorted_pieces(lo_sorted, hi_sorted))[1] if len(lo_sorted) else Needs.empty()
-    del lo_sorted, hi_sorted, live
+    del live
+    union = (
+        needs_of_pieces(smap, *sorted_pieces(starts >> rbits + 1, ends >> rbits + 1))[1]
+        if len(starts)
+        else Needs.empty()
+    )
     nodes = -(-world // ranks_per_node) if world else 1
     # chunks small enough that each node's share is many chunks (balance), never below MIN_CHUNK_BYTES
     chunk_bytes = min(chunk_bytes, max(MIN_CHUNK_BYTES, union.nbytes(smap) // (8 * nodes)))
-    cuts = _holder_cuts(event_pos, event_rank, max(1, chunk_bytes // 4))
-    del event_pos, event_rank
+    cuts = _holder_cuts(starts, ends, rbits, max(1, chunk_bytes // 4))
+    del starts, ends
     bounds = _chunk_bounds(union, smap, chunk_bytes, cuts)
     pc, pk, ps, pe = _split_at_chunks(smap, bounds, union.key, union.start, union.end)
     rc, rk, rs, re_, rr = _split_at_chunks(smap, bounds, key, start, end, rank, axis=(glo, ghi))
