@@ -501,6 +501,6 @@ def plan_job(
     h.update(f"{world}/{ranks_per_node}/{chunk_bytes}/{budget_bytes}".encode())
     hashed = (plan.chunk_lo, plan.chunk_reader, plan.chunk_round, pc, pk, ps, pe, as_int64(counts), key, start, end)
     for array in hashed:
-        h.update(memoryview(as_int64(array)).cast("B"))  # the bytes of ``tobytes()``, without a copy
+        h.update(as_int64(array).data)  # the bytes of ``tobytes()``, without a copy
     plan.digest = h.hexdigest()
     return plan
