@@ -151,3 +151,105 @@ def test_predict_formulas() -> None:
     assert in_b == (2 * (total - job_read[0]), 2 * (total - job_read[1])) and out_b == (in_b[1], in_b[0])
     want = max(max(r / 1e9, o / 2e9, i / 2e9) for r, o, i in zip(job_read, out_b, in_b, strict=True))
     assert by["job"].seconds == pytest.approx(want)
+
+
+def _naive_merge(smap: StorageMap, rows: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """Merged intervals per key by sets of elements: a key's elements in order, a new interval at each gap."""
+    elements: dict[int, set[int]] = {}
+    for k, s, e in rows:
+        elements.setdefault(k, set()).update(range(s, e))
+    out = []
+    for k in sorted(elements, key=lambda k: (int(smap.g0[k]), k)):
+        run: list[int] = []
+        for x in sorted(elements[k]):
+            if run and x != run[1]:
+                out.append((k, run[0], run[1]))
+                run = []
+            run = [run[0] if run else x, x + 1]
+        if run:
+            out.append((k, run[0], run[1]))
+    return out
+
+
+def _rows_of(needs: Needs) -> list[tuple[int, int, int]]:
+    return list(zip(needs.key.tolist(), needs.start.tolist(), needs.end.tolist(), strict=True))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_merge_needs_equals_merging_element_sets(seed: int) -> None:
+    """Overlapping, nested, touching and empty intervals, in any order; tensors that touch on the axis (an
+    interval ending where the next tensor's begins stays apart from it); ``merge_needs_by_rank`` per rank."""
+    from hp_fastload.planning.jobneeds import merge_needs, merge_needs_by_rank
+
+    rng = random.Random(seed)
+    smap = _smap([rng.randint(1, 40) for _ in range(rng.randint(1, 8))], files=rng.randint(1, 3))
+    world = rng.randint(1, 4)
+    rows_by_rank: list[list[tuple[int, int, int]]] = [[] for _ in range(world)]
+    for _ in range(rng.randint(0, 30)):
+        k = rng.randrange(len(smap.keys))
+        n = int(smap.nbytes[k] // smap.itemsize[k])
+        a = rng.randint(0, n)
+        rows_by_rank[rng.randrange(world)].append((k, a, rng.randint(a, n)))  # empty ones included
+    everything = [r for rows in rows_by_rank for r in rows]
+    rank = np.array([r for r, rows in enumerate(rows_by_rank) for _ in rows], dtype=np.int64)
+    order = list(range(len(everything)))
+    rng.shuffle(order)
+    columns = [np.array([row[i] for row in everything], dtype=np.int64) for i in range(3)]
+    shuffled = [c[order] if len(order) else c for c in columns]
+    assert _rows_of(merge_needs(smap, *shuffled)) == _naive_merge(smap, everything)
+    by_rank = merge_needs_by_rank(smap, world, rank[order] if len(order) else rank, *shuffled)
+    assert [_rows_of(n) for n in by_rank] == [_naive_merge(smap, rows) for rows in rows_by_rank]
+
+
+def test_merge_needs_refuses_tensors_that_share_bytes() -> None:
+    """Two names for one tensor's bytes (the index refuses such headers): a position would not name its key."""
+    from hp_fastload.errors import PlanError
+    from hp_fastload.planning.jobneeds import merge_needs
+
+    smap = StorageMap.build([("a", 0, 8, 8, 2), ("b", 0, 12, 8, 2)], [("f.safetensors", 20)])
+    with pytest.raises(PlanError, match="'a' and 'b' share bytes"):
+        merge_needs(smap, np.array([0], dtype=np.int64), np.array([0], dtype=np.int64), np.array([2], dtype=np.int64))
+
+
+def test_needs_out_of_axis_order_give_the_same_chunks_and_readers() -> None:
+    """``Needs`` are sorted by contract; a rank's rows given in another order still make the same chunks,
+    readers and rounds (the per-(rank, chunk) byte counts are summed the same)."""
+    smap, needs = _random_job(5)
+    job = plan_job(needs, smap, ranks_per_node=2, chunk_bytes=1024, budget_bytes=6000)
+    shuffled = [Needs(n.key[::-1].copy(), n.start[::-1].copy(), n.end[::-1].copy()) for n in needs]
+    other = plan_job(shuffled, smap, ranks_per_node=2, chunk_bytes=1024, budget_bytes=6000)
+    for name in ("chunk_lo", "chunk_hi", "chunk_reader", "chunk_round", "pieces_key", "pieces_start", "pieces_end"):
+        assert np.array_equal(getattr(job, name), getattr(other, name)), name
+    assert (job.bytes_received() == other.bytes_received()).all()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_holder_events_merged_block_by_block_give_the_same_plan(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The holder events are merged a block of axis positions at a time (bounded temporaries); blocks of a few
+    events give the plan one block gives."""
+    import hp_fastload.planning.jobwide as jobwide
+
+    smap, needs = _random_job(seed, world=5)
+    whole = plan_job(needs, smap, ranks_per_node=2, chunk_bytes=256, budget_bytes=6000)
+    monkeypatch.setattr(jobwide, "EVENT_BLOCK", 2)
+    blocks = plan_job(needs, smap, ranks_per_node=2, chunk_bytes=256, budget_bytes=6000)
+    assert len(whole.chunk_lo) > 3
+    assert blocks.digest == whole.digest
+    assert np.array_equal(blocks.chunk_lo, whole.chunk_lo)
+
+
+def test_needs_made_in_one_piece_plan_as_the_same_needs_in_a_list() -> None:
+    """``merge_needs_by_rank`` returns every rank's needs as stretches of one set of arrays, which the plan
+    takes without concatenating; a list changed since is concatenated as any list."""
+    from hp_fastload.planning.jobneeds import NeedsByRank, merge_needs_by_rank
+
+    smap, needs = _random_job(2, world=4)
+    rank = np.repeat(np.arange(4), [len(n.key) for n in needs])
+    columns = [np.concatenate([getattr(n, f) for n in needs]) for f in ("key", "start", "end")]
+    by_rank = merge_needs_by_rank(smap, 4, rank, *columns)
+    assert isinstance(by_rank, NeedsByRank) and by_rank.intact() is not None
+    assert plan_job(by_rank, smap, ranks_per_node=2).digest == plan_job(list(needs), smap, ranks_per_node=2).digest
+    by_rank[1] = needs[0]
+    assert by_rank.intact() is None
+    changed = [needs[0], needs[0], needs[2], needs[3]]
+    assert plan_job(by_rank, smap, ranks_per_node=2).digest == plan_job(changed, smap, ranks_per_node=2).digest

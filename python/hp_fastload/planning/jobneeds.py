@@ -23,13 +23,19 @@ from hp_fastload.planning.items import LoadPlan, Reads, touched_scale_rows
 __all__ = [
     "Int64s",
     "Needs",
+    "NeedsByRank",
     "StorageMap",
     "as_int64",
+    "check_axis",
     "delivered_rows",
     "item_runs",
+    "merge_bounds_by_rank",
     "merge_needs",
     "merge_needs_by_rank",
+    "needs_of_pieces",
+    "rank_axis_bounds",
     "rank_needs",
+    "sorted_pieces",
     "union_bytes",
 ]
 
@@ -117,7 +123,11 @@ class Needs:
         """The intervals on the global byte axis."""
         size = smap.itemsize[self.key]
         base = smap.g0[self.key]
-        return base + self.start * size, base + self.end * size
+        lo = self.start * size
+        lo += base
+        hi = self.end * size
+        hi += base
+        return lo, hi
 
     def nbytes(self, smap: StorageMap) -> int:
         return int(((self.end - self.start) * smap.itemsize[self.key]).sum())
@@ -130,62 +140,162 @@ class Needs:
     __hash__ = None  # type: ignore[assignment]
 
 
+class NeedsByRank(list[Needs]):
+    """Every rank's ``Needs`` in rank order, made as consecutive stretches of one set of arrays (``flat``): a
+    job plan takes the columns of every rank's rows as they are, without concatenating them again."""
+
+    def __init__(self, parts: Sequence[Needs], flat: Needs) -> None:
+        super().__init__(parts)
+        self.flat = flat
+        self._parts = tuple(parts)
+
+    def intact(self) -> Needs | None:
+        """``flat``, unless the list no longer holds the stretches it was made of."""
+        same = len(self) == len(self._parts) and all(a is b for a, b in zip(self, self._parts, strict=True))
+        return self.flat if same else None
+
+
+def sorted_pieces(lo: Int64s, hi: Int64s) -> tuple[Int64s, Int64s]:
+    """The union of non-empty half-open intervals given by their starts ``lo`` and their ends ``hi``, each
+    array sorted on its own (no pairing kept): its maximal pieces, in order, intervals that only touch kept
+    apart. The ``i``-th end closes a piece when exactly ``i + 1`` intervals start before it; with no
+    overlap at all (the common case: one rank's disjoint runs), the pieces are the intervals themselves."""
+    n = len(lo)
+    if n < 2 or bool((lo[1:] >= hi[:-1]).all()):
+        return lo, hi
+    closes = np.flatnonzero(np.searchsorted(lo, hi, "left") == np.arange(1, n + 1, dtype=np.int64))
+    firsts = np.concatenate([as_int64([0]), closes[:-1] + 1])
+    return lo[firsts], hi[closes]
+
+
+def _tensor_starts(smap: StorageMap) -> tuple[Int64s, Int64s]:
+    """The non-empty tensors in axis order and their starts ``(key numbers, g0)``: a position on the axis
+    names its tensor. ``PlanError`` when two tensors share a byte (the index refuses such headers, as
+    ``safetensors`` does)."""
+    keys = np.flatnonzero(smap.nbytes > 0)
+    starts = smap.g0[keys]
+    if len(keys) > 1:
+        clash = np.flatnonzero(starts[1:] < (starts + smap.nbytes[keys])[:-1])
+        if len(clash):
+            a, b = (smap.keys[int(keys[i])] for i in (clash[0], clash[0] + 1))
+            raise PlanError(f"checkpoint tensors {a!r} and {b!r} share bytes: the job plan needs disjoint tensors")
+    return as_int64(keys), starts
+
+
+def needs_of_pieces(smap: StorageMap, lo: Int64s, hi: Int64s, shift: int = 0) -> tuple[Int64s, Needs]:
+    """Pieces ``[lo, hi)`` on the axis (``sorted_pieces``; each within one tensor; bits from ``shift`` up name
+    a rank) as merged intervals per tensor: pieces of one rank that touch within one tensor become one.
+    Returns ``(rank of each, Needs)`` (all ranks 0 when ``shift`` is 0). ``lo`` and ``hi`` are consumed: they
+    become the intervals' starts and ends in place (fresh pages of arrays this large cost as much as the
+    arithmetic)."""
+    keys, starts = _tensor_starts(smap)
+    rank = lo >> shift if shift else np.zeros(len(lo), dtype=np.int64)
+    if shift:
+        np.bitwise_and(lo, (1 << shift) - 1, out=lo)
+        np.bitwise_and(hi, (1 << shift) - 1, out=hi)
+    at = np.searchsorted(starts, lo, "right")
+    at -= 1
+    key = keys[at]
+    del at
+    if len(key) > 1:
+        join = (hi[:-1] == lo[1:]) & (key[:-1] == key[1:]) & (rank[:-1] == rank[1:])
+        if join.any():
+            first = np.flatnonzero(np.concatenate([[True], ~join]))
+            last = np.append(first[1:], len(key)) - 1
+            lo, hi, key, rank = lo[first], hi[last], key[first], rank[first]
+    base = smap.g0[key]
+    lo -= base
+    hi -= base
+    del base
+    size = smap.itemsize[key]
+    lo //= size
+    hi //= size
+    return as_int64(rank), Needs(as_int64(key), lo, hi)
+
+
+def _sorted_bounds(
+    smap: StorageMap, key: Int64s, start: Int64s, end: Int64s, offset: Int64s | None = None
+) -> tuple[Int64s, Int64s]:
+    """The intervals' starts and ends on the axis (plus ``offset``), each sorted on its own (in place: the
+    arrays are large, and fresh pages cost as much as the sort)."""
+    size = smap.itemsize[key]
+    base = smap.g0[key]
+    if offset is not None:
+        base += offset
+    lo = start * size
+    lo += base
+    lo.sort(kind="stable")
+    hi = end * size
+    hi += base
+    hi.sort(kind="stable")
+    return lo, hi
+
+
 def merge_needs(smap: StorageMap, key: Int64s, start: Int64s, end: Int64s) -> Needs:
-    """Sorted, merged intervals per key (touching or overlapping intervals of one key become one). Sorted on
-    the global axis, where tensors are disjoint: a running maximum of the ends never leaks into the next key."""
+    """Sorted, merged intervals per key (touching or overlapping intervals of one key become one). The
+    starts and the ends on the global axis are sorted each on its own (values only, no permutation of the
+    rows: ``sorted_pieces``); a piece's position names its tensor (``_tensor_starts``)."""
     keep = end > start
-    key, start, end = key[keep], start[keep], end[keep]
+    if not keep.all():
+        key, start, end = key[keep], start[keep], end[keep]
     if not len(key):
         return Needs.empty()
+    lo, hi = _sorted_bounds(smap, key, start, end)
+    return needs_of_pieces(smap, *sorted_pieces(lo, hi))[1]
+
+
+def check_axis(smap: StorageMap, world: int) -> None:
+    """``PlanError`` when the job's ranks and the checkpoint's bytes do not fit one axis (``AXIS_BITS``)."""
+    total = int((smap.g0 + smap.nbytes).max()) if len(smap.g0) else 0
+    if total >= 1 << AXIS_BITS or world >= 1 << (62 - AXIS_BITS):
+        raise PlanError(f"a checkpoint of {total} bytes on {world} ranks is past the job plan's axis")
+
+
+def rank_axis_bounds(
+    smap: StorageMap, rank: Int64s, key: Int64s, start: Int64s, end: Int64s, shift: Int64s | None = None
+) -> tuple[Int64s, Int64s]:
+    """Rows ``(rank, key, start, end)`` as bounds on the ranks' axis (``rank << AXIS_BITS`` plus the global
+    byte position; ``shift``: ``rank << AXIS_BITS`` when already made), empty rows dropped: the input of
+    ``merge_bounds_by_rank`` (``check_axis`` first)."""
+    keep = end > start
+    if not keep.all():
+        rank, key, start, end = rank[keep], key[keep], start[keep], end[keep]
+        shift = None
     size = smap.itemsize[key]
-    glo = smap.g0[key] + start * size
-    ghi = smap.g0[key] + end * size
-    order = np.argsort(glo, kind="stable")
-    key, glo, ghi = key[order], glo[order], ghi[order]
-    run_end = np.maximum.accumulate(ghi)
-    new = np.ones(len(key), dtype=bool)
-    new[1:] = (key[1:] != key[:-1]) | (glo[1:] > run_end[:-1])
-    first = np.flatnonzero(new)
-    last = np.append(first[1:], len(key)) - 1
-    k = key[first]
-    size, base = smap.itemsize[k], smap.g0[k]
-    return Needs(as_int64(k), as_int64((glo[first] - base) // size), as_int64((run_end[last] - base) // size))
+    base = smap.g0[key]
+    base += rank << AXIS_BITS if shift is None else shift
+    lo = start * size
+    lo += base
+    hi = end * size
+    hi += base
+    return lo, hi
+
+
+def merge_bounds_by_rank(smap: StorageMap, world: int, lo: Int64s, hi: Int64s) -> list[Needs]:
+    """``merge_needs_by_rank`` of rows given as bounds on the ranks' axis (``rank_axis_bounds``, any order);
+    ``lo`` and ``hi`` are consumed (sorted, then overwritten in place). One sort of the starts and one of
+    the ends, values only: no permutation of the rows is gathered."""
+    out = [Needs.empty() for _ in range(world)]
+    if not len(lo):
+        return out
+    lo.sort(kind="stable")
+    hi.sort(kind="stable")
+    r, needs = needs_of_pieces(smap, *sorted_pieces(lo, hi), shift=AXIS_BITS)
+    bounds = np.searchsorted(r, np.arange(world + 1)).tolist()
+    for i in range(world):
+        a, b = bounds[i], bounds[i + 1]
+        out[i] = Needs(needs.key[a:b], needs.start[a:b], needs.end[a:b])
+    return NeedsByRank(out, needs)
 
 
 def merge_needs_by_rank(
     smap: StorageMap, world: int, rank: Int64s, key: Int64s, start: Int64s, end: Int64s
 ) -> list[Needs]:
     """``merge_needs`` of every rank at once: rows ``(rank, key, start, end)`` of any order -> one ``Needs`` per
-    rank (equal to ``merge_needs`` of that rank's rows). One sort of all rows: each rank's intervals are moved
-    to their own stretch of one axis (``rank << AXIS_BITS``), so a running maximum never leaks across ranks."""
-    keep = end > start
-    rank, key, start, end = rank[keep], key[keep], start[keep], end[keep]
-    out = [Needs.empty() for _ in range(world)]
-    if not len(key):
-        return out
-    total = int((smap.g0 + smap.nbytes).max()) if len(smap.g0) else 0
-    if total >= 1 << AXIS_BITS or world >= 1 << (62 - AXIS_BITS):
-        raise PlanError(f"a checkpoint of {total} bytes on {world} ranks is past the job plan's axis")
-    size = smap.itemsize[key]
-    shift = rank << AXIS_BITS
-    glo = smap.g0[key] + start * size + shift
-    ghi = smap.g0[key] + end * size + shift
-    order = np.argsort(glo, kind="stable")
-    rank, key, glo, ghi = rank[order], key[order], glo[order], ghi[order]
-    run_end = np.maximum.accumulate(ghi)
-    new = np.ones(len(key), dtype=bool)
-    new[1:] = (key[1:] != key[:-1]) | (glo[1:] > run_end[:-1]) | (rank[1:] != rank[:-1])
-    first = np.flatnonzero(new)
-    last = np.append(first[1:], len(key)) - 1
-    k, r = key[first], rank[first]
-    size, base = smap.itemsize[k], smap.g0[k] + (r << AXIS_BITS)
-    s, e = (glo[first] - base) // size, (run_end[last] - base) // size
-    bounds = np.searchsorted(r, np.arange(world + 1))
-    for i in range(world):
-        a, b = int(bounds[i]), int(bounds[i + 1])
-        if b > a:
-            out[i] = Needs(as_int64(k[a:b]), as_int64(s[a:b]), as_int64(e[a:b]))
-    return out
+    rank (equal to ``merge_needs`` of that rank's rows). Each rank's intervals are moved to their own stretch
+    of one axis (``rank << AXIS_BITS``), then merged as ``merge_needs`` merges (``merge_bounds_by_rank``)."""
+    check_axis(smap, world)
+    return merge_bounds_by_rank(smap, world, *rank_axis_bounds(smap, rank, key, start, end))
 
 
 def item_runs(lengths: Sequence[int], strides: Sequence[int]) -> tuple[Int64s, int]:

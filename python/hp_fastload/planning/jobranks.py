@@ -11,7 +11,7 @@ arithmetic. Work is shared where the ranks' layouts differ only by offsets:
   distinct projection, not per rank;
 - targets with the same layout and the same items up to their checkpoint keys (the decoder layers of a model,
   the experts of every MoE layer) share one intersection, renamed per target;
-- one sort merges every rank's intervals (``jobneeds.merge_needs_by_rank``).
+- one sort of the starts and one of the ends merge every rank's intervals (``jobneeds.merge_bounds_by_rank``).
 
 ``rank_needs_by_planning`` is the reference it is tested against (and the per-rank way: one ``plan_load`` per
 distinct layout). Pure: headers, the rules and the model's layout; nothing is read.
@@ -32,13 +32,16 @@ from hp_fastload.model.regions import local_region, mesh_coordinates, virtual_ra
 from hp_fastload.model.targets import Target, build_targets
 from hp_fastload.planning.items import LoadPlan, Reads
 from hp_fastload.planning.jobneeds import (
+    AXIS_BITS,
     Int64s,
     Needs,
     StorageMap,
     as_int64,
+    check_axis,
     delivered_rows,
     item_runs,
-    merge_needs_by_rank,
+    merge_bounds_by_rank,
+    rank_axis_bounds,
     rank_needs,
 )
 from hp_fastload.planning.orchestrate import plan_load
@@ -162,7 +165,7 @@ class _Cut:
     """One intersection of a target's items (up to keys) with every rank's boxes: per (box, item) pair that
     meets, the rank, the item, the cut item's storage base and lengths; and its element runs."""
 
-    __slots__ = ("base", "item", "lengths", "rank", "run_end", "run_item", "run_rank", "run_start")
+    __slots__ = ("base", "item", "lengths", "rank", "run_end", "run_item", "run_rank", "run_start", "shift")
 
     def __init__(self, reads: Reads, box_rank: Int64s, lo: Int64s, hi: Int64s) -> None:
         dest, lengths, strides = reads.dest_offsets, reads.lengths, reads.storage_strides
@@ -194,6 +197,7 @@ class _Cut:
         join = lambda xs: as_int64(np.concatenate(xs)) if xs else as_int64([])  # noqa: E731
         self.run_rank, self.run_item = join(runs_rank), join(runs_item)
         self.run_start, self.run_end = join(runs_start), join(runs_end)
+        self.shift = self.run_rank << AXIS_BITS  # the runs' ranks on the ranks' axis (``rank_axis_bounds``)
 
 
 def _structure(reads: Reads) -> tuple[bytes, ...]:
@@ -205,55 +209,81 @@ def _structure(reads: Reads) -> tuple[bytes, ...]:
 
 
 class _Specs:
-    """Per dequantization spec (``quant.Dequant``), once: ``(elements per dim-0 row, dim-0 rows, dim-0 block,
-    scale key number, scale elements per grid row)``, the numbers ``items.touched_scale_rows`` uses."""
+    """The numbers ``items.touched_scale_rows`` uses, per spec shape (``quant.Dequant``'s shape and block):
+    ``(elements per dim-0 row, dim-0 rows, dim-0 block, scale grid rows)``; and the touched grid rows of each
+    (cut, spec pattern), computed once for every target sharing them (the MoE layers' experts)."""
 
     def __init__(self, smap: StorageMap) -> None:
         self.smap = smap
-        self.rows: dict[Any, tuple[int, int, int, int, int]] = {}
+        self.dims: dict[tuple[Any, Any], tuple[int, int, int, int]] = {}
+        self.touched: dict[tuple[Any, ...], tuple[Int64s, Int64s, Int64s, Int64s]] = {}
 
-    def __call__(self, spec: Any) -> tuple[int, int, int, int, int]:
-        hit = self.rows.get(spec)
+    def __call__(self, spec: Any) -> tuple[int, int, int, int]:
+        shape_block = (spec.shape, spec.block)
+        hit = self.dims.get(shape_block)
         if hit is None:
             inner, rows0, block0 = (
                 (math.prod(spec.shape[1:]), spec.shape[0], spec.block[0]) if spec.shape else (1, 1, 1)
             )
-            k = self.smap.key_id[spec.scale]
-            per_row = int(self.smap.nbytes[k] // self.smap.itemsize[k]) // -(-rows0 // block0)
-            hit = self.rows[spec] = (inner, rows0, block0, k, per_row)
+            hit = self.dims[shape_block] = (inner, rows0, block0, -(-rows0 // block0))
         return hit
 
 
-def _scale_rows(
-    reads: Reads, cut: _Cut, specs_of: _Specs, world: int, out: list[tuple[Int64s, Int64s, Int64s, Int64s]]
-) -> None:
-    """The scale rows each rank's cut items of ``reads`` touch (``items.touched_scale_rows`` per rank, for
-    this target alone, as ``rank_needs`` takes them) appended to ``out`` as intervals of the scale tensors."""
-    if reads.second is None or not len(cut.item):
-        return
-    ids: dict[Any, int] = {}
-    which_item = as_int64([-1 if s is None else ids.setdefault(s, len(ids)) for s in reads.second])
+def _touched_rows(
+    reads: Reads, cut: _Cut, which_item: Int64s, dims: Int64s, world: int
+) -> tuple[Int64s, Int64s, Int64s, Int64s]:
+    """Per (rank, spec) some cut item of ``reads`` touches, in that order: ``(rank, spec, first grid row, last
+    grid row)``; ``which_item``: each item's spec (-1: none), ``dims``: per spec ``_Specs`` numbers."""
+    nspecs = len(dims)
     which = which_item[cut.item]
     live = (which >= 0) & (cut.lengths > 0).all(axis=1)
     if not live.any():
-        return
-    specs = list(ids)
-    inner, rows0, block0, scale_key, per_row = np.array([specs_of(s) for s in specs], dtype=np.int64).reshape(-1, 5).T
+        empty = as_int64([])
+        return empty, empty, empty, empty
+    inner, rows0, block0 = dims[:, 0], dims[:, 1], dims[:, 2]
     which, ranks = which[live], cut.rank[live]
     strides = reads.storage_strides[cut.item[live]]
     first = cut.base[live]
     last = first + ((cut.lengths[live] - 1) * strides).sum(axis=1)
     lo_row = np.minimum(first // inner[which], rows0[which] - 1) // block0[which]
     hi_row = np.minimum(last // inner[which], rows0[which] - 1) // block0[which]
-    slot = ranks * len(specs) + which
-    lo = np.full(world * len(specs), np.iinfo(np.int64).max, dtype=np.int64)
-    hi = np.full(world * len(specs), -1, dtype=np.int64)
+    slot = ranks * nspecs + which
+    lo = np.full(world * nspecs, np.iinfo(np.int64).max, dtype=np.int64)
+    hi = np.full(world * nspecs, -1, dtype=np.int64)
     np.minimum.at(lo, slot, lo_row)
     np.maximum.at(hi, slot, hi_row)
     used = np.flatnonzero(hi >= 0)
-    spec_of = used % len(specs)
+    return used // nspecs, used % nspecs, lo[used], hi[used]
+
+
+def _scale_rows(
+    reads: Reads, cut: _Cut, specs_of: _Specs, world: int, out: list[tuple[Int64s, Int64s, Int64s, Int64s]]
+) -> None:
+    """The scale rows each rank's cut items of ``reads`` touch (``items.touched_scale_rows`` per rank, for
+    this target alone, as ``rank_needs`` takes them) appended to ``out`` as intervals of the scale tensors.
+    The grid rows depend on the cut, which items share a spec and the specs' shapes: targets that share those
+    (the same cut, up to keys) share them (``_Specs.touched``); only the scale keys are per target."""
+    if reads.second is None or not len(cut.item):
+        return
+    ids: dict[Any, int] = {}
+    which_item = as_int64([-1 if s is None else ids.setdefault(s, len(ids)) for s in reads.second])
+    specs = list(ids)
+    dims = tuple(specs_of(s) for s in specs)
+    memo = (id(cut), which_item.tobytes(), dims)
+    hit = specs_of.touched.get(memo)
+    if hit is None:
+        hit = specs_of.touched[memo] = _touched_rows(
+            reads, cut, which_item, np.array(dims, dtype=np.int64).reshape(-1, 4), world
+        )
+    ranks, spec_of, lo, hi = hit
+    if not len(ranks):
+        return
+    smap = specs_of.smap
+    scale_key = as_int64([smap.key_id[s.scale] for s in specs])
+    grid_rows = as_int64([d[3] for d in dims])
+    per_row = smap.nbytes[scale_key] // smap.itemsize[scale_key] // grid_rows
     rows = per_row[spec_of]
-    out.append((used // len(specs), scale_key[spec_of], lo[used] * rows, (hi[used] + 1) * rows))
+    out.append((ranks, scale_key[spec_of], lo * rows, (hi + 1) * rows))
 
 
 def all_rank_needs(
@@ -288,7 +318,10 @@ def needs_from_whole_plan(
     packed = packed_keys(plan, index)
     layouts = _Layouts(world)
     cuts: dict[tuple[Any, ...], _Cut] = {}
-    parts: list[tuple[Int64s, Int64s, Int64s, Int64s]] = []
+    check_axis(smap, world)
+    los: list[Int64s] = []  # every rank's rows, as bounds on the ranks' axis (``rank_axis_bounds``)
+    his: list[Int64s] = []
+    scales: list[tuple[Int64s, Int64s, Int64s, Int64s]] = []
     key_id = smap.key_id
     specs_of = _Specs(smap)
     for name, reads in plan.region_reads.items():
@@ -303,12 +336,17 @@ def needs_from_whole_plan(
             cut = cuts[signature] = _Cut(part, *layouts.boxes(target))
         if len(cut.run_item):
             keys = as_int64([key_id[k] for k in part.keys])
-            parts.append((cut.run_rank, keys[cut.run_item], cut.run_start, cut.run_end))
-        _scale_rows(part, cut, specs_of, world, parts)
-    if not parts:
+            lo, hi = rank_axis_bounds(smap, cut.run_rank, keys[cut.run_item], cut.run_start, cut.run_end, cut.shift)
+            los.append(lo)
+            his.append(hi)
+        _scale_rows(part, cut, specs_of, world, scales)
+    for rank, key, start, end in scales:
+        lo, hi = rank_axis_bounds(smap, rank, key, start, end)
+        los.append(lo)
+        his.append(hi)
+    if not los:
         return [Needs.empty() for _ in range(world)]
-    rank, key, start, end = (as_int64(np.concatenate(column)) for column in zip(*parts, strict=True))
-    return merge_needs_by_rank(smap, world, rank, key, start, end)
+    return merge_bounds_by_rank(smap, world, np.concatenate(los), np.concatenate(his))
 
 
 def rank_needs_by_planning(

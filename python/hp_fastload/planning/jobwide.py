@@ -21,7 +21,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hp_fastload.planning.jobneeds import Int64s, Needs, StorageMap, as_int64, merge_needs
+from hp_fastload.errors import PlanError
+from hp_fastload.planning.jobneeds import (
+    Int64s,
+    Needs,
+    NeedsByRank,
+    StorageMap,
+    as_int64,
+    needs_of_pieces,
+    sorted_pieces,
+)
 
 FIELDS = ("key", "start", "end")
 
@@ -169,51 +178,87 @@ class JobPlan:
 
 
 def _split_at_chunks(
-    smap: StorageMap, bounds: Int64s, key: Int64s, start: Int64s, end: Int64s, *extra: Int64s
+    smap: StorageMap,
+    bounds: Int64s,
+    key: Int64s,
+    start: Int64s,
+    end: Int64s,
+    *extra: Int64s,
+    axis: tuple[Int64s, Int64s] | None = None,
 ) -> tuple[Int64s, ...]:
     """Intervals ``(key, start, end)`` cut at the chunk boundaries ``bounds`` (sorted axis positions, the
     chunks' starts), as ``(chunk, key, start, end, *extra)`` (``extra``: columns repeated with their row);
-    every interval lies inside some chunk's range once cut."""
+    every interval lies inside some chunk's range once cut. ``axis``: the intervals' ``g_bounds``, when known."""
     if not len(key):
         return tuple(as_int64([]) for _ in range(4 + len(extra)))
-    size = smap.itemsize[key]
-    glo = smap.g0[key] + start * size
-    ghi = smap.g0[key] + end * size
+    if axis is None:
+        size = smap.itemsize[key]
+        glo = smap.g0[key] + start * size
+        ghi = smap.g0[key] + end * size
+    else:
+        glo, ghi = axis
     c0 = np.searchsorted(bounds, glo, "right") - 1
-    c1 = np.searchsorted(bounds, ghi - 1, "right") - 1
-    count = c1 - c0 + 1
-    if (count == 1).all():
+    nxt = np.append(bounds[1:], np.iinfo(np.int64).max)  # each chunk's end on the axis
+    over = np.flatnonzero(ghi > nxt[c0])  # the intervals that pass their first chunk's end
+    if not len(over):
         return (as_int64(c0), key, start, end, *extra)
-    rows = np.repeat(np.arange(len(glo)), count)
-    chunk = np.repeat(c0, count) + (np.arange(len(rows)) - np.repeat(np.cumsum(count) - count, count))
-    k = key[rows]
-    size, base = smap.itemsize[k], smap.g0[k]
-    lo = np.maximum(glo[rows], bounds[chunk])
-    nxt = np.append(bounds, np.iinfo(np.int64).max)[chunk + 1]
-    hi = np.minimum(ghi[rows], nxt)
-    cut = (as_int64(chunk), as_int64(k), as_int64((lo - base) // size), as_int64((hi - base) // size))
-    return (*cut, *(as_int64(x[rows]) for x in extra))
+    count = np.ones(len(glo), dtype=np.int64)
+    count[over] = np.searchsorted(bounds, ghi[over] - 1, "right") - c0[over]
+    first = np.cumsum(count) - count  # each interval's first piece
+    chunk = np.repeat(c0 - first, count)
+    chunk += np.arange(len(chunk), dtype=np.int64)
+    k = np.repeat(key, count)
+    cut_start, cut_end = np.repeat(start, count), np.repeat(end, count)
+    later = np.ones(len(chunk), dtype=bool)
+    later[first] = False
+    later = np.flatnonzero(later)  # pieces after an interval's first: they start at their chunk's start
+    size, base = smap.itemsize[k[later]], smap.g0[k[later]]
+    cut_start[later] = (bounds[chunk[later]] - base) // size
+    cut_end[later - 1] = (bounds[chunk[later]] - base) // size  # ... where the piece before them ends
+    return (as_int64(chunk), as_int64(k), as_int64(cut_start), as_int64(cut_end), *(np.repeat(x, count) for x in extra))
 
 
-def _holder_cuts(smap: StorageMap, rank: Int64s, key: Int64s, start: Int64s, end: Int64s, min_run: int) -> Int64s:
+#: Events merged at a time by ``_holder_cuts`` (bounded temporaries, reused between blocks).
+EVENT_BLOCK = 1 << 18
+_HASH_MUL, _HASH_ADD = np.uint64(0x9E3779B97F4A7C15), np.uint64(0x632BE59BD9B4E019)
+
+
+def _holder_cuts(starts: Int64s, ends: Int64s, rbits: int, min_run: int) -> Int64s:
     """Axis positions where the set of ranks needing the bytes changes and both sides are runs of at least
     ``min_run`` bytes with one holder set: cutting a chunk there lets a rank that needs a run read it (no send),
     while a strided layout (a column slice changes holders every row) stays in large chunks.
 
-    Every rank's intervals (disjoint within a rank) are two events, its hash at the start and at the end; the
-    running XOR over the sorted events is the holder set's signature of each segment between event positions."""
-    if not len(key):
+    ``starts``, ``ends``: every rank's intervals (disjoint within a rank), packed and sorted as ``_events``
+    makes them. Merged in position order (a block of positions at a time), the running XOR of the events'
+    rank hashes is the holder set's signature of each segment between event positions (the XOR up to a
+    position does not depend on the order of the events at it)."""
+    if not len(starts):
         return as_int64([])
-    size = smap.itemsize[key]
-    glo = smap.g0[key] + start * size
-    ghi = smap.g0[key] + end * size
-    hashes = rank.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(0x632BE59BD9B4E019)
-    pos = np.concatenate([glo, ghi])
-    order = np.argsort(pos, kind="stable")
-    pos = pos[order]
-    acc = np.bitwise_xor.accumulate(np.concatenate([hashes, hashes])[order])
-    last = np.flatnonzero(np.append(pos[1:] != pos[:-1], True))  # the last event at each position
-    edges, signature = pos[last], acc[last]
+    shift = rbits + 1
+    # blocks of the axis, each starting at the position of every EVENT_BLOCK-th start: a position's events
+    # all fall in one block
+    firsts = np.unique(starts[EVENT_BLOCK::EVENT_BLOCK] >> shift) << shift
+    s_at = [0, *np.searchsorted(starts, firsts).tolist(), len(starts)]
+    e_at = [0, *np.searchsorted(ends, firsts).tolist(), len(ends)]
+    edge_parts, signature_parts = [], []
+    carry = np.uint64(0)
+    for j in range(len(s_at) - 1):
+        events = np.concatenate([starts[s_at[j] : s_at[j + 1]], ends[e_at[j] : e_at[j + 1]]])
+        if not len(events):
+            continue
+        events.sort(kind="stable")  # two sorted runs: one merge
+        acc = (events >> 1).view(np.uint64)  # each event's rank hash, then the running XOR (in place)
+        acc &= np.uint64((1 << rbits) - 1)
+        acc *= _HASH_MUL
+        acc += _HASH_ADD
+        acc[0] ^= carry
+        np.bitwise_xor.accumulate(acc, out=acc)
+        carry = acc[-1]
+        events >>= shift
+        last = np.flatnonzero(np.append(events[1:] != events[:-1], True))  # the last event at each position
+        edge_parts.append(events[last])
+        signature_parts.append(acc[last])
+    edges, signature = np.concatenate(edge_parts), np.concatenate(signature_parts)
     if len(edges) < 2:
         return as_int64([])
     seg_lo, seg_hi, signature = edges[:-1], edges[1:], signature[:-1]
@@ -226,6 +271,25 @@ def _holder_cuts(smap: StorageMap, rank: Int64s, key: Int64s, start: Int64s, end
     run_bytes = np.add.reduceat(seg_hi - seg_lo, run_first)
     big = run_bytes >= min_run
     return as_int64(seg_lo[run_first[1:][big[1:] & big[:-1]]])
+
+
+def _events(rank: Int64s, glo: Int64s, ghi: Int64s, world: int) -> tuple[Int64s, Int64s, int]:
+    """Every rank's intervals ``[glo, ghi)`` as sorted values, packed ``position << (b + 1) | rank << 1 | end``
+    (``b`` bits hold a rank): ``(sorted starts, sorted ends, b)``. Sorting packed values, not the rows: no
+    permutation is gathered."""
+    rbits = max(1, (max(world, 1) - 1).bit_length())
+    top = int(ghi.max()) if len(ghi) else 0
+    if top.bit_length() + rbits + 1 > 63:
+        raise PlanError(f"a checkpoint of {top} bytes on {world} ranks is past the job plan's axis")
+    tag = rank << 1
+    starts = glo << (rbits + 1)
+    starts |= tag
+    starts.sort(kind="stable")
+    ends = ghi << (rbits + 1)
+    ends |= tag
+    ends |= 1
+    ends.sort(kind="stable")
+    return starts, ends, rbits
 
 
 def _chunk_bounds(union: Needs, smap: StorageMap, chunk_bytes: int, cuts: Int64s | None = None) -> Int64s:
@@ -338,6 +402,23 @@ def _rounds(
     return out
 
 
+def _pairs(rank: Int64s, chunk: Int64s, nbytes: Int64s, world: int, nchunks: int) -> tuple[Int64s, Int64s, Int64s]:
+    """Each rank's bytes of each chunk, ``(chunk, rank, bytes)`` sorted by chunk then rank (each pair once),
+    from rows sorted by rank then chunk (a rank's needs in axis order, cut at chunk bounds): the pairs are
+    the runs of equal (rank, chunk), then one stable sort by chunk."""
+    if not len(rank):
+        return as_int64([]), as_int64([]), as_int64([])
+    pair = rank * max(nchunks, 1) + chunk
+    if not bool((pair[1:] >= pair[:-1]).all()):  # rows out of order: sort them (the same pairs)
+        order = np.argsort(pair, kind="stable")
+        rank, chunk, nbytes, pair = rank[order], chunk[order], nbytes[order], pair[order]
+    first = np.flatnonzero(np.concatenate([[True], pair[1:] != pair[:-1]]))
+    pair_bytes = np.add.reduceat(nbytes, first)
+    pair_rank, pair_chunk = rank[first], chunk[first]
+    by_chunk = np.argsort(pair_chunk, kind="stable")
+    return as_int64(pair_chunk[by_chunk]), as_int64(pair_rank[by_chunk]), as_int64(pair_bytes[by_chunk])
+
+
 def plan_job(
     needs: Sequence[Needs],
     smap: StorageMap,
@@ -354,23 +435,37 @@ def plan_job(
     chunk_bytes = max(1, min(chunk_bytes, budget_bytes // 4 or 1))
     counts = [len(n.key) for n in needs]
     rank = np.repeat(np.arange(world, dtype=np.int64), counts)
-    key, start, end = (as_int64(np.concatenate([getattr(n, f) for n in needs]) if world else []) for f in FIELDS)
-    union = merge_needs(smap, key, start, end) if world else Needs.empty()
+    flat = needs.intact() if isinstance(needs, NeedsByRank) else None
+    if flat is not None:  # every rank's rows already in one set of arrays
+        key, start, end = flat.key, flat.start, flat.end
+    else:
+        key, start, end = (as_int64(np.concatenate([getattr(n, f) for n in needs]) if world else []) for f in FIELDS)
+    glo, ghi = Needs(key, start, end).g_bounds(smap)
+    # one sort of the starts and one of the ends (values, rank packed in): the union and the holder events
+    live = ghi > glo
+    every = bool(live.all())
+    starts, ends, rbits = _events(
+        rank if every else rank[live], glo if every else glo[live], ghi if every else ghi[live], world
+    )
+    del live
+    union = (
+        needs_of_pieces(smap, *sorted_pieces(starts >> rbits + 1, ends >> rbits + 1))[1]
+        if len(starts)
+        else Needs.empty()
+    )
     nodes = -(-world // ranks_per_node) if world else 1
     # chunks small enough that each node's share is many chunks (balance), never below MIN_CHUNK_BYTES
     chunk_bytes = min(chunk_bytes, max(MIN_CHUNK_BYTES, union.nbytes(smap) // (8 * nodes)))
-    cuts = _holder_cuts(smap, rank, key, start, end, max(1, chunk_bytes // 4))
+    cuts = _holder_cuts(starts, ends, rbits, max(1, chunk_bytes // 4))
+    del starts, ends
     bounds = _chunk_bounds(union, smap, chunk_bytes, cuts)
     pc, pk, ps, pe = _split_at_chunks(smap, bounds, union.key, union.start, union.end)
-    rc, rk, rs, re_, rr = _split_at_chunks(smap, bounds, key, start, end, rank)
+    rc, rk, rs, re_, rr = _split_at_chunks(smap, bounds, key, start, end, rank, axis=(glo, ghi))
+    del glo, ghi
     nchunks = len(bounds)
     sizes = np.zeros(nchunks, dtype=np.int64)
     np.add.at(sizes, pc, (pe - ps) * smap.itemsize[pk])
-    # each rank's bytes of each chunk, by chunk then rank: the holders, and the rounds' message sizes
-    pairs, inverse = np.unique(rc * max(world, 1) + rr, return_inverse=True)
-    pair_bytes = np.zeros(len(pairs), dtype=np.int64)
-    np.add.at(pair_bytes, inverse.reshape(-1), (re_ - rs) * smap.itemsize[rk])
-    pair_chunk, pair_rank = pairs // max(world, 1), pairs % max(world, 1)
+    pair_chunk, pair_rank, pair_bytes = _pairs(rr, rc, (re_ - rs) * smap.itemsize[rk], world, nchunks)
     offsets = as_int64(np.searchsorted(pair_chunk, np.arange(nchunks + 1)))
     reader = _choose_readers(pair_rank, offsets, sizes, world, ranks_per_node, slack)
     hi = np.append(bounds[1:], bounds[-1] if nchunks else 0)
@@ -404,9 +499,8 @@ def plan_job(
     h = hashlib.blake2b(digest_size=16)
     h.update(smap.digest().encode())
     h.update(f"{world}/{ranks_per_node}/{chunk_bytes}/{budget_bytes}".encode())
-    for array in (plan.chunk_lo, plan.chunk_reader, plan.chunk_round, pc, pk, ps, pe):
-        h.update(array.tobytes())
-    for array in (as_int64(counts), key, start, end):
-        h.update(array.tobytes())
+    hashed = (plan.chunk_lo, plan.chunk_reader, plan.chunk_round, pc, pk, ps, pe, as_int64(counts), key, start, end)
+    for array in hashed:
+        h.update(as_int64(array).data)  # the bytes of ``tobytes()``, without a copy
     plan.digest = h.hexdigest()
     return plan
