@@ -11,13 +11,15 @@ Usage::
 
 Semantics of :func:`run_distributed`:
 
-- ``world_size`` processes are started with ``torch.multiprocessing`` (start method ``spawn``; ``forkserver`` with
-  ``HP_FASTLOAD_TEST_FORKSERVER=1``: one server per test session imports torch once, each rank is forked from it),
-  each with the parent's environment of the moment plus
-  ``OMP_NUM_THREADS=1`` and one intra-op thread; rank ``r`` runs ``init_process_group(backend, rank=r,
-  world_size=world_size)`` against a free TCP port on 127.0.0.1, calls ``fn(rank, world_size, *args, **kwargs)``,
-  sends back the result (pickled by value with the standard pickler, so tensors survive the child's exit), and
-  destroys the group.
+- ``world_size`` processes are started with ``torch.multiprocessing``, start method ``forkserver``: one server
+  per test session imports torch once (``FORKSERVER_PRELOAD``) and each rank is forked from it, with the
+  parent's environment of the moment (copied into the rank) plus ``OMP_NUM_THREADS=1`` and one intra-op thread.
+  ``HP_FASTLOAD_TEST_SPAWN=1`` spawns every rank afresh instead (5-6 CPU s of ``import torch`` each).
+  Rank 0 hosts a ``TCPStore`` on a free TCP port of 127.0.0.1; rank ``r`` runs ``init_process_group(backend,
+  store=..., rank=r, world_size=world_size)``, calls ``fn(rank, world_size, *args, **kwargs)``, sends back the
+  result (pickled by value with the standard pickler, so tensors survive the child's exit), and destroys the
+  group. Rank 0 keeps the store up until every rank is done with ``fn`` (a peer may still be joining a process
+  group rank 0 is not in: a size-1 mesh dimension makes one group per rank, rendezvoused through the store).
 - The call returns the results as a list indexed by rank.
 - If any rank raises (or dies), the harness waits a short grace period for the other ranks (a peer of a
   failed rank usually fails too, once gloo notices the closed connection), kills the rest, and raises one
@@ -28,8 +30,9 @@ Semantics of :func:`run_distributed`:
 - ``timeout`` and ``backend`` are the harness's own keywords; every other keyword goes to ``fn``. A run whose
   rendezvous port was taken in the meantime (``EADDRINUSE``) is retried with a new port.
 
-Spawning costs one ``import torch`` per rank (5-6 CPU seconds here; a fraction of a second from the fork
-server), so run many checks in one spawn:
+A rank costs a fraction of a second from the fork server (a spawned one pays 5-6 CPU seconds of ``import
+torch``), but a rank's test module and the libraries it imports (transformers) are imported afresh per run,
+so run many checks in one run:
 pass :func:`run_subchecks` as ``fn`` with a list of module-level check functions
 (``run_distributed(run_subchecks, 4, checks=[check_a, check_b])``, typically in a module-scoped fixture);
 each check runs on every rank, its failures are caught per check, and :func:`subcheck_values` turns the
@@ -94,18 +97,26 @@ def _child_environment(values: Mapping[str, str]) -> Iterator[None]:
 FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "numpy", "safetensors.torch"]
 _ctx: Any = None
 
+#: Store key every rank adds 1 to once its ``fn`` has returned (or raised) and its outcome is sent.
+_DONE_KEY = "hp_fastload_test/done"
+
 
 def _context() -> Any:
-    """``spawn`` unless ``HP_FASTLOAD_TEST_FORKSERVER=1``: the fork server cut the suite's time by a third, but
-    two of seven runs had a gloo subgroup fail to connect ("Broken pipe" in ``new_group``), not yet explained."""
+    """``forkserver`` (torch imported once per session), or ``spawn`` with ``HP_FASTLOAD_TEST_SPAWN=1``."""
     global _ctx
     if _ctx is None:
-        if os.environ.get("HP_FASTLOAD_TEST_FORKSERVER") == "1":
+        if os.environ.get("HP_FASTLOAD_TEST_SPAWN") == "1":
+            _ctx = mp.get_context("spawn")
+        else:
             _ctx = mp.get_context("forkserver")
             _ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
-        else:
-            _ctx = mp.get_context("spawn")
     return _ctx
+
+
+def _wait_for_peers(store: Any, world_size: int, wall_deadline: float) -> None:
+    """Rank 0 hosts the store: keep it up until every rank is done with it (or the run's deadline)."""
+    while store.add(_DONE_KEY, 0) < world_size and time.time() < wall_deadline:
+        time.sleep(0.01)
 
 
 def _worker(
@@ -131,17 +142,18 @@ def _worker(
 
     torch.set_num_threads(1)  # torch read OMP_NUM_THREADS when the fork server imported it
 
+    store = None
     with open(stack_file, "w") as stacks:
         # Dump this rank's stacks shortly before the parent gives up on it, so a hang is diagnosable.
         dump_in = max(0.5, wall_deadline - 1.5 - time.time())
         faulthandler.dump_traceback_later(dump_in, exit=False, file=stacks)
         try:
+            # The harness owns the store (rank 0 hosts it) so that it can outlive ``fn`` on rank 0; see below.
+            store = dist.TCPStore(
+                "127.0.0.1", port, world_size, is_master=rank == 0, timeout=timedelta(seconds=timeout)
+            )
             dist.init_process_group(
-                backend,
-                init_method=f"tcp://127.0.0.1:{port}",
-                rank=rank,
-                world_size=world_size,
-                timeout=timedelta(seconds=timeout),
+                backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
             )
             value = fn(rank, world_size, *args, **kwargs)
             message: tuple[int, str, Any] = (rank, "ok", pickle.dumps(value))
@@ -154,6 +166,17 @@ def _worker(
             results.put(message)
         except Exception as exc:  # unpicklable payload and the like
             results.put((rank, "error", f"could not send the result: {exc!r}"))
+        # A rank may still need the store after rank 0's ``fn`` returned: ``fn`` ends with no collective, and a
+        # peer is still creating a process group that rank 0 is not in (a mesh dimension of size 1 makes one
+        # group per rank; its rendezvous goes through the store). Rank 0 leaving at once took the store with it
+        # ("Connection reset by peer" / "Broken pipe" in new_group on the peer). So every rank says it is done,
+        # and rank 0 keeps the store up until all have (bounded by the run's deadline; a dead rank is the
+        # parent's to report).
+        with contextlib.suppress(Exception):
+            if store is not None:
+                store.add(_DONE_KEY, 1)
+                if rank == 0:
+                    _wait_for_peers(store, world_size, wall_deadline)
         with contextlib.suppress(Exception):
             if dist.is_initialized():
                 dist.destroy_process_group()
