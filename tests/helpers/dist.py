@@ -92,24 +92,55 @@ def _child_environment(values: Mapping[str, str]) -> Iterator[None]:
                 os.environ[key] = old
 
 
-#: What the fork server imports once (torch's own import is most of a rank's start). Not transformers or
-#: huggingface_hub: they read the environment (HF_HOME, offline flags) when imported, and tests set it per run.
-FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "numpy", "safetensors.torch"]
+#: What the fork server imports once: torch's and transformers' imports are most of a rank's start (about 4 CPU s
+#: each here). transformers and huggingface_hub read the environment when imported (HF_HOME, HF_HUB_CACHE, the
+#: offline flags), so the server is restarted when a run's values of those variables differ from the ones it
+#: imported them with (see ``_IMPORT_ENV_PREFIXES``).
+FORKSERVER_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.distributed.tensor",
+    "torch.distributed.tensor.parallel",
+    "torch.distributed.fsdp",
+    "numpy",
+    "safetensors.torch",
+    "transformers",
+    "transformers.modeling_utils",
+    "transformers.models.auto.modeling_auto",
+    "hp_fastload",
+]
+#: Prefixes of the environment variables that the preloaded modules read when imported.
+_IMPORT_ENV_PREFIXES = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TOKENIZERS_", "XDG_", "TORCH", "PYTORCH_", "USE_")
 _ctx: Any = None
+_server_env: dict[str, str] | None = None
 
 #: Store key every rank adds 1 to once its ``fn`` has returned (or raised) and its outcome is sent.
 _DONE_KEY = "hp_fastload_test/done"
 
 
+def _import_environment() -> dict[str, str]:
+    return {key: value for key, value in os.environ.items() if key.startswith(_IMPORT_ENV_PREFIXES)}
+
+
 def _context() -> Any:
-    """``forkserver`` (torch imported once per session), or ``spawn`` with ``HP_FASTLOAD_TEST_SPAWN=1``."""
-    global _ctx
+    """``forkserver`` (torch and transformers imported once), or ``spawn`` with ``HP_FASTLOAD_TEST_SPAWN=1``.
+
+    A fork server whose preloaded modules were imported under other values of the variables they read at
+    import (``_IMPORT_ENV_PREFIXES``) is stopped first; the next rank started launches a fresh one."""
+    global _ctx, _server_env
     if _ctx is None:
         if os.environ.get("HP_FASTLOAD_TEST_SPAWN") == "1":
             _ctx = mp.get_context("spawn")
         else:
             _ctx = mp.get_context("forkserver")
             _ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
+    if _ctx.get_start_method() == "forkserver":
+        env = _import_environment()
+        if _server_env is not None and env != _server_env:
+            from multiprocessing import forkserver
+
+            forkserver._forkserver._stop()  # the stdlib's own tests stop the server this way
+        _server_env = env
     return _ctx
 
 

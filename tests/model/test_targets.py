@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -844,6 +845,22 @@ def test_harness_keeps_the_store_until_every_rank_is_done() -> None:
     # Rank 0 used to leave (taking the store with it) as soon as its own body returned: "Connection reset by
     # peer" in rank 1's new_group.
     assert run_distributed(_late_group_body, 2, timeout=60) == [0, 1]
+
+
+def _hub_cache_body(rank: int, world_size: int) -> str:
+    from huggingface_hub import constants  # read HF_HUB_CACHE when imported (in the fork server, if preloaded)
+
+    return str(constants.HF_HUB_CACHE)
+
+
+@pytest.mark.distributed
+def test_harness_ranks_see_import_time_environment_of_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The ranks' libraries must have been imported under the run's HF_* variables, not the session's first.
+    before = run_distributed(_hub_cache_body, 2, timeout=120)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert run_distributed(_hub_cache_body, 2, timeout=120) == [str(tmp_path / "hub")] * 2
+    monkeypatch.undo()
+    assert run_distributed(_hub_cache_body, 2, timeout=120) == before != [str(tmp_path / "hub")] * 2
 
 
 @pytest.mark.distributed
