@@ -15,11 +15,12 @@ Semantics of :func:`run_distributed`:
   per test session imports torch once (``FORKSERVER_PRELOAD``) and each rank is forked from it, with the
   parent's environment of the moment (copied into the rank) plus ``OMP_NUM_THREADS=1`` and one intra-op thread.
   ``HP_FASTLOAD_TEST_SPAWN=1`` spawns every rank afresh instead (5-6 CPU s of ``import torch`` each).
-  Rank 0 hosts a ``TCPStore`` on a free TCP port of 127.0.0.1; rank ``r`` runs ``init_process_group(backend,
-  store=..., rank=r, world_size=world_size)``, calls ``fn(rank, world_size, *args, **kwargs)``, sends back the
-  result (pickled by value with the standard pickler, so tensors survive the child's exit), and destroys the
-  group. Rank 0 keeps the store up until every rank is done with ``fn`` (a peer may still be joining a process
-  group rank 0 is not in: a size-1 mesh dimension makes one group per rank, rendezvoused through the store).
+  The parent hosts the run's ``TCPStore`` (127.0.0.1, a port the kernel picks) for the whole run; rank ``r``
+  runs ``init_process_group(backend, store=..., rank=r, world_size=world_size)``, calls ``fn(rank,
+  world_size, *args, **kwargs)``, sends back the result (pickled by value with the standard pickler, so
+  tensors survive the child's exit), destroys the group and exits. (With rank 0 hosting the store, a peer
+  still joining a group rank 0 is not in, as a size-1 mesh dimension makes one per rank, lost the store when
+  rank 0 left: gloo's "Broken pipe" / "Connection reset by peer" in ``new_group``.)
 - The call returns the results as a list indexed by rank.
 - If any rank raises (or dies), the harness waits a short grace period for the other ranks (a peer of a
   failed rank usually fails too, once gloo notices the closed connection), kills the rest, and raises one
@@ -114,9 +115,6 @@ _IMPORT_ENV_PREFIXES = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TOKENIZERS_", "
 _ctx: Any = None
 _server_env: dict[str, str] | None = None
 
-#: Store key every rank adds 1 to once its ``fn`` has returned (or raised) and its outcome is sent.
-_DONE_KEY = "hp_fastload_test/done"
-
 
 def _import_environment() -> dict[str, str]:
     return {key: value for key, value in os.environ.items() if key.startswith(_IMPORT_ENV_PREFIXES)}
@@ -144,12 +142,6 @@ def _context() -> Any:
     return _ctx
 
 
-def _wait_for_peers(store: Any, world_size: int, wall_deadline: float) -> None:
-    """Rank 0 hosts the store: keep it up until every rank is done with it (or the run's deadline)."""
-    while store.add(_DONE_KEY, 0) < world_size and time.time() < wall_deadline:
-        time.sleep(0.01)
-
-
 def _worker(
     rank: int,
     world_size: int,
@@ -173,16 +165,13 @@ def _worker(
 
     torch.set_num_threads(1)  # torch read OMP_NUM_THREADS when the fork server imported it
 
-    store = None
     with open(stack_file, "w") as stacks:
         # Dump this rank's stacks shortly before the parent gives up on it, so a hang is diagnosable.
         dump_in = max(0.5, wall_deadline - 1.5 - time.time())
         faulthandler.dump_traceback_later(dump_in, exit=False, file=stacks)
         try:
-            # The harness owns the store (rank 0 hosts it) so that it can outlive ``fn`` on rank 0; see below.
-            store = dist.TCPStore(
-                "127.0.0.1", port, world_size, is_master=rank == 0, timeout=timedelta(seconds=timeout)
-            )
+            # The parent hosts the store (see _spawn_once): it outlives every rank.
+            store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=timeout))
             dist.init_process_group(
                 backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
             )
@@ -197,17 +186,6 @@ def _worker(
             results.put(message)
         except Exception as exc:  # unpicklable payload and the like
             results.put((rank, "error", f"could not send the result: {exc!r}"))
-        # A rank may still need the store after rank 0's ``fn`` returned: ``fn`` ends with no collective, and a
-        # peer is still creating a process group that rank 0 is not in (a mesh dimension of size 1 makes one
-        # group per rank; its rendezvous goes through the store). Rank 0 leaving at once took the store with it
-        # ("Connection reset by peer" / "Broken pipe" in new_group on the peer). So every rank says it is done,
-        # and rank 0 keeps the store up until all have (bounded by the run's deadline; a dead rank is the
-        # parent's to report).
-        with contextlib.suppress(Exception):
-            if store is not None:
-                store.add(_DONE_KEY, 1)
-                if rank == 0:
-                    _wait_for_peers(store, world_size, wall_deadline)
         with contextlib.suppress(Exception):
             if dist.is_initialized():
                 dist.destroy_process_group()
@@ -255,9 +233,18 @@ def _spawn_once(
     timeout: float,
     backend: str,
 ) -> _Attempt:
+    import torch.distributed as dist
+
     ctx = _context()
     results: Any = ctx.Queue()
-    port = find_free_port()
+    # The run's store lives here, not in rank 0: a rank may still need it after rank 0 has returned and left
+    # (a peer joining a process group rank 0 is not in, as a size-1 mesh dimension makes one per rank, does its
+    # rendezvous through the store; with rank 0 hosting it, that peer failed with "Broken pipe" / "Connection
+    # reset by peer" in new_group), while a check may rely on rank 0 leaving to fail a peer's collective.
+    store = dist.TCPStore(
+        "127.0.0.1", 0, world_size, is_master=True, timeout=timedelta(seconds=timeout), wait_for_workers=False
+    )
+    port = store.port
     start = time.monotonic()
     deadline = start + timeout
     wall_deadline = time.time() + timeout
@@ -310,6 +297,7 @@ def _spawn_once(
             _stop(procs)
             results.close()
             results.join_thread()
+            del store
 
         missing = [rank for rank in range(world_size) if rank not in outcomes]
         stacks: dict[int, str] = {}
