@@ -1,4 +1,4 @@
-"""Multi-process test harness: run one function on ``world_size`` spawned ranks of a real process group.
+"""Multi-process test harness: run one function on ``world_size`` ranks (forked processes) of a real process group.
 
 Usage::
 
