@@ -1,4 +1,4 @@
-"""Multi-process test harness: run one function on ``world_size`` spawned ranks of a real process group.
+"""Multi-process test harness: run one function on ``world_size`` ranks (forked processes) of a real process group.
 
 Usage::
 
@@ -11,13 +11,16 @@ Usage::
 
 Semantics of :func:`run_distributed`:
 
-- ``world_size`` processes are started with ``torch.multiprocessing`` (start method ``spawn``; ``forkserver`` with
-  ``HP_FASTLOAD_TEST_FORKSERVER=1``: one server per test session imports torch once, each rank is forked from it),
-  each with the parent's environment of the moment plus
-  ``OMP_NUM_THREADS=1`` and one intra-op thread; rank ``r`` runs ``init_process_group(backend, rank=r,
-  world_size=world_size)`` against a free TCP port on 127.0.0.1, calls ``fn(rank, world_size, *args, **kwargs)``,
-  sends back the result (pickled by value with the standard pickler, so tensors survive the child's exit), and
-  destroys the group.
+- ``world_size`` processes are started with ``torch.multiprocessing``, start method ``forkserver``: one server
+  per test session imports torch once (``FORKSERVER_PRELOAD``) and each rank is forked from it, with the
+  parent's environment of the moment (copied into the rank) plus ``OMP_NUM_THREADS=1`` and one intra-op thread.
+  ``HP_FASTLOAD_TEST_SPAWN=1`` spawns every rank afresh instead (5-6 CPU s of ``import torch`` each).
+  The parent hosts the run's ``TCPStore`` (127.0.0.1, a port the kernel picks) for the whole run; rank ``r``
+  runs ``init_process_group(backend, store=..., rank=r, world_size=world_size)``, calls ``fn(rank,
+  world_size, *args, **kwargs)``, sends back the result (pickled by value with the standard pickler, so
+  tensors survive the child's exit), destroys the group and exits. (With rank 0 hosting the store, a peer
+  still joining a group rank 0 is not in, as a size-1 mesh dimension makes one per rank, lost the store when
+  rank 0 left: gloo's "Broken pipe" / "Connection reset by peer" in ``new_group``.)
 - The call returns the results as a list indexed by rank.
 - If any rank raises (or dies), the harness waits a short grace period for the other ranks (a peer of a
   failed rank usually fails too, once gloo notices the closed connection), kills the rest, and raises one
@@ -28,8 +31,9 @@ Semantics of :func:`run_distributed`:
 - ``timeout`` and ``backend`` are the harness's own keywords; every other keyword goes to ``fn``. A run whose
   rendezvous port was taken in the meantime (``EADDRINUSE``) is retried with a new port.
 
-Spawning costs one ``import torch`` per rank (5-6 CPU seconds here; a fraction of a second from the fork
-server), so run many checks in one spawn:
+A rank costs a fraction of a second from the fork server (a spawned one pays 5-6 CPU seconds of ``import
+torch``), but a rank's test module and the libraries it imports (transformers) are imported afresh per run,
+so run many checks in one run:
 pass :func:`run_subchecks` as ``fn`` with a list of module-level check functions
 (``run_distributed(run_subchecks, 4, checks=[check_a, check_b])``, typically in a module-scoped fixture);
 each check runs on every rank, its failures are caught per check, and :func:`subcheck_values` turns the
@@ -89,22 +93,52 @@ def _child_environment(values: Mapping[str, str]) -> Iterator[None]:
                 os.environ[key] = old
 
 
-#: What the fork server imports once (torch's own import is most of a rank's start). Not transformers or
-#: huggingface_hub: they read the environment (HF_HOME, offline flags) when imported, and tests set it per run.
-FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "numpy", "safetensors.torch"]
+#: What the fork server imports once: torch's and transformers' imports are most of a rank's start (about 4 CPU s
+#: each here). transformers and huggingface_hub read the environment when imported (HF_HOME, HF_HUB_CACHE, the
+#: offline flags), so the server is restarted when a run's values of those variables differ from the ones it
+#: imported them with (see ``_IMPORT_ENV_PREFIXES``).
+FORKSERVER_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.distributed.tensor",
+    "torch.distributed.tensor.parallel",
+    "torch.distributed.fsdp",
+    "numpy",
+    "safetensors.torch",
+    "transformers",
+    "transformers.modeling_utils",
+    "transformers.models.auto.modeling_auto",
+    "hp_fastload",
+]
+#: Prefixes of the environment variables that the preloaded modules read when imported.
+_IMPORT_ENV_PREFIXES = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TOKENIZERS_", "XDG_", "TORCH", "PYTORCH_", "USE_")
 _ctx: Any = None
+_server_env: dict[str, str] | None = None
+
+
+def _import_environment() -> dict[str, str]:
+    return {key: value for key, value in os.environ.items() if key.startswith(_IMPORT_ENV_PREFIXES)}
 
 
 def _context() -> Any:
-    """``spawn`` unless ``HP_FASTLOAD_TEST_FORKSERVER=1``: the fork server cut the suite's time by a third, but
-    two of seven runs had a gloo subgroup fail to connect ("Broken pipe" in ``new_group``), not yet explained."""
-    global _ctx
+    """``forkserver`` (torch and transformers imported once), or ``spawn`` with ``HP_FASTLOAD_TEST_SPAWN=1``.
+
+    A fork server whose preloaded modules were imported under other values of the variables they read at
+    import (``_IMPORT_ENV_PREFIXES``) is stopped first; the next rank started launches a fresh one."""
+    global _ctx, _server_env
     if _ctx is None:
-        if os.environ.get("HP_FASTLOAD_TEST_FORKSERVER") == "1":
+        if os.environ.get("HP_FASTLOAD_TEST_SPAWN") == "1":
+            _ctx = mp.get_context("spawn")
+        else:
             _ctx = mp.get_context("forkserver")
             _ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
-        else:
-            _ctx = mp.get_context("spawn")
+    if _ctx.get_start_method() == "forkserver":
+        env = _import_environment()
+        if _server_env is not None and env != _server_env:
+            from multiprocessing import forkserver
+
+            forkserver._forkserver._stop()  # the stdlib's own tests stop the server this way
+        _server_env = env
     return _ctx
 
 
@@ -136,12 +170,10 @@ def _worker(
         dump_in = max(0.5, wall_deadline - 1.5 - time.time())
         faulthandler.dump_traceback_later(dump_in, exit=False, file=stacks)
         try:
+            # The parent hosts the store (see _spawn_once): it outlives every rank.
+            store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=timeout))
             dist.init_process_group(
-                backend,
-                init_method=f"tcp://127.0.0.1:{port}",
-                rank=rank,
-                world_size=world_size,
-                timeout=timedelta(seconds=timeout),
+                backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
             )
             value = fn(rank, world_size, *args, **kwargs)
             message: tuple[int, str, Any] = (rank, "ok", pickle.dumps(value))
@@ -201,9 +233,18 @@ def _spawn_once(
     timeout: float,
     backend: str,
 ) -> _Attempt:
+    import torch.distributed as dist
+
     ctx = _context()
     results: Any = ctx.Queue()
-    port = find_free_port()
+    # The run's store lives here, not in rank 0: a rank may still need it after rank 0 has returned and left
+    # (a peer joining a process group rank 0 is not in, as a size-1 mesh dimension makes one per rank, does its
+    # rendezvous through the store; with rank 0 hosting it, that peer failed with "Broken pipe" / "Connection
+    # reset by peer" in new_group), while a check may rely on rank 0 leaving to fail a peer's collective.
+    store = dist.TCPStore(
+        "127.0.0.1", 0, world_size, is_master=True, timeout=timedelta(seconds=timeout), wait_for_workers=False
+    )
+    port = store.port
     start = time.monotonic()
     deadline = start + timeout
     wall_deadline = time.time() + timeout
@@ -256,6 +297,7 @@ def _spawn_once(
             _stop(procs)
             results.close()
             results.join_thread()
+            del store
 
         missing = [rank for rank in range(world_size) if rank not in outcomes]
         stacks: dict[int, str] = {}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -807,6 +808,17 @@ def _hanging_body(rank: int, world_size: int) -> None:
         time.sleep(3600)
 
 
+def _late_group_body(rank: int, world_size: int) -> int:
+    """Rank 0 returns while rank 1 still joins a group rank 0 is not in (as a size-1 mesh dimension does)."""
+    import torch.distributed as dist
+
+    dist.new_group([0])
+    if rank == 1:
+        time.sleep(2.0)  # rank 0 is long past the next call and done by now
+    group = dist.new_group([1])  # rank 1's rendezvous goes through the store rank 0 hosts
+    return dist.get_world_size(group) if rank == 1 else 0
+
+
 @pytest.mark.distributed
 def test_harness_returns_results(dist_results: list[dict[str, SubcheckOutcome]]) -> None:
     values = subcheck_values(dist_results, "check_harness_echo")
@@ -826,6 +838,29 @@ def test_harness_reports_failing_ranks() -> None:
     assert "--- rank 0 raised:\nRuntimeError: boom from rank zero" in message
     assert "_failing_body" in message  # the traceback
     assert "--- rank 1 raised:\nprocess died with exit code 3" in message
+
+
+@pytest.mark.distributed
+def test_harness_keeps_the_store_until_every_rank_is_done() -> None:
+    # Rank 0 used to leave (taking the store with it) as soon as its own body returned: "Connection reset by
+    # peer" in rank 1's new_group.
+    assert run_distributed(_late_group_body, 2, timeout=60) == [0, 1]
+
+
+def _hub_cache_body(rank: int, world_size: int) -> str:
+    from huggingface_hub import constants  # read HF_HUB_CACHE when imported (in the fork server, if preloaded)
+
+    return str(constants.HF_HUB_CACHE)
+
+
+@pytest.mark.distributed
+def test_harness_ranks_see_import_time_environment_of_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The ranks' libraries must have been imported under the run's HF_* variables, not the session's first.
+    before = run_distributed(_hub_cache_body, 2, timeout=120)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert run_distributed(_hub_cache_body, 2, timeout=120) == [str(tmp_path / "hub")] * 2
+    monkeypatch.undo()
+    assert run_distributed(_hub_cache_body, 2, timeout=120) == before != [str(tmp_path / "hub")] * 2
 
 
 @pytest.mark.distributed
