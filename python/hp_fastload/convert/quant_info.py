@@ -360,9 +360,7 @@ class BlockScales:
     for; the name -> scale mapping is the name (``X`` + ``_scale_inv``), so nothing is built per tensor at
     detection, and the present values are listed (``values``) only when every one is asked for."""
 
-    def __init__(
-        self, scales: list[str], present: Container[str], method: str, keys: list[str] | None = None
-    ) -> None:
+    def __init__(self, scales: list[str], present: Container[str], method: str, keys: list[str] | None = None) -> None:
         self.scales = scales  # in the scan's order
         self.present = present
         self.method = method
@@ -391,9 +389,7 @@ class BlockScales:
                 self._values = list(map(self.keys.__getitem__, filter((-1).__ne__, stems)))
             else:
                 cut = slice(None, -len(SCALE_INV))
-                self._values = list(
-                    filter(self.present.__contains__, map(str.__getitem__, self.scales, repeat(cut)))
-                )
+                self._values = list(filter(self.present.__contains__, map(str.__getitem__, self.scales, repeat(cut))))
         return self._values
 
     def any(self) -> bool:

@@ -158,6 +158,7 @@ class CheckpointIndex:
                 zip(
                     chain.from_iterable(f._names for f in files),
                     chain.from_iterable(repeat(f, len(f._names)) for f in files),
+                    strict=True,
                 )
             )
             return cls(files, key_files)

@@ -131,7 +131,7 @@ class KeyOrder:
             known = list(filter(names.__contains__, self.keys))
         else:
             if position is None:
-                position = self._position = dict(zip(self.keys, range(len(self.keys))))
+                position = self._position = dict(zip(self.keys, range(len(self.keys)), strict=True))
             known = sorted((n for n in names if n in position), key=position.__getitem__)
         if len(known) == len(names):
             return known
