@@ -183,6 +183,46 @@ fn part<S: AsRef<str>>(names: &[S]) -> Option<Part> {
     Some(out)
 }
 
+/// The names of `names` that end with `suffix` (positions, in order), each with the position of its stem
+/// (the name without the suffix) among `names`, or `-1` when no name is the stem (the first position when
+/// several are). A block-fp8 checkpoint pairs each `X_scale_inv` with its `X` this way: the caller takes
+/// the stems as its own string objects (whose hashes are cached) instead of slicing and hashing new ones.
+/// Names in natural order have a stem just before its suffixed name (`X` < `X_scale_inv`): that neighbour
+/// is compared first, and a table of every name's position is built only when one is not there.
+pub fn suffix_stems<S: AsRef<str>>(names: &[S], suffix: &str) -> (Vec<usize>, Vec<i64>) {
+    let hits: Vec<usize> = (0..names.len())
+        .filter(|&i| names[i].as_ref().ends_with(suffix))
+        .collect();
+    let stem_of = |i: usize| {
+        let name = names[i].as_ref();
+        &name[..name.len() - suffix.len()]
+    };
+    let mut position: Option<HashMap<&str, usize, BuildHasherDefault<WordHasher>>> = None;
+    let stems = hits
+        .iter()
+        .map(|&i| {
+            let stem = stem_of(i);
+            // The neighbour is the stem's first position unless an earlier name is the stem too.
+            let neighbour = i > 0 && names[i - 1].as_ref() == stem;
+            if neighbour && (i < 2 || names[i - 2].as_ref() != stem) {
+                return i64::try_from(i - 1).expect("fewer than i64::MAX names");
+            }
+            let table = position.get_or_insert_with(|| {
+                let mut table: HashMap<&str, usize, BuildHasherDefault<WordHasher>> =
+                    HashMap::with_capacity_and_hasher(names.len(), BuildHasherDefault::default());
+                for (j, name) in names.iter().enumerate() {
+                    table.entry(name.as_ref()).or_insert(j);
+                }
+                table
+            });
+            table.get(stem).map_or(-1, |&j| {
+                i64::try_from(j).expect("fewer than i64::MAX names")
+            })
+        })
+        .collect();
+    (hits, stems)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -266,5 +306,25 @@ mod tests {
     fn a_marker_in_a_name_refuses() {
         assert_eq!(key_templates(&["a.#.b"]), None);
         assert_eq!(key_templates::<&str>(&[]).unwrap().width, 0);
+    }
+
+    #[test]
+    fn suffix_stems_pair_each_name_with_its_stem() {
+        let names = [
+            "a.w_scale_inv",
+            "a.w",
+            "b.w_scale_inv",
+            "_scale_inv",
+            "c.w",
+            "c.w_scale_inv",
+            "a.w",
+        ];
+        let (hits, stems) = suffix_stems(&names, "_scale_inv");
+        assert_eq!(hits, [0, 2, 3, 5]);
+        assert_eq!(stems, [1, -1, -1, 4]);
+        assert_eq!(suffix_stems(&["x", "y"], "_s"), (vec![], vec![]));
+        // natural order: each stem just before its suffixed name (no table), and a repeated stem's first
+        let (hits, stems) = suffix_stems(&["a", "a_s", "b", "b", "b_s", "c_s"], "_s");
+        assert_eq!((hits, stems), (vec![1, 4, 5], vec![0, 2, -1]));
     }
 }

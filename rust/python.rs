@@ -705,6 +705,20 @@ fn key_templates<'py>(
     )))
 }
 
+/// `(positions of the names ending with suffix, each one's stem position or -1)`: see
+/// [`crate::keys::suffix_stems`].
+#[pyfunction]
+fn suffix_stems(names: &Bound<'_, PyList>, suffix: &str) -> PyResult<(Vec<usize>, Vec<i64>)> {
+    let owned: Vec<Bound<'_, PyString>> = names
+        .iter()
+        .map(|n| n.cast_into::<PyString>().map_err(PyErr::from))
+        .collect::<PyResult<_>>()?;
+    let strs: Vec<&str> = owned.iter().map(|s| s.to_str()).collect::<PyResult<_>>()?;
+    Ok(names
+        .py()
+        .detach(|| crate::keys::suffix_stems(&strs, suffix)))
+}
+
 /// The `hp_fastload._core` module.
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -713,6 +727,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<WeightMap>()?;
     m.add_function(wrap_pyfunction!(execute, m)?)?;
     m.add_function(wrap_pyfunction!(key_templates, m)?)?;
+    m.add_function(wrap_pyfunction!(suffix_stems, m)?)?;
     add_object_functions(m)?;
     m.add("MAX_NDIM", MAX_NDIM)?;
     m.add("ITEM_WIDTH", ITEM_WIDTH)?;

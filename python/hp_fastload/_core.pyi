@@ -28,6 +28,7 @@ __all__ = [
     "WeightMap",
     "execute",
     "key_templates",
+    "suffix_stems",
     "MAX_NDIM",
     "ITEM_WIDTH",
     "COL_FILE",
@@ -139,6 +140,10 @@ def key_templates(names: list[str]) -> tuple[list[str], bytes, bytes, int] | Non
     leading zero) replaced by ``#``. ``(templates in order of first appearance, each name's template index as
     little-endian uint32, each name's numbers as ``width`` little-endian int64 padded with -1, width)``; None
     when a name contains ``#``."""
+
+def suffix_stems(names: list[str], suffix: str) -> tuple[list[int], list[int]]:
+    """``(positions of the names that end with suffix, in order; for each, the position of its stem, the name
+    without the suffix, among names, the first one, or -1 when none is)`` (``rust/keys.rs``)."""
 
 def execute(
     headers: list[SafetensorsHeader],

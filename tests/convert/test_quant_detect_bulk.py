@@ -146,3 +146,21 @@ def test_config_scan_passes_over_the_bulk_tensors_and_their_scales(tmp_path):
     assert _record(quant, "a.weight") == ("fp8", BLOCK, ("a.weight_scale_inv",), "a.weight")
     assert _record(quant, "i.weight") == ("fp8", "torch.int8 under quantization_config", (), "i.weight")
     assert quant.companions == {"a.weight_scale_inv"}
+
+
+def test_bulk_values_paired_in_rust_equal_the_sliced_names():
+    """``BlockScales.values`` pairs each scale with its value in Rust (the neighbour in natural order, else a
+    table of every name): the same values, in the same order, as slicing each scale name and asking the
+    checkpoint's keys; each value is the keys' own string object."""
+    from hp_fastload.convert.quant_info import BlockScales
+    from hp_fastload.source.natural import natural_sorted
+
+    names = ["a.weight", "a.weight_scale_inv", "b.weight", "b.weight.x", "b.weight_scale_inv", "orphan_scale_inv"]
+    names += ["_scale_inv", "c.w_scale_inv_scale_inv", "c.w_scale_inv", "c.w", "d.w_scale_inv", "z.d.w"]
+    names += [f"l.{i}.w" for i in range(30)] + [f"l.{i}.w_scale_inv" for i in range(0, 30, 3)]
+    keys = natural_sorted(names)  # ("b.weight.x" sorts between b.weight and its scale: the table's case)
+    scales = [k for k in keys if k.endswith("_scale_inv")]
+    paired = BlockScales(scales, set(keys), "fp8", keys).values()
+    sliced = BlockScales(scales, set(keys), "fp8").values()
+    assert paired == sliced and len(paired) == 14
+    assert all(any(v is k for k in keys) for v in paired)

@@ -27,9 +27,14 @@ def test_index_order_and_subsets_match_transformers_ties_by_name(tmp_path):
     index = CheckpointIndex.open(tmp_path)
     assert index.keys() == _reference(names)
     assert natural.natural_sorted(names) == _reference(names)
-    for picked in (rng.sample(names, 3), rng.sample(names, len(names) - 2)):  # position path, scan path
+    for picked in (rng.sample(names, 3), rng.sample(names, len(names) - 2)):
         extra = ["zz.1", "zz.01", "ü.2", "ü.02"]  # not checkpoint keys: sorted after them, ties by name
         assert index.natural_sorted(picked + extra) == _reference(picked) + _reference(extra)
+    # a few names (at most an eighth of the keys): a scan of the keys at the first such call, the position
+    # table from the second on
+    for call, picked in enumerate((["x.1", "é.1"], ["x.01", "a"], ["w_3", "x.10"])):
+        assert index.natural_sorted(picked) == _reference(picked)
+        assert (index._order._position is not None) == (call > 0)
 
 
 def test_partial_index_orders_only_its_keys(tmp_path):

@@ -176,7 +176,8 @@ def detect(
     if all(map(str.endswith, hits, repeat(SCALE_INV))) and ".weight.quant_state." not in "\n".join(keys):
         present = membership if membership is not None else set(keys)
         if hits:
-            block = BlockScales(hits, present, method or "fp8")
+            # (``keys`` are exactly ``present``'s: the values are paired in Rust, see BlockScales.values)
+            block = BlockScales(hits, present, method or "fp8", keys)
     else:  # another format: every companion recorded here, key by key
         present = set(keys)
         scanned = [k for k in keys if k.endswith(_SCAN_SUFFIXES) or ".weight.quant_state." in k]
@@ -226,14 +227,15 @@ def detect(
             if module + ".weight" in present:
                 add(module + ".weight", "nvfp4", "NVFP4 (weight_global_scale)", [key])
     listed = list(nonfloat) if nonfloat is not None else None
-    not_float = frozenset(listed) if listed is not None else None
+    not_float = listed  # (no set of them: nothing asks membership of it)
     if config is not None and method_of_config:
         exclusions = _exclusions(config)
         candidates = keys if listed is None else listed  # (the caller's order)
         if block is not None:  # the block-fp8 tensors and their scales are not the config's (in bulk: a
             # candidate not in the checkpoint is dropped below, so the names need no presence test here)
             cut = len(SCALE_INV)
-            names = frozenset(map(str.__getitem__, block.scales, repeat(slice(None, -cut))))
+            # (the values present: a stem not in the checkpoint is no candidate's, as candidates are keys)
+            names = frozenset(block.values())
             known = names.intersection(candidates).union(
                 s for s in block.scale_set.intersection(candidates) if s[:-cut] in present
             )

@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+import hp_fastload._core as _core
 from hp_fastload.convert.quant import (
     BLOCK_FP8,
     FLOAT_NAMES,
@@ -144,7 +145,7 @@ class QuantInfo:
     config: dict[str, Any] | None
     tensors: QuantTensors  # value key -> its description (built on first access)
     #: the keys whose stored dtype is not a float (None: unknown, ``dtype_of`` is asked)
-    nonfloat: frozenset[str] | None = None
+    nonfloat: Collection[str] | None = None
     #: the bulk dtype query (``CheckpointIndex.keys_not_stored_as``): ``check_claim`` asks it once per float
     #: target dtype instead of each claimed source's dtype (None: ``dtype_of`` is asked)
     not_stored_as: Callable[[Collection[str]], Iterable[str]] | None = None
@@ -359,10 +360,13 @@ class BlockScales:
     for; the name -> scale mapping is the name (``X`` + ``_scale_inv``), so nothing is built per tensor at
     detection, and the present values are listed (``values``) only when every one is asked for."""
 
-    def __init__(self, scales: list[str], present: Container[str], method: str) -> None:
+    def __init__(self, scales: list[str], present: Container[str], method: str, keys: list[str] | None = None) -> None:
         self.scales = scales  # in the scan's order
         self.present = present
         self.method = method
+        #: the keys ``present`` holds, exactly, in the scan's order (None: not known): ``values`` then pairs
+        #: each scale with its value in Rust and takes the values as these keys' own string objects
+        self.keys = keys
         self._scale_set: frozenset[str] | None = None
         self._values: list[str] | None = None
 
@@ -378,8 +382,14 @@ class BlockScales:
     def values(self) -> list[str]:
         """The quantized tensors, in the scan's order (each scale's value the checkpoint has)."""
         if self._values is None:
-            cut = slice(None, -len(SCALE_INV))
-            self._values = list(filter(self.present.__contains__, map(str.__getitem__, self.scales, repeat(cut))))
+            if self.keys is not None:
+                # (slicing 45k scale names and hashing the new strings against the index cost ~6x this;
+                # docs/perf-notes.md, "Session 11")
+                _, stems = _core.suffix_stems(self.keys, SCALE_INV)
+                self._values = list(map(self.keys.__getitem__, filter((-1).__ne__, stems)))
+            else:
+                cut = slice(None, -len(SCALE_INV))
+                self._values = list(filter(self.present.__contains__, map(str.__getitem__, self.scales, repeat(cut))))
         return self._values
 
     def any(self) -> bool:

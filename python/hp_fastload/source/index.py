@@ -13,6 +13,7 @@ import json
 import os
 import stat
 from collections.abc import Collection, Iterable, Iterator
+from itertools import chain, repeat
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -68,7 +69,7 @@ class CheckpointIndex:
         # The one lookup's memo, filled on first use: most keys of a big MoE are never located.
         self._located: dict[str, TensorEntry] = {}
         self._order = KeyOrder.of_headers(
-            [key for f in files for key in f._names], [f.header for f in files], key_files
+            list(chain.from_iterable(f._names for f in files)), [f.header for f in files], key_files
         )
         self._keys = self._order.keys
         # Every key of every file is indexed, each in its own file: nothing a file has is taken from another
@@ -151,9 +152,16 @@ class CheckpointIndex:
             _refuse_torch_sharded(file)
         key_files: dict[str, SafetensorsFile] = {}
         if fast is not None and fast.agrees([f.header for f in opened.values()]):
-            for file in opened.values():
-                key_files.update(dict.fromkeys(file._names, file))
-            return cls(list(opened.values()), key_files)
+            files = list(opened.values())
+            # one dict built from two C-level chains (no per-file dict merged in)
+            key_files = dict(
+                zip(
+                    chain.from_iterable(f._names for f in files),
+                    chain.from_iterable(repeat(f, len(f._names)) for f in files),
+                    strict=True,
+                )
+            )
+            return cls(files, key_files)
         if weight_map is None:
             weight_map = _weight_map(index_path, text)
         for key, name in weight_map.items():

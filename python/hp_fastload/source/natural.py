@@ -100,6 +100,7 @@ class KeyOrder:
     def __init__(self, keys: list[str]) -> None:
         self.keys = keys
         self._position: dict[str, int] | None = None
+        self._passes = 0  # calls answered by a pass over the keys (the position table is built at the second)
 
     @classmethod
     def of_headers(
@@ -120,13 +121,17 @@ class KeyOrder:
         thousands of unexpected keys, and computing each one's sort key in Python was slow), then any other
         names by :func:`natural_sort_key`."""
         names = names if isinstance(names, (set, frozenset)) else set(names)
-        if len(names) * 8 > len(self.keys):
-            # Many names (the unexpected keys of a big checkpoint): one C-level pass over the ordered keys.
+        position = self._position
+        if position is None and (len(names) * 8 > len(self.keys) or self._passes == 0):
+            # Many names (the unexpected keys of a big checkpoint), or the first call (a one-rank plan sorts
+            # once): one C-level pass over the ordered keys. Building the position table of 92k keys costs
+            # several such passes (docs/perf-notes.md, "Session 11"), so it is built only when asked again.
+            if len(names) * 8 <= len(self.keys):
+                self._passes += 1
             known = list(filter(names.__contains__, self.keys))
         else:
-            position = self._position
             if position is None:
-                position = self._position = {key: i for i, key in enumerate(self.keys)}
+                position = self._position = dict(zip(self.keys, range(len(self.keys)), strict=True))
             known = sorted((n for n in names if n in position), key=position.__getitem__)
         if len(known) == len(names):
             return known
