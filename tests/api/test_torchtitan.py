@@ -42,6 +42,8 @@ def _compare(name: str, layout: str, forward: bool = True) -> dict[str, Any]:
         "keys": (sorted(a) == sorted(b), len(a)),
         "loss": (titan.loss(theirs, cfg.vocab_size), titan.loss(ours, cfg.vocab_size)) if forward else None,
         "report": report,
+        "layout": titan.layout(ours),
+        "wqkv": b.get("layers.0.attention.qkv_linear.wqkv.weight"),
     }
 
 
@@ -71,8 +73,8 @@ def check_deepseek_v3_fsdp(rank: int, world: int) -> Any:
 
 def check_qwen3_moe_ep(rank: int, world: int) -> Any:
     # torchtitan 0.3.0's expert-parallel forward does not run on CPU gloo ranks (its token dispatcher has no
-    # process group there: AttributeError 'NoneType' object has no attribute 'get_group', on both ranks), so
-    # only the shards are compared
+    # process group there: AttributeError 'NoneType' object has no attribute 'get_group', on both ranks; still
+    # so with the experts really split over "ep"), so only the shards are compared
     return _compare("qwen3_moe", "ep", forward=False)
 
 
@@ -171,6 +173,33 @@ def test_bit_equal_to_torchtitans_own_load(outcomes: Any, check: Any) -> None:
         report = value["report"]
         assert report.missing_keys == () and report.unexpected_keys == ()
         assert report.summary().startswith("dcp: ")
+
+
+def _split_over(layout: dict[str, Any], dim: str) -> set[str]:
+    """The parameters whose mesh has ``dim`` of size WORLD and whose local shard is 1/WORLD of the tensor."""
+    out = set()
+    for name, (full, local, dims) in layout.items():
+        if dims.get(dim) == WORLD and torch.Size(local).numel() * WORLD == torch.Size(full).numel():
+            out.add(name)
+    return out
+
+
+def test_tp_layout_is_really_tensor_parallel(outcomes: Any) -> None:
+    """torchtitan's parallelize_llama under tensor_parallel_degree=2 gives each rank half of every TP-planned
+    weight on the "tp" mesh dim, and different rows of the fused wqkv (not two whole-tensor replicas)."""
+    first, second = subcheck_values(outcomes, check_llama3_tp.__name__)
+    split = _split_over(first["layout"], "tp")
+    planned = [n for n in first["layout"] if n.endswith(("wqkv.weight", "wo.weight", "w1.weight", "w2.weight"))]
+    planned += ["tok_embeddings.weight", "lm_head.weight"]
+    assert len(planned) == 2 * 4 + 2 and set(planned) <= split, sorted(set(planned) - split)
+    assert first["wqkv"].shape == (48, 64) and not torch.equal(first["wqkv"], second["wqkv"])
+
+
+def test_ep_layout_is_really_expert_parallel(outcomes: Any) -> None:
+    """Under expert_parallel_degree=2 each rank holds half of every layer's routed experts on the "ep" dim."""
+    (value, _) = subcheck_values(outcomes, check_qwen3_moe_ep.__name__)
+    experts = [n for n in value["layout"] if ".routed_experts." in n]
+    assert len(experts) == 2 * 3 and set(experts) <= _split_over(value["layout"], "ep")
 
 
 def test_moe_expert_bias_is_not_missing(outcomes: Any) -> None:

@@ -191,6 +191,10 @@ def parallel_model(name: str, layout: str, world: int, **kw: Any) -> tuple[nn.Mo
     dims = ParallelDims.from_config(parallelism, world)
     dims.build_mesh()
     cfg = config(name, **kw)
+    # what torchtitan's trainer does before building: fills every module config's ``sharding_config`` (TP and
+    # EP placements); without it ``Module.parallelize`` skips every module and "tp" leaves whole-tensor
+    # replicas on a one-rank FSDP mesh
+    cfg.update_from_config(config=types.SimpleNamespace(parallelism=parallelism))
     with torch.device("meta"):
         model = cfg.build()
     model = parallelize_fn(name)(
@@ -252,6 +256,17 @@ def local_state(model: nn.Module) -> dict[str, torch.Tensor]:
     for name, value in _named_tensors(model):
         local = value.to_local() if hasattr(value, "to_local") else value
         out[name] = local.detach().clone()
+    return out
+
+
+def layout(model: nn.Module) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], dict[str, int]]]:
+    """Every parameter's ``(global shape, local shape, {mesh dim name: size})`` (an empty dict: not a DTensor)."""
+    out = {}
+    for name, p in model.named_parameters():
+        mesh = getattr(p, "device_mesh", None)
+        dims = dict(zip(mesh.mesh_dim_names or (), mesh.shape, strict=True)) if mesh is not None else {}
+        local = p.to_local() if hasattr(p, "to_local") else p
+        out[name] = (tuple(p.shape), tuple(local.shape), dims)
     return out
 
 
