@@ -798,163 +798,67 @@ unsafe fn nibble_tiles_avx2(
     }
 }
 
-/// Transposes a 16 x 16 byte matrix held as 16 row vectors: byte `c` of row `r` becomes byte `r` of
-/// column `c`, in four rounds that interleave 8-, 16-, 32- and 64-bit units of vector pairs (written out so
-/// that the vectors stay in registers).
+/// One round of a byte transpose: the low and high unpacks of each listed pair of vectors.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-#[inline]
-fn transpose_16x16(r: [std::arch::x86_64::__m128i; 16]) -> [std::arch::x86_64::__m128i; 16] {
-    use std::arch::x86_64::*;
-    macro_rules! round {
-        ($v:ident, $lo:ident, $hi:ident, [$(($x:literal, $y:literal)),*]) => {
-            [$($lo($v[$x], $v[$y]), $hi($v[$x], $v[$y])),*]
-        };
-    }
-    // a[2p + h]: rows 2p, 2p + 1, columns 8h..8h + 8 (byte pairs).
-    let a = round!(
-        r,
-        _mm_unpacklo_epi8,
-        _mm_unpackhi_epi8,
-        [
-            (0, 1),
-            (2, 3),
-            (4, 5),
-            (6, 7),
-            (8, 9),
-            (10, 11),
-            (12, 13),
-            (14, 15)
-        ]
-    );
-    // b[4q + 2h + k]: rows 4q..4q + 4, columns 8h + 4k..8h + 4k + 4.
-    let b = round!(
-        a,
-        _mm_unpacklo_epi16,
-        _mm_unpackhi_epi16,
-        [
-            (0, 2),
-            (1, 3),
-            (4, 6),
-            (5, 7),
-            (8, 10),
-            (9, 11),
-            (12, 14),
-            (13, 15)
-        ]
-    );
-    // c[8s + 2j + k]: rows 8s..8s + 8, columns 4j + 2k, 4j + 2k + 1.
-    let c = round!(
-        b,
-        _mm_unpacklo_epi32,
-        _mm_unpackhi_epi32,
-        [
-            (0, 4),
-            (1, 5),
-            (2, 6),
-            (3, 7),
-            (8, 12),
-            (9, 13),
-            (10, 14),
-            (11, 15)
-        ]
-    );
-    // column 2m + k, all 16 rows.
-    round!(
-        c,
-        _mm_unpacklo_epi64,
-        _mm_unpackhi_epi64,
-        [
-            (0, 8),
-            (1, 9),
-            (2, 10),
-            (3, 11),
-            (4, 12),
-            (5, 13),
-            (6, 14),
-            (7, 15)
-        ]
-    )
+macro_rules! unpack_round {
+    ($v:ident, $lo:path, $hi:path, [$(($x:literal, $y:literal)),*]) => {
+        [$($lo($v[$x], $v[$y]), $hi($v[$x], $v[$y])),*]
+    };
 }
 
-/// [`transpose_16x16`] of two matrices at once, one in each 128-bit lane of 16 row vectors (the unpacks work
-/// lane by lane): byte `c` of lane `l` of row `r` becomes byte `r` of lane `l` of column `c`, in four rounds that interleave 8-, 16-, 32- and 64-bit units of vector pairs (written out so
-/// that the vectors stay in registers).
+/// Defines a 16 x 16 byte transpose of 16 row vectors from the unpack intrinsics of one vector width: byte `c`
+/// of row `r` (in each 128-bit lane: the unpacks work lane by lane) becomes byte `r` of column `c`, in four
+/// rounds that interleave 8-, 16-, 32- and 64-bit units of vector pairs (written out so that the vectors stay in
+/// registers).
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-#[inline]
-fn transpose_16x16_lanes(r: [std::arch::x86_64::__m256i; 16]) -> [std::arch::x86_64::__m256i; 16] {
-    use std::arch::x86_64::*;
-    macro_rules! round {
-        ($v:ident, $lo:ident, $hi:ident, [$(($x:literal, $y:literal)),*]) => {
-            [$($lo($v[$x], $v[$y]), $hi($v[$x], $v[$y])),*]
-        };
-    }
-    // a[2p + h]: rows 2p, 2p + 1, columns 8h..8h + 8 (byte pairs).
-    let a = round!(
-        r,
-        _mm256_unpacklo_epi8,
-        _mm256_unpackhi_epi8,
-        [
-            (0, 1),
-            (2, 3),
-            (4, 5),
-            (6, 7),
-            (8, 9),
-            (10, 11),
-            (12, 13),
-            (14, 15)
-        ]
-    );
-    // b[4q + 2h + k]: rows 4q..4q + 4, columns 8h + 4k..8h + 4k + 4.
-    let b = round!(
-        a,
-        _mm256_unpacklo_epi16,
-        _mm256_unpackhi_epi16,
-        [
-            (0, 2),
-            (1, 3),
-            (4, 6),
-            (5, 7),
-            (8, 10),
-            (9, 11),
-            (12, 14),
-            (13, 15)
-        ]
-    );
-    // c[8s + 2j + k]: rows 8s..8s + 8, columns 4j + 2k, 4j + 2k + 1.
-    let c = round!(
-        b,
-        _mm256_unpacklo_epi32,
-        _mm256_unpackhi_epi32,
-        [
-            (0, 4),
-            (1, 5),
-            (2, 6),
-            (3, 7),
-            (8, 12),
-            (9, 13),
-            (10, 14),
-            (11, 15)
-        ]
-    );
-    // column 2m + k, all 16 rows.
-    round!(
-        c,
-        _mm256_unpacklo_epi64,
-        _mm256_unpackhi_epi64,
-        [
-            (0, 8),
-            (1, 9),
-            (2, 10),
-            (3, 11),
-            (4, 12),
-            (5, 13),
-            (6, 14),
-            (7, 15)
-        ]
-    )
+macro_rules! byte_transpose {
+    ($(#[$doc:meta])* $name:ident, $vec:ty, $lo8:path, $hi8:path, $lo16:path, $hi16:path, $lo32:path, $hi32:path,
+     $lo64:path, $hi64:path) => {
+        $(#[$doc])*
+        #[target_feature(enable = "avx2")]
+        #[inline]
+        fn $name(r: [$vec; 16]) -> [$vec; 16] {
+            // a[2p + h]: rows 2p, 2p + 1, columns 8h..8h + 8 (byte pairs).
+            let a = unpack_round!(r, $lo8, $hi8, [(0, 1), (2, 3), (4, 5), (6, 7), (8, 9), (10, 11), (12, 13), (14, 15)]);
+            // b[4q + 2h + k]: rows 4q..4q + 4, columns 8h + 4k..8h + 4k + 4.
+            let b = unpack_round!(a, $lo16, $hi16, [(0, 2), (1, 3), (4, 6), (5, 7), (8, 10), (9, 11), (12, 14), (13, 15)]);
+            // c[8s + 2j + k]: rows 8s..8s + 8, columns 4j + 2k, 4j + 2k + 1.
+            let c = unpack_round!(b, $lo32, $hi32, [(0, 4), (1, 5), (2, 6), (3, 7), (8, 12), (9, 13), (10, 14), (11, 15)]);
+            // column 2m + k, all 16 rows.
+            unpack_round!(c, $lo64, $hi64, [(0, 8), (1, 9), (2, 10), (3, 11), (4, 12), (5, 13), (6, 14), (7, 15)])
+        }
+    };
 }
+
+#[cfg(target_arch = "x86_64")]
+byte_transpose!(
+    /// Transposes a 16 x 16 byte matrix held as 16 row vectors (see `byte_transpose`).
+    transpose_16x16,
+    std::arch::x86_64::__m128i,
+    std::arch::x86_64::_mm_unpacklo_epi8,
+    std::arch::x86_64::_mm_unpackhi_epi8,
+    std::arch::x86_64::_mm_unpacklo_epi16,
+    std::arch::x86_64::_mm_unpackhi_epi16,
+    std::arch::x86_64::_mm_unpacklo_epi32,
+    std::arch::x86_64::_mm_unpackhi_epi32,
+    std::arch::x86_64::_mm_unpacklo_epi64,
+    std::arch::x86_64::_mm_unpackhi_epi64
+);
+
+#[cfg(target_arch = "x86_64")]
+byte_transpose!(
+    /// [`transpose_16x16`] of two matrices at once, one in each 128-bit lane of 16 row vectors.
+    transpose_16x16_lanes,
+    std::arch::x86_64::__m256i,
+    std::arch::x86_64::_mm256_unpacklo_epi8,
+    std::arch::x86_64::_mm256_unpackhi_epi8,
+    std::arch::x86_64::_mm256_unpacklo_epi16,
+    std::arch::x86_64::_mm256_unpackhi_epi16,
+    std::arch::x86_64::_mm256_unpacklo_epi32,
+    std::arch::x86_64::_mm256_unpackhi_epi32,
+    std::arch::x86_64::_mm256_unpacklo_epi64,
+    std::arch::x86_64::_mm256_unpackhi_epi64
+);
 
 /// The write direction's zero-copy case: calls `f` with the memory of repetitions `reps` of a same-dtype,
 /// byte-sized run when it is one contiguous byte range (elements adjacent, repetitions back to back), else
