@@ -42,11 +42,13 @@ class AdapterPlan:
     unexpected: list[str]
 
 
-def _regions(values: dict[str, Any], what: str) -> dict[str, Mapped]:
-    bad = [k for k, v in values.items() if not isinstance(v, Mapped)]
+def _traced(values: dict[str, Any], what: str, kind: type, noun: str) -> dict[str, Any]:
+    """``values`` when every one is a ``kind`` (what the tracer gives), else the ``AdapterError`` naming the keys
+    whose values an op computed from real data."""
+    bad = [k for k, v in values.items() if not isinstance(v, kind)]
     if bad:
         raise AdapterError(
-            f"the state_dict_adapter's {what} produced values that are not traced regions for "
+            f"the state_dict_adapter's {what} produced values that are not {noun} for "
             f"{', '.join(map(shown_key, bad[:5]))} (type {type(values[bad[0]]).__name__}): an op that reads values "
             "cannot be planned as region reads; load through torchtitan's own path (dcp_load) instead"
         )
@@ -60,14 +62,7 @@ def released(model: Any, adapter: StateDictAdapter, targets: dict[str, Target]) 
         out = released_sources(model, adapter, tensors)
     except UnsupportedRegionOp as exc:
         raise AdapterError(f"the state_dict_adapter's to_hf (or a state_dict hook) cannot be traced: {exc}") from exc
-    bad = [k for k, v in out.items() if not isinstance(v, frozenset)]
-    if bad:
-        raise AdapterError(
-            f"the state_dict_adapter's to_hf produced values that are not traced tensors for "
-            f"{', '.join(map(shown_key, bad[:5]))} (type {type(out[bad[0]]).__name__}): an op that reads values "
-            "cannot be planned as region reads; load through torchtitan's own path (dcp_load) instead"
-        )
-    return out
+    return _traced(out, "to_hf", frozenset, "traced tensors")
 
 
 def released_layout(model: Any, adapter: StateDictAdapter, targets: dict[str, Target]) -> dict[str, torch.Tensor]:
@@ -113,7 +108,7 @@ def plan_adapter(
         raise AdapterError(
             f"the state_dict_adapter's from_hf failed on this checkpoint's keys: {type(exc).__name__}: {exc}"
         ) from exc
-    for name, region in _regions(native, "from_hf").items():
+    for name, region in _traced(native, "from_hf", Mapped, "traced regions").items():
         claims.region(name, region.shape, region.blocks, None)
     mapped = set().union(*hf.values())
     unmapped = [name for name, target in targets.items() if mapped.isdisjoint(target.names)]
