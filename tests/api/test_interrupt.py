@@ -119,6 +119,22 @@ def _timed(call: Any) -> float:
     return time.perf_counter() - start
 
 
+def _cut_short(call: Any, full: float, prepare: Any, unread: Any) -> dict[str, Any]:
+    """``_interrupted(call, ...)`` after ``prepare()``, the signal a third of ``full`` into the call, and
+    ``left_unread``: ``unread()`` after it. A call that had read everything before the signal came (a cold read
+    runs several times faster than the uninterrupted runs now and then on a shared machine) proves nothing
+    about cutting one short: it is made again with the signal earlier (a sixth, then a twelfth of ``full``)."""
+    for fraction in (3, 6, 12):
+        prepare()
+        cut = _interrupted(call, full / fraction)
+        cut["left_unread"] = bool(unread())
+        if cut["left_unread"] or cut["outcome"] != "KeyboardInterrupt":
+            break
+    cut["full"] = full
+    cut["fraction"] = fraction
+    return cut
+
+
 def _uninterrupted(call: Any, prepare: Any) -> float:
     """The call's seconds uninterrupted, each run after ``prepare()`` as the interrupted run will be: the faster
     of two, so that a first call's one-time costs (imports, caches) do not place the signal after the end of the
@@ -151,12 +167,12 @@ def single_process_checks(root: str) -> dict[str, Any]:
     def read() -> Any:
         return hf.read_many([(path, "w", (0, 0), (ROWS, COLS), out_t)], backend="pread")
 
+    def reset_read() -> None:
+        out_t.fill_(1)
+        _evict(path)
+
     full = _uninterrupted(read, lambda: _evict(path))
-    out_t.fill_(1)
-    _evict(path)
-    cut = _interrupted(read, full / 3)
-    cut["full"] = full
-    cut["left_unread"] = bool((out_t == 1).any())
+    cut = _cut_short(read, full, reset_read, lambda: (out_t == 1).any())
     cut["held"] = _held(base)
     _evict(path)
     read()
@@ -168,13 +184,13 @@ def single_process_checks(root: str) -> dict[str, Any]:
     def load() -> Any:
         return hf.load(model, ckpt, backend="pread").bytes_read
 
+    def reset_load() -> None:
+        with torch.no_grad():
+            model.w.fill_(1)
+        _evict(path)
+
     full = _uninterrupted(load, lambda: _evict(path))
-    with torch.no_grad():
-        model.w.fill_(1)
-    _evict(path)
-    cut = _interrupted(load, full / 3)
-    cut["full"] = full
-    cut["left_unread"] = bool((model.w == 1).any())
+    cut = _cut_short(load, full, reset_load, lambda: (model.w == 1).any())
     cut["held"] = _held(base)
     _evict(path)
     load()
@@ -274,6 +290,53 @@ def _one_sided(rank: int, call: Any, after: float) -> dict[str, Any]:
     return got
 
 
+def _settling_checks(rank: int) -> dict[str, Any]:
+    """The agreement protocol itself, two steps inside ``interrupts_between_steps``: rank 1 spends 1 s in step
+    one while rank 0, done at once, waits for it and is interrupted 0.3 s in. Rank 0 leaves; rank 1 must raise
+    ``PeerInterrupted`` when it finishes step one, before it posts anything for step two, so a collective after
+    the call completes on both ranks with the right sum (a rank one collective ahead would hang or mix them
+    up). Then the other order, settled directly: a rank that finished a step seals it first, and a rank
+    interrupted afterwards while it still waits for that step learns it must stay for the next one."""
+    from datetime import timedelta
+
+    import hp_fastload as hf
+    from hp_fastload.dist import agree as protocol
+
+    def call() -> None:
+        with protocol.interrupts_between_steps():
+            protocol.agree("Step one", lambda: time.sleep(1.0 if rank == 1 else 0.0))
+            protocol.agree("Step two", lambda: None)
+
+    if rank == 0:
+        got = _interrupted(call, 0.3)
+    else:
+        start = time.perf_counter()
+        try:
+            call()
+            got = {"outcome": "returned"}
+        except hf.PeerInterrupted as exc:
+            got = {"outcome": f"PeerInterrupted {exc.ranks}: {exc}"}
+        got["seconds"] = time.perf_counter() - start
+    torch.distributed.monitored_barrier(timeout=timedelta(seconds=30))
+    total = torch.tensor([rank + 1.0])
+    torch.distributed.all_reduce(total)
+    got["sum_after"] = float(total.item())
+
+    class _Waiting:  # a step's gather still pending on the interrupted rank
+        def is_completed(self) -> bool:
+            return False
+
+    with protocol.interrupts_between_steps():
+        store = protocol._store()
+        if rank == 1:
+            got["sealer_goes_on"] = not protocol._settle(store, 7, _Waiting(), leaving=False, stage="Step seven")
+        torch.distributed.barrier()
+        if rank == 0:
+            got["late_leaver_stays"] = not protocol._settle(store, 7, _Waiting(), leaving=True)
+    torch.distributed.barrier()
+    return got
+
+
 def _rank_checks(rank: int, world: int, root: str) -> dict[str, Any]:
     """Each rank loads its Shard(0) half of the sparse checkpoint: uninterrupted, then SIGINT on both ranks
     (as a terminal's Ctrl-C or torchrun sends it), then SIGINT on rank 0 only, each followed by a load that
@@ -305,7 +368,7 @@ def _rank_checks(rank: int, world: int, root: str) -> dict[str, Any]:
         with torch.no_grad():
             local.fill_(1)
 
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"settling": _settling_checks(rank)}
     full = _uninterrupted(load, cold)
     cold()
     both = _interrupted(load, full / 3)
@@ -359,6 +422,18 @@ def _rank_checks(rank: int, world: int, root: str) -> dict[str, Any]:
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     root = tmp_path_factory.mktemp("interrupt-dist")
     return run_distributed(_rank_checks, 2, str(root), timeout=240)
+
+
+def test_a_rank_that_leaves_while_waiting_stops_its_peers_before_their_next_collective(
+    ranks: list[dict[str, Any]],
+) -> None:
+    mine = ranks[0]["settling"]
+    assert mine["outcome"] == "KeyboardInterrupt" and mine["latency"] < LATENCY_S, mine
+    other = ranks[1]["settling"]
+    assert other["outcome"].startswith("PeerInterrupted (0,)"), other
+    assert "Step one" in other["outcome"] and "rank 0" in other["outcome"], other
+    assert [got["settling"]["sum_after"] for got in ranks] == [3.0, 3.0], ranks
+    assert other["sealer_goes_on"] and ranks[0]["settling"]["late_leaver_stays"], ranks
 
 
 def test_a_two_rank_load_interrupted_on_every_rank(ranks: list[dict[str, Any]]) -> None:

@@ -2,7 +2,9 @@
 on every rank with the failing rank named; a peer missing from the collective is reported as such rather than left
 to hang. Interrupts: a rank whose step raised ``KeyboardInterrupt`` posts its outcome without waiting and raises at
 once, its peers raise ``PeerInterrupted`` naming it; the wait for the peers is polled, so a signal is answered while
-waiting too (then the rank leaves a notice in the process group's store that its peers' next waits find).
+waiting too. A rank that leaves while waiting and the peers that finish the step settle in the process group's store
+which came first (one ``compare_set`` on the step's key): either the peers learn of it before any further collective
+and raise, or the rank stays for the next step and raises there, so the ranks' collectives stay in step.
 """
 
 from __future__ import annotations
@@ -53,6 +55,9 @@ _POLL_SECONDS = 0.002
 #: How often a waiting rank looks for a peer's interrupt notice in the store.
 _NOTICE_SECONDS = 0.05
 _NOTICE_KEY = "hp_fastload/interrupted/"
+#: A step's settlement: "sealed" (a peer finished the step first) or "rank r" (rank r left while waiting).
+_SEAL_KEY = "hp_fastload/step/"
+_SEALED = "sealed"
 _sequence = 0  # agreements of the running call so far: the same count on every rank of a job in step
 _call = 0  # distributed calls (load, save, from_pretrained) this process made: notices are keyed by both
 _depth = 0  # 1 inside such a call (nested calls share it)
@@ -143,23 +148,23 @@ def agree(stage: str, fn: Callable[[], Any], call: str = "hp_fastload.load (or f
     _sequence += 1
     result = None
     failure: BaseException | None = None
-    try:
-        if _held:  # a signal came since the last step (interrupts_between_steps): this rank stops here
-            _held.clear()
-            if _peer_left_last_step():  # the peers will not come to this step: stop without posting
-                raise errors.PeerInterrupted(f"{stage}: a peer was interrupted in the previous step", [])
-            raise KeyboardInterrupt
-        with _signals_live():
-            result = fn()
-    except (Exception, KeyboardInterrupt) as exc:
-        failure = exc
+    if _held:  # a signal came since the last step (interrupts_between_steps): this rank stops here
+        _held.clear()
+        if _peer_left_last_step():  # the peers will not come to this step: stop without posting
+            raise errors.PeerInterrupted(f"{stage}: a peer was interrupted in the previous step", [])
+        failure = KeyboardInterrupt()
+    else:
+        try:
+            with _signals_live():
+                result = fn()
+        except (Exception, KeyboardInterrupt) as exc:
+            failure = exc
     if not dist_active():
         if failure is not None:
             raise failure
         return result
     status = _OK if failure is None else _INTERRUPTED if isinstance(failure, KeyboardInterrupt) else _FAILED
-    with _signals_live():
-        statuses = _gather_status(stage, status, call)
+    statuses = _gather_status(stage, status, call)
     if failure is not None and status == _INTERRUPTED:
         raise failure
     interrupted = [rank for rank, s in enumerate(statuses) if s == _INTERRUPTED]
@@ -216,10 +221,14 @@ def _notice(store: Any, sequence: int) -> str | None:
 
 
 def _gather_status(stage: str, status: int, call: str) -> list[int]:
-    """Every rank's status of this agreement. Posted asynchronously and polled in short sleeps: a signal
-    arriving meanwhile raises here (a notice is left in the store first, for the peers), and a peer's notice
-    from the previous agreement ends the wait with ``PeerInterrupted``. An interrupted rank (``status``) does
-    not wait at all: its status is on its way, the peers' gather completes without it."""
+    """Every rank's status of this agreement. Posted asynchronously (a signal meanwhile is held: a post cut
+    short would leave the peers waiting for it), then polled in short sleeps in which a signal raises, and a
+    peer's notice from the previous step ends the wait with ``PeerInterrupted``. An interrupted rank
+    (``status``) does not wait at all: its status is on its way, the peers' gather completes without it.
+
+    A signal that raises in the wait and the peers finishing this step are settled by :func:`_settle`: this
+    rank either leaves now (its peers raise ``PeerInterrupted`` when they finish the step, before any other
+    collective) or, when a peer had finished first, stays to the next step and raises there with the others."""
     world = torch.distributed.get_world_size()
     device = _status_device()
     mine = torch.tensor([status], dtype=torch.uint8, device=device)
@@ -228,35 +237,75 @@ def _gather_status(stage: str, status: int, call: str) -> list[int]:
     if status == _INTERRUPTED:
         return [status]
     store, sequence = _store(), _sequence
-    started = time.monotonic()
-    looked = started
     try:
-        sleep = 0.0001
-        while not work.is_completed():
-            time.sleep(sleep)
-            sleep = min(sleep * 2, _POLL_SECONDS)
-            now = time.monotonic()
-            if store is not None and now - looked >= _NOTICE_SECONDS:
-                looked = now
-                noticed = _notice(store, sequence - 1)
-                if noticed is not None:
-                    rank = int(noticed.split()[-1])
-                    raise errors.PeerInterrupted(
-                        f"{stage}: rank {rank} was interrupted (KeyboardInterrupt) while waiting for the others "
-                        "in the previous step; every rank stops",
-                        [rank],
-                    )
+        with _signals_live():
+            if _held:  # the signal came while the status was being posted: answered as in the wait
+                _held.clear()
+                raise KeyboardInterrupt
+            _poll_status(stage, work, store, sequence)
     except KeyboardInterrupt:
-        if work.is_completed() and _held is not None:
-            # Every status is in: the peers go on to the next step; this rank stops there, with them.
-            _held.append(signal.SIGINT)
-        else:
-            if store is not None:
-                with contextlib.suppress(RuntimeError, ValueError):
-                    store.set(f"{_NOTICE_KEY}{_call}/{sequence}", f"rank {torch.distributed.get_rank()}")
+        if _settle(store, sequence, work, leaving=True):
             raise
+        _waiting(stage, work.wait, call)  # every status is posted: this completes at once
+        if _held is None:  # nothing holds a signal to the next step: raise after the step, as before
+            raise
+        _held.append(signal.SIGINT)  # the peers go on to the next step; this rank stops there, with them
     _waiting(stage, work.wait, call)
+    _settle(store, sequence, work, leaving=False, stage=stage)
     return [int(t.item()) for t in out]
+
+
+def _poll_status(stage: str, work: Any, store: Any, sequence: int) -> None:
+    """Sleep until ``work`` completes (a signal raises in the sleep); a peer's notice of the previous step
+    (it left the job-wide exchange there) raises ``PeerInterrupted``."""
+    looked = time.monotonic()
+    sleep = 0.0001
+    while not work.is_completed():
+        time.sleep(sleep)
+        sleep = min(sleep * 2, _POLL_SECONDS)
+        now = time.monotonic()
+        if store is not None and now - looked >= _NOTICE_SECONDS:
+            looked = now
+            noticed = _notice(store, sequence - 1)
+            if noticed is not None:
+                rank = int(noticed.split()[-1])
+                raise errors.PeerInterrupted(
+                    f"{stage}: rank {rank} was interrupted (KeyboardInterrupt) while waiting for the others "
+                    "in the previous step; every rank stops",
+                    [rank],
+                )
+
+
+def _settle(store: Any, sequence: int, work: Any, *, leaving: bool, stage: str = "") -> bool:
+    """Which came first for step ``sequence``: a rank leaving its wait (``leaving``) or a peer finishing the
+    step, settled by one ``compare_set`` on the step's key in the process group's store, whose first writer
+    wins. A leaving rank writes "rank r": if it wins it leaves (returns True, and leaves the notice the peers'
+    waits look for); if a peer sealed the step first, every status is posted and that peer goes on to the
+    next collective, so this rank must stay for it (returns False). A rank that finished the step writes
+    "sealed": if a peer's "rank r" is there instead, no rank has gone past this step, and this one raises
+    ``PeerInterrupted`` naming it before entering anything else. Without a store a leaving rank just leaves
+    (the peers then wait in their next collective until the process group's timeout, which names it)."""
+    if leaving and work.is_completed():
+        return False
+    if store is None:
+        return leaving
+    me = f"rank {torch.distributed.get_rank()}" if leaving else _SEALED
+    try:
+        got = store.compare_set(f"{_SEAL_KEY}{_call}/{sequence}", "", me).decode()
+    except (RuntimeError, ValueError):
+        return leaving
+    if leaving:
+        if got == me:
+            with contextlib.suppress(RuntimeError, ValueError):
+                store.set(f"{_NOTICE_KEY}{_call}/{sequence}", me)
+        return got != _SEALED
+    if got != _SEALED:
+        rank = int(got.split()[-1])
+        raise errors.PeerInterrupted(
+            f"{stage}: rank {rank} was interrupted (KeyboardInterrupt) while waiting for the others; every rank stops",
+            [rank],
+        )
+    return False
 
 
 #: How long a rank holding a signal looks for a peer's notice of the previous step before it posts its status.
@@ -264,8 +313,9 @@ _LEFT_WAIT_SECONDS = 0.05
 
 
 def _peer_left_last_step() -> bool:
-    """Whether a peer raised while waiting in the previous step (its notice is in the store, written within
-    milliseconds of the signal that also reached this rank): such a peer never posts a status for this step."""
+    """Whether a peer raised in the job-wide exchange after the previous step (its notice is in the store,
+    written within milliseconds of the signal that also reached this rank): such a peer never posts a status
+    for this step. (A peer that left while waiting in the previous step itself was settled there.)"""
     store = _store()
     if store is None:
         return False
