@@ -159,20 +159,21 @@ impl ElemSink for StridedSink {
 const STREAM_MIN: usize = 4096;
 
 /// Copies `src` into `dst` (same length) with non-temporal stores: the destination of a load is not read
-/// again soon, and streaming stores skip reading each destination cache line before overwriting it.
+/// again soon, and streaming stores skip reading each destination cache line before overwriting it. The
+/// caller calls [`stream_fence`] after its last piece: a fence per piece drained the write-combining buffers
+/// each time, a fifth of a column read of 1-3 KiB rows (docs/perf-notes.md, session 12).
 pub(crate) fn stream_copy(dst: &mut [u8], src: &[u8]) {
     assert_eq!(dst.len(), src.len(), "stream_copy needs equal lengths");
     #[cfg(target_arch = "x86_64")]
     {
-        use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
+        use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
         let n = dst.len();
         let head = ((16 - (dst.as_ptr() as usize & 15)) & 15).min(n);
         dst[..head].copy_from_slice(&src[..head]);
         let body = (n - head) / 64 * 64;
         // SAFETY: `head..head + body` lies inside both slices (checked lengths above); the destination
         // pointer at `head` is 16-byte aligned as `_mm_stream_si128` requires; loads are unaligned. SSE2 is
-        // part of the x86_64 baseline. `_mm_sfence` orders the streaming stores before the return, so the
-        // bytes are visible to whoever observes this thread's completion.
+        // part of the x86_64 baseline.
         unsafe {
             let s = src.as_ptr().add(head);
             let d = dst.as_mut_ptr().add(head);
@@ -188,12 +189,22 @@ pub(crate) fn stream_copy(dst: &mut [u8], src: &[u8]) {
                 _mm_stream_si128(dp.add(3), e);
                 i += 64;
             }
-            _mm_sfence();
         }
         dst[head + body..].copy_from_slice(&src[head + body..]);
     }
     #[cfg(not(target_arch = "x86_64"))]
     dst.copy_from_slice(src);
+}
+
+/// Orders the streaming stores made so far ([`stream_copy`]) before what follows: the bytes are visible to
+/// whoever observes this thread's completion.
+#[inline(always)]
+fn stream_fence() {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: `_mm_sfence` has no operands and only orders this thread's stores; SSE is x86_64 baseline.
+    unsafe {
+        std::arch::x86_64::_mm_sfence()
+    };
 }
 
 /// Repetitions this far ahead of the one being copied have their source lines prefetched by [`gather_rows`].
@@ -220,6 +231,9 @@ fn gather_rows(run: &Run, src: &[u8]) {
             true => stream_copy(out, from),
             false => out.copy_from_slice(from),
         });
+    }
+    if stream {
+        stream_fence();
     }
 }
 
@@ -256,6 +270,7 @@ pub(crate) fn write_run(run: &Run, src: &[u8]) {
             for r in 0..run.reps {
                 with_dense_rep(run, r, |out| stream_copy(out, rep_src(r)));
             }
+            stream_fence();
         }
         (true, true) => {
             for r in 0..run.reps {
@@ -1206,6 +1221,7 @@ mod tests {
             let src: Vec<u8> = (0..len + src_off).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect();
             let mut out = vec![0xa5u8; len + dst_off + 64];
             stream_copy(&mut out[dst_off..dst_off + len], &src[src_off..]);
+            stream_fence();
             prop_assert_eq!(&out[dst_off..dst_off + len], &src[src_off..]);
             prop_assert!(out[..dst_off].iter().chain(&out[dst_off + len..]).all(|&b| b == 0xa5));
         }

@@ -38,6 +38,7 @@ use crate::header::Header;
 use crate::types::Item;
 
 mod read;
+mod release;
 mod scales;
 mod staged;
 mod tasks;

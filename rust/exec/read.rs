@@ -6,6 +6,7 @@ use std::fs::File;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
+use super::release::{Release, Releases};
 use super::scales::{check_scale, item_scales, read_scale_cells, scale_cells, LoadedScale, Scaled};
 use super::staged::{needed_ranges, Stage};
 use super::tasks::{make_pieces, make_tasks, probe_ranges, Mode, Task};
@@ -253,6 +254,7 @@ fn run_tasks(
     opts: &ExecOptions,
 ) -> Result<u64, LoadError> {
     let bytes_read = AtomicU64::new(0);
+    let releases = Releases::new(tasks, |t| t.mode == Mode::Mmap);
     // pread tasks ask the kernel to read ahead: the first `lookahead` when task 0 is taken (on a worker, so
     // that a coordinating thread already watches for interrupts: a hint can take milliseconds per task),
     // then one more per task taken.
@@ -289,12 +291,26 @@ fn run_tasks(
                 if let Some(source) = &sources[task.file] {
                     source.finish();
                 }
+            } else if result.is_ok() {
+                release(sources, &releases.finished(i, tasks));
             }
             bytes_read.fetch_add(result?, Ordering::Relaxed);
             Ok(())
         },
     )?;
+    // A map this call made is unmapped when it returns (off the critical path for large ones); a kept one
+    // (a header's map, `keep_maps`, `load`'s batches) must not keep the last window resident.
+    release(sources, &releases.rest(tasks));
     Ok(bytes_read.into_inner())
+}
+
+/// Drops the page-table entries of `ranges` (the pages stay in the page cache; see [`Releases`]).
+fn release(sources: &[Option<Source>], ranges: &[Release]) {
+    for r in ranges {
+        if let Some(map) = sources[r.file].as_ref().and_then(|s| s.map.as_ref()) {
+            map.done_with(r.start, r.end);
+        }
+    }
 }
 
 fn run_task(
@@ -325,7 +341,6 @@ fn run_task(
             for r in runs {
                 scaled.write(r, &bytes[r.src_off as usize..r.src_end() as usize]);
             }
-            map.done_with(task.start, task.end);
             Ok(extent)
         }
         Mode::PreadDirect => {

@@ -158,7 +158,8 @@ def test_rehearsed_rank_is_bit_exact_and_bounded(qwen3: Path, fake_world: Any) -
     """Rank 2 of FSDP2 over 4: every local shard rehearsed through mapped reads equals torch's chunk of
     safetensors' tensors
     (experts stacked by transformers' rule: gate and up concatenated per expert), and reading it adds less
-    than a quarter of its bytes to the resident set (mapped checkpoint pages were kept: +100% of them)."""
+    than half its bytes to the resident set (mapped checkpoint pages were kept: +100% of them; released in
+    windows of a sixteenth of the mapped spans, at least 16 MiB, plus the tasks in flight: +35% here)."""
     world, rank = 4, 2
     fake_world(world, rank)
     model = _fsdp_model(qwen3, world)
@@ -190,7 +191,7 @@ def test_rehearsed_rank_is_bit_exact_and_bounded(qwen3: Path, fake_world: Any) -
         checked += 1
     assert checked == len(params)
     assert report.bytes_read == report.local_bytes  # bf16 into bf16
-    assert report.peak_rss - report.rss_before < report.local_bytes // 4, report.summary()
+    assert report.peak_rss - report.rss_before < report.local_bytes // 2, report.summary()
 
 
 def test_descriptors_stay_bounded_over_many_files(deepseek: Path, fake_world: Any) -> None:
