@@ -368,7 +368,9 @@ def write_checkpoint(
     stamp = _stamp(spec, layers, experts, fill, seed) + str(max_shard_size) + json.dumps(overrides, sort_keys=True)
     marker = root / ".complete"
     if marker.is_file() and marker.read_text().split("\n", 1)[0] == stamp:
-        return Generated(**json.loads(marker.read_text().split("\n", 1)[1]))
+        cached = Generated(**json.loads(marker.read_text().split("\n", 1)[1]))
+        cached.path = Path(cached.path)  # the stamp keeps it as a string
+        return cached
     started = time.perf_counter()
     config, released, quantization_config, parameters = released_layout(spec, layers, experts, overrides)
     files, index = shard_files(released, max_shard_size or spec.max_shard_size, parameters)

@@ -64,6 +64,18 @@ def deepseek(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+def test_a_cached_checkpoint_comes_back_as_written(tmp_path: Path) -> None:
+    """A second ``write_checkpoint`` with the same arguments reuses the files (its stamp matches) and returns
+    the first call's description, ``path`` a ``Path`` (``make bench-scale`` over a generated checkpoint failed
+    on a string there)."""
+    args: dict[str, Any] = {"layers": 1, "experts": 4, "overrides": SMALL_VOCAB, "max_shard_size": "64MB"}
+    first = scale.write_checkpoint(tmp_path / "q", scale.MODELS["qwen3-235b-a22b"], **args)
+    again = scale.write_checkpoint(tmp_path / "q", scale.MODELS["qwen3-235b-a22b"], **args)
+    assert isinstance(again.path, Path), type(again.path)
+    assert again == first
+    assert len(list(again.path.glob("*.safetensors"))) == first.files
+
+
 @pytest.fixture
 def fake_world() -> Iterator[Any]:
     """A ``fake`` process group of ``world`` ranks as rank ``rank`` (torch's own local shards for that rank)."""
