@@ -15,8 +15,8 @@ use super::tasks::{Mode, Task};
 
 /// Most bytes of finished mapped tasks kept mapped before they are released.
 pub(super) const RELEASE_WINDOW_MAX: u64 = 256 << 20;
-/// Fewest bytes a release waits for (a small call releases at its end, in one call per file).
-pub(super) const RELEASE_WINDOW_MIN: u64 = 16 << 20;
+/// Fewest bytes a release waits for.
+pub(super) const RELEASE_WINDOW_MIN: u64 = 1 << 20;
 
 /// A byte range of one file whose page-table entries are to be dropped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -49,6 +49,9 @@ struct State {
     from: usize,
     /// Mapped bytes (task spans) of tasks `from..prefix`.
     pending: u64,
+    /// The furthest end of the released tasks of the last file released (a file's spans overlap when runs
+    /// interleave: what the cap left of a long span is released with the file's next window).
+    reach: Option<(usize, u64)>,
 }
 
 impl Releases {
@@ -65,6 +68,7 @@ impl Releases {
                 prefix: 0,
                 from: 0,
                 pending: 0,
+                reach: None,
             }),
         }
     }
@@ -82,26 +86,27 @@ impl Releases {
     pub(super) fn finished(&self, i: usize, tasks: &[Task]) -> Vec<Release> {
         let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
         s.done[i] = FINISHED;
-        if i > s.prefix {
-            s.ahead += span(&tasks[i]);
-        }
         while s.prefix < tasks.len() && s.done[s.prefix] != RUNNING {
             let t = &tasks[s.prefix];
             if t.mode == Mode::Mmap {
                 s.pending += span(t);
                 if s.done[s.prefix] == FINISHED && s.prefix != i {
-                    s.ahead -= span(t);
+                    s.ahead -= span(t); // counted in `ahead` when it finished
                 }
             }
             s.prefix += 1;
         }
+        if i >= s.prefix {
+            s.ahead += span(&tasks[i]);
+        }
+        let mut out = Vec::new();
+        if s.pending >= self.window {
+            out = take(&mut s, tasks);
+        }
         if s.ahead >= 2 * self.window {
-            return alone(&mut s, tasks);
+            out.extend(alone(&mut s, tasks));
         }
-        if s.pending < self.window {
-            return Vec::new();
-        }
-        take(&mut s, tasks)
+        out
     }
 
     /// Everything finished and not yet released (after the last task, for a map that outlives the call).
@@ -119,12 +124,24 @@ fn span(t: &Task) -> u64 {
 }
 
 /// The finished tasks after the prefix, each its own range (they are released again, at no cost, with the
-/// prefix's window later).
+/// prefix's window later). A task whose span overlaps a running one's (interleaved runs) is left to that
+/// window.
 fn alone(s: &mut State, tasks: &[Task]) -> Vec<Release> {
     let mut out = Vec::new();
-    for (t, state) in tasks.iter().zip(s.done.iter_mut()).skip(s.prefix) {
-        if *state == FINISHED && t.mode == Mode::Mmap {
-            *state = RELEASED_ALONE;
+    for j in s.prefix..tasks.len() {
+        let t = &tasks[j];
+        if s.done[j] != FINISHED || t.mode != Mode::Mmap {
+            continue;
+        }
+        s.done[j] = RELEASED_ALONE;
+        let busy = tasks[s.prefix..]
+            .iter()
+            .zip(&s.done[s.prefix..])
+            .take_while(|(u, _)| u.file < t.file || (u.file == t.file && u.start < t.end))
+            .any(|(u, &state)| {
+                state == RUNNING && u.mode == Mode::Mmap && u.file == t.file && t.start < u.end
+            });
+        if !busy {
             out.push(Release {
                 file: t.file,
                 start: t.start,
@@ -154,8 +171,14 @@ fn take(s: &mut State, tasks: &[Task]) -> Vec<Release> {
             }),
         }
     }
-    if let (Some(last), Some(next)) = (out.last_mut(), tasks.get(s.prefix)) {
-        if next.file == last.file {
+    if let (Some(first), Some((file, end))) = (out.first_mut(), s.reach) {
+        if first.file == file {
+            first.end = first.end.max(end);
+        }
+    }
+    if let Some(last) = out.last_mut() {
+        s.reach = Some((last.file, last.end));
+        if let Some(next) = tasks.get(s.prefix).filter(|n| n.file == last.file) {
             last.end = last.end.min(next.start);
         }
     }
@@ -237,14 +260,14 @@ mod tests {
     #[test]
     fn never_releases_past_a_running_task_of_the_same_file() {
         // A long repeated run's task (0..100 MiB) then a task inside its span: when the first is finished and
-        // the second still runs, the release stops where the second starts.
+        // the second still runs, the release stops where the second starts. Window: 116 MiB / 16.
         let tasks = vec![
             task(0, 0, 100 * MIB, Mode::Mmap),
             task(0, 40 * MIB, 48 * MIB, Mode::Mmap),
             task(0, 100 * MIB, 108 * MIB, Mode::Mmap),
         ];
         let r = Releases::new(&tasks, |t| t.mode == Mode::Mmap);
-        assert_eq!(r.window(), 16 * MIB);
+        assert_eq!(r.window(), 116 * MIB / 16);
         assert_eq!(
             r.finished(0, &tasks),
             vec![Release {
@@ -253,8 +276,8 @@ mod tests {
                 end: 40 * MIB
             }]
         );
-        assert!(r.finished(2, &tasks).is_empty());
-        // The inner task finished: released from its start to the furthest end of the finished tasks.
+        assert!(r.finished(2, &tasks).is_empty()); // beyond the running task 1: under two windows
+                                                   // The inner task finished: released from its start to the furthest end of the finished tasks.
         assert_eq!(
             r.finished(1, &tasks),
             vec![Release {
@@ -299,21 +322,77 @@ mod tests {
 
     #[test]
     fn positioned_read_tasks_are_never_released_nor_waited_for() {
+        // Mapped spans 16 MiB: a window of the 1 MiB floor, so each mapped task is released as it finishes.
         let tasks = vec![
             task(0, 0, 8 * MIB, Mode::PreadBuffered),
             task(1, 0, 8 * MIB, Mode::Mmap),
             task(1, 8 * MIB, 16 * MIB, Mode::Mmap),
         ];
         let r = Releases::new(&tasks, |t| t.mode == Mode::Mmap);
-        assert!(r.finished(1, &tasks).is_empty());
-        assert_eq!(
-            r.finished(2, &tasks),
+        assert_eq!(r.window(), RELEASE_WINDOW_MIN);
+        let one = |start, end| {
             vec![Release {
                 file: 1,
-                start: 0,
-                end: 16 * MIB
+                start,
+                end,
             }]
-        );
+        };
+        assert_eq!(r.finished(1, &tasks), one(0, 8 * MIB));
+        assert_eq!(r.finished(2, &tasks), one(8 * MIB, 16 * MIB));
         assert!(r.rest(&tasks).is_empty());
+    }
+
+    proptest::proptest! {
+        /// Whatever order the tasks finish in, every byte of every mapped task is released by the end (by a
+        /// window, alone, or by `rest`), and no release covers a byte of a task still running.
+        #[test]
+        fn every_mapped_byte_is_released_once_its_task_is_done(
+            sizes in proptest::collection::vec((0usize..3, 1u64..40, proptest::bool::ANY), 1..60),
+            seed in 0u64..1000,
+        ) {
+            let mut tasks = Vec::new();
+            let mut at = [0u64; 3];
+            let mut files: Vec<usize> = sizes.iter().map(|s| s.0).collect();
+            files.sort_unstable();
+            // Within a file, starts rise but spans may overlap (interleaved runs): each task starts somewhere in
+            // the previous one's span or right after it.
+            for (n, (&file, &(_, mib, mapped))) in files.iter().zip(&sizes).enumerate() {
+                let mode = if mapped { Mode::Mmap } else { Mode::PreadBuffered };
+                let start = at[file];
+                tasks.push(task(file, start, start + mib * MIB, mode));
+                at[file] = start + ((mib * MIB) >> (n % 3));
+            }
+            let r = Releases::new(&tasks, |t| t.mode == Mode::Mmap);
+            let mut order: Vec<usize> = (0..tasks.len()).filter(|&i| tasks[i].mode == Mode::Mmap).collect();
+            let mut x = seed;
+            for i in (1..order.len()).rev() {
+                x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                order.swap(i, (x >> 33) as usize % (i + 1));
+            }
+            let mut done = vec![false; tasks.len()];
+            let mut released: Vec<Release> = Vec::new();
+            for &i in &order {
+                done[i] = true;
+                for rel in r.finished(i, &tasks) {
+                    for (j, t) in tasks.iter().enumerate() {
+                        let overlaps = t.file == rel.file && t.start < rel.end && rel.start < t.end;
+                        proptest::prop_assert!(done[j] || !overlaps || t.mode != Mode::Mmap, "{rel:?} over running {j}");
+                    }
+                    released.push(rel);
+                }
+            }
+            released.extend(r.rest(&tasks));
+            for t in tasks.iter().filter(|t| t.mode == Mode::Mmap) {
+                let mut covered = t.start;
+                let mut ranges: Vec<&Release> = released.iter().filter(|x| x.file == t.file).collect();
+                ranges.sort_by_key(|x| x.start);
+                for x in ranges {
+                    if x.start <= covered && x.end > covered {
+                        covered = x.end;
+                    }
+                }
+                proptest::prop_assert!(covered >= t.end, "task {:?}..{:?} of file {} released to {covered}", t.start, t.end, t.file);
+            }
+        }
     }
 }

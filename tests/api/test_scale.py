@@ -171,7 +171,7 @@ def test_rehearsed_rank_is_bit_exact_and_bounded(qwen3: Path, fake_world: Any) -
     safetensors' tensors
     (experts stacked by transformers' rule: gate and up concatenated per expert), and reading it adds less
     than half its bytes to the resident set (mapped checkpoint pages were kept: +100% of them; released in
-    windows of a sixteenth of the mapped spans, at least 16 MiB, plus the tasks in flight: +35% here)."""
+    windows of a sixteenth of the mapped spans, at least 1 MiB, plus the tasks in flight)."""
     world, rank = 4, 2
     fake_world(world, rank)
     model = _fsdp_model(qwen3, world)
@@ -215,6 +215,31 @@ def test_descriptors_stay_bounded_over_many_files(deepseek: Path, fake_world: An
     model = _fsdp_model(deepseek, 16)
     report, _ = hp_fastload.rehearse(model, deepseek, rank=5, threads=1, backend="pread")
     assert report.peak_fds - report.fds_before <= 2 * report.threads + 2, report.summary()
+
+
+def test_a_rank_that_does_not_fit_in_memory_is_refused_before_allocating(
+    deepseek: Path, fake_world: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rehearsal allocates the rank's local shards for real: when they exceed the memory available (here the
+    machine made to report 1 MiB), a ``PlanError`` naming both sizes comes before any allocation (a rank of
+    DeepSeek-V3 under TP 8 x FSDP 32 asks for 38.7 GiB: the kernel killed the process on a 24 GiB machine)."""
+    from hp_fastload.api import rehearse as rehearsal
+
+    fake_world(4, 0)
+    model = _fsdp_model(deepseek, 4)
+    monkeypatch.setattr(rehearsal, "available_bytes", lambda device: 1 << 20)
+    allocated: list[Any] = []
+    real_empty = torch.empty
+
+    def empty(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if torch.device(kwargs.get("device") or "cpu").type != "meta" and args and args[0] != ():
+            allocated.append(args[0])  # not the 0-d dtype probes of the size check
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    with pytest.raises(hp_fastload.PlanError, match=r"rank 1 .* GiB on cpu, more than the 0\.00 GiB available"):
+        hp_fastload.rehearse(model, deepseek, rank=1, threads=1)
+    assert not allocated, allocated[:3]
 
 
 def test_fp8_rank_dequantized_bit_exact(deepseek: Path, fake_world: Any) -> None:

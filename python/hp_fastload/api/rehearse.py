@@ -12,6 +12,7 @@ reading. The model itself is not touched; the filled shards can be returned for 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import resource
 import threading
@@ -25,6 +26,7 @@ from torch import nn
 
 from hp_fastload.api.load import as_rank, plan_at
 from hp_fastload.convert.rules import resolve_mapping
+from hp_fastload.errors import PlanError
 from hp_fastload.execute.read import execute_plan
 from hp_fastload.execute.staging import DEFAULT_STAGING_BYTES
 from hp_fastload.execute.threads import threads_per_rank
@@ -175,14 +177,42 @@ class _FdSampler:
         self.peak = max(self.peak, _open_fds())
 
 
+def available_bytes(device: torch.device) -> int | None:
+    """Memory a rehearsal may allocate on ``device``: the kernel's ``MemAvailable`` for the host, the free memory
+    of a CUDA device; None when unknown."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def _materialize(
-    plan: LoadPlan, targets: Mapping[str, Target], device: torch.device
+    plan: LoadPlan, targets: Mapping[str, Target], device: torch.device, rank: int
 ) -> tuple[dict[str, Target], dict[str, torch.Tensor], int]:
     """Real local shards for every target the plan fills: ``(name -> writable target, name -> shard, bytes)``.
-    Host shards are touched once (zeroed) so that the reads measure reading, not first faults."""
+    Host shards are touched once (zeroed) so that the reads measure reading, not first faults. ``PlanError``
+    before any allocation when they would not fit in the memory ``device`` has available (a rank of a big
+    layout can hold more than one machine: the kernel would kill the process half way instead)."""
     names = set(plan.region_reads)
     for deferred in plan.deferred:
         names.update(deferred.claims.values())
+    unique = {id(targets[name]): targets[name] for name in names}
+    needed = sum(
+        math.prod(t.region.local_shape) * torch.empty((), dtype=t.dtype).element_size() for t in unique.values()
+    )
+    available = available_bytes(device)
+    if available is not None and needed > available:
+        raise PlanError(
+            f"rehearsing rank {rank} allocates its local shards for real: {needed / 2**30:,.2f} GiB on {device}, "
+            f"more than the {available / 2**30:,.2f} GiB available there. Rehearse it on a machine with more "
+            "memory, or plan it without executing (hp-fastload plan without --execute; hp_fastload.plan)"
+        )
     made: dict[int, Target] = {}
     shards: dict[str, torch.Tensor] = {}
     total = 0
@@ -249,7 +279,7 @@ def rehearse(
         mesh_override=as_rank(rank),
     )
     plan_seconds = time.perf_counter() - t0
-    targets, shards, local_bytes = _materialize(plan, context.targets, device)
+    targets, shards, local_bytes = _materialize(plan, context.targets, device, rank)
     context = dataclasses.replace(context, targets=targets)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
