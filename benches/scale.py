@@ -550,7 +550,8 @@ def per_rank(path: Path, layout: Layout, rank: int, threads: int, device: str = 
     except RuntimeError as exc:
         if "allocates its local shards for real" not in str(exc):
             raise
-        return {"rank": rank, "skipped": str(exc).strip().splitlines()[-1].split("error: ", 1)[-1]}
+        said = next(line for line in str(exc).splitlines() if "allocates its local shards" in line)
+        return {"rank": rank, "skipped": said.split("error: ", 1)[-1]}
     report, wall, peak = _cli(args)
     report["first_gbps"] = first["gbps"]
     plan_only, _, _ = _cli(["plan", str(path), *layout.args(), "--rank", str(rank), "--json"])
