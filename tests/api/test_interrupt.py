@@ -299,7 +299,6 @@ def _settling_checks(rank: int) -> dict[str, Any]:
     interrupted afterwards while it still waits for that step learns it must stay for the next one."""
     from datetime import timedelta
 
-    import hp_fastload as hf
     from hp_fastload.dist import agree as protocol
 
     def call() -> None:
@@ -307,16 +306,7 @@ def _settling_checks(rank: int) -> dict[str, Any]:
             protocol.agree("Step one", lambda: time.sleep(1.0 if rank == 1 else 0.0))
             protocol.agree("Step two", lambda: None)
 
-    if rank == 0:
-        got = _interrupted(call, 0.3)
-    else:
-        start = time.perf_counter()
-        try:
-            call()
-            got = {"outcome": "returned"}
-        except hf.PeerInterrupted as exc:
-            got = {"outcome": f"PeerInterrupted {exc.ranks}: {exc}"}
-        got["seconds"] = time.perf_counter() - start
+    got = _one_sided(rank, call, 0.3)
     torch.distributed.monitored_barrier(timeout=timedelta(seconds=30))
     total = torch.tensor([rank + 1.0])
     torch.distributed.all_reduce(total)
