@@ -443,13 +443,18 @@ def _data_offsets(header: bytes) -> dict[str, tuple[int, int]]:
 
 
 def _cli(args: Sequence[str], timeout: float = 3600) -> tuple[dict[str, Any], float, int]:
-    """``hp-fastload`` in a fresh process: (its JSON, wall seconds, peak RSS of the process in bytes)."""
+    """``hp-fastload`` in a fresh process: (its JSON, wall seconds, peak RSS of the process in bytes).
+
+    The peak is the process's own ``VmHWM`` (its address space's high-water mark), not ``ru_maxrss``: Linux carries
+    ``ru_maxrss`` over ``fork`` and ``exec``, so a child of this script reported the script's own peak (2.66 GiB
+    after writing the filled tensors of a checkpoint) whenever that was larger than its own."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "python"), os.environ.get("PYTHONPATH", "")]))
     code = (
-        "import json, resource, sys\n"
+        "import sys\n"
         "from hp_fastload.cli import main\n"
         "status = main(sys.argv[1:])\n"
-        "sys.stderr.write('\\nPEAK_RSS ' + str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) + '\\n')\n"
+        "hwm = next(line for line in open('/proc/self/status') if line.startswith('VmHWM:'))\n"
+        "sys.stderr.write('\\nPEAK_RSS ' + str(int(hwm.split()[1]) * 1024) + '\\n')\n"
         "sys.exit(status)\n"
     )
     started = time.perf_counter()
