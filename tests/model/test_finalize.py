@@ -71,6 +71,27 @@ def test_to_empty_unties_and_load_reties_and_recreates_buffers(tied_llama):
     assert model.lm_head.weight is model.model.embed_tokens.weight  # still one tensor after the step
 
 
+def test_buffers_are_recreated_without_walking_the_whole_model(tied_llama, monkeypatch):
+    """The rotary buffers come from the model's own init applied to the module that holds them, not from a full
+    ``initialize_weights()`` (a walk through every module: most of the call's cost on a large model); bit-equal
+    to transformers' own ``from_pretrained``."""
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(tied_llama, dtype=torch.float32)
+    model = _meta_materialized()
+
+    def walk_everything() -> None:
+        raise AssertionError("initialize_weights() walked the whole model")
+
+    monkeypatch.setattr(model, "initialize_weights", walk_everything)
+    report = hp_fastload.load(model, tied_llama)
+    assert report.unfilled_buffers == ()
+    expected = dict(non_persistent_buffers(reference))
+    got = dict(non_persistent_buffers(model))
+    for name, value in expected.items():
+        assert torch.equal(bits(got[name]), bits(value)), name
+
+
 def test_without_finalize_the_tie_stays_broken(tied_llama):
     model = _meta_materialized()
     with pytest.raises(RuntimeError, match=r"lm_head\.weight"):
