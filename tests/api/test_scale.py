@@ -242,6 +242,22 @@ def test_a_rank_that_does_not_fit_in_memory_is_refused_before_allocating(
     assert not allocated, allocated[:3]
 
 
+def test_the_readme_rehearsal_snippet_runs(deepseek: Path, fake_world: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """The README's "Rehearse one rank" snippet, run as written on the reduced DeepSeek-V3 release (its path
+    put in for the example's, the model laid out for 16 ranks on meta)."""
+    import re
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("## Rehearse one rank of a big job on one machine", 1)[1].split("\n## ", 1)[0]
+    (block,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    fake_world(16, 0)
+    model = _fsdp_model(deepseek, 16)
+    exec(block.replace('"/ckpt/DeepSeek-V3"', repr(str(deepseek))), {"model_on_meta": model})
+    printed = capsys.readouterr().out
+    assert printed.startswith("rank 5: planned in"), printed
+    assert "GB/s" in printed and "open descriptors" in printed, printed
+
+
 def test_fp8_rank_dequantized_bit_exact(deepseek: Path, fake_world: Any) -> None:
     """Rank 1 of FSDP2 over 4 on the FP8 release: each filled weight's local shard is the published block
     dequantization of safetensors' own fp8 values and scales, chunked as torch shards it (the stacked experts'
