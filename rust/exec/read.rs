@@ -254,7 +254,7 @@ fn run_tasks(
     opts: &ExecOptions,
 ) -> Result<u64, LoadError> {
     let bytes_read = AtomicU64::new(0);
-    let releases = Releases::new(tasks, |t| t.mode == Mode::Mmap);
+    let releases = Releases::new(tasks);
     // pread tasks ask the kernel to read ahead: the first `lookahead` when task 0 is taken (on a worker, so
     // that a coordinating thread already watches for interrupts: a hint can take milliseconds per task),
     // then one more per task taken.

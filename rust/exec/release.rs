@@ -55,11 +55,14 @@ struct State {
 }
 
 impl Releases {
-    /// For `tasks` (sorted by file, then start), of which those with `mapped(task)` read from a map. The
-    /// window is a sixteenth of the mapped spans, within [`RELEASE_WINDOW_MIN`]..=[`RELEASE_WINDOW_MAX`].
-    pub(super) fn new(tasks: &[Task], mapped: impl Fn(&Task) -> bool) -> Releases {
+    /// For `tasks` (sorted by file, then start); those not read from a map count as finished from the start.
+    /// The window is a sixteenth of the mapped spans, within [`RELEASE_WINDOW_MIN`]..=[`RELEASE_WINDOW_MAX`].
+    pub(super) fn new(tasks: &[Task]) -> Releases {
         let spans: u64 = tasks.iter().filter(|t| mapped(t)).map(span).sum();
-        let done = tasks.iter().map(|t| u8::from(!mapped(t))).collect();
+        let done = tasks
+            .iter()
+            .map(|t| if mapped(t) { RUNNING } else { FINISHED })
+            .collect();
         Releases {
             window: (spans / 16).clamp(RELEASE_WINDOW_MIN, RELEASE_WINDOW_MAX),
             state: Mutex::new(State {
@@ -88,7 +91,7 @@ impl Releases {
         s.done[i] = FINISHED;
         while s.prefix < tasks.len() && s.done[s.prefix] != RUNNING {
             let t = &tasks[s.prefix];
-            if t.mode == Mode::Mmap {
+            if mapped(t) {
                 s.pending += span(t);
                 if s.done[s.prefix] == FINISHED && s.prefix != i {
                     s.ahead -= span(t); // counted in `ahead` when it finished
@@ -123,6 +126,11 @@ fn span(t: &Task) -> u64 {
     t.end - t.start
 }
 
+/// Whether `t` reads from a map (only those have page-table entries to release).
+fn mapped(t: &Task) -> bool {
+    t.mode == Mode::Mmap
+}
+
 /// The finished tasks after the prefix, each its own range (they are released again, at no cost, with the
 /// prefix's window later). A task whose span overlaps a running one's (interleaved runs) is left to that
 /// window.
@@ -130,7 +138,7 @@ fn alone(s: &mut State, tasks: &[Task]) -> Vec<Release> {
     let mut out = Vec::new();
     for j in s.prefix..tasks.len() {
         let t = &tasks[j];
-        if s.done[j] != FINISHED || t.mode != Mode::Mmap {
+        if s.done[j] != FINISHED || !mapped(t) {
             continue;
         }
         s.done[j] = RELEASED_ALONE;
@@ -139,7 +147,7 @@ fn alone(s: &mut State, tasks: &[Task]) -> Vec<Release> {
             .zip(&s.done[s.prefix..])
             .take_while(|(u, _)| u.file < t.file || (u.file == t.file && u.start < t.end))
             .any(|(u, &state)| {
-                state == RUNNING && u.mode == Mode::Mmap && u.file == t.file && t.start < u.end
+                state == RUNNING && mapped(u) && u.file == t.file && t.start < u.end
             });
         if !busy {
             out.push(Release {
@@ -158,10 +166,7 @@ fn alone(s: &mut State, tasks: &[Task]) -> Vec<Release> {
 /// mapped; spans of one file may overlap when runs interleave).
 fn take(s: &mut State, tasks: &[Task]) -> Vec<Release> {
     let mut out: Vec<Release> = Vec::new();
-    for t in tasks[s.from..s.prefix]
-        .iter()
-        .filter(|t| t.mode == Mode::Mmap)
-    {
+    for t in tasks[s.from..s.prefix].iter().filter(|t| mapped(t)) {
         match out.last_mut() {
             Some(r) if r.file == t.file => r.end = r.end.max(t.end),
             _ => out.push(Release {
@@ -218,7 +223,7 @@ mod tests {
                 )
             })
             .collect();
-        let r = Releases::new(&tasks, |t| t.mode == Mode::Mmap);
+        let r = Releases::new(&tasks);
         assert_eq!(r.window(), 32 * MIB);
         // Task 1 finishes before task 0: nothing is a prefix yet.
         assert!(r.finished(1, &tasks).is_empty());
@@ -266,7 +271,7 @@ mod tests {
             task(0, 40 * MIB, 48 * MIB, Mode::Mmap),
             task(0, 100 * MIB, 108 * MIB, Mode::Mmap),
         ];
-        let r = Releases::new(&tasks, |t| t.mode == Mode::Mmap);
+        let r = Releases::new(&tasks);
         assert_eq!(r.window(), 116 * MIB / 16);
         assert_eq!(
             r.finished(0, &tasks),
@@ -295,7 +300,7 @@ mod tests {
         let tasks: Vec<Task> = (0..40)
             .map(|i| task(0, i * 8 * MIB, (i + 1) * 8 * MIB, Mode::Mmap))
             .collect();
-        let r = Releases::new(&tasks, |t| t.mode == Mode::Mmap);
+        let r = Releases::new(&tasks);
         assert_eq!(r.window(), 20 * MIB);
         for i in 1..5 {
             assert!(r.finished(i, &tasks).is_empty(), "task {i}");
@@ -328,7 +333,7 @@ mod tests {
             task(1, 0, 8 * MIB, Mode::Mmap),
             task(1, 8 * MIB, 16 * MIB, Mode::Mmap),
         ];
-        let r = Releases::new(&tasks, |t| t.mode == Mode::Mmap);
+        let r = Releases::new(&tasks);
         assert_eq!(r.window(), RELEASE_WINDOW_MIN);
         let one = |start, end| {
             vec![Release {
@@ -362,7 +367,7 @@ mod tests {
                 tasks.push(task(file, start, start + mib * MIB, mode));
                 at[file] = start + ((mib * MIB) >> (n % 3));
             }
-            let r = Releases::new(&tasks, |t| t.mode == Mode::Mmap);
+            let r = Releases::new(&tasks);
             let mut order: Vec<usize> = (0..tasks.len()).filter(|&i| tasks[i].mode == Mode::Mmap).collect();
             let mut x = seed;
             for i in (1..order.len()).rev() {

@@ -319,10 +319,11 @@ def _settling_checks(rank: int) -> dict[str, Any]:
     with protocol.interrupts_between_steps():
         store = protocol._store()
         if rank == 1:
-            got["sealer_goes_on"] = not protocol._settle(store, 7, _Waiting(), leaving=False, stage="Step seven")
+            protocol._seal(store, 7, "Step seven")  # raises PeerInterrupted if a leaver came first
+            got["sealer_goes_on"] = True
         torch.distributed.barrier()
         if rank == 0:
-            got["late_leaver_stays"] = not protocol._settle(store, 7, _Waiting(), leaving=True)
+            got["late_leaver_stays"] = not protocol._leave(store, 7, _Waiting())
     torch.distributed.barrier()
     return got
 

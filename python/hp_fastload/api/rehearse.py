@@ -203,9 +203,7 @@ def _materialize(
     for deferred in plan.deferred:
         names.update(deferred.claims.values())
     unique = {id(targets[name]): targets[name] for name in names}
-    needed = sum(
-        math.prod(t.region.local_shape) * torch.empty((), dtype=t.dtype).element_size() for t in unique.values()
-    )
+    needed = sum(math.prod(t.region.local_shape) * t.dtype.itemsize for t in unique.values())
     available = available_bytes(device)
     if available is not None and needed > available:
         raise PlanError(
@@ -215,7 +213,6 @@ def _materialize(
         )
     made: dict[int, Target] = {}
     shards: dict[str, torch.Tensor] = {}
-    total = 0
     for name in sorted(names):
         target = targets[name]
         target.check()
@@ -224,12 +221,11 @@ def _materialize(
             local = torch.empty(target.region.local_shape, dtype=target.dtype, device=device)
             if device.type == "cpu":
                 local.zero_()
-            total += local.numel() * local.element_size()
             new = dataclasses.replace(target, tensor=local, device=local.device, is_dtensor=False, virtual=False)
             made[id(target)] = new
         shards[name] = new.tensor
     out = {name: made.get(id(t), t) for name, t in targets.items()}
-    return out, shards, total
+    return out, shards, needed
 
 
 def _world_of(model: nn.Module) -> int | None:

@@ -226,9 +226,10 @@ def _gather_status(stage: str, status: int, call: str) -> list[int]:
     peer's notice from the previous step ends the wait with ``PeerInterrupted``. An interrupted rank
     (``status``) does not wait at all: its status is on its way, the peers' gather completes without it.
 
-    A signal that raises in the wait and the peers finishing this step are settled by :func:`_settle`: this
-    rank either leaves now (its peers raise ``PeerInterrupted`` when they finish the step, before any other
-    collective) or, when a peer had finished first, stays to the next step and raises there with the others."""
+    A signal that raises in the wait and the peers finishing this step are settled in the store (:func:`_leave`,
+    :func:`_seal`): this rank either leaves now (its peers raise ``PeerInterrupted`` when they finish the step,
+    before any other collective) or, when a peer had finished first, stays to the next step and raises there with
+    the others."""
     world = torch.distributed.get_world_size()
     device = _status_device()
     mine = torch.tensor([status], dtype=torch.uint8, device=device)
@@ -242,70 +243,89 @@ def _gather_status(stage: str, status: int, call: str) -> list[int]:
             if _held:  # the signal came while the status was being posted: answered as in the wait
                 _held.clear()
                 raise KeyboardInterrupt
-            _poll_status(stage, work, store, sequence)
+            _poll(stage, lambda sleep: work.is_completed() or _slept(sleep), sequence - 1, _IN_PREVIOUS_STEP)
     except KeyboardInterrupt:
-        if _settle(store, sequence, work, leaving=True):
+        if _leave(store, sequence, work):
             raise
-        _waiting(stage, work.wait, call)  # every status is posted: this completes at once
         if _held is None:  # nothing holds a signal to the next step: raise after the step, as before
+            _waiting(stage, work.wait, call)  # every status is posted: this completes at once
             raise
         _held.append(signal.SIGINT)  # the peers go on to the next step; this rank stops there, with them
     _waiting(stage, work.wait, call)
-    _settle(store, sequence, work, leaving=False, stage=stage)
+    _seal(store, sequence, stage)
     return [int(t.item()) for t in out]
 
 
-def _poll_status(stage: str, work: Any, store: Any, sequence: int) -> None:
-    """Sleep until ``work`` completes (a signal raises in the sleep); a peer's notice of the previous step
-    (it left the job-wide exchange there) raises ``PeerInterrupted``."""
+#: How a peer's notice is described when it left in the previous step's wait or job-wide exchange.
+_IN_PREVIOUS_STEP = " while waiting for the others in the previous step"
+
+
+def _slept(seconds: float) -> bool:
+    """Sleeps (a signal's handler runs, and raises, in the sleep); False, for :func:`_poll`'s ``done``."""
+    time.sleep(seconds)
+    return False
+
+
+def _poll(stage: str, done: Callable[[float], bool], sequence: int, where: str = "") -> None:
+    """Wait until ``done(sleep)`` says so (it waits up to ``sleep`` seconds itself; the sleeps double from 0.1 ms to
+    ``_POLL_SECONDS``), looking every ``_NOTICE_SECONDS`` for a peer's interrupt notice of step ``sequence``, which
+    raises ``PeerInterrupted`` naming it (``where`` says where it was interrupted)."""
+    store = _store()
     looked = time.monotonic()
     sleep = 0.0001
-    while not work.is_completed():
-        time.sleep(sleep)
+    while not done(sleep):
         sleep = min(sleep * 2, _POLL_SECONDS)
         now = time.monotonic()
         if store is not None and now - looked >= _NOTICE_SECONDS:
             looked = now
-            noticed = _notice(store, sequence - 1)
+            noticed = _notice(store, sequence)
             if noticed is not None:
-                rank = int(noticed.split()[-1])
-                raise errors.PeerInterrupted(
-                    f"{stage}: rank {rank} was interrupted (KeyboardInterrupt) while waiting for the others "
-                    "in the previous step; every rank stops",
-                    [rank],
-                )
+                raise _peer_interrupted(stage, noticed, where)
 
 
-def _settle(store: Any, sequence: int, work: Any, *, leaving: bool, stage: str = "") -> bool:
-    """Which came first for step ``sequence``: a rank leaving its wait (``leaving``) or a peer finishing the
-    step, settled by one ``compare_set`` on the step's key in the process group's store, whose first writer
-    wins. A leaving rank writes "rank r": if it wins it leaves (returns True, and leaves the notice the peers'
-    waits look for); if a peer sealed the step first, every status is posted and that peer goes on to the
-    next collective, so this rank must stay for it (returns False). A rank that finished the step writes
-    "sealed": if a peer's "rank r" is there instead, no rank has gone past this step, and this one raises
-    ``PeerInterrupted`` naming it before entering anything else. Without a store a leaving rank just leaves
-    (the peers then wait in their next collective until the process group's timeout, which names it)."""
-    if leaving and work.is_completed():
-        return False
+def _peer_interrupted(stage: str, notice: str, where: str) -> errors.PeerInterrupted:
+    """The ``PeerInterrupted`` for a peer's notice ("rank r")."""
+    rank = int(notice.split()[-1])
+    return errors.PeerInterrupted(
+        f"{stage}: rank {rank} was interrupted (KeyboardInterrupt){where}; every rank stops", [rank]
+    )
+
+
+def _claim(store: Any, sequence: int, value: str) -> str | None:
+    """Writes ``value`` to step ``sequence``'s settlement key unless a value is there already (``compare_set``:
+    the first writer wins); returns the value the key holds, None without a store that settles."""
     if store is None:
-        return leaving
-    me = f"rank {torch.distributed.get_rank()}" if leaving else _SEALED
+        return None
     try:
-        got = store.compare_set(f"{_SEAL_KEY}{_call}/{sequence}", "", me).decode()
+        return str(store.compare_set(f"{_SEAL_KEY}{_call}/{sequence}", "", value).decode())
     except (RuntimeError, ValueError, NotImplementedError):  # a store without compare_set: as without a store
-        return leaving
-    if leaving:
-        if got == me:
-            with contextlib.suppress(RuntimeError, ValueError):
-                store.set(f"{_NOTICE_KEY}{_call}/{sequence}", me)
-        return got != _SEALED
-    if got != _SEALED:
-        rank = int(got.split()[-1])
-        raise errors.PeerInterrupted(
-            f"{stage}: rank {rank} was interrupted (KeyboardInterrupt) while waiting for the others; every rank stops",
-            [rank],
-        )
-    return False
+        return None
+
+
+def _leave(store: Any, sequence: int, work: Any) -> bool:
+    """Whether this rank, interrupted while it waits for step ``sequence``'s statuses, leaves now: it writes
+    "rank r" to the step's key; if that is first, it leaves (and leaves the notice the peers' waits look for);
+    if a peer sealed the step first (:func:`_seal`), every status is posted and that peer goes on to the next
+    collective, so this rank must stay for it (False; also when its gather has already completed). Without a
+    store it just leaves (the peers then wait in their next collective until the process group's timeout,
+    which names it)."""
+    if work.is_completed():
+        return False
+    me = f"rank {torch.distributed.get_rank()}"
+    got = _claim(store, sequence, me)
+    if got == me:
+        with contextlib.suppress(RuntimeError, ValueError):
+            store.set(f"{_NOTICE_KEY}{_call}/{sequence}", me)
+    return got != _SEALED
+
+
+def _seal(store: Any, sequence: int, stage: str) -> None:
+    """This rank finished step ``sequence``: it writes "sealed" to the step's key; a peer's "rank r" there
+    instead means that peer left while waiting and no rank has gone past this step, so this one raises
+    ``PeerInterrupted`` naming it before entering anything else."""
+    got = _claim(store, sequence, _SEALED)
+    if got is not None and got != _SEALED:
+        raise _peer_interrupted(stage, got, " while waiting for the others")
 
 
 #: How long a rank holding a signal looks for a peer's notice of the previous step before it posts its status.
@@ -348,26 +368,9 @@ def wait_work(stage: str, work: Any, peer: int, timeout_s: float | None = None) 
 
     threading.Thread(target=run, name=f"hp_fastload-wait-{peer}", daemon=True).start()
     with _signals_live():
-        _wait_polled(stage, done)
+        _poll(stage, done.wait, _sequence)  # a signal's handler runs (and raises) in the wait
     if failure:
         raise failure[0]
-
-
-def _wait_polled(stage: str, done: threading.Event) -> None:
-    store, sequence = _store(), _sequence
-    looked = time.monotonic()
-    sleep = 0.0001
-    while not done.wait(sleep):  # a signal's handler runs (and raises) in this wait
-        sleep = min(sleep * 2, _POLL_SECONDS)
-        now = time.monotonic()
-        if store is not None and now - looked >= _NOTICE_SECONDS:
-            looked = now
-            noticed = _notice(store, sequence)
-            if noticed is not None:
-                rank = int(noticed.split()[-1])
-                raise errors.PeerInterrupted(
-                    f"{stage}: rank {rank} was interrupted (KeyboardInterrupt); every rank stops", [rank]
-                )
 
 
 _COLLECTIVE_FAILURES = ("gloo", "nccl", "connection closed", "connection reset", "timed out", "timeout", "processgroup")
