@@ -28,15 +28,30 @@ WORLD = 2
 ROOT_ENV = "HP_FASTLOAD_TEST_TITAN_ROOT"  # the checkpoints' directory, inherited by the spawned ranks
 
 
-def _compare(name: str, layout: str, forward: bool = True) -> dict[str, Any]:
+def _compare(name: str, layout: str, forward: bool = True, pretrained: bool = False, **kwargs: Any) -> dict[str, Any]:
+    """torchtitan's own load against ours (``hf.load``, or ``hf.from_pretrained`` with torchtitan's config
+    ``build`` as the factory): ``kwargs`` go to the load."""
     import hp_fastload as hf
 
     path = Path(os.environ[ROOT_ENV]) / name
     theirs, cfg = titan.parallel_model(name, layout, WORLD)
     titan.torchtitan_load(theirs, titan.adapter(name, cfg), path)
-    ours, cfg = titan.parallel_model(name, layout, WORLD)
-    report = hf.load(ours, path, state_dict_adapter=titan.adapter(name, cfg))
+    if pretrained:
+        cfg, parallelize = titan.parallelizer(name, layout, WORLD)
+        ours, report = hf.from_pretrained(
+            path,
+            model_factory=cfg.build,
+            parallelize=parallelize,
+            state_dict_adapter=titan.adapter(name, cfg),
+            device="cpu",
+            output_loading_info=True,
+            **kwargs,
+        )
+    else:
+        ours, cfg = titan.parallel_model(name, layout, WORLD)
+        report = hf.load(ours, path, state_dict_adapter=titan.adapter(name, cfg), **kwargs)
     a, b = titan.local_state(theirs), titan.local_state(ours)
+    buffers_differ = _buffers_differ(theirs, ours)  # before the forward (it counts tokens per expert)
     return {
         "differ": sorted(k for k in a if not torch.equal(a[k], b[k])),
         "keys": (sorted(a) == sorted(b), len(a)),
@@ -44,7 +59,18 @@ def _compare(name: str, layout: str, forward: bool = True) -> dict[str, Any]:
         "report": report,
         "layout": titan.layout(ours),
         "wqkv": b.get("layers.0.attention.qkv_linear.wqkv.weight"),
+        "buffers_differ": buffers_differ,
+        "training": ours.training,
     }
+
+
+def _buffers_differ(theirs: torch.nn.Module, ours: torch.nn.Module) -> list[str]:
+    """Every buffer (non-persistent ones too: rotary caches, MoE counters) that is not bit-equal."""
+    a, b = dict(theirs.named_buffers()), dict(ours.named_buffers())
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
+    return sorted(
+        k for k in a.keys() | b.keys() if k not in a or k not in b or not torch.equal(local(a[k]), local(b[k]))
+    )
 
 
 def check_llama3_fsdp(rank: int, world: int) -> Any:
@@ -76,6 +102,30 @@ def check_qwen3_moe_ep(rank: int, world: int) -> Any:
     # process group there: AttributeError 'NoneType' object has no attribute 'get_group', on both ranks; still
     # so with the experts really split over "ep"), so only the shards are compared
     return _compare("qwen3_moe", "ep", forward=False)
+
+
+def check_llama3_tp_job(rank: int, world: int) -> Any:
+    """share="job" through the adapter: the norms are replicated over "tp", read once and sent."""
+    return _compare("llama3", "tp", share="job")
+
+
+def check_llama3_ddp_job(rank: int, world: int) -> Any:
+    """share="job" through the adapter with every tensor replicated (torchtitan's data_parallel_replicate)."""
+    return _compare("llama3", "ddp", share="job")
+
+
+def check_qwen3_moe_ep_job(rank: int, world: int) -> Any:
+    return _compare("qwen3_moe", "ep", forward=False, share="job")
+
+
+def check_qwen3_moe_fsdp_pretrained(rank: int, world: int) -> Any:
+    """from_pretrained(model_factory=cfg.build, state_dict_adapter=...): torchtitan's trainer's sequence (its
+    init_weights gives expert_bias and the buffers), then the load."""
+    return _compare("qwen3_moe", "fsdp", pretrained=True)
+
+
+def check_llama3_tp_pretrained(rank: int, world: int) -> Any:
+    return _compare("llama3", "tp", pretrained=True)
 
 
 def _save(name: str, layout: str) -> dict[str, Any]:
@@ -125,9 +175,17 @@ CHECKS = [
     check_qwen3_moe_fsdp,
     check_qwen3_moe_ep,
     check_deepseek_v3_fsdp,
+    check_llama3_tp_job,
+    check_llama3_ddp_job,
+    check_qwen3_moe_ep_job,
+    check_qwen3_moe_fsdp_pretrained,
+    check_llama3_tp_pretrained,
     check_llama3_fsdp_save,
     check_qwen3_moe_fsdp_save,
 ]
+
+JOBS = [check_llama3_tp_job, check_llama3_ddp_job, check_qwen3_moe_ep_job]
+PRETRAINED = [check_qwen3_moe_fsdp_pretrained, check_llama3_tp_pretrained]
 
 SAVES = [check_llama3_fsdp_save, check_qwen3_moe_fsdp_save]
 
@@ -167,12 +225,46 @@ def test_bit_equal_to_torchtitans_own_load(outcomes: Any, check: Any) -> None:
     for value in subcheck_values(outcomes, check.__name__):
         assert value["differ"] == []
         assert value["keys"][0] and value["keys"][1] > 0
-        if check is not check_qwen3_moe_ep:
+        assert value["buffers_differ"] == []
+        if value["loss"] is not None:
             theirs, ours = value["loss"]
             assert ours == theirs
         report = value["report"]
         assert report.missing_keys == () and report.unexpected_keys == ()
         assert report.summary().startswith("dcp: ")
+        assert report.share == ("job" if check in JOBS else "none"), report.summary()
+
+
+@pytest.mark.parametrize("check", JOBS, ids=lambda c: c.__name__.removeprefix("check_"))
+def test_job_share_through_the_adapter_reads_each_byte_once(outcomes: Any, check: Any) -> None:
+    """share="job" with a state_dict_adapter (values: test_bit_equal_to_torchtitans_own_load): every byte the
+    job needs read once over the job (every checkpoint tensor is mapped here, so that is the checkpoint), each
+    rank receiving about what its shards need; where tensors are replicated, the ranks need more than the
+    checkpoint in all (what share="none" reads) and the replicas' bytes travel."""
+    per_rank = [value["report"] for value in subcheck_values(outcomes, check.__name__)]
+    checkpoint = per_rank[0].checkpoint_bytes
+    read = sum(r.bytes_read for r in per_rank)
+    needed = sum(r.bytes_needed for r in per_rank)
+    assert checkpoint <= read <= 1.02 * checkpoint, (read, checkpoint)
+    for report in per_rank:
+        assert report.bytes_received <= 1.05 * report.bytes_needed, report.summary()
+    assert sum(r.bytes_sent for r in per_rank) == sum(r.bytes_received for r in per_rank)
+    if check is not check_qwen3_moe_ep_job:  # tp: the norms replicated; ddp: everything
+        assert needed > checkpoint and any(r.bytes_received > 0 for r in per_rank), (needed, checkpoint)
+    if check is check_llama3_ddp_job:
+        assert needed >= 1.9 * checkpoint and read <= 1.02 * checkpoint
+
+
+@pytest.mark.parametrize("check", PRETRAINED, ids=lambda c: c.__name__.removeprefix("check_"))
+def test_from_pretrained_with_a_model_factory(outcomes: Any, check: Any) -> None:
+    """from_pretrained(model_factory=, state_dict_adapter=) (values and buffers bit-equal above): in eval mode,
+    as transformers' own; expert_bias (unmapped) from the model's init_weights; no buffer left unfilled."""
+    for value in subcheck_values(outcomes, check.__name__):
+        report = value["report"]
+        assert value["training"] is False
+        assert report.unfilled_buffers == ()
+        if check is check_qwen3_moe_fsdp_pretrained:
+            assert report.ignored_missing_keys and all(k.endswith("expert_bias_E") for k in report.ignored_missing_keys)
 
 
 def _split_over(layout: dict[str, Any], dim: str) -> set[str]:
@@ -428,3 +520,60 @@ def test_save_through_an_inexact_adapter_raises(root: Path, tmp_path: Path) -> N
     assert not (tmp_path / "scaled").exists()
     with pytest.raises(ValueError, match="weights_mapping"):
         hf.save(model, tmp_path / "both", state_dict_adapter=titan.adapter("llama3", cfg), weights_mapping=[])
+
+
+@pytest.mark.parametrize(
+    ("name", "layout", "world"),
+    [("llama3", "tp", 2), ("llama3", "fsdp", 4), ("qwen3_moe", "ep", 4), ("deepseek_v3", "fsdp", 4)],
+)
+def test_job_needs_through_the_adapter_equal_planning_each_rank(root: Path, name: str, layout: str, world: int) -> None:
+    """share="job"'s every-rank needs (one whole plan through the adapter, cut by each rank's boxes) equal
+    planning each rank through the adapter as that rank does itself, on torchtitan's own layouts laid out for
+    ``world`` ranks under torch's fake process group (headers only)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from hp_fastload.planning.jobneeds import StorageMap
+    from hp_fastload.planning.jobranks import all_rank_needs, rank_needs_by_planning
+    from hp_fastload.source.index import CheckpointIndex
+
+    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+    try:
+        cfg, parallelize = titan.parallelizer(name, layout, world)
+        with torch.device("meta"):
+            model = cfg.build()
+        model = parallelize(model)
+        index = CheckpointIndex.open(root / name)
+        smap = StorageMap.of_index(index)
+        kwargs: dict[str, Any] = dict(
+            rules=[],
+            loader="dcp",
+            external_target_fqns=frozenset(),
+            claimed_source_keys=frozenset(),
+            replacement=None,
+            adapter=titan.adapter(name, cfg),
+        )
+        fast = all_rank_needs(model, index, smap, world, **kwargs)
+        reference = rank_needs_by_planning(model, index, smap, world, **kwargs)
+    finally:
+        dist.destroy_process_group()
+    sizes = [n.nbytes(smap) for n in reference]
+    assert 0 < min(sizes) < index.total_bytes <= sum(sizes), sizes  # the layout cuts, and covers the checkpoint
+    for rank, (got, want) in enumerate(zip(fast, reference, strict=True)):
+        assert got == want, (rank, got.nbytes(smap), want.nbytes(smap))
+
+
+def test_from_pretrained_model_factory_refuses_what_applies_config_json(root: Path) -> None:
+    """model_factory builds from its own config: the arguments that read or apply config.json are refused
+    before anything is built, and a factory must be a callable returning a module."""
+    import hp_fastload as hf
+
+    cfg = titan.config("llama3")
+    adapter = titan.adapter("llama3", cfg)
+    for extra in ({"dtype": torch.bfloat16}, {"auto_class": "AutoModel"}, {"num_hidden_layers": 1}):
+        with pytest.raises(ValueError, match=f"model_factory builds the model.*{next(iter(extra))}"):
+            hf.from_pretrained(root / "llama3", model_factory=cfg.build, state_dict_adapter=adapter, **extra)
+    with pytest.raises(TypeError, match="model_factory must be a callable"):
+        hf.from_pretrained(root / "llama3", model_factory=cfg, state_dict_adapter=adapter)
+    with pytest.raises(TypeError, match="returned dict"):
+        hf.from_pretrained(root / "llama3", model_factory=dict, state_dict_adapter=adapter)

@@ -171,18 +171,35 @@ def _cpu_meshes() -> None:
 
 def parallel_model(name: str, layout: str, world: int, **kw: Any) -> tuple[nn.Module, Any]:
     """``(model, config)``: built on meta, parallelized by torchtitan's own function for ``layout`` (``fsdp``,
-    ``tp``, ``fsdp_ac``, ``ep``), materialized on CPU with ``init_weights``."""
+    ``tp``, ``fsdp_ac``, ``ep``, ``ddp``: every rank a whole replica), materialized on CPU with ``init_weights``."""
+    cfg, parallelize = parallelizer(name, layout, world, **kw)
+    with torch.device("meta"):
+        model = cfg.build()
+    model = parallelize(model)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    return model, cfg
+
+
+def parallelizer(name: str, layout: str, world: int, **kw: Any) -> tuple[Any, Any]:
+    """``(config, parallelize)``: the model config as torchtitan's trainer fills it for ``layout`` and a
+    callable that applies torchtitan's own parallelize function to a model built from it (the meshes built
+    now, on the default process group)."""
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed.activation_checkpoint import FullAC
 
     _cpu_meshes()
-    degrees = {"dp_shard": world, "tp": 1, "ep": 1}
+    degrees = {"dp_shard": world, "tp": 1, "ep": 1, "dp_replicate": 1}
     if layout == "tp":
-        degrees = {"dp_shard": 1, "tp": world, "ep": 1}
+        degrees = {"dp_shard": 1, "tp": world, "ep": 1, "dp_replicate": 1}
     elif layout == "ep":
-        degrees = {"dp_shard": world, "tp": 1, "ep": world}
+        degrees = {"dp_shard": world, "tp": 1, "ep": world, "dp_replicate": 1}
+    elif layout == "ddp":
+        degrees = {"dp_shard": 1, "tp": 1, "ep": 1, "dp_replicate": world}
     parallelism = ParallelismConfig(
+        data_parallel_replicate_degree=degrees["dp_replicate"],
         data_parallel_shard_degree=degrees["dp_shard"],
         tensor_parallel_degree=degrees["tp"],
         expert_parallel_degree=degrees["ep"],
@@ -195,21 +212,19 @@ def parallel_model(name: str, layout: str, world: int, **kw: Any) -> tuple[nn.Mo
     # EP placements); without it ``Module.parallelize`` skips every module and "tp" leaves whole-tensor
     # replicas on a one-rank FSDP mesh
     cfg.update_from_config(config=types.SimpleNamespace(parallelism=parallelism))
-    with torch.device("meta"):
-        model = cfg.build()
-    model = parallelize_fn(name)(
-        model,
-        parallel_dims=dims,
-        training=TrainingConfig(mixed_precision_param="float32", mixed_precision_reduce="float32"),
-        parallelism=parallelism,
-        compile_config=CompileConfig(),
-        ac_config=FullAC.Config() if layout == "fsdp_ac" else None,
-        dump_folder="/tmp",
-    )
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        model.init_weights(buffer_device=None)
-    return model, cfg
+
+    def parallelize(model: nn.Module) -> nn.Module:
+        return parallelize_fn(name)(
+            model,
+            parallel_dims=dims,
+            training=TrainingConfig(mixed_precision_param="float32", mixed_precision_reduce="float32"),
+            parallelism=parallelism,
+            compile_config=CompileConfig(),
+            ac_config=FullAC.Config() if layout == "fsdp_ac" else None,
+            dump_folder="/tmp",
+        )
+
+    return cfg, parallelize
 
 
 def torchtitan_load(model: nn.Module, adapter_obj: Any, path: Path) -> None:

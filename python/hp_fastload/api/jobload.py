@@ -92,9 +92,11 @@ def plan_for_load(
     per_node: int,
     budget_bytes: int,
     chunk_bytes: int,
+    adapter: Any = None,
 ) -> JobPlan:
     """The job plan on this rank; ``PlanError`` when this rank's own plan needs other bytes than the plan
-    computed for it (every rank must derive the same layouts)."""
+    computed for it (every rank must derive the same layouts). ``adapter``: the load's state-dict adapter
+    (``rules`` then empty), traced into the whole plan as into each rank's own."""
     smap = StorageMap.of_index(index)
     needs = all_rank_needs(
         model,
@@ -106,6 +108,7 @@ def plan_for_load(
         external_target_fqns=external_target_fqns,
         claimed_source_keys=claimed_source_keys,
         replacement=replacement,
+        adapter=adapter,
     )
     mine = rank_needs(own, smap, packed_keys(own, index))
     if mine != needs[rank]:
@@ -187,9 +190,11 @@ def agree_job_plan(
     claimed_source_keys: Collection[str],
     replacement: Replacement | None,
     loader: str,
+    state_dict_adapter: Any = None,
 ) -> JobPlan | None:
     """The job-wide plan, computed on every rank and agreed by its digest (one all-gather of a hash); None
-    when ``share="auto"`` prefers every rank reading its own regions (the same choice on every rank)."""
+    when ``share="auto"`` prefers every rank reading its own regions (the same choice on every rank).
+    ``state_dict_adapter`` (already checked by the load's own planning) replaces the rules."""
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     budget_bytes = budget or DEFAULT_BUDGET_BYTES
     job: JobPlan = agree(
@@ -200,7 +205,7 @@ def agree_job_plan(
             load_plan,
             rank,
             world,
-            rules=resolve_mapping(model, weights_mapping, key_mapping),
+            rules=[] if state_dict_adapter is not None else resolve_mapping(model, weights_mapping, key_mapping),
             loader=loader,
             external_target_fqns=external_target_fqns,
             claimed_source_keys=claimed_source_keys,
@@ -208,6 +213,7 @@ def agree_job_plan(
             per_node=ranks_per_node(per_node, world),
             budget_bytes=budget_bytes,
             chunk_bytes=min(DEFAULT_CHUNK_BYTES, budget_bytes // 4),
+            adapter=state_dict_adapter,
         ),
     )
     agree_digest(

@@ -350,9 +350,7 @@ def load(
 
         replicas = plan_replicas(map(context.target, load_plan.region_reads))
     job = None
-    if sharing == "job" and state_dict_adapter is not None:
-        raise NotImplementedError("share='job' does not plan through a state_dict_adapter yet; use share='none'")
-    if sharing in ("job", "auto") and name == "dcp" and multi and state_dict_adapter is None:  # docs/job-wide.md
+    if sharing in ("job", "auto") and name == "dcp" and multi:  # docs/job-wide.md
         job = agree_job_plan(
             model,
             index,
@@ -366,6 +364,7 @@ def load(
             claimed_source_keys=claimed_source_keys,
             replacement=replacement,
             loader=name,
+            state_dict_adapter=state_dict_adapter,
         )
     total = load_plan.bytes_needed
     update, close = _progress_bar(total, progress)

@@ -6,7 +6,9 @@ it (the caller's ``parallelize(model)``, or transformers' own ``DistributedConfi
 ``prepare_distribute_model`` / ``maybe_distribute_model`` that transformers applies to its meta model),
 materialize it with ``to_empty``, fill it with :func:`hp_fastload.load` (which re-ties tied weights and
 recomputes the non-persistent buffers, see ``finalize``) and put it in eval mode, as transformers does. Every
-rank calls it with the same arguments.
+rank calls it with the same arguments. A torchtitan model (``model_factory`` and ``state_dict_adapter``) goes
+through torchtitan's trainer's sequence instead: built on meta, parallelized, ``to_empty``, its own
+``init_weights``, then the load through the adapter.
 
 It does not read tensors itself, decide regions, or apply conversion rules: ``load`` does.
 """
@@ -14,9 +16,11 @@ It does not read tensors itself, decide regions, or apply conversion rules: ``lo
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -129,6 +133,8 @@ def from_pretrained(
     device: str | torch.device | None = None,
     dtype: Any = None,
     auto_class: Any = None,
+    model_factory: Callable[[], nn.Module] | None = None,
+    state_dict_adapter: Any = None,
     revision: str | None = None,
     strict: bool = True,
     output_loading_info: bool = False,
@@ -148,26 +154,52 @@ def from_pretrained(
     through the model's own init; with ``strict=False``, what the checkpoint lacks initialized by the model's own
     ``initialize_weights()``, as transformers does) → ``eval()``.
 
-    Not covered: quantized checkpoints, ``device_map`` offloading, remote code, adapters; build such a model
-    yourself and call ``hp_fastload.load`` on it.
+    A model that is not a transformers one (torchtitan's): ``model_factory`` builds it, called with no
+    argument on the meta device (``model_factory=model_config.build``), and ``state_dict_adapter`` (torchtitan's
+    ``StateDictAdapter``, e.g. ``Llama3StateDictAdapter(model_config, None)``) maps the checkpoint to it, as
+    :func:`hp_fastload.load` takes it. ``config.json`` is then not read (the factory holds the config), so
+    ``auto_class``, ``dtype``, ``distributed_config`` and config overrides are refused. The steps are
+    torchtitan's trainer's: built on meta → ``parallelize(model)`` (torchtitan's own parallelize function, its
+    other arguments bound: ``lambda m: parallelize_llama(m, parallel_dims=..., ...)``) → ``to_empty(device)`` →
+    the model's own ``init_weights(buffer_device=None)`` (a torchtitan ``BaseModel``: its buffers, rotary
+    caches and MoE counters, and what the adapter does not map, as ``expert_bias``) → the load → ``eval()``.
+    Any other module gets no init: its non-persistent buffers are listed in ``LoadReport.unfilled_buffers``.
+
+    Not covered: quantized checkpoints, ``device_map`` offloading, remote code, PEFT adapters; build such a
+    model yourself and call ``hp_fastload.load`` on it.
     """
     if parallelize is not None and distributed_config is not None:
         raise ValueError("pass either parallelize or distributed_config, not both")
     if parallelize is not None and not callable(parallelize):
         raise TypeError(f"parallelize must be a callable taking the model, got {type(parallelize).__name__}")
+    _check_factory(model_factory, auto_class, dtype, distributed_config, config_overrides)
     location = resolve_location_each(path_or_hub_id, revision)
     # Each step that can fail on one rank alone is agreed on: the others raise too instead of waiting in
     # load's first collective.
-    config = agree("Reading the checkpoint's config.json", lambda: read_config(location, config_overrides))
-    _agree_config(config)
+    if model_factory is None:
+        config = agree("Reading the checkpoint's config.json", lambda: read_config(location, config_overrides))
+        _agree_config(config)
     agree("Checking accelerate's settings", refuse_rank0_broadcast)
     # The user's parallelize may enter collectives of its own; if it fails on some ranks only, the others may be
     # waiting in one of them: the outcomes travel through the store, and a failed rank raises within seconds.
-    model = agree_bounded(
-        "Building and parallelizing the model",
-        lambda: _build(location, config, auto_class, dtype, parallelize, distributed_config, device),
-    )
-    report: LoadReport = load(model, str(location), strict=strict)  # an s3:// URL or a path
+    # (So may a torchtitan init_weights: DTensor's random generator agrees on its seed.)
+    if model_factory is not None:
+        factory = model_factory
+        built: tuple[nn.Module, bool] = agree_bounded(
+            "Building, parallelizing and initializing the model",
+            lambda: _build_from_factory(factory, parallelize, device),
+        )
+        model, initialized = built
+    else:
+        model = agree_bounded(
+            "Building and parallelizing the model",
+            lambda: _build(location, config, auto_class, dtype, parallelize, distributed_config, device),
+        )
+        initialized = False
+    # an s3:// URL or a path
+    report: LoadReport = load(model, str(location), strict=strict, state_dict_adapter=state_dict_adapter)
+    if initialized:  # the model's own init_weights made its non-persistent buffers, before the load
+        report = dataclasses.replace(report, unfilled_buffers=())
     # strict=False: what the checkpoint does not hold is fresh from to_empty (whatever the allocator left there);
     # transformers initializes it. Agreed on every rank (the collective does not depend on the report).
     agree(
@@ -217,6 +249,65 @@ def _agree_config(config: Any) -> None:
             "the ranks read different configs from the checkpoint's config.json (with config_overrides): rank "
             f"{differing[0]}'s differs from rank 0's{more}. Pass every rank the same checkpoint and the same overrides"
         )
+
+
+def _check_factory(
+    model_factory: Any, auto_class: Any, dtype: Any, distributed_config: Any, config_overrides: dict[str, Any]
+) -> None:
+    """``model_factory`` is a callable, and none of the arguments it replaces (those that read or apply the
+    checkpoint's ``config.json``) is given with it."""
+    if model_factory is None:
+        return
+    if not callable(model_factory) or isinstance(model_factory, nn.Module):
+        raise TypeError(
+            f"model_factory must be a callable with no arguments that builds the model (e.g. model_config.build), "
+            f"got {type(model_factory).__name__}"
+        )
+    given = [
+        name
+        for name, value in (("auto_class", auto_class), ("dtype", dtype), ("distributed_config", distributed_config))
+        if value is not None
+    ]
+    given += sorted(config_overrides)
+    if given:
+        raise ValueError(
+            f"model_factory builds the model from its own config; {', '.join(given)} "
+            f"{'applies' if len(given) == 1 else 'apply'} to a transformers model built from config.json: "
+            "set them in the factory's config (torchtitan: the model config, its parallelize function for dtypes)"
+        )
+
+
+def _is_torchtitan_model(model: nn.Module) -> bool:
+    if "torchtitan" not in sys.modules:  # a torchtitan model implies torchtitan is imported
+        return False
+    try:
+        from torchtitan.protocols.model import BaseModel
+    except ImportError:  # pragma: no cover - another torchtitan version
+        return False
+    return isinstance(model, BaseModel)
+
+
+def _build_from_factory(
+    factory: Callable[[], nn.Module], parallelize: Callable[[nn.Module], Any] | None, device: Any
+) -> tuple[nn.Module, bool]:
+    """The model ``factory`` builds on meta, parallelized, materialized on ``device`` and, for a torchtitan
+    model, initialized by its own ``init_weights`` (as torchtitan's trainer does before loading); and whether
+    it was."""
+    with torch.device("meta"):
+        model = factory()
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model_factory returned {type(model).__name__}, not an nn.Module")
+    if parallelize is not None:
+        returned = parallelize(model)
+        if isinstance(returned, nn.Module):
+            model = returned
+    model.to_empty(device=device if device is not None else _default_device(None))
+    inner = unwrapped(model)
+    if not _is_torchtitan_model(inner):
+        return model, False
+    with torch.no_grad():
+        inner.init_weights(buffer_device=None)
+    return model, True
 
 
 def _build(

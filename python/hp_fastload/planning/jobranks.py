@@ -77,8 +77,11 @@ def whole_plan(
     external_target_fqns: Collection[str],
     claimed_source_keys: Collection[str],
     replacement: Replacement | None,
+    adapter: Any = None,
 ) -> tuple[LoadPlan, dict[str, Target]]:
-    """The plan of a rank holding every target whole, and the model's targets (their real layouts)."""
+    """The plan of a rank holding every target whole, and the model's targets (their real layouts). ``adapter``
+    (a state-dict adapter, with ``rules`` empty) is planned as a rank's own load plans it: its trace depends only
+    on the global shapes, so each rank's items are the whole plan's cut by its boxes, as with rules."""
     whole = build_targets(model, external_target_fqns=frozenset(external_target_fqns), mesh_override=whole_mesh)
     plan, _ = plan_load(
         model,
@@ -90,6 +93,7 @@ def whole_plan(
         claimed_source_keys=frozenset(claimed_source_keys),
         loader=loader,
         replacement=replacement,
+        adapter=adapter,
     )
     return plan, whole
 
@@ -297,6 +301,7 @@ def all_rank_needs(
     external_target_fqns: Collection[str],
     claimed_source_keys: Collection[str],
     replacement: Replacement | None,
+    adapter: Any = None,
 ) -> list[Needs]:
     """Every rank's needs (equal to ``rank_needs`` of each rank's own plan), from one whole plan."""
     plan, targets = whole_plan(
@@ -307,6 +312,7 @@ def all_rank_needs(
         external_target_fqns=external_target_fqns,
         claimed_source_keys=claimed_source_keys,
         replacement=replacement,
+        adapter=adapter,
     )
     return needs_from_whole_plan(plan, targets, index, smap, world)
 
@@ -360,6 +366,7 @@ def rank_needs_by_planning(
     external_target_fqns: Collection[str],
     claimed_source_keys: Collection[str],
     replacement: Replacement | None,
+    adapter: Any = None,
 ) -> list[Needs]:
     """Every rank's needs by planning each rank (``virtual_rank``), ranks whose targets all have the same
     regions planned once: the reference ``all_rank_needs`` is tested against, and its cost at scale is one
@@ -383,6 +390,7 @@ def rank_needs_by_planning(
                 claimed_source_keys=frozenset(claimed_source_keys),
                 loader=loader,
                 replacement=replacement,
+                adapter=adapter,
             )
             needs = seen[signature] = rank_needs(planned, smap, packed_keys(planned, index))
         out.append(needs)
