@@ -1,7 +1,8 @@
 """torchtitan 0.3.0 models loaded with ``state_dict_adapter=`` on 2 gloo ranks, parallelized by torchtitan's own
 functions, against torchtitan's own HF load (``CheckpointManager.dcp_load(from_hf=True)``): every local shard
-bit-equal, the same loss. Also: the two recipes that used to load silently wrong values now raise, and the
-README's torchtitan line runs as written.
+bit-equal, the same loss; the same through ``share="job"`` (each checkpoint byte read once per job) and through
+``from_pretrained(model_factory=, state_dict_adapter=)``. Also: the two recipes that used to load silently wrong
+values now raise, and the README's torchtitan line runs as written.
 
 One spawn runs every distributed check (``run_subchecks``); checkpoints are written once per module.
 """

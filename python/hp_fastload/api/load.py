@@ -311,6 +311,7 @@ def load(
     gives for the model, and model tensors it does not map (torchtitan's ``expert_bias``) are left as they are,
     not missing. ``ignore_missing`` (regexes searched in model names) names further tensors no checkpoint
     holds, so ``strict=True`` stays usable; both are listed in ``LoadReport.ignored_missing_keys``.
+    ``share="job"`` plans through the adapter too (every rank's needs from one whole plan traced through it).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"load() needs a live nn.Module to write into, got {type(model).__name__}")
