@@ -28,7 +28,9 @@ def _run(capsys: pytest.CaptureFixture[str], *args: str) -> dict:
 
 def test_share_job_json_agrees_with_the_per_rank_plans(checkpoint: Path, capsys: pytest.CaptureFixture[str]) -> None:
     common = [str(checkpoint), "--world", "4", "--layout", "2d", "--mesh", "2x2", "--all-ranks"]
-    job = _run(capsys, *common, "--share", "job", "--ranks-per-node", "2", "--storage-gbps", "1", "--network-gbps", "1")
+    job = _run(
+        capsys, *common, "--share", "job", "--ranks-per-node", "2", "--storage-gbps", "1", "--network-gbps", "10"
+    )
     plans = _run(capsys, *common)
     needed = [rank["bytes_needed"] for rank in plans["ranks"]]
     assert job["per_rank_needed_bytes"] == needed  # the whole-plan needs are each rank's own plan's bytes
@@ -39,9 +41,15 @@ def test_share_job_json_agrees_with_the_per_rank_plans(checkpoint: Path, capsys:
     assert all(got <= need for got, need in zip(job["per_rank_received_bytes"], needed, strict=True))
     assert sum(job["per_node_sent_bytes"]) == sum(job["per_node_received_bytes"]) > 0
     seconds = job["predicted_seconds"]
-    # 1 GB/s each: `none` reads every rank's needs, `job` each byte once plus its cross-node messages
+    # storage 1 GB/s, network 10: `none` reads every rank's needs, `job` each byte once, then its cross-node
+    # messages (the phases run one after the other)
     assert seconds["none"] == pytest.approx(max(job["predicted_node_storage_bytes"]["none"]) / 1e9)
-    assert seconds["job"] < seconds["none"]
+    phases = job["predicted_phases"]["job"]
+    assert phases["read"] == pytest.approx(max(job["per_node_storage_bytes"]) / 1e9)
+    assert phases["network"] == pytest.approx(
+        max(max(o, i) for o, i in zip(job["per_node_sent_bytes"], job["per_node_received_bytes"], strict=True)) / 1e10
+    )
+    assert seconds["job"] == pytest.approx(sum(phases.values())) and seconds["job"] < seconds["none"]
     assert set(job["t4_plan_cpu_seconds"]) >= {"whole_plan", "all_ranks_needs", "job_plan", "t4"}
 
 

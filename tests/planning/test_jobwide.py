@@ -149,8 +149,36 @@ def test_predict_formulas() -> None:
     assert sum(job_read) == total
     out_b, in_b = by["job"].node_out, by["job"].node_in
     assert in_b == (2 * (total - job_read[0]), 2 * (total - job_read[1])) and out_b == (in_b[1], in_b[0])
-    want = max(max(r / 1e9, o / 2e9, i / 2e9) for r, o, i in zip(job_read, out_b, in_b, strict=True))
-    assert by["job"].seconds == pytest.approx(want)
+    # the job's phases run one after another: read, then the exchange (cross-node bytes only, by default)
+    read_s = max(job_read) / 1e9
+    net_s = max(max(o, i) for o, i in zip(out_b, in_b, strict=True)) / 2e9
+    assert dict(by["job"].phases) == pytest.approx({"read": read_s, "network": net_s, "copy": 0.0, "latency": 0.0})
+    assert by["job"].seconds == pytest.approx(read_s + net_s)
+    # caps, bytes within a node, the receivers' copies and the rounds' latency each add their term
+    rates = dict(storage_total_gbps=0.5, network_total_gbps=0.25, intra_node_gbps=0.1, memory_gbps=4.0)
+    capped = {p.strategy: p for p in predict(job, storage_gbps=1.0, network_gbps=2.0, round_latency_s=0.01, **rates)}
+    assert capped["none"].seconds == pytest.approx(4 * total / 0.5e9)
+    intra = job.intra_node()
+    assert int(intra.sum()) > 0 and int(intra.sum() + sum(out_b)) == int(job.bytes_sent().sum())
+    copied = 2 * job.bytes_through_memory()  # each rank needs everything, shared: placed, then run
+    phases = dict(capped["job"].phases)
+    assert phases == pytest.approx(
+        {
+            "read": total / 0.5e9,
+            "network": max(net_s, sum(out_b) / 0.25e9, int(intra.max()) / 0.1e9),
+            "copy": 2 * total / 4e9,
+            "latency": job.rounds * 0.01,
+        }
+    )
+    assert capped["job"].seconds == pytest.approx(sum(phases.values())) and int(copied.max()) == 2 * total
+    # one host under the simulated nodes: every byte between ranks is within it, and it reads them all
+    host = {
+        p.strategy: p for p in predict(job, storage_gbps=1.0, network_gbps=2.0, intra_node_gbps=0.5, ranks_per_host=4)
+    }
+    assert host["job"].node_read == (total,) and host["none"].node_read == (4 * total,)
+    assert dict(host["job"].phases)["network"] == pytest.approx(int(job.bytes_sent().sum()) / 0.5e9)
+    with pytest.raises(ValueError, match="memory_gbps"):
+        predict(job, storage_gbps=1.0, network_gbps=2.0, memory_gbps=0.0)
 
 
 def _naive_merge(smap: StorageMap, rows: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
@@ -253,3 +281,47 @@ def test_needs_made_in_one_piece_plan_as_the_same_needs_in_a_list() -> None:
     assert by_rank.intact() is None
     changed = [needs[0], needs[0], needs[2], needs[3]]
     assert plan_job(by_rank, smap, ranks_per_node=2).digest == plan_job(changed, smap, ranks_per_node=2).digest
+
+
+def test_an_fsdp_shard_in_runs_of_a_few_mib_is_read_by_its_owner() -> None:
+    """Experts 0..23 of 4 layers, 6 MiB each, rank r owning experts 6r..6r+5 (an FSDP Shard(0) of the stacked
+    experts), stored in the checkpoint's key order (0, 1, 10, 11, ..., 19, 2, 20, ...): one holder's runs are 1-4
+    tensors, mostly shorter than a quarter of the default 32 MiB chunk, yet each owner reads its own and (the
+    nodes balanced by the layout) nothing is sent; each run is one request."""
+    elems = 3 << 20  # 6 MiB of 2-byte elements
+    owner = [e // 6 for e in sorted(range(24), key=str)] * 4
+    smap = _smap([elems] * len(owner), files=1)
+    needs = [_needs(smap, [(k, 0, elems) for k, o in enumerate(owner) if o == r]) for r in range(4)]
+    job = plan_job(needs, smap, ranks_per_node=2)
+    assert job.chunk_bytes == 32 << 20
+    assert int(job.bytes_sent().sum()) == 0
+    assert job.bytes_read().tolist() == [n.nbytes(smap) for n in needs]
+    runs = [len(list(group)) for _, group in itertools.groupby(owner)]
+    assert sorted(job.request_sizes().tolist()) == sorted(n * elems * 2 for n in runs)
+    # each owner reads its tensors for itself alone: straight into its shards, nothing through memory
+    assert [job.self_read_keys(r) for r in range(4)] == [{k for k, o in enumerate(owner) if o == r} for r in range(4)]
+    assert job.bytes_through_memory().tolist() == [0, 0, 0, 0]
+
+
+def test_bytes_through_memory_are_the_shared_tensors() -> None:
+    """A tensor every rank needs goes through memory on every rank (read once, sent to the others); a tensor
+    one rank alone needs and reads does not."""
+    smap = _smap([1000] * 2, files=1)
+    needs = [_needs(smap, [(0, 0, 1000)] + ([(1, 0, 1000)] if r == 0 else [])) for r in range(4)]
+    job = plan_job(needs, smap, ranks_per_node=2, chunk_bytes=600)
+    assert job.self_read_keys(0) == {1} and all(job.self_read_keys(r) == set() for r in (1, 2, 3))
+    assert job.bytes_through_memory().tolist() == [2000] * 4
+
+
+def test_a_column_slice_stays_in_large_requests() -> None:
+    """Holders change every 1 KiB row (a Shard(1) of a [rows, cols] tensor over 4 ranks): no holder cut, chunks
+    of the size asked for, whatever each reader reads of the others sent to them."""
+    rows, cols = 16384, 16384  # 512 MiB of 2-byte elements (so chunks are not cut small for balance)
+    smap = _smap([rows * cols], files=1)
+    width = cols // 4
+    needs = [
+        _needs(smap, [(0, r * cols + q * width, r * cols + (q + 1) * width) for r in range(rows)]) for q in range(4)
+    ]
+    job = plan_job(needs, smap, ranks_per_node=2, chunk_bytes=8 << 20)
+    sizes = job.request_sizes()
+    assert int(sizes.sum()) == rows * cols * 2 and int(sizes.min()) >= 4 << 20

@@ -139,23 +139,42 @@ def run_job(
     progress: Callable[[int], None] | None,
     legacy: bool = False,
 ) -> JobStats:
-    """Run ``job`` on this rank: first what stays local (MXFP4 items, deferred groups; agreed), then the
-    delivery."""
+    """Run ``job`` on this rank: first what it reads straight into its shards (MXFP4 items, deferred groups, and
+    the items whose tensors it reads for itself alone: ``JobPlan.self_read_keys``; agreed), then the delivery of
+    the rest through memory."""
     packed = packed_keys(plan, context.index)
+    smap = job.smap
+    alone = {smap.keys[k] for k in job.self_read_keys(rank)}
     local: dict[str, Any] = {}
+    through_memory: dict[str, np.ndarray] = {}
+    used: set[str] = set()  # tensors the delivered items read from memory
     for name, reads in plan.region_reads.items():
-        keep = delivered_rows(reads, packed)
-        if len(keep) != len(reads):
-            rest = np.setdiff1d(np.arange(len(reads)), keep)
-            local[name] = reads.take(rest)
+        keep = delivered_rows(reads, packed).tolist()
+        seconds = reads.second
+        rows, direct = [], []
+        for i in keep:
+            spec = seconds[i] if seconds is not None else None
+            sources = (reads.keys[i],) if spec is None else (reads.keys[i], spec.scale)
+            if all(k in alone for k in sources):
+                direct.append(i)
+            else:
+                rows.append(i)
+                used.update(sources)
+        through_memory[name] = np.asarray(rows, dtype=np.int64)
+        if len(rows) != len(reads):
+            local[name] = reads.take(np.setdiff1d(np.arange(len(reads)), np.asarray(rows, dtype=np.int64)))
     stats = JobStats()
-    if local or plan.deferred:
-        sub = LoadPlan(local, plan.deferred, plan.report, plan.files, plan.dequant, plan.scale_nbytes)
-        done = agree(
-            "Reading the tensors each rank reads itself",
-            lambda: execute_plan(sub, context, legacy=legacy, threads=threads, backend=backend, progress=progress),
-        )
-        stats.bytes_read += done.bytes_read
+    # every rank enters this step (the agreement is a collective), with or without tensors of its own
+    sub = LoadPlan(local, plan.deferred, plan.report, plan.files, plan.dequant, plan.scale_nbytes)
+    done = agree(
+        "Reading the tensors each rank reads itself",
+        lambda: (
+            execute_plan(sub, context, legacy=legacy, threads=threads, backend=backend, progress=progress)
+            if local or plan.deferred
+            else None
+        ),
+    )
+    stats.bytes_read += done.bytes_read if done is not None else 0
     delivered = deliver(
         job,
         rank,
@@ -163,7 +182,8 @@ def run_job(
         context,
         threads=threads,
         backend=backend,
-        packed=packed,
+        memory_rows=through_memory,
+        skip=frozenset(smap.key_id[k] for k in alone - used),
         agree=agree,
         wait=wait_work,
         exchange=exchanging,

@@ -162,6 +162,10 @@ def simulate(
     storage_gbps: float = 2.0,
     network_gbps: float = 12.5,
     storage_total_gbps: float | None = None,
+    network_total_gbps: float | None = None,
+    intra_node_gbps: float | None = None,
+    memory_gbps: float | None = None,
+    ranks_per_host: int | None = None,
     budget_bytes: int | None = None,
     chunk_bytes: int | None = None,
     round_latency_s: float = 0.0,
@@ -208,7 +212,11 @@ def simulate(
         storage_gbps=storage_gbps,
         network_gbps=network_gbps,
         storage_total_gbps=storage_total_gbps,
+        network_total_gbps=network_total_gbps,
+        intra_node_gbps=intra_node_gbps,
+        memory_gbps=memory_gbps,
         round_latency_s=round_latency_s,
+        ranks_per_host=ranks_per_host,
     )
     out["layout"] = description
     out["model_build_seconds"] = built

@@ -165,6 +165,10 @@ def _simulate(args: argparse.Namespace) -> int:
         storage_gbps=args.storage_gbps,
         network_gbps=args.network_gbps,
         storage_total_gbps=args.storage_total_gbps,
+        network_total_gbps=args.network_total_gbps,
+        intra_node_gbps=args.intra_node_gbps,
+        memory_gbps=args.memory_gbps,
+        round_latency_s=args.round_latency_ms / 1e3,
         budget_bytes=args.budget_mib << 20,
     )
     if args.json:
@@ -209,7 +213,9 @@ def _simulate(args: argparse.Namespace) -> int:
     )
     print(f"predicted cold start at {args.storage_gbps} GB/s storage and {args.network_gbps} GB/s network per node:")
     for strategy, seconds in result["predicted_seconds"].items():
-        print(f"  {strategy:>5}: {seconds:10.2f} s")
+        phases = result["predicted_phases"][strategy]
+        shown = ", ".join(f"{name} {t:.2f}" for name, t in phases.items()) if len(phases) > 1 else ""
+        print(f"  {strategy:>5}: {seconds:10.2f} s" + (f"  ({shown})" if shown else ""))
     return 0
 
 
@@ -319,6 +325,24 @@ def _register_plan(subparsers: Any) -> None:
     p.add_argument("--network-gbps", type=float, default=12.5, help="network GB/s per node and direction (12.5)")
     p.add_argument(
         "--storage-total-gbps", type=float, default=None, help="the file system's aggregate GB/s cap (default none)"
+    )
+    p.add_argument(
+        "--network-total-gbps", type=float, default=None, help="the network's aggregate GB/s cap (default none)"
+    )
+    p.add_argument(
+        "--intra-node-gbps",
+        type=float,
+        default=None,
+        help="GB/s between ranks of one node (default: free, as over NVLink; gloo on one host: its loopback rate)",
+    )
+    p.add_argument(
+        "--memory-gbps",
+        type=float,
+        default=None,
+        help="GB/s one rank copies received bytes at (default: free; a host core: about 5-10)",
+    )
+    p.add_argument(
+        "--round-latency-ms", type=float, default=0.0, help="one round's agreement and message latency, ms (0)"
     )
     p.add_argument("--budget-mib", type=int, default=512, help="staging + messages per rank per round (MiB)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")

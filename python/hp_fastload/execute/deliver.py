@@ -60,8 +60,14 @@ class DeliveryStats:
     items: int = 0
     rounds: int = 0
     read_retries: int = 0
+    # where a rank's time went (wall seconds, summed over rounds): its engine reads, the read agreement (waiting
+    # for the slowest reader), packing its sends, waiting for the messages, placing received bytes, its items
     seconds_read: float = 0.0
+    seconds_agree: float = 0.0
+    seconds_pack: float = 0.0
     seconds_wait: float = 0.0
+    seconds_place: float = 0.0
+    seconds_items: float = 0.0
 
 
 def _aligned(n: int) -> int:
@@ -80,13 +86,23 @@ class _Counter:
 
 
 def _read_round(
-    job: JobPlan, rank: int, rnd: int, index: Any, threads: int | None, backend: str | None, stats: DeliveryStats
+    job: JobPlan,
+    rank: int,
+    rnd: int,
+    index: Any,
+    threads: int | None,
+    backend: str | None,
+    stats: DeliveryStats,
+    skip: frozenset[int] = frozenset(),
 ) -> tuple[np.ndarray, Any, Any, Any]:
-    """Reads this rank's chunks of round ``rnd`` into one staging buffer; returns ``(staging as uint8 numpy,
-    piece axis starts, piece axis ends, piece staging offsets)`` (pieces in axis order)."""
+    """Reads this rank's chunks of round ``rnd`` (but the pieces of the tensors in ``skip``) into one staging
+    buffer; returns ``(staging as uint8 numpy, piece axis starts, piece axis ends, piece staging offsets)``
+    (pieces in axis order)."""
     smap = job.smap
     chunks = np.flatnonzero((job.chunk_reader == rank) & (job.chunk_round == rnd))
     rows = job.pieces_of(chunks)
+    if skip and len(rows):
+        rows = rows[~np.isin(job.pieces_key[rows], np.fromiter(skip, dtype=np.int64))]
     keys, starts, ends = job.pieces_key[rows], job.pieces_start[rows], job.pieces_end[rows]
     size = smap.itemsize[keys]
     nbytes = (ends - starts) * size
@@ -100,10 +116,10 @@ def _read_round(
     staging = torch.empty(_aligned(max(total, ALIGN)), dtype=torch.uint8)
     views: dict[torch.dtype, torch.Tensor] = {}
     piece_chunk = job.pieces_chunk[rows]
-    t0 = time.perf_counter()
-    for c in chunks.tolist():
+
+    def batch_of(pieces: list[int]) -> Batch:
         batch = Batch(index.locate)
-        for i in np.flatnonzero(piece_chunk == c).tolist():
+        for i in pieces:
             key = smap.keys[int(keys[i])]
             entry = index.locate(key)
             view = views.get(entry.dtype)
@@ -111,7 +127,21 @@ def _read_round(
                 view = views[entry.dtype] = staging.view(entry.dtype)
             n = int(ends[i] - starts[i])
             batch.add(key, int(starts[i]), (1,), (n,), view, (int(offsets[i]) // int(size[i]),))
-        _read_with_retries(job, rank, c, batch, threads, backend, stats)
+        return batch
+
+    t0 = time.perf_counter()
+    # the round's chunks in one engine call (adjacent chunks coalesce into one request, the threads share the
+    # whole round); after an error, chunk by chunk, each retried and named on its own
+    counter = _Counter()
+    try:
+        if len(rows):
+            read_chunk(batch_of(list(range(len(rows)))), threads, backend, counter)
+            stats.bytes_read += counter.bytes_read
+    except OSError:
+        for c in chunks.tolist():
+            pieces = np.flatnonzero(piece_chunk == c).tolist()
+            if pieces:
+                _read_with_retries(job, rank, c, batch_of(pieces), threads, backend, stats)
     stats.seconds_read += time.perf_counter() - t0
     glo = smap.g0[keys] + starts * size
     return staging.numpy(), glo, glo + nbytes, offsets
@@ -323,7 +353,8 @@ def deliver(
     *,
     threads: int | None = None,
     backend: str | None = None,
-    packed: frozenset[str] = frozenset(),
+    memory_rows: dict[str, np.ndarray] | None = None,
+    skip: frozenset[int] = frozenset(),
     agree: Callable[[str, Callable[[], Any]], Any] | None = None,
     wait: Callable[[str, Any, int, float | None], None] | None = None,
     exchange: Callable[[], AbstractContextManager[None]] | None = None,
@@ -331,8 +362,10 @@ def deliver(
 ) -> DeliveryStats:
     """Run ``job`` on this rank: read its chunks, exchange the messages, fill its targets from memory.
 
-    ``plan`` / ``context``: this rank's own plan (its items, unchanged); ``packed``: MXFP4 keys, whose items
-    are left to the caller (``delivered_rows``). ``agree(stage, fn)`` runs ``fn`` and makes every rank raise
+    ``plan`` / ``context``: this rank's own plan (its items, unchanged); ``memory_rows``: per target, the rows of its
+    items run here from memory (default: all but MXFP4 items, ``delivered_rows``); the others are the caller's.
+    ``skip``: tensors (``smap`` ids) whose pieces this rank reads for itself alone and none of these rows use:
+    not read into staging nor placed. ``agree(stage, fn)`` runs ``fn`` and makes every rank raise
     when it failed on any (``dist.agree.agree``); ``wait(stage, work, peer, timeout_s)`` waits for one message
     (``dist.agree.wait_work``: interruptible, a peer's interrupt ends it; None: ``work.wait``); ``exchange()``
     is entered around each round's messages (``dist.agree.exchanging``: a signal there raises and tells the
@@ -349,9 +382,8 @@ def deliver(
     by_round: dict[int, list[tuple[str, Reads, int, Any]]] = {}
     last_use: dict[int, int] = {}
     for name, reads in plan.region_reads.items():
-        rows = delivered_rows(reads, packed)
         seconds = reads.second
-        for i in rows.tolist():
+        for i in (delivered_rows(reads) if memory_rows is None else memory_rows[name]).tolist():
             item = reads[i]
             spec = seconds[i] if seconds is not None else None
             k = smap.key_id[item.source]
@@ -386,12 +418,16 @@ def deliver(
         for rnd in range(job.rounds):
             sends, receives = job.messages(rank, rnd)
 
-            def read_this_round(rnd: int = rnd) -> tuple[np.ndarray, Any, Any, Any]:
-                return _read_round(job, rank, rnd, index, threads, backend, stats)
+            read_before = stats.seconds_read
 
+            def read_this_round(rnd: int = rnd) -> tuple[np.ndarray, Any, Any, Any]:
+                return _read_round(job, rank, rnd, index, threads, backend, stats, skip)
+
+            t_round = time.perf_counter()
             outcome = _agree_or_local(
                 agree, f"Reading round {rnd + 1} of {job.rounds} of the job-wide plan", read_this_round
             )
+            stats.seconds_agree += time.perf_counter() - t_round - stats.seconds_read + read_before
             staging, piece_lo, piece_hi, piece_off = outcome
             del piece_hi
             with nullcontext() if exchange is None else exchange():
@@ -404,6 +440,7 @@ def deliver(
                     inbox[peer] = buf
                     works.append((peer, dist.irecv(buf, src=peer, tag=rnd)))
                 outbox: list[torch.Tensor] = []
+                t0 = time.perf_counter()
                 for peer, rows in sends.items():
                     data = _pack(job, peer, rows, staging, piece_lo, piece_off)
                     tensor = torch.from_numpy(data)
@@ -411,9 +448,12 @@ def deliver(
                     stats.bytes_sent += tensor.numel()
                     works.append((peer, dist.isend(tensor, dst=peer, tag=rnd)))
                 own = receives.get(rank)
-                if own is not None:
+                if own is not None and skip:
+                    own = own[~np.isin(split_key[own], np.fromiter(skip, dtype=np.int64))]
+                if own is not None and len(own):
                     data = _pack(job, rank, own, staging, piece_lo, piece_off)
                     _place(storage, split_key[own], split_start[own], data, split_bytes[own])
+                stats.seconds_pack += time.perf_counter() - t0
                 t0 = time.perf_counter()
                 for peer, work in works:
                     try:
@@ -431,15 +471,19 @@ def deliver(
                             f"hp_fastload.load: rank {rank} lost rank {peer} during round {rnd + 1} of the job-wide "
                             f"delivery ({str(exc).splitlines()[0][:200]}); rank {peer} failed or exited"
                         ) from exc
-                stats.seconds_wait += time.perf_counter() - t0
+                t1 = time.perf_counter()
+                stats.seconds_wait += t1 - t0
                 for peer, buf in inbox.items():
                     rows = receives[peer]
                     _place(storage, split_key[rows], split_start[rows], buf.numpy(), split_bytes[rows])
                     stats.bytes_received += buf.numel()
                 del outbox, staging
+                t2 = time.perf_counter()
+                stats.seconds_place += t2 - t1
                 run_ready(rnd)
+                stats.seconds_items += time.perf_counter() - t2
                 if progress is not None:
-                    progress(int(split_bytes[receives[rank]].sum()) if rank in receives else 0)
+                    progress(int(split_bytes[own].sum()) if own is not None else 0)
     if by_round:
         raise ReadError(f"rank {rank}: items left after the last round of the job-wide plan")
     return stats

@@ -40,6 +40,11 @@ __all__ = ["DEFAULT_BUDGET_BYTES", "DEFAULT_CHUNK_BYTES", "MIN_CHUNK_BYTES", "Jo
 DEFAULT_CHUNK_BYTES = 32 << 20
 #: The smallest chunk ``plan_job`` cuts for balance's sake (smaller tensors still make smaller pieces).
 MIN_CHUNK_BYTES = 4096
+#: A run of bytes with one set of holders at least this long (or a quarter chunk, if less) becomes a chunk of
+#: its own, read by a holder: below it, runs stay inside larger chunks and their bytes are sent. An FSDP shard
+#: cut by the checkpoint's key order into pieces of a few MiB (expert tensors sorted 0, 1, 10, 11, ..., 2) is
+#: still read by its owner; a column slice (holders change every row) stays in large requests.
+HOLDER_RUN_BYTES = 4 << 20
 #: Per-rank memory of one round: chunks read (staging) + messages sent + messages received.
 DEFAULT_BUDGET_BYTES = 512 << 20
 
@@ -162,19 +167,71 @@ class JobPlan:
         _, reader, nbytes = self._remote()
         return self._per(reader, nbytes, self.world)
 
-    def node_bytes_read(self) -> Int64s:
-        return self._per(np.arange(self.world) // self.ranks_per_node, self.bytes_read(), self.nodes)
+    def _grouping(self, per: int | None) -> tuple[int, int]:
+        """``(ranks per group, groups)``: the plan's nodes, or hosts of ``per`` ranks."""
+        per = per or self.ranks_per_node
+        return per, -(-self.world // per)
 
-    def cross_node(self) -> tuple[Int64s, Int64s]:
+    def node_bytes_read(self, per: int | None = None) -> Int64s:
+        """Storage bytes each node reads (``per``: group the ranks ``per`` to a host instead of the plan's nodes)."""
+        per, groups = self._grouping(per)
+        return self._per(np.arange(self.world) // per, self.bytes_read(), groups)
+
+    def cross_node(self, per: int | None = None) -> tuple[Int64s, Int64s]:
         """Bytes each node sends to and receives from other nodes."""
+        per, groups = self._grouping(per)
         receiver, reader, nbytes = self._remote()
-        rn, sn = receiver // self.ranks_per_node, reader // self.ranks_per_node
+        rn, sn = receiver // per, reader // per
         across = rn != sn
-        return self._per(sn[across], nbytes[across], self.nodes), self._per(rn[across], nbytes[across], self.nodes)
+        return self._per(sn[across], nbytes[across], groups), self._per(rn[across], nbytes[across], groups)
+
+    def _self_read_rows(self) -> np.ndarray:
+        """Per row of ``split``: its rank reads it itself and the rank's pairing with the row's tensor is
+        private (every byte of that tensor the rank needs it reads itself, and it reads none of that tensor for
+        another rank)."""
+        reader = self.chunk_reader[self.rows_chunk]
+        world = max(1, self.world)
+        pair = self.rows_key * world + self.rows_rank
+        remote = reader != self.rows_rank
+        shared = np.union1d(pair[remote], self.rows_key[remote] * world + reader[remote])
+        return ~np.isin(pair, shared)
+
+    def self_read_keys(self, rank: int) -> set[int]:
+        """Tensors ``rank`` reads for itself alone: it reads every byte of them it needs, and sends none of them
+        (``deliver`` runs their items straight from the file, not from memory)."""
+        b0, b1 = int(self.rank_bounds[rank]), int(self.rank_bounds[rank + 1])
+        rows = self._self_read_rows()[b0:b1]
+        return set(np.unique(self.rows_key[b0:b1][rows]).tolist())
+
+    def bytes_through_memory(self) -> Int64s:
+        """Per rank, the needed bytes that go through host memory (received, or read for itself beside bytes
+        it sends): all but those of ``self_read_keys``."""
+        return self._per(self.rows_rank, self.rows_bytes() * ~self._self_read_rows(), self.world)
+
+    def intra_node(self, per: int | None = None) -> Int64s:
+        """Bytes each node's ranks send to ranks of the same node."""
+        per, groups = self._grouping(per)
+        receiver, reader, nbytes = self._remote()
+        node = reader // per
+        inside = node == receiver // per
+        return self._per(node[inside], nbytes[inside], groups)
 
     def request_sizes(self) -> Int64s:
-        """Bytes read per chunk (one coalesced request each)."""
-        return self._per(self.pieces_chunk, self.piece_bytes(), len(self.chunk_lo))
+        """Bytes of each read request: a reader's chunks of one round are read in one engine call, in which
+        chunks that touch in one file make one request."""
+        per_chunk = self._per(self.pieces_chunk, self.piece_bytes(), len(self.chunk_lo))
+        if len(per_chunk) < 2:
+            return per_chunk
+        file = np.searchsorted(self.smap.file_g0, self.chunk_lo, "right")
+        order = np.lexsort((self.chunk_lo, self.chunk_round, self.chunk_reader))
+        joins = (
+            (self.chunk_lo[order[1:]] == self.chunk_hi[order[:-1]])
+            & (self.chunk_reader[order[1:]] == self.chunk_reader[order[:-1]])
+            & (self.chunk_round[order[1:]] == self.chunk_round[order[:-1]])
+            & (file[order[1:]] == file[order[:-1]])
+        )
+        firsts = np.flatnonzero(np.concatenate([[True], ~joins]))
+        return as_int64(np.add.reduceat(per_chunk[order], firsts))
 
 
 def _split_at_chunks(
@@ -339,19 +396,21 @@ def _chunk_bounds(union: Needs, smap: StorageMap, chunk_bytes: int, cuts: Int64s
 def _choose_readers(
     holders: Int64s, offsets: Int64s, sizes: Int64s, world: int, ranks_per_node: int, slack: float
 ) -> Int64s:
-    """One reader per chunk, largest chunks first: the holder on the least-loaded node (then the least-loaded
-    rank, then the lowest); when every holder's node is more than ``slack`` x the ideal per-node share above the
-    least-loaded node, that node's least-loaded rank reads it instead (one more send, better balance).
-    ``holders[offsets[c] : offsets[c + 1]]``: the ranks that need chunk ``c``, ascending."""
+    """One reader per chunk, in two passes. First, largest chunks first, a holder: the one on the least-loaded
+    node (then the least-loaded rank, then the lowest), so a layout that already spreads its bytes over the
+    nodes (FSDP, and every replicated chunk going to its least-loaded holder) sends nothing. Then, while some
+    node reads more than ``1 + slack`` x the mean, its chunks (largest first) move to the least-loaded node when
+    they fit there under that limit: to a holder on that node if there is one, else to its least-loaded rank
+    (one more send, better balance). ``holders[offsets[c] : offsets[c + 1]]``: the ranks that need chunk ``c``,
+    ascending."""
     nodes = -(-world // ranks_per_node)
     node_load = np.zeros(nodes, dtype=np.int64)
     rank_load = np.zeros(world, dtype=np.int64)
     reader = np.full(len(sizes), -1, dtype=np.int64)
-    share = max(1.0, float(sizes.sum()) / nodes)
     bounds = offsets.tolist()
-    for c in np.lexsort((np.arange(len(sizes)), -sizes)).tolist():
+    order = np.lexsort((np.arange(len(sizes)), -sizes)).tolist()
+    for c in order:
         a, b = bounds[c], bounds[c + 1]
-        size = int(sizes[c])
         if a == b:
             continue
         if b - a == 1:
@@ -359,13 +418,31 @@ def _choose_readers(
         else:
             h = holders[a:b]
             best = int(h[np.lexsort((h, rank_load[h], node_load[h // ranks_per_node]))[0]])
-        low_node = int(np.argmin(node_load))
-        if node_load[best // ranks_per_node] - node_load[low_node] > slack * share + size:
-            members = np.arange(low_node * ranks_per_node, min(world, (low_node + 1) * ranks_per_node))
-            best = int(members[np.lexsort((members, rank_load[members]))[0]])
         reader[c] = best
-        node_load[best // ranks_per_node] += size
-        rank_load[best] += size
+        node_load[best // ranks_per_node] += int(sizes[c])
+        rank_load[best] += int(sizes[c])
+    limit = (1.0 + slack) * float(node_load.sum()) / nodes
+    if nodes < 2 or node_load.max() <= limit:
+        return reader
+    for c in order:
+        best = int(reader[c])
+        if best < 0 or node_load[best // ranks_per_node] <= limit:
+            continue
+        size, low = int(sizes[c]), int(np.argmin(node_load))
+        if node_load[low] + size > limit:
+            continue
+        h = holders[bounds[c] : bounds[c + 1]]
+        members = h[h // ranks_per_node == low]
+        if not len(members):
+            members = np.arange(low * ranks_per_node, min(world, (low + 1) * ranks_per_node))
+        moved = int(members[np.lexsort((members, rank_load[members]))[0]])
+        reader[c] = moved
+        node_load[best // ranks_per_node] -= size
+        rank_load[best] -= size
+        node_load[low] += size
+        rank_load[moved] += size
+        if node_load.max() <= limit:
+            break
     return reader
 
 
@@ -456,7 +533,7 @@ def plan_job(
     nodes = -(-world // ranks_per_node) if world else 1
     # chunks small enough that each node's share is many chunks (balance), never below MIN_CHUNK_BYTES
     chunk_bytes = min(chunk_bytes, max(MIN_CHUNK_BYTES, union.nbytes(smap) // (8 * nodes)))
-    cuts = _holder_cuts(starts, ends, rbits, max(1, chunk_bytes // 4))
+    cuts = _holder_cuts(starts, ends, rbits, max(1, min(HOLDER_RUN_BYTES, chunk_bytes // 4)))
     del starts, ends
     bounds = _chunk_bounds(union, smap, chunk_bytes, cuts)
     pc, pk, ps, pe = _split_at_chunks(smap, bounds, union.key, union.start, union.end)

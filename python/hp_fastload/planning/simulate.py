@@ -26,10 +26,10 @@ def measures(
     checkpoint_bytes: int,
     storage_gbps: float,
     network_gbps: float,
-    storage_total_gbps: float | None = None,
-    round_latency_s: float = 0.0,
+    **rates: float | int | None,
 ) -> dict[str, Any]:
-    """The job's measures and predicted cold starts, as a JSON-ready dict."""
+    """The job's measures and predicted cold starts, as a JSON-ready dict; ``rates``: ``jobcost.predict``'s
+    other figures (totals, intra-node, memory, round latency)."""
     smap = job.smap
     needed = np.array([n.nbytes(smap) for n in needs], dtype=np.int64)
     received = job.bytes_received()
@@ -41,8 +41,7 @@ def measures(
         job,
         storage_gbps=storage_gbps,
         network_gbps=network_gbps,
-        storage_total_gbps=storage_total_gbps,
-        round_latency_s=round_latency_s,
+        **rates,  # type: ignore[arg-type]
     )
     out_b, in_b = job.cross_node()
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -70,7 +69,9 @@ def measures(
         "per_rank_read_bytes": [int(x) for x in read],
         "storage_gbps": storage_gbps,
         "network_gbps": network_gbps,
+        **{name: value for name, value in rates.items() if value is not None},
         "predicted_seconds": {p.strategy: p.seconds for p in predictions},
+        "predicted_phases": {p.strategy: dict(p.phases) for p in predictions},
         "predicted_node_storage_bytes": {p.strategy: list(p.node_read) for p in predictions},
         "digest": job.digest,
     }
