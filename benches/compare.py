@@ -874,7 +874,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--out", default=str(ROOT / "bench-out"), help="output folder (default bench-out/)")
     ap.add_argument("--data", default=None, help="checkpoint cache folder (default <out>/data)")
     ap.add_argument(
-        "--docs", default=None, help="also copy the plot here (default: docs/ for full runs, none for quick)"
+        "--docs",
+        default=None,
+        help="also copy the plot here (default: docs/ for a full run: every workload, loader and regime; "
+        "none for --quick or a subset)",
     )
     ap.add_argument("--timeout", type=float, default=None, help="seconds per configuration (default 600; quick 120)")
     ap.add_argument(
@@ -1022,7 +1025,7 @@ def main(argv: list[str] | None = None) -> int:
     target_lines = "\n".join(f"- **{t['status']}** {t['target']} — {t['detail']}" for t in targets)
     md = f"{table}\n\nTargets (issue 5):\n\n{target_lines}\n"
     (out / "compare.md").write_text(md)
-    docs = Path(args.docs) if args.docs else (None if args.quick else ROOT / "docs")
+    docs = Path(args.docs) if args.docs else (ROOT / "docs" if _full_run(args) else None)
     if docs and Path(png).is_file():
         docs.mkdir(parents=True, exist_ok=True)
         shutil.copy(png, docs / ("benchmarks" + Path(png).suffix))
@@ -1031,6 +1034,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{t['status']:4s}  {t['target']}  [{t['detail']}]")
     print(f"\nwrote {out / 'compare.json'}, {out / 'compare.md'}, {png} in {meta['total_seconds']:.0f} s", file=log)
     return run_guard(args, [guard_ratios(results, anchors)], [str(out / "compare.json")], [_recorded(doc)])
+
+
+def _full_run(args: argparse.Namespace) -> bool:
+    """Every workload, loader and regime at full size: only such a run's plot replaces docs/benchmarks.*."""
+    every = set(args.workloads.split(",")) >= set(WORKLOADS) and set(args.loaders.split(",")) >= set(ALL_LOADERS)
+    return every and not args.quick and args.cold == args.warm
 
 
 def merge(args: argparse.Namespace) -> int:

@@ -360,3 +360,44 @@ def test_titan_plan_quick() -> None:
     pytest.importorskip("torchtitan")
     proc = _run([str(BENCHES / "titan_plan.py"), "--scale", "1", "--layers", "2", "--repeat", "2"], timeout=300)
     assert "llama3 scale 1 2 layers: plan CPU ms min" in proc.stdout
+
+
+def test_jobwide_calibrate_quick(tmp_path: Path) -> None:
+    """``benches/jobwide_calibrate.py`` on a tiny Qwen3-MoE: the machine's rates measured, then every layout
+    loaded with ``share="none"`` and ``"job"`` on 4 gloo ranks beside the cost model's prediction and phases."""
+    out = tmp_path / "calibrate.json"
+    args = ["--checkpoint", str(tmp_path / "ckpt"), "--hidden", "128", "--layers", "2", "--experts", "4"]
+    _run([str(BENCHES / "jobwide_calibrate.py"), *args, "--repeats", "1", "--json", str(out)], timeout=500)
+    doc = json.loads(out.read_text())
+    assert min(doc["engine_GBps"], doc["gloo_GBps"], doc["memcpy_GBps"]) > 0
+    rows = {(r["layout"], r["share"]): r for r in doc["runs"]}
+    assert set(rows) == {(layout, share) for layout in ("fsdp", "2d", "ep") for share in ("none", "job")}
+    for (layout, share), row in rows.items():
+        assert row["measured_s"] > 0 and row["predicted_s"] > 0 and row["read_GB"] > 0, (layout, share)
+        if share == "job":
+            assert {"read", "wait", "place", "items"} <= set(row["measured_phases_max_s"])
+            assert set(row["predicted_phases_s"]) == {"read", "network", "copy", "latency"}
+    assert rows[("2d", "job")]["received_GB"] > 0  # attention replicated over ep: read once, sent
+    assert rows[("2d", "job")]["read_GB"] < rows[("2d", "none")]["read_GB"]
+
+
+def test_compare_copies_the_plot_to_docs_only_for_a_full_run() -> None:
+    """A subset run (some workloads or loaders, one regime, --quick) does not replace docs/benchmarks.*."""
+    import argparse
+
+    sys.path.insert(0, str(BENCHES))
+    try:
+        import compare
+    finally:
+        sys.path.remove(str(BENCHES))
+
+    full = argparse.Namespace(
+        workloads=",".join(compare.WORKLOADS),
+        loaders=",".join(compare.ALL_LOADERS),
+        quick=False,
+        cold=False,
+        warm=False,
+    )
+    assert compare._full_run(full)
+    for change in ({"workloads": "dense,e2e"}, {"loaders": "hp_dcp"}, {"quick": True}, {"warm": True}):
+        assert not compare._full_run(argparse.Namespace(**{**vars(full), **change})), change
