@@ -216,8 +216,13 @@ const ME: u64 = 4;
 const MY: u64 = 2048;
 const MX: u64 = 2048;
 
-fn write_mxfp4(dir: &std::path::Path) -> Arc<Header> {
-    let path = dir.join("mxfp4.safetensors");
+/// `holes`: every byte zero, as a sparse checkpoint's holes read (scale byte 0: 2^-127, code 0: +0).
+fn write_mxfp4(dir: &std::path::Path, holes: bool) -> Arc<Header> {
+    let path = dir.join(if holes {
+        "holes.safetensors"
+    } else {
+        "mxfp4.safetensors"
+    });
     let (g, nb) = (MX / 32, ME * MY * MX / 2);
     let ns = ME * MY * g;
     let json = format!(
@@ -233,11 +238,13 @@ fn write_mxfp4(dir: &std::path::Path) -> Arc<Header> {
             state ^= state << 13;
             state ^= state >> 7;
             state ^= state << 17;
-            state as u8
+            state as u8 * u8::from(!holes)
         })
         .collect();
     f.write_all(&blocks).unwrap();
-    let scales: Vec<u8> = (0..ns).map(|i| 120 + (i % 16) as u8).collect();
+    let scales: Vec<u8> = (0..ns)
+        .map(|i| (120 + (i % 16) as u8) * u8::from(!holes))
+        .collect();
     f.write_all(&scales).unwrap();
     f.flush().unwrap();
     drop(f);
@@ -246,10 +253,12 @@ fn write_mxfp4(dir: &std::path::Path) -> Arc<Header> {
 
 /// The `mxfp4` group: the experts dequantized into transformers' transposed bf16 layout `[E, X, Y]` (one
 /// thread, mmap), whole and as an expert-parallel rank of 2 (half the experts) or a TP rank of 2 (half of X),
-/// against the bf16 -> bf16 copy of the same output bytes.
+/// against the bf16 -> bf16 copy of the same output bytes; and whole from a file of zeros (`holes`: what a
+/// sparse checkpoint of `benches/scale.py` reads, scale byte 0 everywhere).
 fn bench_mxfp4(c: &mut Criterion) {
     let dir = tempfile::tempdir().unwrap();
-    let header = write_mxfp4(dir.path());
+    let header = write_mxfp4(dir.path(), false);
+    let holes = write_mxfp4(dir.path(), true);
     let plain = write_quantized(dir.path());
     let mut scale = Scale {
         file: 0,
@@ -269,7 +278,13 @@ fn bench_mxfp4(c: &mut Criterion) {
         .sample_size(10)
         .warm_up_time(Duration::from_secs(1))
         .measurement_time(Duration::from_secs(3));
-    for (layout, experts, xs) in [("whole", ME, MX), ("ep2", ME / 2, MX), ("tp2", ME, MX / 2)] {
+    let layouts = [
+        ("whole", ME, MX, &header),
+        ("ep2", ME / 2, MX, &header),
+        ("tp2", ME, MX / 2, &header),
+        ("holes", ME, MX, &holes),
+    ];
+    for (layout, experts, xs, header) in layouts {
         let numel = experts * xs * MY;
         group.throughput(Throughput::Bytes(numel * 2));
         let mut out = vec![0u8; (numel * 2) as usize];
@@ -282,7 +297,7 @@ fn bench_mxfp4(c: &mut Criterion) {
         item.lengths[..3].copy_from_slice(&[experts as i64, xs as i64, MY as i64]);
         item.src_strides[..3].copy_from_slice(&[(MY * MX) as i64, 1, MX as i64]);
         item.dst_strides[..3].copy_from_slice(&[(xs * MY) as i64, MY as i64, 1]);
-        let files = [Arc::clone(&header)];
+        let files = [Arc::clone(header)];
         group.bench_function(format!("{layout}/mxfp4->bf16"), |b| {
             b.iter_custom(|iters| {
                 cpu_time(iters, || {

@@ -24,7 +24,7 @@ use crate::kernels::{
     nibble_rows_dense, ElemSink, ScaleMap,
 };
 #[cfg(target_arch = "x86_64")]
-use crate::kernels::{pow2_exponent_step, E2M1_BF16_BITS};
+use crate::kernels::{mxfp4_exponent_step, E2M1_BF16_BITS};
 use crate::types::Run;
 
 /// Caller memory that a batch of reads writes into, interpreted as elements of `dtype`.
@@ -503,11 +503,22 @@ const NIBBLE_SIMD_TILE: usize = 16;
 #[cfg(target_arch = "x86_64")]
 const NIBBLE_BAND: usize = 4;
 
-/// The scales of a run of [`nibble_tiles_avx2`] as exponent steps ([`pow2_exponent_step`]), transposed so
+/// How [`nibble_tiles_avx2`] decodes a tile (16 elements of a scale column): every scale a narrow step
+/// ([`crate::kernels::NARROW_STEPS`]: the step added to the value's bits), some other e8m0 step (the wide decode,
+/// `kernels::mxfp4_wide_bits`), or some scale with no step (an arbitrary `f32`: the scalar kernel).
+/// The classes are bits, so that a tile's is its rows' or'ed ([`SCALAR`] wins over [`WIDE`]).
+#[cfg(target_arch = "x86_64")]
+const NARROW: u8 = 0;
+#[cfg(target_arch = "x86_64")]
+const WIDE: u8 = 1;
+#[cfg(target_arch = "x86_64")]
+const SCALAR: u8 = 2;
+
+/// The scales of a run of [`nibble_tiles_avx2`] as exponent steps ([`mxfp4_exponent_step`]), transposed so
 /// that a tile reads its 16 steps as two vectors: the run's byte columns share a few scale columns
 /// (`slot[r]` for column `r`: the 32 elements of a block are 16 byte columns), and `steps[slot * pitch +
-/// i]` is element `i`'s step in that scale column; `bad[slot * blocks + i / 16]` says whether a scale of
-/// that tile height is not a power of two in range. The pitch is the count padded to a multiple of 16 plus
+/// i]` is element `i`'s step in that scale column; `class[slot * blocks + i / 16]` is how that tile height
+/// decodes ([`NARROW`], [`WIDE`] or [`SCALAR`]). The pitch is the count padded to a multiple of 16 plus
 /// 16, so that slots are never a multiple of 4 KiB apart (a count of 2048 made every slot's steps of one
 /// element fall into the same L1 set, and their writes cost a third of the kernel).
 #[cfg(target_arch = "x86_64")]
@@ -516,7 +527,7 @@ struct RunSteps {
     blocks: usize,
     slot: Vec<usize>,
     steps: Vec<i16>,
-    bad: Vec<bool>,
+    class: Vec<u8>,
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -538,20 +549,20 @@ impl RunSteps {
         let blocks = count.div_ceil(T);
         let pitch = blocks * T + T;
         let mut steps = vec![0i16; bases.len() * pitch];
-        let mut bad = vec![false; bases.len() * blocks];
+        let mut class = vec![NARROW; bases.len() * blocks];
         // Tile height by tile height, each slot's 16 steps written side by side without a branch (the 16
         // source lines of the scales stay in L1 across the slots).
         for b in 0..blocks {
             let rows = b * T..count.min(b * T + T);
             for (s, &base) in bases.iter().enumerate() {
                 let out = &mut steps[s * pitch + rows.start..s * pitch + rows.end];
-                let mut any = false;
+                let mut how = NARROW;
                 for (o, i) in out.iter_mut().zip(rows.clone()) {
-                    let st = pow2_exponent_step(values[base + i * step]);
-                    *o = st.unwrap_or(0);
-                    any |= st.is_none();
+                    let (st, c) = step_class(values[base + i * step]);
+                    *o = st;
+                    how |= c;
                 }
-                bad[s * blocks + b] = any;
+                class[s * blocks + b] = how;
             }
         }
         RunSteps {
@@ -559,9 +570,185 @@ impl RunSteps {
             blocks,
             slot,
             steps,
-            bad,
+            class,
         }
     }
+
+    /// How slot `slot` decodes the tile height from element `y` ([`NARROW`], [`WIDE`] or [`SCALAR`]).
+    fn class(&self, slot: usize, y: usize) -> u8 {
+        match self.class[slot * self.blocks + y / NIBBLE_SIMD_TILE] {
+            c if c & SCALAR != 0 => SCALAR,
+            c => c,
+        }
+    }
+}
+
+/// The exponent step of an MXFP4 scale ([`mxfp4_exponent_step`], 0 where there is none) and how a tile with
+/// it decodes; the narrow scales of real checkpoints are told apart first, with one test.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn step_class(scale: f32) -> (i16, u8) {
+    let bits = scale.to_bits();
+    let e = bits >> 23; // a negative scale's sign bit lands at bit 8: not narrow
+    if bits & 0x007f_ffff == 0 && e.wrapping_sub(2) <= 250 {
+        let step = (e as i16 - 127) << 7;
+        debug_assert!(crate::kernels::NARROW_STEPS.contains(&step));
+        return (step, NARROW);
+    }
+    match mxfp4_exponent_step(scale) {
+        Some(st) => (st, WIDE),
+        None => (0, SCALAR),
+    }
+}
+
+/// Defines the wide decode of [`nibble_tiles_avx2`] for one vector width: the bf16 bits of `bits` (16-bit
+/// lanes: e2m1 values, `zeros` all-ones where the code is ±0) times the scales of exponent steps `steps`
+/// ([`mxfp4_exponent_step`], any e8m0 byte), lane by lane the operations of the scalar model
+/// `kernels::mxfp4_wide_bits`: the step added to the magnitude with signed saturation, `min` with
+/// infinity's bits for an overflow, the subnormal `(2 + f) << (5 + E')` where the exponent `E'` came out 0
+/// or -1, the sign put back; zero codes stay ±0.
+#[cfg(target_arch = "x86_64")]
+macro_rules! wide_decode {
+    ($(#[$doc:meta])* $name:ident, $vec:ident, $set1:ident, $and:ident, $andnot:ident, $or:ident, $adds:ident,
+     $min:ident, $srli:ident, $cmpgt:ident, $blendv:ident) => {
+        $(#[$doc])*
+        #[target_feature(enable = "avx2")]
+        #[inline]
+        fn $name(
+            bits: std::arch::x86_64::$vec,
+            steps: std::arch::x86_64::$vec,
+            zeros: std::arch::x86_64::$vec,
+        ) -> std::arch::x86_64::$vec {
+            use std::arch::x86_64::*;
+            let sign = $and(bits, $set1(i16::MIN));
+            let e = $adds($andnot($set1(i16::MIN), bits), steps);
+            let normal = $min(e, $set1(0x7f80));
+            let t = $or($srli::<1>($and(e, $set1(0x40))), $set1(0x40));
+            let sub = $blendv(t, $srli::<1>(t), $cmpgt($set1(0), e));
+            let mag = $blendv(normal, sub, $cmpgt($set1(0x80), e));
+            $or($andnot(zeros, mag), sign)
+        }
+    };
+}
+
+#[cfg(target_arch = "x86_64")]
+wide_decode!(
+    /// The wide decode of 8 lanes (`wide_decode`).
+    wide_lanes,
+    __m128i,
+    _mm_set1_epi16,
+    _mm_and_si128,
+    _mm_andnot_si128,
+    _mm_or_si128,
+    _mm_adds_epi16,
+    _mm_min_epi16,
+    _mm_srli_epi16,
+    _mm_cmpgt_epi16,
+    _mm_blendv_epi8
+);
+
+#[cfg(target_arch = "x86_64")]
+wide_decode!(
+    /// The wide decode of 16 lanes (`wide_decode`).
+    wide_lanes_256,
+    __m256i,
+    _mm256_set1_epi16,
+    _mm256_and_si256,
+    _mm256_andnot_si256,
+    _mm256_or_si256,
+    _mm256_adds_epi16,
+    _mm256_min_epi16,
+    _mm256_srli_epi16,
+    _mm256_cmpgt_epi16,
+    _mm256_blendv_epi8
+);
+
+/// [`nibble_tiles_avx2`]'s column loop for a pair of tiles with the wide decode (`wide_decode`), out of line
+/// so that the narrow loop of real checkpoints keeps its registers (inline, it measured 4% slower): `cols`
+/// the 16 transposed code vectors (the left tile in the low lanes), `steps` the rows 0..8 and 8..16 of both
+/// tiles' steps; column `k` of the pair goes to `stage[k * pitch + at..]`, 32 bytes.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline(never)]
+fn wide_pair_columns(
+    cols: &[std::arch::x86_64::__m256i; NIBBLE_SIMD_TILE],
+    (s0, s1): (std::arch::x86_64::__m256i, std::arch::x86_64::__m256i),
+    stage: &mut [u8],
+    pitch: usize,
+    at: usize,
+) {
+    use std::arch::x86_64::*;
+    const T: usize = NIBBLE_SIMD_TILE;
+    let (lo_tab, hi_tab) = (
+        E2M1_BF16_BITS.map(|b| b as u8),
+        E2M1_BF16_BITS.map(|b| (b >> 8) as u8),
+    );
+    // SAFETY: each array holds the 16 bytes read.
+    let (tlo, thi) = unsafe {
+        (
+            _mm_loadu_si128(lo_tab.as_ptr().cast()),
+            _mm_loadu_si128(hi_tab.as_ptr().cast()),
+        )
+    };
+    let (tlo2, thi2) = (
+        _mm256_broadcastsi128_si256(tlo),
+        _mm256_broadcastsi128_si256(thi),
+    );
+    for (k, &codes) in cols.iter().enumerate() {
+        let lo = _mm256_shuffle_epi8(tlo2, codes);
+        let hi = _mm256_shuffle_epi8(thi2, codes);
+        let zeros = _mm256_cmpeq_epi8(
+            _mm256_and_si256(codes, _mm256_set1_epi8(0x07)),
+            _mm256_setzero_si256(),
+        );
+        let v0 = wide_lanes_256(
+            _mm256_unpacklo_epi8(lo, hi),
+            s0,
+            _mm256_unpacklo_epi8(zeros, zeros),
+        );
+        let v1 = wide_lanes_256(
+            _mm256_unpackhi_epi8(lo, hi),
+            s1,
+            _mm256_unpackhi_epi8(zeros, zeros),
+        );
+        // column k (the low lanes) and column 16 + k (the high lanes)
+        let left = _mm256_permute2x128_si256::<0x20>(v0, v1);
+        let right = _mm256_permute2x128_si256::<0x31>(v0, v1);
+        let (a, b) = stage[k * pitch..].split_at_mut(T * pitch);
+        let (oa, ob) = (&mut a[at..][..2 * T], &mut b[at..][..2 * T]);
+        // SAFETY: `oa` and `ob` hold the 32 bytes each store writes, unaligned.
+        unsafe {
+            _mm256_storeu_si256(oa.as_mut_ptr().cast(), left);
+            _mm256_storeu_si256(ob.as_mut_ptr().cast(), right);
+        }
+    }
+}
+
+/// The wide decode of one tile column in [`nibble_tiles_avx2`]'s single-tile path (out of line, as
+/// [`wide_pair_columns`]): `lo` and `hi` the bytes of the codes' bf16 bits, `zeros` the zero codes, `steps`
+/// rows 0..8 and 8..16; the bf16 bits of rows 0..8 and 8..16.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline(never)]
+fn wide_column(
+    lo: std::arch::x86_64::__m128i,
+    hi: std::arch::x86_64::__m128i,
+    zeros: std::arch::x86_64::__m128i,
+    (s0, s1): (std::arch::x86_64::__m128i, std::arch::x86_64::__m128i),
+) -> (std::arch::x86_64::__m128i, std::arch::x86_64::__m128i) {
+    use std::arch::x86_64::*;
+    (
+        wide_lanes(
+            _mm_unpacklo_epi8(lo, hi),
+            s0,
+            _mm_unpacklo_epi8(zeros, zeros),
+        ),
+        wide_lanes(
+            _mm_unpackhi_epi8(lo, hi),
+            s1,
+            _mm_unpackhi_epi8(zeros, zeros),
+        ),
+    )
 }
 
 /// Tile heights ahead of the one decoded whose source lines [`nibble_tiles_avx2`] prefetches.
@@ -580,15 +767,18 @@ const NIBBLE_STAGE: usize = 2048;
 /// loaded as vectors and their nibble kept, the tile is transposed in registers (each byte column becomes
 /// one vector of 16 rows), a table lookup (`pshufb`) turns each code into the bf16 bits of its e2m1 value,
 /// and the scale is applied by adding `(e - 127) << 7` to the exponent field of every non-zero value
-/// ([`pow2_exponent_step`]: the exact product, as the scalar kernel rounds it, when every scale of the
-/// column is a power of two `2^(e - 127)` with `2 <= e <= 252`; computed once per run, [`RunSteps`]).
+/// ([`mxfp4_exponent_step`]: the exact product, as the scalar kernel rounds it, when every scale of the
+/// tile is a power of two `2^(e - 127)` with `2 <= e <= 252`; computed once per run, [`RunSteps`]); a tile
+/// with any other e8m0 scale (bytes 0 and 1, whose small products are subnormal, as a sparse checkpoint's
+/// holes read; 253..=255, whose large products overflow; byte 255 is 2^128) takes the wide decode
+/// (`wide_decode`: a few more operations per vector, the same loads, transposes and stores).
 /// Two tiles go through one 256-bit pass (a tile per 128-bit lane) when each lies in one scale column.
 /// Bands of 4 tiles side by side (a cache line of each source row) walk down the rows; each
 /// [`NIBBLE_STAGE`] rows of a band are decoded into a buffer first and then written to the band's 64
 /// destination rows one after the other, with streaming stores where 16-byte aligned (written straight from
-/// the tiles, the 64 rows' lines were each read from memory before being overwritten). Columns with any other scale,
-/// and the ragged edges, go through the scalar [`nibble_rows_dense`], which stays the reference
-/// (`nibble_tiles_equal_the_scalar_kernel`).
+/// the tiles, the 64 rows' lines were each read from memory before being overwritten). Columns with a scale
+/// that is no e8m0 value (an arbitrary `f32`, only through the Rust API), and the ragged edges, go through the
+/// scalar [`nibble_rows_dense`], which stays the reference (`nibble_tiles_equal_the_scalar_kernel`).
 ///
 /// # Safety
 /// The CPU must support AVX2.
@@ -655,7 +845,7 @@ unsafe fn nibble_tiles_avx2(
         let mut y0 = 0;
         while y0 < yfull {
             let y1 = yfull.min(y0 + stage_rows);
-            let mut bad = 0u64; // columns of the band with a scale outside the fast path in y0..y1
+            let mut bad = 0u64; // columns of the band with a scale for the scalar kernel in y0..y1
             for yy in (y0..y1).step_by(T) {
                 if yy + (NIBBLE_AHEAD + 1) * T <= count {
                     for y in yy + NIBBLE_AHEAD * T..yy + (NIBBLE_AHEAD + 1) * T {
@@ -671,11 +861,9 @@ unsafe fn nibble_tiles_avx2(
                     // hold for these rows: one 256-bit pass, a tile in each 128-bit lane.
                     let pair = r0 + 2 * T <= b1 && {
                         let (sa, sb) = (steps.slot[r0], steps.slot[r0 + T]);
-                        let fine = |s: usize| !steps.bad[s * steps.blocks + yy / T];
                         steps.slot[r0 + T - 1] == sa
                             && steps.slot[r0 + 2 * T - 1] == sb
-                            && fine(sa)
-                            && fine(sb)
+                            && steps.class(sa, yy).max(steps.class(sb, yy)) < SCALAR
                     };
                     if pair {
                         let mut rows = [zero2; T];
@@ -690,6 +878,7 @@ unsafe fn nibble_tiles_avx2(
                         }
                         let cols = transpose_16x16_lanes(rows);
                         let (sa, sb) = (steps.slot[r0], steps.slot[r0 + T]);
+                        let wide = steps.class(sa, yy).max(steps.class(sb, yy)) == WIDE;
                         let sta = &steps.steps[sa * steps.pitch + yy..][..T];
                         let stb = &steps.steps[sb * steps.pitch + yy..][..T];
                         // SAFETY: `sta` and `stb` hold the 16 `i16` (32 bytes) each load reads, unaligned.
@@ -702,6 +891,18 @@ unsafe fn nibble_tiles_avx2(
                         // rows 0..8 and 8..16 of the left tile's steps | of the right tile's
                         let s0 = _mm256_permute2x128_si256::<0x20>(sa, sb);
                         let s1 = _mm256_permute2x128_si256::<0x31>(sa, sb);
+                        if wide {
+                            let at = 2 * (yy - y0);
+                            wide_pair_columns(
+                                &cols,
+                                (s0, s1),
+                                &mut stage[(r0 - b0) * pitch..],
+                                pitch,
+                                at,
+                            );
+                            r0 += 2 * T;
+                            continue;
+                        }
                         for (k, &codes) in cols.iter().enumerate() {
                             let lo = _mm256_shuffle_epi8(tlo2, codes);
                             let hi = _mm256_shuffle_epi8(thi2, codes);
@@ -742,7 +943,8 @@ unsafe fn nibble_tiles_avx2(
                     let cols = transpose_16x16(rows);
                     for (k, &codes) in cols.iter().enumerate() {
                         let slot = steps.slot[r0 + k];
-                        if steps.bad[slot * steps.blocks + yy / T] {
+                        let how = steps.class(slot, yy);
+                        if how == SCALAR {
                             bad |= 1 << (r0 - b0 + k);
                             continue;
                         }
@@ -756,14 +958,19 @@ unsafe fn nibble_tiles_avx2(
                             let lo = _mm_shuffle_epi8(tlo, codes);
                             let hi = _mm_shuffle_epi8(thi, codes);
                             let zeros = _mm_cmpeq_epi8(_mm_and_si128(codes, mag), zero);
-                            let v0 = _mm_add_epi16(
-                                _mm_unpacklo_epi8(lo, hi),
-                                _mm_andnot_si128(_mm_unpacklo_epi8(zeros, zeros), s0),
-                            );
-                            let v1 = _mm_add_epi16(
-                                _mm_unpackhi_epi8(lo, hi),
-                                _mm_andnot_si128(_mm_unpackhi_epi8(zeros, zeros), s1),
-                            );
+                            let (v0, v1) = match how == WIDE {
+                                false => (
+                                    _mm_add_epi16(
+                                        _mm_unpacklo_epi8(lo, hi),
+                                        _mm_andnot_si128(_mm_unpacklo_epi8(zeros, zeros), s0),
+                                    ),
+                                    _mm_add_epi16(
+                                        _mm_unpackhi_epi8(lo, hi),
+                                        _mm_andnot_si128(_mm_unpackhi_epi8(zeros, zeros), s1),
+                                    ),
+                                ),
+                                true => wide_column(lo, hi, zeros, (s0, s1)),
+                            };
                             _mm_storeu_si128(o.as_mut_ptr().cast(), v0);
                             _mm_storeu_si128(o[16..].as_mut_ptr().cast(), v1);
                         }
@@ -993,6 +1200,33 @@ mod tests {
         }
     }
 
+    /// The tile kernel's step and class of every MXFP4 scale byte (and of scales with no step) are
+    /// `mxfp4_exponent_step`'s, narrow exactly for `NARROW_STEPS`.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn step_classes_follow_the_exponent_steps() {
+        use crate::kernels::{mxfp4_exponent_step, NARROW_STEPS};
+        let bytes = (0..=255u8).map(mxfp4_scale_to_f32);
+        let others = [
+            3.0f32,
+            -1.0,
+            -0.0,
+            0.0,
+            f32::NAN,
+            -f32::INFINITY,
+            f32::from_bits(1),
+            0.5,
+        ];
+        for v in bytes.chain(others) {
+            let want = match mxfp4_exponent_step(v) {
+                Some(st) if NARROW_STEPS.contains(&st) => (st, NARROW),
+                Some(st) => (st, WIDE),
+                None => (0, SCALAR),
+            };
+            assert_eq!(step_class(v), want, "{v:e} ({:#x})", v.to_bits());
+        }
+    }
+
     proptest! {
         /// The dense dequantizing kernel (the SSE2 build and the dispatched AVX2 one) equals the generic
         /// per-element kernel (into dense and strided destinations) and the formula, bit for bit: random
@@ -1032,7 +1266,7 @@ mod tests {
             shape[..2].copy_from_slice(&[rows, cols]);
             block[..2].copy_from_slice(&[brow, bcol]);
             grid_strides[..2].copy_from_slice(&[gcols, 1]);
-            let map = ScaleMap { values: &values, ndim: 2, shape, block, grid_strides };
+            let map = ScaleMap::whole(&values, 2, shape, block, grid_strides);
             let a = ((span.0 * numel as f64) as u64).min(numel - 1);
             let b = a + 1 + ((span.1 * (numel - a - 1) as f64) as u64);
             let src = &q[a as usize..b as usize];
@@ -1081,7 +1315,7 @@ mod tests {
             shape[..2].copy_from_slice(&[rows, cols]);
             block[..2].copy_from_slice(&[brow, cols]);
             grid_strides[..2].copy_from_slice(&[gcols, 1]);
-            let map = ScaleMap { values: &values, ndim: 2, shape, block, grid_strides };
+            let map = ScaleMap::whole(&values, 2, shape, block, grid_strides);
             let q = &codes[..(rows * cols) as usize];
             let mut sink = VecSink { out: vec![0u8; rows as usize * 2], size: 2, stride: 1, offset: 0 };
             cast_scaled((Dtype::F8_E4M3, Dtype::BF16), &q[col as usize..], cols as usize, rows as usize, &map, (col, cols), &mut sink);
@@ -1104,20 +1338,21 @@ mod tests {
         /// 2^(b - 127)` exact for an e8m0 byte `b`, 2^128 for 0xff as transformers' `ldexp` gives it, else
         /// `e2m1 * scale`, rounded once to bf16), bit for bit, and write nothing outside the run's rows: both nibbles,
         /// runs starting at any row and byte column (ragged tiles on both edges), padded destination rows,
-        /// e8m0 scales of every byte (the extremes 0..2 and 253..255 take the scalar path) and arbitrary
-        /// `f32` scales.
+        /// e8m0 scales of every byte (tiles with one of the extremes 0, 1 and 253..=255 take the wide
+        /// decode; `odd` 3: all of a run's scales are byte 0, as a sparse checkpoint's holes read) and
+        /// arbitrary `f32` scales (the scalar kernel).
         #[test]
         fn nibble_tiles_equal_the_scalar_kernel(
             rows in 1usize..300,
             groups in 1usize..5,
             row0 in 0usize..8,
-            col0 in 0usize..40,
+            col0 in prop_oneof![2 => 0usize..40, 1 => Just(0usize), 1 => Just(16usize)],
             count in 1usize..300,
             reps in 1usize..80,
             high: bool,
             pad in 0usize..5,
             seed: u64,
-            odd in prop_oneof![4 => Just(0u8), 1 => Just(1u8), 1 => Just(2u8)],
+            odd in prop_oneof![4 => Just(0u8), 1 => Just(1u8), 1 => Just(2u8), 1 => Just(3u8)],
             wild in proptest::collection::vec(scale_value(), 1..8),
         ) {
             let width = groups * 16; // bytes a row: `groups` blocks of 32 nibbles
@@ -1141,6 +1376,7 @@ mod tests {
                     let r = next();
                     match (odd, r % 8) {
                         (1, 0) => Some([0u8, 1, 2, 252, 253, 254, 255][(r >> 8) as usize % 7]),
+                        (3, _) => Some(0),
                         (2, 0 | 1) => None,
                         _ => Some(110 + (r >> 8) as u8 % 30),
                     }
@@ -1157,7 +1393,7 @@ mod tests {
             shape[..2].copy_from_slice(&[rows as u64, 2 * width as u64]);
             block[..2].copy_from_slice(&[1, 32]);
             grid_strides[..2].copy_from_slice(&[groups as u64, 1]);
-            let map = ScaleMap { values: &values, ndim: 2, shape, block, grid_strides };
+            let map = ScaleMap::whole(&values, 2, shape, block, grid_strides);
             let dst_row = 2 * (count + pad);
             let mut out = vec![0x5au8; dst_row * reps + 64];
             let mut want = out.clone();

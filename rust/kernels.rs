@@ -365,7 +365,9 @@ fn dense_with_dst<S: FloatCodec>(dd: Dtype, src: &[u8], dst: &mut [u8]) {
 
 /// Where each element of a quantized tensor finds its scale: the tensor's storage shape, the block shape
 /// (ragged last blocks allowed) and the scale grid's row-major strides (`ceil(shape / block)`), over the
-/// scale values already decoded to `f32`.
+/// scale values already decoded to `f32` of one [`CellWindow`] of the grid (the cells a batch's items touch;
+/// the whole grid in the tests). The cell indices it hands out ([`ScaleMap::locate`], [`ScaleMap::row_steps`])
+/// index `values`, the window's cells row by row.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct ScaleMap<'a> {
     pub values: &'a [f32],
@@ -373,6 +375,68 @@ pub(crate) struct ScaleMap<'a> {
     pub shape: [u64; MAX_NDIM],
     pub block: [u64; MAX_NDIM],
     pub grid_strides: [u64; MAX_NDIM],
+    pub window: CellWindow,
+}
+
+/// The part of a scale grid whose values a [`ScaleMap`] holds: grid rows `row0..` (a grid row: one cell of
+/// every dim but the last, `gcols` cells of the last) and, of each, the `width` cells of the last dim from
+/// `col0`, stored row after row. A window as wide as the grid (`col0 = 0`, `width = gcols`) is a contiguous
+/// range of the flat grid.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct CellWindow {
+    pub row0: u64,
+    pub col0: u64,
+    pub width: u64,
+    /// Cells of the grid's last dim (1 for a 0-dim grid).
+    pub gcols: u64,
+}
+
+impl CellWindow {
+    /// The whole grid of `cells` cells whose last dim has `gcols` cells.
+    pub(crate) fn whole(gcols: u64) -> Self {
+        CellWindow {
+            row0: 0,
+            col0: 0,
+            width: gcols,
+            gcols,
+        }
+    }
+
+    /// The window's index of flat grid cell `idx`; `usize::MAX` (which no `values` holds: the lookup then
+    /// fails its bounds check) for a cell outside the window, which the validated items never touch.
+    #[inline]
+    pub(crate) fn index(&self, idx: u64) -> usize {
+        let (row, col) = (idx / self.gcols, idx % self.gcols);
+        match (row.checked_sub(self.row0), col.checked_sub(self.col0)) {
+            (Some(r), Some(c)) if c < self.width => (r * self.width + c) as usize,
+            _ => usize::MAX,
+        }
+    }
+}
+
+impl<'a> ScaleMap<'a> {
+    /// A map over the whole grid (`values` holds every cell, row-major).
+    #[cfg(test)]
+    pub(crate) fn whole(
+        values: &'a [f32],
+        ndim: usize,
+        shape: [u64; MAX_NDIM],
+        block: [u64; MAX_NDIM],
+        grid_strides: [u64; MAX_NDIM],
+    ) -> Self {
+        let gcols = match ndim {
+            0 => 1,
+            n => shape[n - 1].div_ceil(block[n - 1]),
+        };
+        ScaleMap {
+            values,
+            ndim,
+            shape,
+            block,
+            grid_strides,
+            window: CellWindow::whole(gcols),
+        }
+    }
 }
 
 impl ScaleMap<'_> {
@@ -396,11 +460,12 @@ impl ScaleMap<'_> {
                 flat + ((last / b + 1) * b).min(self.shape[n - 1]) - last
             }
         };
-        (self.values[idx as usize], until)
+        (self.values[self.window.index(idx)], until)
     }
 
-    /// The grid cell of flat element `flat`, the end of its block segment (as [`ScaleMap::at`]) and the end
-    /// of its row of the last dim (`u64::MAX` for a 0-dim tensor); the next segment of the row is cell + 1.
+    /// The cell of flat element `flat` (an index of `values`), the end of its block segment (as
+    /// [`ScaleMap::at`]) and the end of its row of the last dim (`u64::MAX` for a 0-dim tensor); the next
+    /// segment of the row is cell + 1.
     #[inline]
     pub(crate) fn locate(&self, flat: u64) -> (usize, u64, u64) {
         let (mut rem, mut idx, mut last) = (flat, 0u64, 0u64);
@@ -413,12 +478,12 @@ impl ScaleMap<'_> {
             }
         }
         match self.ndim {
-            0 => (0, u64::MAX, u64::MAX),
+            0 => (self.window.index(0), u64::MAX, u64::MAX),
             n => {
                 let (b, len) = (self.block[n - 1], self.shape[n - 1]);
                 let row_end = flat - last + len;
                 (
-                    idx as usize,
+                    self.window.index(idx),
                     flat + ((last / b + 1) * b).min(len) - last,
                     row_end,
                 )
@@ -429,15 +494,16 @@ impl ScaleMap<'_> {
 
 impl ScaleMap<'_> {
     /// For elements `flat0 + i * step` that each move whole rows of the last dim (`step` a multiple of its
-    /// length) over a grid whose blocks are 1 along every other dim: the grid cell of the first and the
-    /// cell step between consecutive elements (each element's cell is then `cell0 + i * cell_step`).
+    /// length) over a grid whose blocks are 1 along every other dim: the cell of the first and the cell
+    /// step between consecutive elements (each element's cell is then `cell0 + i * cell_step`: each row of
+    /// the tensor is a grid row, a window's row is `width` cells).
     pub(crate) fn row_steps(&self, flat0: u64, step: u64) -> Option<(usize, usize)> {
         let n = self.ndim;
         if n < 2 || self.block[..n - 1].iter().any(|&b| b != 1) || step % self.shape[n - 1] != 0 {
             return None;
         }
         let rows = step / self.shape[n - 1];
-        let cell_step = usize::try_from(rows * self.grid_strides[n - 2]).ok()?;
+        let cell_step = usize::try_from(rows * self.window.width).ok()?;
         Some((self.locate(flat0).0, cell_step))
     }
 }
@@ -547,20 +613,48 @@ pub(crate) const E2M1_BF16_BITS: [u16; 16] = [
     0xc000, 0xc040, 0xc080, 0xc0c0,
 ];
 
-/// For a scale `2^(e - 127)` with `2 <= e <= 252`: the amount `(e - 127) << 7` to add to the bf16 bits of a
-/// non-zero e2m1 value to multiply it by the scale; `None` for any other scale. In that range the product of
-/// any e2m1 value (`±0.5..=±6`, exponents -1..=2, one mantissa bit) is a normal, finite bf16 (biased exponent
-/// `e - 1..=e + 2` within 1..=254), so the exact product, which `f32_to_bf16` of the `f32` product is, has the
-/// code's sign and mantissa and its exponent field moved by `e - 127`. Zero codes stay zero (the caller
-/// masks them).
+/// The exponent step `(e - 127) << 7` of an MXFP4 scale as the e8m0 byte `e` gives it ([`mxfp4_scale_to_f32`]):
+/// `2^(e - 127)` for `e` 1..=254, byte 0's `2^-127` (an `f32` subnormal) and byte 255's `2^128` (an infinite
+/// `f32`, `e` = 255); `None` for any other `f32` (not a power of two, negative, NaN, or a power of two no e8m0
+/// byte gives), which only the Rust API can pass. The step multiplies a non-zero e2m1 value by its scale: for
+/// bytes 2..=252 ([`NARROW_STEPS`]) every product (`±0.5..=±6`, exponents -1..=2, one mantissa bit) is a
+/// normal, finite bf16 (biased exponent `e - 1..=e + 2` within 1..=254), so the exact product, which
+/// `f32_to_bf16` of the `f32` product is, is the value's bits with the step added to the exponent field; for
+/// the other bytes some products are subnormal (bytes 0 and 1) or overflow to infinity (253..=255), which
+/// the vectorized kernel's wide decode handles (`mxfp4_wide_bits`, its scalar model in the tests). Zero codes
+/// stay zero (the caller masks them).
 #[inline(always)]
-pub(crate) fn pow2_exponent_step(scale: f32) -> Option<i16> {
+pub(crate) fn mxfp4_exponent_step(scale: f32) -> Option<i16> {
     let bits = scale.to_bits();
     let e = bits >> 23; // the sign bit lands at bit 8: a negative scale is out of range
-    match bits & 0x007f_ffff == 0 && (2..=252).contains(&e) {
-        true => Some((e as i16 - 127) << 7),
-        false => None,
+    match bits {
+        0x0040_0000 => Some(-127 << 7), // byte 0: 2^-127
+        0x7f80_0000 => Some(128 << 7),  // byte 255: 2^128
+        _ if bits & 0x007f_ffff == 0 && (1..=254).contains(&e) => Some((e as i16 - 127) << 7),
+        _ => None,
     }
+}
+
+/// The steps ([`mxfp4_exponent_step`]) of scale bytes 2..=252, whose products are the step added to the
+/// value's bits.
+#[cfg(any(test, target_arch = "x86_64"))]
+pub(crate) const NARROW_STEPS: std::ops::RangeInclusive<i16> = (-125 << 7)..=(125 << 7);
+
+/// The bf16 bits of a non-zero e2m1 value of bf16 bits `bits` times the scale of exponent step `step`
+/// ([`mxfp4_exponent_step`]), for every step an e8m0 byte gives: exactly what the scalar kernel computes
+/// (`f32_to_bf16(mxfp4_scaled(e2m1, scale))`). The scalar model of the vectorized kernel's wide decode
+/// (`crate::dest`, lane by lane the same operations): on the magnitude, the step added with signed
+/// saturation (`E' << 7 | f << 6`, `E'` the product's biased exponent, `f` its mantissa bit); `E' >= 255`
+/// is infinity (`min` with `0x7f80`); `E' <= 0` (0 or -1: the smallest value times `2^-127`) is the subnormal
+/// `(2 + f) << (5 + E')`; then the sign.
+#[cfg(test)]
+pub(crate) fn mxfp4_wide_bits(bits: u16, step: i16) -> u16 {
+    let (sign, mag) = (bits & 0x8000, (bits & 0x7fff) as i16);
+    let e = mag.saturating_add(step);
+    let normal = e.min(0x7f80);
+    let t = ((e & 0x40) >> 1) | 0x40;
+    let sub = if e < 0 { t >> 1 } else { t };
+    (if e < 0x80 { sub } else { normal }) as u16 | sign
 }
 
 /// The low (`HIGH = false`) or high nibble of a byte as an e2m1 value: a source of the dequantizing
@@ -843,37 +937,50 @@ pub(crate) fn cast_dense(sd: Dtype, dd: Dtype, src: &[u8], dst: &mut [u8]) {
 mod tests {
     use super::*;
 
-    /// The bf16 table is the e2m1 values rounded by the scalar conversion, and the exponent step gives, for
-    /// every e8m0 scale byte it accepts and every code, exactly what the scalar kernel computes
-    /// (`f32_to_bf16(e2m1 * scale)`); it refuses every scale byte outside 2..=252 (zero, subnormal
-    /// products, overflow, NaN) and any scale that is not a power of two.
+    /// The bf16 table is the e2m1 values rounded by the scalar conversion; every MXFP4 scale byte has an
+    /// exponent step, and for every byte and code the wide decode (the vectorized kernel's, lane by lane) gives
+    /// exactly what the scalar kernel computes (`f32_to_bf16(mxfp4_scaled(e2m1, scale))`: subnormal products
+    /// of bytes 0 and 1, byte 255's 2^128 with ±0.5 finite and larger codes infinite), as does adding the step
+    /// for the narrow bytes 2..=252; a scale that is not a power of two an e8m0 byte gives has no step.
     #[test]
     fn e2m1_exponent_steps_equal_the_scalar_product() {
         assert_eq!(E2M1_BF16_BITS, E2M1_VALUES.map(f32_to_bf16));
         for s in 0..=255u8 {
-            let scale = e8m0_to_f32(s);
-            let got = pow2_exponent_step(scale);
-            assert_eq!(got.is_some(), (2..=252).contains(&s), "scale byte {s}");
-            let Some(step) = got else { continue };
+            let scale = mxfp4_scale_to_f32(s);
+            let step = mxfp4_exponent_step(scale).unwrap_or_else(|| panic!("scale byte {s}"));
+            assert_eq!(
+                NARROW_STEPS.contains(&step),
+                (2..=252).contains(&s),
+                "scale byte {s}"
+            );
             for (c, &bits) in E2M1_BF16_BITS.iter().enumerate() {
-                let want = f32_to_bf16(E2M1_VALUES[c] * scale);
-                let got = match c & 7 {
-                    0 => bits,
-                    _ => bits.wrapping_add(step as u16),
-                };
-                assert_eq!(got, want, "code {c} scale byte {s}");
+                let want = f32_to_bf16(mxfp4_scaled(E2M1_VALUES[c], scale));
+                if c & 7 == 0 {
+                    assert_eq!(bits, want, "zero code {c} scale byte {s}");
+                    continue;
+                }
+                assert_eq!(mxfp4_wide_bits(bits, step), want, "code {c} scale byte {s}");
+                if NARROW_STEPS.contains(&step) {
+                    assert_eq!(
+                        bits.wrapping_add(step as u16),
+                        want,
+                        "code {c} scale byte {s}"
+                    );
+                }
             }
         }
         for bad in [
             3.0f32,
             -1.0,
             -0.0,
+            0.0,
             0.75,
-            f32::INFINITY,
+            -f32::INFINITY,
             f32::NAN,
             f32::from_bits(1),
+            f32::from_bits(0x0020_0000), // 2^-128: a power of two, but no e8m0 byte's
         ] {
-            assert_eq!(pow2_exponent_step(bad), None, "{bad}");
+            assert_eq!(mxfp4_exponent_step(bad), None, "{bad}");
         }
     }
 

@@ -13,8 +13,12 @@ use std::sync::Mutex;
 
 use super::tasks::{Mode, Task};
 
-/// Most bytes of finished mapped tasks kept mapped before they are released.
-pub(super) const RELEASE_WINDOW_MAX: u64 = 256 << 20;
+/// Most bytes of finished mapped tasks kept mapped before they are released. 64 MiB: three windows (192 MiB)
+/// fit issue 23's bound of shard bytes + 1 GiB beside the ~0.85 GiB a rank's process holds before reading; at
+/// 256 MiB a rank whose spans are much larger than its bytes (gpt-oss-120b's MXFP4 experts cut along their
+/// inputs under EP x FSDP: 7.2 GB of 1,440-byte rows populated for 0.23 GB used) held up to 0.7 GiB of
+/// them. Windows of 16 MiB already took most of the per-task cost away (docs/perf-notes.md, session 12).
+pub(super) const RELEASE_WINDOW_MAX: u64 = 64 << 20;
 /// Fewest bytes a release waits for.
 pub(super) const RELEASE_WINDOW_MIN: u64 = 1 << 20;
 
@@ -85,7 +89,7 @@ impl Releases {
     /// Task `i` (a mapped one) is finished: the ranges to release now (empty until a window's worth of a
     /// finished prefix). Tasks finished beyond a prefix that stalls (one slow task while the other workers
     /// go on) are released one by one once they hold two windows, so the mapped bytes of finished tasks stay
-    /// under three windows (768 MiB at most) whatever the order.
+    /// under three windows (192 MiB at most) whatever the order.
     pub(super) fn finished(&self, i: usize, tasks: &[Task]) -> Vec<Release> {
         let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
         s.done[i] = FINISHED;

@@ -8,7 +8,7 @@ use crate::dest::{write_run, write_run_scaled, DestBuf};
 use crate::dtype::Dtype;
 use crate::error::LoadError;
 use crate::header::Header;
-use crate::kernels::{can_dequantize, decode_scales_into, is_scale_dtype, ScaleMap};
+use crate::kernels::{can_dequantize, decode_scales_into, is_scale_dtype, CellWindow, ScaleMap};
 use crate::mmap::{open_regular, read_exact_at, Mapping};
 use crate::types::{Item, Run, MAX_NDIM};
 
@@ -30,10 +30,11 @@ pub struct Scale {
     pub block: [i64; MAX_NDIM],
 }
 
-/// A validated [`Scale`] with the grid's strides and, once [`read_scale_cells`] ran, the values of the cells the
-/// batch's items touch decoded in place (the other cells stay 0.0 and are never looked up).
+/// A validated [`Scale`] with the grid's strides and, once [`read_scale_cells`] ran, the values of the window of
+/// cells the batch's items touch ([`ScaleCells::window`]), decoded (no other cell is ever looked up).
 pub(super) struct LoadedScale {
     values: Vec<f32>,
+    window: CellWindow,
     ndim: usize,
     shape: [u64; MAX_NDIM],
     block: [u64; MAX_NDIM],
@@ -57,6 +58,43 @@ impl LoadedScale {
             shape: self.shape,
             block: self.block,
             grid_strides: self.grid_strides,
+            window: self.window,
+        }
+    }
+
+    /// Cells of the grid's last dim (1 for a 0-dim grid).
+    fn gcols(&self) -> u64 {
+        match self.ndim {
+            0 => 1,
+            n => self.shape[n - 1].div_ceil(self.block[n - 1]),
+        }
+    }
+
+    /// The grid columns (cells of the last dim) `[c0, c1)` that a validated box of elements touches: `first`
+    /// its first flat element, `lens` and `strides` (non-negative) its dims. Exact when no dim of the box
+    /// carries its elements from one row of the last dim into the next other than by whole rows (a slice of
+    /// the last dim, as a Shard(1) of transformers' transposed MXFP4 experts); every column otherwise.
+    fn cols_of(&self, first: u64, lens: &[i64], strides: &[i64]) -> (u64, u64) {
+        let (n, gcols) = (self.ndim, self.gcols());
+        if n == 0 {
+            return (0, 1);
+        }
+        let (len, block) = (self.shape[n - 1], self.block[n - 1]);
+        let mut span = 0u64; // how far the box's elements reach along a row from its first
+        for (&l, &s) in lens.iter().zip(strides) {
+            let (l, s) = (l as u64, s as u64);
+            if l <= 1 || s % len == 0 {
+                continue; // one element, or whole rows
+            }
+            if s > len {
+                return (0, gcols);
+            }
+            span = span.saturating_add((l - 1).saturating_mul(s));
+        }
+        let col = first % len;
+        match col.checked_add(span) {
+            Some(end) if end < len => (col / block, end / block + 1),
+            _ => (0, gcols),
         }
     }
 
@@ -132,6 +170,7 @@ pub(super) fn check_scale(
     }
     Ok(LoadedScale {
         values: Vec::new(),
+        window: CellWindow::whole(1),
         ndim,
         shape,
         block,
@@ -144,17 +183,40 @@ pub(super) fn check_scale(
     })
 }
 
-/// For each scale, the grid cells that the validated `items` referencing it touch (one contiguous range: the
-/// hull of their dim-0 grid rows, [`LoadedScale::cells_of`]), which [`read_scale_cells`] reads and decodes into
-/// their place of a zeroed full-length vector, so the kernels index it as the whole grid. `whole` takes each
-/// used scale whole (the reference the tests compare with).
+/// The cells of one scale that a batch reads and keeps (see [`scale_cells`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct ScaleCells {
+    /// The flat range of grid cells read from the file: the hull of the dim-0 grid rows the items touch
+    /// ([`LoadedScale::cells_of`]), the bytes the Python side counts (`touched_scale_rows`).
+    pub(super) span: (u64, u64),
+    /// The cells of the span decoded and kept for the kernels: its grid rows, of each the hull of the
+    /// last-dim cells the items touch ([`LoadedScale::cols_of`]).
+    pub(super) window: CellWindow,
+}
+
+impl ScaleCells {
+    /// Grid rows of the window.
+    fn rows(&self) -> u64 {
+        let w = &self.window;
+        self.span.1.div_ceil(w.gcols).saturating_sub(w.row0)
+    }
+}
+
+/// For each scale, the cells that the validated `items` referencing it touch ([`ScaleCells`]): the span of
+/// whole dim-0 grid rows read from the file, and within it the window of rows and last-dim columns that
+/// [`read_scale_cells`] decodes and keeps. A rank's Shard(1) of transformers' gpt-oss experts (90 of the 2,880
+/// inputs of each expert: 3-4 of the 90 scale columns of every row) thus keeps 4 of every 90 cells decoded,
+/// not all 90 (which held 1.8 GB of `f32` for one rank of a 256-rank EP x FSDP job). `whole` takes each used
+/// scale whole (the reference the tests compare with).
 pub(super) fn scale_cells(
     scales: &[LoadedScale],
     items: &[Item],
     per_item: &ItemScales,
     whole: bool,
-) -> Vec<Option<(u64, u64)>> {
-    let mut hull: Vec<Option<(u64, u64)>> = vec![None; scales.len()];
+) -> Vec<Option<ScaleCells>> {
+    // per scale: the hull of the items' cell spans, and of their grid columns
+    type Hull = ((u64, u64), (u64, u64));
+    let mut hull: Vec<Option<Hull>> = vec![None; scales.len()];
     for (it, s) in items.iter().zip(per_item) {
         let Some((s, _)) = *s else { continue };
         let sc = &scales[s];
@@ -163,23 +225,45 @@ pub(super) fn scale_cells(
         if lens.contains(&0) {
             continue;
         }
-        let cells = match lens.iter().chain(strides).all(|&v| v >= 0) && it.src_base >= 0 {
+        let (cells, cols) = match lens.iter().chain(strides).all(|&v| v >= 0) && it.src_base >= 0 {
             true => {
                 let first = it.src_base as u64;
                 let last = lens
                     .iter()
                     .zip(strides)
                     .fold(first, |acc, (&l, &st)| acc + (l as u64 - 1) * st as u64);
-                sc.cells_of(first, last)
+                (sc.cells_of(first, last), sc.cols_of(first, lens, strides))
             }
-            false => (0, sc.cells),
+            false => ((0, sc.cells), (0, sc.gcols())),
         };
-        let h = hull[s].get_or_insert(cells);
-        *h = (h.0.min(cells.0), h.1.max(cells.1));
+        let h = hull[s].get_or_insert((cells, cols));
+        h.0 = (h.0 .0.min(cells.0), h.0 .1.max(cells.1));
+        h.1 = (h.1 .0.min(cols.0), h.1 .1.max(cols.1));
     }
     hull.iter()
         .zip(scales)
-        .map(|(h, sc)| h.map(|h| if whole { (0, sc.cells) } else { h }))
+        .map(|(h, sc)| {
+            let gcols = sc.gcols();
+            let (span, (c0, c1)) = match whole {
+                true => h.map(|_| ((0, sc.cells), (0, gcols)))?,
+                false => (*h)?,
+            };
+            let row0 = span.0 / gcols;
+            // a 1-dim grid is one row: the window is the span's columns (which the items' columns are)
+            let (c0, c1) = match sc.ndim {
+                0 | 1 => (span.0 - row0 * gcols, span.1 - row0 * gcols),
+                _ => (c0, c1),
+            };
+            Some(ScaleCells {
+                span,
+                window: CellWindow {
+                    row0,
+                    col0: c0,
+                    width: c1 - c0,
+                    gcols,
+                },
+            })
+        })
         .collect()
 }
 
@@ -196,37 +280,103 @@ pub(super) fn scale_byte_range(
     (sc.file, (start, start + (c1 - c0) * size))
 }
 
-/// Reads and decodes the given cells of each scale ([`scale_cells`]): from the staged bytes of its file when
-/// there are some (object storage, `super::staged`), else with one `pread`.
+/// Raw scale bytes read at once by [`read_scale_cells`]: a batch's scale spans pass through one buffer of at
+/// most this many bytes (a grid row longer than that is read in pieces), whatever their size; what stays is each
+/// scale's decoded window (`f32`), the rank's share of the scales.
+pub(super) const SCALE_READ_CHUNK: u64 = 4 << 20;
+
+/// Reads the span of each scale ([`scale_cells`]) and decodes its window: from the staged bytes of its file
+/// when there are some (object storage, `super::staged`), else by `pread`s of whole grid rows of at most
+/// [`SCALE_READ_CHUNK`] bytes at a time (a grid row longer than that: its window's cells alone, in pieces of
+/// that size).
 pub(super) fn read_scale_cells(
     scales: &mut [LoadedScale],
-    cells: &[Option<(u64, u64)>],
+    cells: &[Option<ScaleCells>],
     files: &[Arc<Header>],
     staged: Option<&[Option<Arc<Mapping>>]>,
 ) -> Result<(), LoadError> {
-    for (sc, &cells) in scales.iter_mut().zip(cells) {
-        let Some((c0, c1)) = cells else {
+    let mut buf: Vec<u8> = Vec::new();
+    for (sc, cells) in scales.iter_mut().zip(cells) {
+        let Some(cells) = cells else {
             continue; // no item uses it
         };
         let h = &files[sc.file];
         let t = &h.tensors[sc.tensor];
-        let (_, (start, end)) = scale_byte_range(sc, (c0, c1), files);
-        let mut raw = vec![0u8; (end - start) as usize];
-        match staged.and_then(|s| s[sc.file].as_ref()) {
-            Some(map) => raw.copy_from_slice(&map.bytes()[start as usize..end as usize]),
-            None => {
-                let (file, _) = open_regular(&h.path)?;
-                read_exact_at(&file, &mut raw, start, &h.path, h.file_len)?;
+        let (dtype, mxfp4) = (t.dtype, sc.mxfp4);
+        let size = dtype.byte_size().expect("scale dtypes are byte-sized") as u64;
+        let base = h.data_start + t.begin; // the file offset of cell 0
+        let w = cells.window;
+        let rows = cells.rows();
+        let mut values = vec![0.0f32; (rows * w.width) as usize];
+        let map = staged.and_then(|s| s[sc.file].clone());
+        let file = match map {
+            Some(_) => None,
+            None => Some(open_regular(&h.path)?.0),
+        };
+        // Pieces of the span, each a range of flat cells read at once: whole grid rows, as many as fit in a
+        // chunk; a row longer than a chunk: its window's cells in chunks.
+        let row_cells = w.gcols;
+        let chunk_cells = (SCALE_READ_CHUNK / size).max(1);
+        let mut pieces: Vec<(u64, u64)> = Vec::new();
+        let per_read = (chunk_cells / row_cells).max(1);
+        let mut r = 0;
+        while r < rows {
+            let k = per_read.min(rows - r);
+            let first = (w.row0 + r) * row_cells;
+            match row_cells <= chunk_cells {
+                true => pieces.push((
+                    first.max(cells.span.0),
+                    (first + k * row_cells).min(cells.span.1),
+                )),
+                false => {
+                    let (a, b) = (first + w.col0, first + w.col0 + w.width);
+                    pieces.extend(
+                        (a..b)
+                            .step_by(chunk_cells as usize)
+                            .map(|p| (p, (p + chunk_cells).min(b))),
+                    );
+                }
+            }
+            r += k;
+        }
+        let mut read = 0u64;
+        for (p0, p1) in pieces {
+            let (start, end) = (base + p0 * size, base + p1 * size);
+            let bytes: &[u8] = match (&map, &file) {
+                (Some(map), _) => &map.bytes()[start as usize..end as usize],
+                (None, Some(file)) => {
+                    buf.resize((end - start) as usize, 0);
+                    read_exact_at(file, &mut buf, start, &h.path, h.file_len)?;
+                    &buf
+                }
+                (None, None) => unreachable!("a scale's file is opened when it is not staged"),
+            };
+            read += end - start;
+            if w.col0 == 0 && w.width == row_cells {
+                // whole rows: the piece's cells are the window's, in order
+                let at = (p0 - w.row0 * row_cells) as usize;
+                let out = &mut values[at..at + (p1 - p0) as usize];
+                decode_scales_into(dtype, bytes, out, mxfp4);
+                continue;
+            }
+            // the window's cells of each row in the piece
+            let mut row = p0 / row_cells;
+            while row * row_cells < p1 {
+                let (a, b) = (
+                    (row * row_cells + w.col0).max(p0),
+                    (row * row_cells + w.col0 + w.width).min(p1),
+                );
+                if a < b {
+                    let at = ((row - w.row0) * w.width + (a - row * row_cells - w.col0)) as usize;
+                    let src = &bytes[((a - p0) * size) as usize..((b - p0) * size) as usize];
+                    decode_scales_into(dtype, src, &mut values[at..at + (b - a) as usize], mxfp4);
+                }
+                row += 1;
             }
         }
-        sc.values = vec![0.0f32; sc.cells as usize]; // zeroed pages: untouched cells cost no memory
-        decode_scales_into(
-            t.dtype,
-            &raw,
-            &mut sc.values[c0 as usize..c1 as usize],
-            sc.mxfp4,
-        );
-        sc.bytes = raw.len() as u64;
+        sc.values = values;
+        sc.window = w;
+        sc.bytes = read;
     }
     Ok(())
 }
@@ -675,6 +825,103 @@ mod tests {
             &opts,
         );
         assert!(matches!(r, Err(LoadError::Request { .. })), "{r:?}");
+    }
+
+    /// A rank's Shard(1) of transformers' transposed gpt-oss experts (inputs 70..100 of 192, i.e. 32-element
+    /// groups 2..=3 of 6, of expert 1 of 2, every output row) keeps the window of its two scale columns of
+    /// the expert's rows decoded, not the whole rows (which held 1.8 GB of `f32` for one rank of gpt-oss-120b
+    /// under EP 8 x FSDP 32); it reads the whole rows (what the Python side counts), through a buffer of at
+    /// most a chunk, and dequantizes bit for bit as the whole scale does.
+    #[test]
+    fn a_column_slice_keeps_only_its_scale_columns() {
+        let dir = tempfile::tempdir().unwrap();
+        let (e, y, g) = (2u64, 40u64, 6u64);
+        let x = g * 32;
+        let exps: Vec<u8> = (0..e * y * g).map(|i| 118 + (i % 17) as u8).collect();
+        let h = write_file(
+            dir.path(),
+            "gpt.safetensors",
+            &[
+                (
+                    "w_blocks",
+                    Dtype::U8,
+                    vec![e, y, g, 16],
+                    random_bytes((e * y * g * 16) as usize, 11),
+                ),
+                ("w_scales", Dtype::U8, vec![e, y, g], exps.clone()),
+            ],
+        );
+        let (lo, cols) = (70u64, 30u64);
+        // the model's [in, out] of expert 1: destination (i, j) = logical element (1, j, lo + i)
+        let mut item = Item {
+            tensor: h.index("w_blocks").unwrap() as i64,
+            src_base: (y * x + lo) as i64,
+            ndim: 2,
+            scale: 1,
+            ..Item::default()
+        };
+        item.lengths[..2].copy_from_slice(&[cols as i64, y as i64]);
+        item.src_strides[..2].copy_from_slice(&[1, x as i64]);
+        item.dst_strides[..2].copy_from_slice(&[y as i64, 1]);
+        let mut sc = Scale {
+            tensor: h.index("w_scales").unwrap() as i64,
+            ndim: 3,
+            ..Scale::default()
+        };
+        sc.shape[..3].copy_from_slice(&[e as i64, y as i64, x as i64]);
+        sc.block[..3].copy_from_slice(&[1, 1, 32]);
+        let files = std::slice::from_ref(&h);
+        let mut a = vec![0u8; (2 * cols * y) as usize];
+        let dests = [DestBuf::from_mut_slice(&mut a, Dtype::BF16)];
+        let mut loaded = vec![check_scale(0, &sc, files).unwrap()];
+        let per_item = item_scales(files, &dests, &[item], &mut loaded).unwrap();
+        let cells = scale_cells(&loaded, &[item], &per_item, false);
+        let want = ScaleCells {
+            span: (y * g, 2 * y * g),
+            window: CellWindow {
+                row0: y,
+                col0: 2,
+                width: 2,
+                gcols: g,
+            },
+        };
+        assert_eq!(cells, vec![Some(want)]);
+        read_scale_cells(&mut loaded, &cells, files, None).unwrap();
+        assert_eq!(
+            loaded[0].values.len() as u64,
+            y * 2,
+            "one row of 2 cells per output"
+        );
+        assert_eq!(
+            loaded[0].bytes,
+            y * g,
+            "the expert's whole scale rows are read"
+        );
+        for (r, pair) in loaded[0].values.chunks_exact(2).enumerate() {
+            for (c, &v) in pair.iter().enumerate() {
+                let byte = exps[((y + r as u64) * g + 2 + c as u64) as usize];
+                assert_eq!(
+                    v,
+                    crate::kernels::mxfp4_scale_to_f32(byte),
+                    "row {r} col {c}"
+                );
+            }
+        }
+        let map = loaded[0].map();
+        assert_eq!(map.locate(y * x + lo).0, 0);
+        assert_eq!(map.locate(y * x + x + lo + 31).0, 3, "row 1, column 3");
+        assert_eq!(map.row_steps(y * x + lo, x), Some((0, 2)));
+        // and the read equals the one through the whole scale, bit for bit
+        let run = |whole: bool| {
+            let mut out = vec![0u8; (2 * cols * y) as usize];
+            let dest = [DestBuf::from_mut_slice(&mut out, Dtype::BF16)];
+            let opts = ExecOptions::default();
+            execute_scaled_reading(files, &dest, &[item], &[sc], &opts, whole, None).unwrap();
+            out
+        };
+        let (part, whole) = (run(false), run(true));
+        assert_eq!(part, whole);
+        assert!(part.iter().any(|&b| b != 0));
     }
 
     /// Several boxes of one [r, c] e4m3 tensor (random starts and lengths, some transposed into their

@@ -7,7 +7,7 @@
 
 use std::sync::Arc;
 
-use super::scales::{scale_byte_range, LoadedScale};
+use super::scales::{scale_byte_range, LoadedScale, ScaleCells};
 use crate::error::LoadError;
 use crate::header::Header;
 use crate::mmap::Mapping;
@@ -37,7 +37,7 @@ pub(crate) struct Stage<'a> {
 pub(super) fn needed_ranges(
     runs: &[Run],
     scales: &[LoadedScale],
-    cells: &[Option<(u64, u64)>],
+    cells: &[Option<ScaleCells>],
     files: &[Arc<Header>],
 ) -> Vec<Vec<(u64, u64)>> {
     let mut out: Vec<Vec<(u64, u64)>> = vec![Vec::new(); files.len()];
@@ -55,7 +55,7 @@ pub(super) fn needed_ranges(
     }
     for (sc, c) in scales.iter().zip(cells) {
         if let Some(c) = c {
-            let (file, range) = scale_byte_range(sc, *c, files);
+            let (file, range) = scale_byte_range(sc, c.span, files);
             out[file].push(range);
         }
     }

@@ -64,6 +64,24 @@ def deepseek(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """gpt-oss-120b's MXFP4 release at real widths (hidden and expert width 2,880: scale rows of 90 groups), 4
+    layers of 4 experts; layer 0's experts filled (random codes, scale bytes near 127), the rest holes (scale byte
+    0, as the full-scale rehearsal reads them)."""
+    root = tmp_path_factory.mktemp("scale") / "gpt_oss"
+    scale.write_checkpoint(
+        root,
+        scale.MODELS["gpt-oss-120b"],
+        layers=4,
+        experts=4,
+        fill=(r"^model\.layers\.0\.mlp\.experts\.",),
+        overrides=SMALL_VOCAB,
+        max_shard_size="64MB",
+    )
+    return root
+
+
 def test_a_cached_checkpoint_comes_back_as_written(tmp_path: Path) -> None:
     """A second ``write_checkpoint`` with the same arguments reuses the files (its stamp matches) and returns
     the first call's description, ``path`` a ``Path`` (``make bench-scale`` over a generated checkpoint failed
@@ -312,3 +330,79 @@ def test_plan_each_equals_plan_of_each_rank(deepseek: Path, fake_world: Any) -> 
         hp_fastload.plan(model, deepseek, rank=1, mesh_override=hp_fastload.as_rank(1))
     with pytest.raises(ValueError, match="non-negative"):
         hp_fastload.as_rank(-1)
+
+
+class _AnonPeak:
+    """The largest anonymous resident set (``RssAnon``: not the checkpoint's mapped pages) seen over a block,
+    sampled every 2 ms from a thread (the engine reads without the GIL), and the value when it started."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.before = self.peak = self._now()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def _now() -> int:
+        with open("/proc/self/status", encoding="ascii") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, self._now())
+
+    def __enter__(self) -> _AnonPeak:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def test_gpt_oss_expert_slice_keeps_its_share_of_the_scales(gpt_oss: Path, fake_world: Any) -> None:
+    """One rank of gpt-oss under EP x FSDP (``2d``: experts by expert on 2, their 2,880 inputs over 32, the
+    rest Shard(0) over 32): its MXFP4 expert shards equal transformers' own dequantization
+    (``convert_moe_packed_tensors``) of the released blocks and scales, cut as DTensor cuts them, and holes read
+    as zeros. Reading them adds a small part of the rank's bytes to its anonymous memory: the engine decoded each
+    expert's whole scale rows to ``f32`` (90 groups of which the rank's 90 inputs touch 3-4: twice the rank's
+    bf16 expert bytes; +1.6 GiB for one rank of gpt-oss-120b at full scale) where it now keeps the columns the
+    rank's slice touches."""
+    from torch.distributed.tensor import Shard
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from hp_fastload.model.layouts import apply_layout
+
+    dp, ep = 32, 2
+    world, rank = dp * ep, 3 * ep + 1  # dp index 3 (inputs 270..360: groups 8..11, ragged), ep index 1
+    fake_world(world, rank)
+    config = AutoConfig.from_pretrained(gpt_oss)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    apply_layout(model, "2d", world, (dp, ep))
+    hp_fastload.rehearse(model, gpt_oss, rank=rank, threads=2)  # the pages cached: the mapped path below
+    with _AnonPeak() as anon:
+        report, shards = hp_fastload.rehearse(model, gpt_oss, rank=rank, threads=2, backend="mmap", keep=True)
+    st = _st(gpt_oss)
+    params = dict(model.named_parameters())
+    checked = 0
+    for layer in range(4):
+        for proj in ("gate_up_proj", "down_proj"):
+            name = f"model.layers.{layer}.mlp.experts.{proj}"
+            param = params[name]
+            assert tuple(param.placements) == (Shard(1), Shard(0)), param.placements
+            blocks, scales = (st[k].get_tensor(k) for k in (name + "_blocks", name + "_scales"))
+            full = convert_moe_packed_tensors(blocks, scales)  # [E, in, out], bf16
+            expected = torch.chunk(torch.chunk(full, ep, dim=0)[rank % ep], dp, dim=1)[rank // ep]
+            assert torch.equal(shards[name].view(torch.int16), expected.view(torch.int16)), name
+            assert bool(expected.any()) == (layer == 0), name  # layer 0 filled, the rest holes
+            checked += 1
+    assert checked == 8
+    expert_bytes = sum(t.numel() * t.element_size() for n, t in shards.items() if ".experts." in n and "bias" not in n)
+    grown = anon.peak - anon.before
+    assert grown < expert_bytes // 4, (
+        f"anonymous memory grew {grown / 2**20:.1f} MiB reading {expert_bytes / 2**20:.1f} MiB of expert shards; "
+        + report.summary()
+    )
