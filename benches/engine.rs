@@ -253,8 +253,10 @@ fn write_mxfp4(dir: &std::path::Path, holes: bool) -> Arc<Header> {
 
 /// The `mxfp4` group: the experts dequantized into transformers' transposed bf16 layout `[E, X, Y]` (one
 /// thread, mmap), whole and as an expert-parallel rank of 2 (half the experts) or a TP rank of 2 (half of X),
-/// against the bf16 -> bf16 copy of the same output bytes; and whole from a file of zeros (`holes`: what a
-/// sparse checkpoint of `benches/scale.py` reads, scale byte 0 everywhere).
+/// against the bf16 -> bf16 copy of the same output bytes; 90 of the X inputs of each expert (`cols90`: 45
+/// bytes of each row, a rank's slice of gpt-oss-120b's experts under EP 8 x FSDP 32, whose last 13 columns
+/// are a ragged edge of the tiles); and whole from a file of zeros (`holes`: what a sparse checkpoint of
+/// `benches/scale.py` reads, scale byte 0 everywhere).
 fn bench_mxfp4(c: &mut Criterion) {
     let dir = tempfile::tempdir().unwrap();
     let header = write_mxfp4(dir.path(), false);
@@ -282,6 +284,7 @@ fn bench_mxfp4(c: &mut Criterion) {
         ("whole", ME, MX, &header),
         ("ep2", ME / 2, MX, &header),
         ("tp2", ME, MX / 2, &header),
+        ("cols90", ME, 90, &header),
         ("holes", ME, MX, &holes),
     ];
     for (layout, experts, xs, header) in layouts {

@@ -776,9 +776,12 @@ const NIBBLE_STAGE: usize = 2048;
 /// Bands of 4 tiles side by side (a cache line of each source row) walk down the rows; each
 /// [`NIBBLE_STAGE`] rows of a band are decoded into a buffer first and then written to the band's 64
 /// destination rows one after the other, with streaming stores where 16-byte aligned (written straight from
-/// the tiles, the 64 rows' lines were each read from memory before being overwritten). Columns with a scale
-/// that is no e8m0 value (an arbitrary `f32`, only through the Rust API), and the ragged edges, go through the
-/// scalar [`nibble_rows_dense`], which stays the reference (`nibble_tiles_equal_the_scalar_kernel`).
+/// the tiles, the 64 rows' lines were each read from memory before being overwritten). A ragged edge of
+/// fewer than 16 columns is a padded tile (its padding decoded, not written) except in the last tile heights,
+/// whose padding would read past `src`. Columns with a scale that is no e8m0 value (an arbitrary `f32`, only
+/// through the Rust API), the rows of the ragged edges that do not fill a tile and the edge's last tile
+/// heights go through the scalar [`nibble_rows_dense`], which stays the reference
+/// (`nibble_tiles_equal_the_scalar_kernel`).
 ///
 /// # Safety
 /// The CPU must support AVX2.
@@ -809,7 +812,32 @@ unsafe fn nibble_tiles_avx2(
         })
     };
     let (rfull, yfull) = (reps / T * T, count / T * T);
-    let steps = RunSteps::new(&cells[..rfull], cell_step, count, values);
+    // A ragged edge of columns (a rank's slice of the experts' inputs is 45 bytes of each row under EP 8 x
+    // FSDP 32: 13 left over past two tiles) goes through the tiles as a padded last tile: its padding columns
+    // read the next bytes of the same rows (other columns, or the next row's first), inside `src` for every
+    // row but those of the last tile heights (`src` ends at the run's last byte), are decoded into the stage
+    // and never written out. Rows `ypad..` of those columns, and every row when no tile height fits, take the
+    // scalar kernel.
+    let rpad = reps.div_ceil(T) * T;
+    let ypad = match src.len().checked_sub(rpad) {
+        Some(room) if stride > 0 => (room / stride + 1).min(yfull) / T * T,
+        _ => 0,
+    };
+    let rvec = if rpad > rfull && ypad > 0 {
+        rpad
+    } else {
+        rfull
+    };
+    let padded: Vec<usize>;
+    let cells_vec = match rvec > reps {
+        true => {
+            // the padding columns take the last column's scales (decoded, never written)
+            padded = (0..rvec).map(|r| cells[r.min(reps - 1)]).collect();
+            &padded[..]
+        }
+        false => &cells[..rvec],
+    };
+    let steps = RunSteps::new(cells_vec, cell_step, count, values);
     let (lo_tab, hi_tab) = (
         E2M1_BF16_BITS.map(|b| b as u8),
         E2M1_BF16_BITS.map(|b| (b >> 8) as u8),
@@ -840,11 +868,14 @@ unsafe fn nibble_tiles_avx2(
     let pitch = 2 * stage_rows + 64;
     let mut stage = vec![0u8; BAND * pitch];
     let mut streamed = false;
-    for b0 in (0..rfull).step_by(BAND) {
-        let b1 = rfull.min(b0 + BAND);
+    for b0 in (0..rvec).step_by(BAND) {
+        // tiles over columns b0..b1, of which b0..v1 are the run's; rows 0..ylim
+        let b1 = rvec.min(b0 + BAND);
+        let v1 = b1.min(reps);
+        let ylim = if b1 > reps { ypad } else { yfull };
         let mut y0 = 0;
-        while y0 < yfull {
-            let y1 = yfull.min(y0 + stage_rows);
+        while y0 < ylim {
+            let y1 = ylim.min(y0 + stage_rows);
             let mut bad = 0u64; // columns of the band with a scale for the scalar kernel in y0..y1
             for yy in (y0..y1).step_by(T) {
                 if yy + (NIBBLE_AHEAD + 1) * T <= count {
@@ -852,7 +883,7 @@ unsafe fn nibble_tiles_avx2(
                         // the band's first and last byte of the row: its bytes span two lines
                         // unless the row happens to start a line
                         prefetch_lines(&src[y * stride + b0..][..1]);
-                        prefetch_lines(&src[y * stride + b1 - 1..][..1]);
+                        prefetch_lines(&src[y * stride + v1 - 1..][..1]);
                     }
                 }
                 let mut r0 = b0;
@@ -978,7 +1009,7 @@ unsafe fn nibble_tiles_avx2(
                     r0 += T;
                 }
             }
-            for (k, staged) in stage.chunks_exact(pitch).take(b1 - b0).enumerate() {
+            for (k, staged) in stage.chunks_exact(pitch).take(v1 - b0).enumerate() {
                 let r = b0 + k;
                 if bad >> k & 1 == 1 {
                     scalar(r, y0, y1);
@@ -1007,12 +1038,12 @@ unsafe fn nibble_tiles_avx2(
             y0 = y1;
         }
         if y0 < count {
-            for r in b0..b1 {
+            for r in b0..v1 {
                 scalar(r, y0, count);
             }
         }
     }
-    for r in rfull..reps {
+    for r in rvec.min(reps)..reps {
         scalar(r, 0, count);
     }
     if streamed {
@@ -1436,7 +1467,9 @@ mod tests {
                     prop_assert_eq!(&row[2 * i..2 * i + 2], &f32_to_bf16(v).to_le_bytes()[..], "formula r {} i {}", r, i);
                 }
             }
-            write_run_scaled(&run, &file[src_off..], &map, begin as u64);
+            // the run's bytes exactly, as the engine hands them (`src_end`): a padded tile must not read past
+            let src = &file[src_off..src_off + (count - 1) * width + reps];
+            write_run_scaled(&run, src, &map, begin as u64);
             prop_assert_eq!(&out, &want, "write_run_scaled");
             #[cfg(target_arch = "x86_64")]
             if std::arch::is_x86_feature_detected!("avx2") {
@@ -1445,7 +1478,7 @@ mod tests {
                     .map(|r| row0 * groups + (2 * (col0 + r) + usize::from(high)) / 32)
                     .collect();
                 // SAFETY: AVX2 support was just detected on this CPU.
-                unsafe { nibble_tiles_avx2(&run, &file[src_off..], &values, &cells, cell_step) };
+                unsafe { nibble_tiles_avx2(&run, src, &values, &cells, cell_step) };
                 prop_assert_eq!(&out, &want, "nibble_tiles_avx2");
             }
         }
