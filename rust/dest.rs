@@ -21,10 +21,10 @@ use std::marker::PhantomData;
 use crate::dtype::Dtype;
 use crate::kernels::{
     cast_dense, cast_scaled, cast_scaled_dense, cast_scaled_nibbles, cast_strided,
-    nibble_rows_dense, ElemSink, ScaleMap,
+    nibble_rows_dense, ElemSink, ScaleMap, ScaleValues,
 };
 #[cfg(target_arch = "x86_64")]
-use crate::kernels::{mxfp4_exponent_step, E2M1_BF16_BITS};
+use crate::kernels::{mxfp4_exponent_step, E8m0Scales, Scales, E2M1_BF16_BITS};
 use crate::types::Run;
 
 /// Caller memory that a batch of reads writes into, interpreted as elements of `dtype`.
@@ -536,7 +536,16 @@ impl RunSteps {
     /// consecutive elements `step` apart. Consecutive columns with the same first cell share a slot; the
     /// scales are read row by row (element `i`'s cells of every slot, adjacent in the grid when the slots
     /// are consecutive blocks), each once.
-    fn new(cells: &[usize], step: usize, count: usize, values: &[f32]) -> Self {
+    fn new(cells: &[usize], step: usize, count: usize, values: ScaleValues<'_>) -> Self {
+        match values {
+            ScaleValues::F32(v) => Self::with(cells, step, count, v),
+            ScaleValues::E8m0(b) => Self::with(cells, step, count, E8m0Scales(b)),
+        }
+    }
+
+    /// [`RunSteps::new`] over one kind of scale values.
+    #[inline(always)]
+    fn with(cells: &[usize], step: usize, count: usize, values: impl Scales) -> Self {
         const T: usize = NIBBLE_SIMD_TILE;
         let mut slot = Vec::with_capacity(cells.len());
         let mut bases: Vec<usize> = Vec::new();
@@ -558,7 +567,7 @@ impl RunSteps {
                 let out = &mut steps[s * pitch + rows.start..s * pitch + rows.end];
                 let mut how = NARROW;
                 for (o, i) in out.iter_mut().zip(rows.clone()) {
-                    let (st, c) = step_class(values[base + i * step]);
+                    let (st, c) = step_class(values.scale(base + i * step));
                     *o = st;
                     how |= c;
                 }
@@ -790,7 +799,7 @@ const NIBBLE_STAGE: usize = 2048;
 unsafe fn nibble_tiles_avx2(
     run: &Run,
     src: &[u8],
-    values: &[f32],
+    values: ScaleValues<'_>,
     cells: &[usize],
     cell_step: usize,
 ) {
@@ -1450,7 +1459,8 @@ mod tests {
                 let cell0 = row0 * groups + (2 * col + usize::from(high)) / 32;
                 let from = &file[src_off + r..];
                 let row = &mut want[r * dst_row..][..2 * count];
-                nibble_rows_dense((high, Dtype::BF16), from, width, &values, (cell0, cell_step), row);
+                let f32s = ScaleValues::F32(&values);
+                nibble_rows_dense((high, Dtype::BF16), from, width, f32s, (cell0, cell_step), row);
                 for i in 0..count {
                     let byte = file[src_off + r + i * width];
                     let code = if high { byte >> 4 } else { byte & 15 };
@@ -1471,15 +1481,26 @@ mod tests {
             let src = &file[src_off..src_off + (count - 1) * width + reps];
             write_run_scaled(&run, src, &map, begin as u64);
             prop_assert_eq!(&out, &want, "write_run_scaled");
+            // the same scales kept as their e8m0 bytes, as the engine keeps MXFP4's (when every cell is one)
+            let kept: Option<Vec<u8>> = bytes.iter().copied().collect();
+            if let Some(kept) = &kept {
+                out.fill(0x5a);
+                write_run_scaled(&run, src, &ScaleMap { values: ScaleValues::E8m0(kept), ..map }, begin as u64);
+                prop_assert_eq!(&out, &want, "write_run_scaled, e8m0 bytes");
+            }
             #[cfg(target_arch = "x86_64")]
             if std::arch::is_x86_feature_detected!("avx2") {
-                out.fill(0x5a);
                 let cells: Vec<usize> = (0..reps)
                     .map(|r| row0 * groups + (2 * (col0 + r) + usize::from(high)) / 32)
                     .collect();
-                // SAFETY: AVX2 support was just detected on this CPU.
-                unsafe { nibble_tiles_avx2(&run, src, &values, &cells, cell_step) };
-                prop_assert_eq!(&out, &want, "nibble_tiles_avx2");
+                let f32s = ScaleValues::F32(&values);
+                for (values, what) in [(Some(f32s), "f32"), (kept.as_deref().map(ScaleValues::E8m0), "e8m0 bytes")] {
+                    let Some(values) = values else { continue };
+                    out.fill(0x5a);
+                    // SAFETY: AVX2 support was just detected on this CPU.
+                    unsafe { nibble_tiles_avx2(&run, src, values, &cells, cell_step) };
+                    prop_assert_eq!(&out, &want, "nibble_tiles_avx2, {}", what);
+                }
             }
         }
 

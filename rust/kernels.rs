@@ -370,12 +370,57 @@ fn dense_with_dst<S: FloatCodec>(dd: Dtype, src: &[u8], dst: &mut [u8]) {
 /// index `values`, the window's cells row by row.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct ScaleMap<'a> {
-    pub values: &'a [f32],
+    pub values: ScaleValues<'a>,
     pub ndim: usize,
     pub shape: [u64; MAX_NDIM],
     pub block: [u64; MAX_NDIM],
     pub grid_strides: [u64; MAX_NDIM],
     pub window: CellWindow,
+}
+
+/// A window's scale values as a batch keeps them: decoded to `f32`, or, for the e8m0 bytes of MXFP4 scales
+/// (`U8` / `F8_E8M0`), the bytes themselves, a quarter of the memory (a 1 GiB batch of gpt-oss experts holds
+/// 64 MiB of them: 256 MiB as `f32`), each decoded where it is read ([`mxfp4_scale_to_f32`]).
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum ScaleValues<'a> {
+    F32(&'a [f32]),
+    E8m0(&'a [u8]),
+}
+
+impl ScaleValues<'_> {
+    /// Value `i`.
+    #[inline(always)]
+    pub(crate) fn get(&self, i: usize) -> f32 {
+        match self {
+            ScaleValues::F32(v) => v[i],
+            ScaleValues::E8m0(b) => mxfp4_scale_to_f32(b[i]),
+        }
+    }
+}
+
+/// Scale values read one by one in a kernel's loop (monomorphized per kind of [`ScaleValues`], so that the
+/// loop holds no match).
+pub(crate) trait Scales: Copy {
+    /// Value `i`.
+    fn scale(self, i: usize) -> f32;
+}
+
+impl Scales for &[f32] {
+    #[inline(always)]
+    fn scale(self, i: usize) -> f32 {
+        self[i]
+    }
+}
+
+/// MXFP4 e8m0 bytes as [`Scales`].
+#[derive(Clone, Copy)]
+pub(crate) struct E8m0Scales<'a>(pub &'a [u8]);
+
+impl Scales for E8m0Scales<'_> {
+    #[inline(always)]
+    fn scale(self, i: usize) -> f32 {
+        mxfp4_scale_to_f32(self.0[i])
+    }
 }
 
 /// The part of a scale grid whose values a [`ScaleMap`] holds: grid rows `row0..` (a grid row: one cell of
@@ -429,7 +474,7 @@ impl<'a> ScaleMap<'a> {
             n => shape[n - 1].div_ceil(block[n - 1]),
         };
         ScaleMap {
-            values,
+            values: ScaleValues::F32(values),
             ndim,
             shape,
             block,
@@ -460,7 +505,7 @@ impl ScaleMap<'_> {
                 flat + ((last / b + 1) * b).min(self.shape[n - 1]) - last
             }
         };
-        (self.values[self.window.index(idx)], until)
+        (self.values.get(self.window.index(idx)), until)
     }
 
     /// The cell of flat element `flat` (an index of `values`), the end of its block segment (as
@@ -511,16 +556,16 @@ impl ScaleMap<'_> {
 /// MXFP4 nibbles whose scales step by whole grid rows (see [`ScaleMap::row_steps`]): element `i` is the
 /// low or high nibble of `src[i * src_stride]` times `values[cell0 + i * cell_step]`, into `dst` (dense).
 #[inline(always)]
-fn nibble_rows<const HIGH: bool, D: FloatCodec>(
+fn nibble_rows<const HIGH: bool, D: FloatCodec, V: Scales>(
     src: &[u8],
     src_stride: usize,
-    values: &[f32],
+    values: V,
     (cell0, cell_step): (usize, usize),
     dst: &mut [u8],
 ) {
     for (i, o) in dst.chunks_exact_mut(D::SIZE).enumerate() {
         let v = CE2M1::<HIGH>::to_f32(&src[i * src_stride..]);
-        D::store_f32(mxfp4_scaled(v, values[cell0 + i * cell_step]), o);
+        D::store_f32(mxfp4_scaled(v, values.scale(cell0 + i * cell_step)), o);
     }
 }
 
@@ -530,15 +575,25 @@ pub(crate) fn nibble_rows_dense(
     (high, dd): (bool, Dtype),
     src: &[u8],
     src_stride: usize,
-    values: &[f32],
+    values: ScaleValues<'_>,
     cells: (usize, usize),
     dst: &mut [u8],
 ) {
     macro_rules! go {
         ($d:ty) => {
-            match high {
-                false => nibble_rows::<false, $d>(src, src_stride, values, cells, dst),
-                true => nibble_rows::<true, $d>(src, src_stride, values, cells, dst),
+            match (high, values) {
+                (false, ScaleValues::F32(v)) => {
+                    nibble_rows::<false, $d, _>(src, src_stride, v, cells, dst)
+                }
+                (true, ScaleValues::F32(v)) => {
+                    nibble_rows::<true, $d, _>(src, src_stride, v, cells, dst)
+                }
+                (false, ScaleValues::E8m0(b)) => {
+                    nibble_rows::<false, $d, _>(src, src_stride, E8m0Scales(b), cells, dst)
+                }
+                (true, ScaleValues::E8m0(b)) => {
+                    nibble_rows::<true, $d, _>(src, src_stride, E8m0Scales(b), cells, dst)
+                }
             }
         };
     }
@@ -809,7 +864,7 @@ fn dense_scaled<Q: Fp8Value, D: FloatCodec>(
             let seg = usize::try_from(until - flat).map_or(n - i, |s| s.min(n - i));
             let (a, b) = (i, i + seg);
             let out = &mut dst[a * D::SIZE..b * D::SIZE];
-            scaled_segment::<Q, D>(map.values[idx], &src[a..b], out);
+            scaled_segment::<Q, D>(map.values.get(idx), &src[a..b], out);
             i = b;
             flat += seg as u64;
             if i == n || flat >= row_end {

@@ -8,7 +8,9 @@ use crate::dest::{write_run, write_run_scaled, DestBuf};
 use crate::dtype::Dtype;
 use crate::error::LoadError;
 use crate::header::Header;
-use crate::kernels::{can_dequantize, decode_scales_into, is_scale_dtype, CellWindow, ScaleMap};
+use crate::kernels::{
+    can_dequantize, decode_scales_into, is_scale_dtype, CellWindow, ScaleMap, ScaleValues,
+};
 use crate::mmap::{open_regular, read_exact_at, Mapping};
 use crate::types::{Item, Run, MAX_NDIM};
 
@@ -30,10 +32,17 @@ pub struct Scale {
     pub block: [i64; MAX_NDIM],
 }
 
+/// The values of a scale's window as a batch keeps them ([`ScaleValues`]): decoded to `f32`, or the e8m0 bytes
+/// of an MXFP4 scale as they are.
+enum Kept {
+    F32(Vec<f32>),
+    E8m0(Vec<u8>),
+}
+
 /// A validated [`Scale`] with the grid's strides and, once [`read_scale_cells`] ran, the values of the window of
-/// cells the batch's items touch ([`ScaleCells::window`]), decoded (no other cell is ever looked up).
+/// cells the batch's items touch ([`ScaleCells::window`]; no other cell is ever looked up).
 pub(super) struct LoadedScale {
-    values: Vec<f32>,
+    values: Kept,
     window: CellWindow,
     ndim: usize,
     shape: [u64; MAX_NDIM],
@@ -53,7 +62,10 @@ pub(super) struct LoadedScale {
 impl LoadedScale {
     fn map(&self) -> ScaleMap<'_> {
         ScaleMap {
-            values: &self.values,
+            values: match &self.values {
+                Kept::F32(v) => ScaleValues::F32(v),
+                Kept::E8m0(b) => ScaleValues::E8m0(b),
+            },
             ndim: self.ndim,
             shape: self.shape,
             block: self.block,
@@ -169,7 +181,7 @@ pub(super) fn check_scale(
         )));
     }
     Ok(LoadedScale {
-        values: Vec::new(),
+        values: Kept::F32(Vec::new()),
         window: CellWindow::whole(1),
         ndim,
         shape,
@@ -307,7 +319,21 @@ pub(super) fn read_scale_cells(
         let base = h.data_start + t.begin; // the file offset of cell 0
         let w = cells.window;
         let rows = cells.rows();
-        let mut values = vec![0.0f32; (rows * w.width) as usize];
+        // MXFP4's e8m0 bytes are kept as they are (a quarter of the `f32`), every other scale decoded
+        let bytes_kept = mxfp4 && matches!(dtype, Dtype::U8 | Dtype::F8_E8M0);
+        let n = (rows * w.width) as usize;
+        let mut values = match bytes_kept {
+            true => Kept::E8m0(vec![0u8; n]),
+            false => Kept::F32(vec![0.0f32; n]),
+        };
+        // the window's cells `at..at + src.len() / size` from their bytes `src`
+        let mut put = |at: usize, src: &[u8]| match &mut values {
+            Kept::E8m0(b) => b[at..at + src.len()].copy_from_slice(src),
+            Kept::F32(v) => {
+                let out = &mut v[at..at + src.len() / size as usize];
+                decode_scales_into(dtype, src, out, mxfp4);
+            }
+        };
         let map = staged.and_then(|s| s[sc.file].clone());
         let file = match map {
             Some(_) => None,
@@ -354,9 +380,7 @@ pub(super) fn read_scale_cells(
             read += end - start;
             if w.col0 == 0 && w.width == row_cells {
                 // whole rows: the piece's cells are the window's, in order
-                let at = (p0 - w.row0 * row_cells) as usize;
-                let out = &mut values[at..at + (p1 - p0) as usize];
-                decode_scales_into(dtype, bytes, out, mxfp4);
+                put((p0 - w.row0 * row_cells) as usize, bytes);
                 continue;
             }
             // the window's cells of each row in the piece
@@ -368,8 +392,10 @@ pub(super) fn read_scale_cells(
                 );
                 if a < b {
                     let at = ((row - w.row0) * w.width + (a - row * row_cells - w.col0)) as usize;
-                    let src = &bytes[((a - p0) * size) as usize..((b - p0) * size) as usize];
-                    decode_scales_into(dtype, src, &mut values[at..at + (b - a) as usize], mxfp4);
+                    put(
+                        at,
+                        &bytes[((a - p0) * size) as usize..((b - p0) * size) as usize],
+                    );
                 }
                 row += 1;
             }
@@ -887,24 +913,19 @@ mod tests {
         };
         assert_eq!(cells, vec![Some(want)]);
         read_scale_cells(&mut loaded, &cells, files, None).unwrap();
-        assert_eq!(
-            loaded[0].values.len() as u64,
-            y * 2,
-            "one row of 2 cells per output"
-        );
+        let Kept::E8m0(kept) = &loaded[0].values else {
+            panic!("MXFP4's e8m0 bytes are kept as bytes");
+        };
+        assert_eq!(kept.len() as u64, y * 2, "one row of 2 cells per output");
         assert_eq!(
             loaded[0].bytes,
             y * g,
             "the expert's whole scale rows are read"
         );
-        for (r, pair) in loaded[0].values.chunks_exact(2).enumerate() {
-            for (c, &v) in pair.iter().enumerate() {
-                let byte = exps[((y + r as u64) * g + 2 + c as u64) as usize];
-                assert_eq!(
-                    v,
-                    crate::kernels::mxfp4_scale_to_f32(byte),
-                    "row {r} col {c}"
-                );
+        for (r, pair) in kept.chunks_exact(2).enumerate() {
+            for (c, &b) in pair.iter().enumerate() {
+                let want = exps[((y + r as u64) * g + 2 + c as u64) as usize];
+                assert_eq!(b, want, "row {r} col {c}");
             }
         }
         let map = loaded[0].map();
