@@ -231,6 +231,7 @@ fn open_source(
     let map = match backend {
         Backend::Pread => None,
         Backend::Mmap => Some(mapping()?),
+        Backend::Auto if mostly_holes(&file, h.file_len) => None,
         Backend::Auto => {
             let map = mapping()?;
             (map.resident_fraction(ranges) >= AUTO_MMAP_RESIDENT).then_some(map)
@@ -242,6 +243,16 @@ fn open_source(
         file: Mutex::new(file),
         pending: AtomicUsize::new(0),
     })
+}
+
+/// A file whose allocated blocks cover less than half its length (a sparse rehearsal checkpoint: real header,
+/// holes for data). Its hole pages sit in the page cache as single-page folios, which a map populates and tears
+/// down one page-table entry at a time: `pread` read such a cached rank 2-3x faster than a map
+/// (docs/perf-notes.md, "Session 13: sparse files"), while a dense file's larger folios favour the map.
+fn mostly_holes(file: &std::fs::File, len: u64) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    file.metadata()
+        .is_ok_and(|m| m.blocks().saturating_mul(512) < len / 2)
 }
 
 fn run_tasks(
@@ -662,6 +673,59 @@ mod tests {
             &ExecOptions::default(),
         );
         assert!(matches!(r, Err(LoadError::Truncated { .. })), "{r:?}");
+    }
+
+    /// `auto` reads a file that is mostly holes with `pread` (its cached hole pages are single-page folios), the
+    /// same bytes exactly; a dense file of the same layout is mapped.
+    #[test]
+    fn auto_reads_a_sparse_file_with_pread() {
+        let dir = tempfile::tempdir().unwrap();
+        let n = 1u64 << 20;
+        let h = write_file(
+            dir.path(),
+            "sparse.safetensors",
+            &[("w", Dtype::U8, vec![n], random_bytes(n as usize, 3))],
+        );
+        // Punch the data out again: the same header, a hole where the bytes were (zeros when read).
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&h.path)
+            .unwrap();
+        let header_end = h.file_len - n;
+        f.set_len(header_end).unwrap();
+        f.set_len(h.file_len).unwrap();
+        drop(f);
+        let h = Arc::new(Header::read(&h.path).unwrap());
+        let _ = std::fs::read(&h.path).unwrap(); // cached, as a rehearsal's second run finds it
+        let item = flat_item(n as i64);
+        let mut out = vec![1u8; n as usize];
+        let dest = [DestBuf::from_mut_slice(&mut out, Dtype::U8)];
+        let stats = execute(
+            std::slice::from_ref(&h),
+            &dest,
+            &[item],
+            &ExecOptions::default(),
+        )
+        .unwrap();
+        assert_eq!(stats.backend, "pread", "{stats:?}");
+        assert!(out.iter().all(|&b| b == 0));
+        let dense = write_file(
+            dir.path(),
+            "dense.safetensors",
+            &[("w", Dtype::U8, vec![n], random_bytes(n as usize, 3))],
+        );
+        let _ = std::fs::read(&dense.path).unwrap(); // cached: auto maps it
+        let item = flat_item(n as i64);
+        let dest = [DestBuf::from_mut_slice(&mut out, Dtype::U8)];
+        let stats = execute(
+            std::slice::from_ref(&dense),
+            &dest,
+            &[item],
+            &ExecOptions::default(),
+        )
+        .unwrap();
+        assert_eq!(stats.backend, "mmap", "{stats:?}");
+        assert_eq!(out, random_bytes(n as usize, 3));
     }
 
     #[test]
