@@ -34,6 +34,9 @@ struct Source {
     file: Mutex<Option<Arc<File>>>,
     /// `pread` tasks of the file not yet finished (set once the tasks are made).
     pending: AtomicUsize,
+    /// Read with `pread` for its holes (`mostly_holes`), not because its pages are not cached: no reason to
+    /// wait on storage with more workers.
+    holes: bool,
 }
 
 impl Source {
@@ -128,6 +131,7 @@ pub(super) fn execute_scaled_reading(
                 map: kept,
                 file: Mutex::new(None),
                 pending: AtomicUsize::new(0),
+                holes: false,
             }),
             true => {
                 let mut source =
@@ -169,7 +173,11 @@ pub(super) fn execute_scaled_reading(
     // the threads keep more requests in flight. Plain 8 MiB preads went 0.84 -> 1.3 GB/s cold here; with the
     // engine's WILLNEED look-ahead it measured a tie on this disk (docs/perf-notes.md, "Cold reads"), kept
     // for devices with deeper queues.
-    let workers = match uses_pread {
+    let waits_on_storage = sources
+        .iter()
+        .flatten()
+        .any(|s| s.map.is_none() && !s.holes);
+    let workers = match waits_on_storage {
         true => (threads * IO_THREAD_FACTOR).clamp(threads, MAX_DEFAULT_THREADS.max(threads)),
         false => threads,
     };
@@ -228,10 +236,11 @@ fn open_source(
             make().map(Arc::new)
         }
     };
+    let holes = backend == Backend::Auto && mostly_holes(&file, h.file_len);
     let map = match backend {
         Backend::Pread => None,
         Backend::Mmap => Some(mapping()?),
-        Backend::Auto if mostly_holes(&file, h.file_len) => None,
+        Backend::Auto if holes => None,
         Backend::Auto => {
             let map = mapping()?;
             (map.resident_fraction(ranges) >= AUTO_MMAP_RESIDENT).then_some(map)
@@ -242,6 +251,7 @@ fn open_source(
         map,
         file: Mutex::new(file),
         pending: AtomicUsize::new(0),
+        holes,
     })
 }
 
@@ -700,14 +710,13 @@ mod tests {
         let item = flat_item(n as i64);
         let mut out = vec![1u8; n as usize];
         let dest = [DestBuf::from_mut_slice(&mut out, Dtype::U8)];
-        let stats = execute(
-            std::slice::from_ref(&h),
-            &dest,
-            &[item],
-            &ExecOptions::default(),
-        )
-        .unwrap();
-        assert_eq!(stats.backend, "pread", "{stats:?}");
+        let one = ExecOptions {
+            threads: Some(1),
+            ..ExecOptions::default()
+        };
+        let stats = execute(std::slice::from_ref(&h), &dest, &[item], &one).unwrap();
+        // cached holes: no storage to wait on, so no extra I/O workers (nor their descriptors)
+        assert_eq!((stats.backend, stats.threads), ("pread", 1), "{stats:?}");
         assert!(out.iter().all(|&b| b == 0));
         let dense = write_file(
             dir.path(),
