@@ -1037,8 +1037,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _full_run(args: argparse.Namespace) -> bool:
-    """Every workload, loader and regime at full size: only such a run's plot replaces docs/benchmarks.*."""
-    every = set(args.workloads.split(",")) >= set(WORKLOADS) and set(args.loaders.split(",")) >= set(ALL_LOADERS)
+    """Every workload, loader and regime at full size: only such a run's plot replaces docs/benchmarks.*.
+    ``args.workloads`` / ``args.loaders``: the parsed lists."""
+    every = set(args.workloads) >= set(WORKLOADS) and set(args.loaders) >= set(ALL_LOADERS)
     return every and not args.quick and args.cold == args.warm
 
 

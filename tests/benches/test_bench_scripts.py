@@ -392,12 +392,12 @@ def test_compare_copies_the_plot_to_docs_only_for_a_full_run() -> None:
         sys.path.remove(str(BENCHES))
 
     full = argparse.Namespace(
-        workloads=",".join(compare.WORKLOADS),
-        loaders=",".join(compare.ALL_LOADERS),
+        workloads=list(compare.WORKLOADS),  # as main() leaves them: parsed lists
+        loaders=list(compare.ALL_LOADERS),
         quick=False,
         cold=False,
         warm=False,
     )
     assert compare._full_run(full)
-    for change in ({"workloads": "dense,e2e"}, {"loaders": "hp_dcp"}, {"quick": True}, {"warm": True}):
+    for change in ({"workloads": ["dense", "e2e"]}, {"loaders": ["hp_dcp"]}, {"quick": True}, {"warm": True}):
         assert not compare._full_run(argparse.Namespace(**{**vars(full), **change})), change
