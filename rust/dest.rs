@@ -672,6 +672,25 @@ wide_decode!(
     _mm256_blendv_epi8
 );
 
+/// The e2m1 code -> bf16 bits lookup of the nibble kernels, as two 16-byte vectors: each code's low bytes and
+/// its high bytes.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn e2m1_tables() -> (std::arch::x86_64::__m128i, std::arch::x86_64::__m128i) {
+    use std::arch::x86_64::_mm_loadu_si128;
+    let (lo_tab, hi_tab) = (
+        E2M1_BF16_BITS.map(|b| b as u8),
+        E2M1_BF16_BITS.map(|b| (b >> 8) as u8),
+    );
+    // SAFETY: each array holds the 16 bytes read.
+    unsafe {
+        (
+            _mm_loadu_si128(lo_tab.as_ptr().cast()),
+            _mm_loadu_si128(hi_tab.as_ptr().cast()),
+        )
+    }
+}
+
 /// [`nibble_tiles_avx2`]'s column loop for a pair of tiles with the wide decode (`wide_decode`), out of line
 /// so that the narrow loop of real checkpoints keeps its registers (inline, it measured 4% slower): `cols`
 /// the 16 transposed code vectors (the left tile in the low lanes), `steps` the rows 0..8 and 8..16 of both
@@ -688,17 +707,7 @@ fn wide_pair_columns(
 ) {
     use std::arch::x86_64::*;
     const T: usize = NIBBLE_SIMD_TILE;
-    let (lo_tab, hi_tab) = (
-        E2M1_BF16_BITS.map(|b| b as u8),
-        E2M1_BF16_BITS.map(|b| (b >> 8) as u8),
-    );
-    // SAFETY: each array holds the 16 bytes read.
-    let (tlo, thi) = unsafe {
-        (
-            _mm_loadu_si128(lo_tab.as_ptr().cast()),
-            _mm_loadu_si128(hi_tab.as_ptr().cast()),
-        )
-    };
+    let (tlo, thi) = e2m1_tables();
     let (tlo2, thi2) = (
         _mm256_broadcastsi128_si256(tlo),
         _mm256_broadcastsi128_si256(thi),
@@ -847,17 +856,7 @@ unsafe fn nibble_tiles_avx2(
         false => &cells[..rvec],
     };
     let steps = RunSteps::new(cells_vec, cell_step, count, values);
-    let (lo_tab, hi_tab) = (
-        E2M1_BF16_BITS.map(|b| b as u8),
-        E2M1_BF16_BITS.map(|b| (b >> 8) as u8),
-    );
-    // SAFETY: each array holds the 16 bytes read.
-    let (tlo, thi) = unsafe {
-        (
-            _mm_loadu_si128(lo_tab.as_ptr().cast()),
-            _mm_loadu_si128(hi_tab.as_ptr().cast()),
-        )
-    };
+    let (tlo, thi) = e2m1_tables();
     let (low4, mag, zero) = (
         _mm_set1_epi8(0x0f),
         _mm_set1_epi8(0x07),
