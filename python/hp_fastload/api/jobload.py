@@ -151,13 +151,11 @@ def run_job(
     for name, reads in plan.region_reads.items():
         keep = delivered_rows(reads, packed).tolist()
         seconds = reads.second
-        rows, direct = [], []
+        rows: list[int] = []
         for i in keep:
             spec = seconds[i] if seconds is not None else None
             sources = (reads.keys[i],) if spec is None else (reads.keys[i], spec.scale)
-            if all(k in alone for k in sources):
-                direct.append(i)
-            else:
+            if not all(k in alone for k in sources):  # else: read straight into the shard, below
                 rows.append(i)
                 used.update(sources)
         through_memory[name] = np.asarray(rows, dtype=np.int64)
