@@ -115,6 +115,7 @@ def _one_call(family: str, **kwargs: Any) -> dict[str, Any]:
         _path(family), dtype=torch.float32, device="cpu", output_loading_info=True, **kwargs
     )
     assert not report.missing_keys and not report.unfilled_buffers, report.summary()
+    assert report.share == kwargs.get("share", "none"), report.summary()
     assert not model.training  # eval mode, as transformers' from_pretrained leaves it
     from torch.distributed.tensor import DTensor
 
@@ -128,6 +129,15 @@ def check_from_pretrained_llama(rank: int, world: int) -> dict[str, Any]:
 
 def check_from_pretrained_qwen3_moe(rank: int, world: int) -> dict[str, Any]:
     return _one_call("qwen3_moe", parallelize=fsdp)
+
+
+def check_from_pretrained_job_llama(rank: int, world: int) -> dict[str, Any]:
+    """The job-wide read through from_pretrained: each rank a node of its own, every byte read once."""
+    return _one_call("llama", parallelize=fsdp, share="job", ranks_per_node=1)
+
+
+def check_from_pretrained_job_qwen3_moe(rank: int, world: int) -> dict[str, Any]:
+    return _one_call("qwen3_moe", parallelize=fsdp, share="job", ranks_per_node=1)
 
 
 #: transformers' own layouts: tensor parallel for the dense model, FSDP + expert parallel for the MoE
@@ -187,6 +197,8 @@ CHECKS = [
     check_user_parallelized_qwen3_moe,
     check_from_pretrained_llama,
     check_from_pretrained_qwen3_moe,
+    check_from_pretrained_job_llama,
+    check_from_pretrained_job_qwen3_moe,
     check_distributed_config_llama,
     check_distributed_config_qwen3_moe,
     check_distributed_config_fsdp_llama,
@@ -224,7 +236,7 @@ def _agrees(observed: dict[str, Any], expected: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize("family", sorted(CONFIGS))
-@pytest.mark.parametrize("way", ["user_parallelized", "from_pretrained", "distributed_config"])
+@pytest.mark.parametrize("way", ["user_parallelized", "from_pretrained", "from_pretrained_job", "distributed_config"])
 def test_prologue_matches_single_process_from_pretrained(prologue, way, family):
     references, per_rank = prologue
     for observed in subcheck_values(per_rank, f"check_{way}_{family}"):

@@ -137,6 +137,8 @@ def from_pretrained(
     state_dict_adapter: Any = None,
     revision: str | None = None,
     strict: bool = True,
+    share: str | None = None,
+    ranks_per_node: int | None = None,
     output_loading_info: bool = False,
     **config_overrides: Any,
 ) -> Any:
@@ -152,7 +154,8 @@ def from_pretrained(
     ``to_empty(device)`` (default: the device transformers bound this rank to, else ``cuda:LOCAL_RANK``, else
     CPU) → :func:`hp_fastload.load` with ``strict`` (tied weights re-tied, non-persistent buffers recomputed
     through the model's own init; with ``strict=False``, what the checkpoint lacks initialized by the model's own
-    ``initialize_weights()``, as transformers does) → ``eval()``.
+    ``initialize_weights()``, as transformers does; ``share`` and ``ranks_per_node`` as :func:`hp_fastload.load`
+    takes them: ``share="job"`` reads each checkpoint byte once per job) → ``eval()``.
 
     A model that is not a transformers one (torchtitan's): ``model_factory`` builds it, called with no
     argument on the meta device (``model_factory=model_config.build``), and ``state_dict_adapter`` (torchtitan's
@@ -197,7 +200,14 @@ def from_pretrained(
         )
         initialized = False
     # an s3:// URL or a path
-    report: LoadReport = load(model, str(location), strict=strict, state_dict_adapter=state_dict_adapter)
+    report: LoadReport = load(
+        model,
+        str(location),
+        strict=strict,
+        state_dict_adapter=state_dict_adapter,
+        share=share,
+        ranks_per_node=ranks_per_node,
+    )
     if initialized:  # the model's own init_weights made its non-persistent buffers, before the load
         report = dataclasses.replace(report, unfilled_buffers=())
     # strict=False: what the checkpoint does not hold is fresh from to_empty (whatever the allocator left there);
