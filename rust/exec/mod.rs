@@ -49,6 +49,7 @@ mod write;
 
 pub use crate::threads::{default_threads, MAX_DEFAULT_THREADS};
 pub use scales::Scale;
+#[cfg(feature = "s3")]
 pub(crate) use staged::{Fetch, Stage};
 pub use write::execute_write;
 
