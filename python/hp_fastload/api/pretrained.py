@@ -308,9 +308,7 @@ def _build_from_factory(
     if not isinstance(model, nn.Module):
         raise TypeError(f"model_factory returned {type(model).__name__}, not an nn.Module")
     if parallelize is not None:
-        returned = parallelize(model)
-        if isinstance(returned, nn.Module):
-            model = returned
+        model = _parallelized(model, parallelize)
     model.to_empty(device=device if device is not None else _default_device(None))
     inner = unwrapped(model)
     if not _is_torchtitan_model(inner):
@@ -318,6 +316,12 @@ def _build_from_factory(
     with torch.no_grad():
         inner.init_weights(buffer_device=None)
     return model, True
+
+
+def _parallelized(model: nn.Module, parallelize: Callable[[nn.Module], Any]) -> nn.Module:
+    """``parallelize(model)`` applied in place; a module it returns replaces the model."""
+    returned = parallelize(model)
+    return returned if isinstance(returned, nn.Module) else model
 
 
 def _build(
@@ -345,8 +349,6 @@ def _build(
         model = type(model).maybe_distribute_model(model, distributed_config, mesh_manager)
     elif parallelize is not None:
         model.tie_weights()  # the user's layout sees tied weights as one parameter (FSDP2 cannot tie later)
-        returned = parallelize(model)
-        if isinstance(returned, nn.Module):
-            model = returned
+        model = _parallelized(model, parallelize)
     model.to_empty(device=device if device is not None else _default_device(bound))
     return model

@@ -93,16 +93,16 @@ def _read_round(
     threads: int | None,
     backend: str | None,
     stats: DeliveryStats,
-    skip: frozenset[int] = frozenset(),
+    skip: np.ndarray | None = None,
 ) -> tuple[np.ndarray, Any, Any, Any]:
-    """Reads this rank's chunks of round ``rnd`` (but the pieces of the tensors in ``skip``) into one staging
+    """Reads this rank's chunks of round ``rnd`` (but the pieces of the tensors in ``skip``, smap ids) into one staging
     buffer; returns ``(staging as uint8 numpy, piece axis starts, piece axis ends, piece staging offsets)``
     (pieces in axis order)."""
     smap = job.smap
     chunks = np.flatnonzero((job.chunk_reader == rank) & (job.chunk_round == rnd))
     rows = job.pieces_of(chunks)
-    if skip and len(rows):
-        rows = rows[~np.isin(job.pieces_key[rows], np.fromiter(skip, dtype=np.int64))]
+    if skip is not None and len(skip) and len(rows):
+        rows = rows[~np.isin(job.pieces_key[rows], skip)]
     keys, starts, ends = job.pieces_key[rows], job.pieces_start[rows], job.pieces_end[rows]
     size = smap.itemsize[keys]
     nbytes = (ends - starts) * size
@@ -377,6 +377,7 @@ def deliver(
     index = context.index
     smap = job.smap
     storage = MemoryStorage(job, job.needs[rank])
+    skipped = np.fromiter(sorted(skip), dtype=np.int64, count=len(skip))  # once, for every round's filters
     ready = _ready_rounds(job, rank)
     # this rank's items from memory, by the round after which they can run
     by_round: dict[int, list[tuple[str, Reads, int, Any]]] = {}
@@ -421,7 +422,7 @@ def deliver(
             read_before = stats.seconds_read
 
             def read_this_round(rnd: int = rnd) -> tuple[np.ndarray, Any, Any, Any]:
-                return _read_round(job, rank, rnd, index, threads, backend, stats, skip)
+                return _read_round(job, rank, rnd, index, threads, backend, stats, skipped)
 
             t_round = time.perf_counter()
             outcome = _agree_or_local(
@@ -448,8 +449,8 @@ def deliver(
                     stats.bytes_sent += tensor.numel()
                     works.append((peer, dist.isend(tensor, dst=peer, tag=rnd)))
                 own = receives.get(rank)
-                if own is not None and skip:
-                    own = own[~np.isin(split_key[own], np.fromiter(skip, dtype=np.int64))]
+                if own is not None and len(skipped):
+                    own = own[~np.isin(split_key[own], skipped)]
                 if own is not None and len(own):
                     data = _pack(job, rank, own, staging, piece_lo, piece_off)
                     _place(storage, split_key[own], split_start[own], data, split_bytes[own])
