@@ -202,6 +202,11 @@ pub(super) fn execute_scaled_reading(
 /// Opens the file of `h` (a regular file, without blocking) and checks it against the header: at least as
 /// long ([`LoadError::Truncated`]) and the same identity ([`LoadError::Changed`]).
 fn open_checked(h: &Header) -> Result<File, LoadError> {
+    open_checked_meta(h).map(|(file, _)| file)
+}
+
+/// [`open_checked`], with the metadata it checked the file against.
+fn open_checked_meta(h: &Header) -> Result<(File, std::fs::Metadata), LoadError> {
     let (file, meta) = open_regular(&h.path)?;
     if meta.len() < h.file_len {
         return Err(LoadError::Truncated {
@@ -215,7 +220,7 @@ fn open_checked(h: &Header) -> Result<File, LoadError> {
             path: h.path.clone(),
         });
     }
-    Ok(file)
+    Ok((file, meta))
 }
 
 /// Checks the file of `h` and maps it when `backend` may copy from a map. The descriptor is kept for
@@ -226,7 +231,7 @@ fn open_source(
     ranges: &[(u64, u64)],
     keep_open: bool,
 ) -> Result<Source, LoadError> {
-    let file = open_checked(h)?;
+    let (file, meta) = open_checked_meta(h)?;
     // Headers parsed from memory have no identity to check a kept map against: map afresh.
     let mapping = || -> Result<Arc<Mapping>, LoadError> {
         let make = || Mapping::new(&file, h.file_len, &h.path);
@@ -236,7 +241,7 @@ fn open_source(
             make().map(Arc::new)
         }
     };
-    let holes = backend == Backend::Auto && mostly_holes(&file, h.file_len);
+    let holes = backend == Backend::Auto && mostly_holes(&meta);
     let map = match backend {
         Backend::Pread => None,
         Backend::Mmap => Some(mapping()?),
@@ -259,10 +264,9 @@ fn open_source(
 /// holes for data). Its hole pages sit in the page cache as single-page folios, which a map populates and tears
 /// down one page-table entry at a time: `pread` read such a cached rank 2-3x faster than a map
 /// (docs/perf-notes.md, "Session 13: sparse files"), while a dense file's larger folios favour the map.
-fn mostly_holes(file: &std::fs::File, len: u64) -> bool {
+fn mostly_holes(meta: &std::fs::Metadata) -> bool {
     use std::os::unix::fs::MetadataExt;
-    file.metadata()
-        .is_ok_and(|m| m.blocks().saturating_mul(512) < len / 2)
+    meta.blocks().saturating_mul(512) < meta.len() / 2
 }
 
 fn run_tasks(
