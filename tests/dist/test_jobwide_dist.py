@@ -217,6 +217,47 @@ def check_permanent_read_error_raises_everywhere(rank: int, world: int) -> str:
     return str(caught.value)
 
 
+def check_nccl_only_default_group(rank: int, world: int) -> dict[str, Any]:
+    """A default group without a CPU backend (as ``init_process_group("nccl")`` makes): it is told by its device
+    types, and a point-to-point of a host tensor on it fails as NCCL's does. The delivery's messages go over a
+    gloo group of every rank instead, made once; the values are the same."""
+    import torch.distributed as dist
+
+    from hp_fastload.dist import groups
+
+    default = dist.distributed_c10d._get_default_group()
+    seen: dict[str, int] = {"default": 0, "other": 0}
+    originals = {name: getattr(dist, name) for name in ("isend", "irecv")}
+
+    def guarded(name: str) -> Any:
+        def call(tensor: torch.Tensor, *args: Any, group: Any = None, **kwargs: Any) -> Any:
+            if (group is None or group is default) and tensor.device.type == "cpu":
+                seen["default"] += 1
+                raise RuntimeError("No backend type associated with device type cpu")
+            seen["other"] += 1
+            return originals[name](tensor, *args, group=group, **kwargs)
+
+        return call
+
+    carries = groups._carries_cpu
+    groups._carries_cpu = lambda group: group is not default and carries(group)
+    dist.isend, dist.irecv = guarded("isend"), guarded("irecv")
+    try:
+        bad, report = _load("qwen3_moe", "hsdp", "job")
+        made = groups._made
+        bad_again, _ = _load("qwen3_moe", "hsdp", "job")
+        same_group = groups._made is made
+    finally:
+        dist.isend, dist.irecv = originals["isend"], originals["irecv"]
+        groups._carries_cpu = carries
+    return {
+        "bad": bad + bad_again,
+        "seen": seen,
+        "received": report.bytes_received,
+        "made_once": same_group and made is not None and made[0] is default,
+    }
+
+
 def check_rank_failing_mid_delivery_is_named(rank: int, world: int) -> str:
     """Rank 3 raises while packing its messages (after the reads were agreed): it raises its own error, the
     others raise naming rank 3 once their wait for it times out (last check: the group is left unusable)."""
@@ -244,7 +285,8 @@ def _all_checks(rank: int, world: int) -> dict[str, Any]:
     checks = [_make_check(*case) for case in CASES] + [
         check_transient_read_error_is_retried,
         check_permanent_read_error_raises_everywhere,
-        check_rank_failing_mid_delivery_is_named,
+        check_nccl_only_default_group,
+        check_rank_failing_mid_delivery_is_named,  # last: it leaves the group unusable
     ]
     return run_subchecks(rank, world, checks)
 
@@ -291,6 +333,16 @@ def test_permanent_read_error_raises_everywhere(outcomes: list[dict[str, Any]]) 
     for message in subcheck_values(outcomes, "check_permanent_read_error_raises_everywhere"):
         assert "rank 2" in message, message
         assert ".safetensors: reading bytes [" in message and "after 4 attempts" in message, message
+
+
+def test_nccl_only_default_group_sends_over_gloo(outcomes: list[dict[str, Any]]) -> None:
+    per_rank = subcheck_values(outcomes, "check_nccl_only_default_group")
+    for got in per_rank:
+        assert got["bad"] == [], got
+        assert got["seen"]["default"] == 0, got  # no host message was posted on the NCCL-like default group
+        assert got["made_once"], got  # one gloo group for the default group, reused by the second load
+    assert sum(got["seen"]["other"] for got in per_rank) > 0  # hsdp: replicas exchange bytes
+    assert sum(got["received"] for got in per_rank) > 0
 
 
 def test_rank_failing_mid_delivery_is_named(outcomes: list[dict[str, Any]]) -> None:

@@ -22,6 +22,7 @@ import torch
 
 from hp_fastload.convert.rules import resolve_mapping
 from hp_fastload.dist.agree import agree, agree_digest, exchanging, wait_work
+from hp_fastload.dist.groups import host_message_group
 from hp_fastload.errors import PlanError
 from hp_fastload.execute.deliver import deliver
 from hp_fastload.execute.read import execute_plan
@@ -173,6 +174,9 @@ def run_job(
         ),
     )
     stats.bytes_read += done.bytes_read if done is not None else 0
+    # host bytes travel over a group that carries CPU tensors (an NCCL-only default group does not); made here,
+    # where every rank is, since making a group is a collective
+    messages = host_message_group()
     delivered = deliver(
         job,
         rank,
@@ -186,6 +190,7 @@ def run_job(
         wait=wait_work,
         exchange=exchanging,
         progress=progress,
+        group=messages,
     )
     stats.bytes_read += delivered.bytes_read
     stats.bytes_sent = delivered.bytes_sent

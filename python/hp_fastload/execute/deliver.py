@@ -5,11 +5,12 @@ Owns, per round of the plan (``planning.jobwide``): reading this rank's chunks w
 staging buffer (one engine call per chunk, transient ``EINTR`` / ``EAGAIN`` / ``EIO`` retried per chunk a
 bounded number of times; a permanent failure names the file and byte range), one agreement that every
 reader's chunks were read (a failure on any rank makes every rank raise naming it, before any message is
-posted), the messages (``isend`` / ``irecv`` on the default process group: one message per reader and
-receiver and round, raw source bytes in axis order), and ``MemoryStorage``: the received intervals of each
-checkpoint tensor, packed, from which the rank's own items are run (casts, post-ops and FP8 dequantization in
-torch, exactly as the engine computes them: ``float32(q) * float32(scale)``, rounded once). A tensor's bytes
-are freed after the last item that uses them ran.
+posted), the messages (``isend`` / ``irecv`` of host buffers on the caller's group, by default the default
+process group: one message per reader and receiver and round, raw source bytes in axis order), and
+``MemoryStorage``: the received intervals of each checkpoint tensor, packed, from which the rank's own items
+are run (casts, post-ops and FP8 dequantization in torch, exactly as the engine computes them:
+``float32(q) * float32(scale)``, rounded once). A tensor's bytes are freed after the last item that uses them
+ran.
 
 Memory per rank: the round's staging, messages sent and received stay within the plan's budget
 (``JobPlan.budget_bytes``; rounds are cut to fit it, and a rank waits for its round's messages before the
@@ -359,6 +360,7 @@ def deliver(
     wait: Callable[[str, Any, int, float | None], None] | None = None,
     exchange: Callable[[], AbstractContextManager[None]] | None = None,
     progress: Callable[[int], None] | None = None,
+    group: Any = None,
 ) -> DeliveryStats:
     """Run ``job`` on this rank: read its chunks, exchange the messages, fill its targets from memory.
 
@@ -369,7 +371,8 @@ def deliver(
     when it failed on any (``dist.agree.agree``); ``wait(stage, work, peer, timeout_s)`` waits for one message
     (``dist.agree.wait_work``: interruptible, a peer's interrupt ends it; None: ``work.wait``); ``exchange()``
     is entered around each round's messages (``dist.agree.exchanging``: a signal there raises and tells the
-    peers). Every rank of the default group calls it together.
+    peers). ``group``: the process group of every rank that carries the messages (host tensors; None: the default
+    group; ``dist.groups.host_message_group``). Every rank of the default group calls it together.
     """
     import torch.distributed as dist
 
@@ -439,7 +442,7 @@ def deliver(
                         continue
                     buf = torch.empty(int(split_bytes[rows].sum()), dtype=torch.uint8)
                     inbox[peer] = buf
-                    works.append((peer, dist.irecv(buf, src=peer, tag=rnd)))
+                    works.append((peer, dist.irecv(buf, src=peer, tag=rnd, group=group)))
                 outbox: list[torch.Tensor] = []
                 t0 = time.perf_counter()
                 for peer, rows in sends.items():
@@ -447,7 +450,7 @@ def deliver(
                     tensor = torch.from_numpy(data)
                     outbox.append(tensor)
                     stats.bytes_sent += tensor.numel()
-                    works.append((peer, dist.isend(tensor, dst=peer, tag=rnd)))
+                    works.append((peer, dist.isend(tensor, dst=peer, tag=rnd, group=group)))
                 own = receives.get(rank)
                 if own is not None and len(skipped):
                     own = own[~np.isin(split_key[own], skipped)]
