@@ -99,7 +99,7 @@ def test_batch_packs_the_records_read_many_packs(tmp_path: Path) -> None:
         strides = row_major_strides(file.shape(key))
         base = sum(o * s for o, s in zip(off, strides, strict=True))
         batch.add(key, base, strides, n, out, (0,) * len(n), file=file)
-    assert np.array_equal(np.concatenate(batch.items), rows)
+    assert np.array_equal(batch.records(), rows)
     assert batch.dests == [v for dest in dests for v in dest]
 
 

@@ -71,6 +71,9 @@ class Batch:
         self.dests: list[int] = []
         self._dest_pos: dict[tuple[int, torch.dtype], int] = {}
         self.items: list[np.ndarray[Any, np.dtype[np.int64]]] = []  # packed records, one array per pack
+        # one-box packs as plain rows, turned into one array when the next array pack or the call comes (a
+        # dense model's targets are one box each: a dozen numpy column writes per box cost more than the box)
+        self._rows: list[list[int]] = []
         self.keep: list[torch.Tensor] = []  # tensors whose memory the engine writes: keep them alive
         self.after: list[Callable[[], None]] = []  # work after the engine call (post-ops, H2D copies)
         self.nbytes = 0
@@ -172,6 +175,9 @@ class Batch:
             located = list(map(self.locate, reads.keys))
         dest_pos = self._dest(dest)
         dest_strides = tuple(dest.stride())
+        if n == 1 and reads.second is None:
+            self._add_row(reads, located[0], dest, dest_pos, dest_strides)
+            return
         files, positions, *_ = zip(*located, strict=True)  # the columns, transposed in C
         distinct = dict(zip(map(id, files), files, strict=True))
         file_pos = {i: self._file(f) for i, f in distinct.items()}
@@ -194,8 +200,40 @@ class Batch:
             records[:, COL_SCALE] = [self._scale(k, s) for k, s in zip(reads.keys, reads.second, strict=True)]
             self._count_scale_rows(reads)
         self.nbytes += reads.total_nbytes
+        self._flush_rows()
         self.items.append(records)
         self.count += n
+
+    def _add_row(
+        self, reads: Reads, where: Located, dest: torch.Tensor, dest_pos: int, dest_strides: tuple[int, ...]
+    ) -> None:
+        """``add_reads`` of one plain box: the same record, built as a list."""
+        ndim = len(dest_strides)
+        row = [0] * ITEM_WIDTH
+        row[COL_FILE] = self._file(where.file)
+        row[COL_TENSOR] = where.position
+        row[COL_SRC_BASE] = int(reads.storage_base[0])
+        row[COL_DEST] = dest_pos
+        offsets = reads.dest_offsets[0].tolist()
+        row[COL_DST_BASE] = sum(o * st for o, st in zip(offsets, dest_strides, strict=True)) + dest.storage_offset()
+        row[COL_NDIM] = ndim
+        row[COL_LENGTHS : COL_LENGTHS + ndim] = reads.lengths[0].tolist()
+        row[COL_SRC_STRIDES : COL_SRC_STRIDES + ndim] = reads.storage_strides[0].tolist()
+        row[COL_DST_STRIDES : COL_DST_STRIDES + ndim] = dest_strides
+        self._rows.append(row)
+        self.nbytes += reads.total_nbytes
+        self.count += 1
+
+    def records(self) -> np.ndarray[Any, np.dtype[np.int64]]:
+        """Every packed item record, in the order added (``[count, ITEM_WIDTH]``)."""
+        self._flush_rows()
+        return np.concatenate(self.items) if self.items else np.zeros((0, ITEM_WIDTH), dtype=np.int64)
+
+    def _flush_rows(self) -> None:
+        """The pending one-box rows as one array pack (item order is kept)."""
+        if self._rows:
+            self.items.append(np.array(self._rows, dtype=np.int64))
+            self._rows = []
 
     def add_records(
         self, files: Sequence[SafetensorsFile], dests: Sequence[tuple[int, int, int]], records: Int64s
@@ -210,6 +248,7 @@ class Batch:
         records[:, COL_FILE] = file_pos[records[:, COL_FILE]]
         records[:, COL_DEST] += len(self.dests) // 3
         self.dests.extend(value for dest in dests for value in dest)
+        self._flush_rows()
         self.items.append(records)
         self.count += len(records)
 
@@ -220,6 +259,7 @@ class Batch:
         engine's stats of doing nothing); the ``after`` work is the caller's (``run`` does both for loads)."""
         if not self.count and not empty:
             return None
+        self._flush_rows()
         kwargs: dict[str, Any] = {"threads": threads, "direction": direction}
         if direction == "read":
             kwargs["backend"] = backend or "auto"

@@ -182,7 +182,8 @@ def execute_plan(
     stats = ExecStats()
     index = context.index
     targets = {name: context.target(name) for name in plan.region_reads}
-    staged = stage_all or any(t.local().device.type == "cuda" for t in targets.values())
+    with torch.no_grad():
+        staged = stage_all or any(t.local().device.type == "cuda" for t in targets.values())
     stager = LoadStager(staging_bytes) if staged else None
     batch = Batch(index.locate)
 

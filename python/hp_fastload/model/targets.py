@@ -98,10 +98,12 @@ class Target:
         self.check()
         if self.virtual:
             raise TargetError(f"target {self.name} has a virtual layout (mesh_override); nothing to write")
-        with torch.no_grad():
-            if isinstance(self.tensor, DTensor):
-                return self.tensor.to_local()
+        if not isinstance(self.tensor, DTensor):
             return self.tensor
+        if not torch.is_grad_enabled():  # the loaders' case: no context manager per target
+            return self.tensor.to_local()
+        with torch.no_grad():
+            return self.tensor.to_local()
 
 
 def _is_uninitialized(t: torch.Tensor) -> bool:
