@@ -3,7 +3,7 @@
 //! each run into its destination.
 
 use std::fs::File;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::release::{Release, Releases};
@@ -15,7 +15,7 @@ use super::{Backend, ExecOptions, ExecStats, Scale, AUTO_MMAP_RESIDENT, IO_THREA
 use crate::dest::{with_dense_dst, DestBuf};
 use crate::error::LoadError;
 use crate::header::{FileIdentity, Header};
-use crate::mmap::{open_regular, prefetch, read_exact_at, Mapping};
+use crate::mmap::{open_regular, prefetch, read_cached_at, read_exact_at, Mapping};
 use crate::plan::plan;
 use crate::threads::{default_threads, MAX_DEFAULT_THREADS};
 use crate::types::{Item, Run};
@@ -280,10 +280,14 @@ fn run_tasks(
 ) -> Result<u64, LoadError> {
     let bytes_read = AtomicU64::new(0);
     let releases = Releases::new(tasks);
-    // pread tasks ask the kernel to read ahead: the first `lookahead` when task 0 is taken (on a worker, so
-    // that a coordinating thread already watches for interrupts: a hint can take milliseconds per task),
-    // then one more per task taken.
+    // pread tasks ask the kernel to read ahead (`POSIX_FADV_WILLNEED`) once the call has met bytes that are not
+    // cached: until then each pread task first takes what the page cache holds without waiting
+    // (`read_cached_at`), and a warm call issues no hint at all (a hint walks the page cache over its range
+    // again: 8% of a warm rank's reads, docs/perf-notes.md). The first task that waits turns the hints on: the
+    // next `lookahead` tasks are hinted then (on a worker, so that a coordinating thread already watches for
+    // interrupts: a hint can take milliseconds per task), then one more per task taken.
     let lookahead = 2 * threads;
+    let hinting = AtomicU8::new(HINTS_UNTIL_A_MISS);
     let prefetch_task = |i: usize| {
         if let Some(t) = tasks.get(i).filter(|t| t.mode != Mode::Mmap) {
             // An open that fails here fails again in the task, which reports it. A file whose tasks are all
@@ -303,15 +307,31 @@ fn run_tasks(
         opts.interrupt.as_ref(),
         |i, buf, stop| {
             let task = &tasks[i];
-            let hints = if i == 0 {
-                1..=lookahead
-            } else {
-                i + lookahead..=i + lookahead
+            let hint = |range: std::ops::RangeInclusive<usize>| {
+                for ahead in range.take_while(|_| !stop.load(Ordering::Relaxed)) {
+                    prefetch_task(ahead);
+                }
             };
-            for ahead in hints.take_while(|_| !stop.load(Ordering::Relaxed)) {
-                prefetch_task(ahead);
+            if hinting.load(Ordering::Relaxed) == HINTS_ON {
+                hint(i + lookahead..=i + lookahead);
             }
-            let result = run_task(task, pieces, sources, files, buf, scaled);
+            let on_miss = || {
+                // the first task of the call that waits for storage: hint the tasks it runs ahead of
+                if hinting.swap(HINTS_ON, Ordering::Relaxed) != HINTS_ON {
+                    hint(i + 1..=i + lookahead);
+                }
+            };
+            let cached_first = hinting.load(Ordering::Relaxed) != HINTS_ON;
+            let result = run_task(
+                task,
+                pieces,
+                sources,
+                files,
+                buf,
+                scaled,
+                cached_first,
+                &on_miss,
+            );
             if task.mode != Mode::Mmap {
                 if let Some(source) = &sources[task.file] {
                     source.finish();
@@ -338,6 +358,35 @@ fn release(sources: &[Option<Source>], ranges: &[Release]) {
     }
 }
 
+/// `run_tasks`' read-ahead hints: none until a pread task waits for storage, then one per task taken.
+const HINTS_UNTIL_A_MISS: u8 = 0;
+const HINTS_ON: u8 = 1;
+
+/// Reads `buf` at `offset`: first what the page cache holds without waiting (`cached_first`), calling
+/// `on_miss` before waiting for the rest; then blocking reads ([`read_exact_at`]).
+fn read_task_bytes(
+    file: &File,
+    buf: &mut [u8],
+    offset: u64,
+    (path, file_len): (&std::path::Path, u64),
+    cached_first: bool,
+    on_miss: &dyn Fn(),
+) -> Result<(), LoadError> {
+    let done = if cached_first {
+        read_cached_at(file, buf, offset)
+    } else {
+        0
+    };
+    if done == buf.len() {
+        return Ok(());
+    }
+    if cached_first {
+        on_miss();
+    }
+    read_exact_at(file, &mut buf[done..], offset + done as u64, path, file_len)
+}
+
+#[allow(clippy::too_many_arguments)]
 fn run_task(
     task: &Task,
     pieces: &[Run],
@@ -345,6 +394,8 @@ fn run_task(
     files: &[Arc<Header>],
     buf: &mut Vec<u8>,
     scaled: &Scaled<'_>,
+    cached_first: bool,
+    on_miss: &dyn Fn(),
 ) -> Result<u64, LoadError> {
     #[cfg(test)]
     if files[task.file].path.ends_with("inject-panic.safetensors") {
@@ -372,7 +423,9 @@ fn run_task(
             let r = &runs[0];
             debug_assert_eq!(r.reps, 1);
             let (file, len) = (source.file(&files[task.file])?, files[task.file].file_len);
-            with_dense_dst(r, |out| read_exact_at(&file, out, r.src_off, path, len))?;
+            with_dense_dst(r, |out| {
+                read_task_bytes(&file, out, r.src_off, (path, len), cached_first, on_miss)
+            })?;
             Ok(r.src_extent())
         }
         Mode::PreadBuffered => {
@@ -382,7 +435,14 @@ fn run_task(
             }
             let file = source.file(&files[task.file])?;
             let file_len = files[task.file].file_len;
-            read_exact_at(&file, &mut buf[..len], task.start, path, file_len)?;
+            read_task_bytes(
+                &file,
+                &mut buf[..len],
+                task.start,
+                (path, file_len),
+                cached_first,
+                on_miss,
+            )?;
             for r in runs {
                 let at = (r.src_off - task.start) as usize;
                 scaled.write(r, &buf[at..at + r.src_extent() as usize]);
