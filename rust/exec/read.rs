@@ -115,8 +115,10 @@ pub(super) fn execute_scaled_reading(
     }
     // Open, check and (maybe) map each file that is needed.
     let mut used = vec![false; files.len()];
+    let mut nibbles = vec![false; files.len()];
     for r in &runs {
         used[r.file] = true;
+        nibbles[r.file] |= r.src_nibble != 0;
     }
     let probes = match opts.backend {
         Backend::Auto => probe_ranges(&runs, files.len()),
@@ -134,8 +136,8 @@ pub(super) fn execute_scaled_reading(
                 holes: false,
             }),
             true => {
-                let mut source =
-                    open_source(h, opts.backend, ranges, kept_open < KEEP_OPEN.min(threads))?;
+                let keep = kept_open < KEEP_OPEN.min(threads);
+                let mut source = open_source(h, opts.backend, ranges, keep, nibbles[f])?;
                 kept_open += usize::from(source.file.get_mut().is_ok_and(|f| f.is_some()));
                 Some(source)
             }
@@ -225,11 +227,15 @@ fn open_checked_meta(h: &Header) -> Result<(File, std::fs::Metadata), LoadError>
 
 /// Checks the file of `h` and maps it when `backend` may copy from a map. The descriptor is kept for
 /// positioned reads only when `keep_open`, else closed (a map does not need it; [`Source::file`] reopens).
+/// `prefer_map`: the file's runs include MXFP4 nibbles, whose tile kernel needs every repetition of a run in
+/// one source slice (a map gives it; `pread` tasks split such runs per repetition, onto the scalar kernel, 6x
+/// slower), so a mostly-holes file is still mapped.
 fn open_source(
     h: &Header,
     backend: Backend,
     ranges: &[(u64, u64)],
     keep_open: bool,
+    prefer_map: bool,
 ) -> Result<Source, LoadError> {
     let (file, meta) = open_checked_meta(h)?;
     // Headers parsed from memory have no identity to check a kept map against: map afresh.
@@ -241,7 +247,7 @@ fn open_source(
             make().map(Arc::new)
         }
     };
-    let holes = backend == Backend::Auto && mostly_holes(&meta);
+    let holes = backend == Backend::Auto && !prefer_map && mostly_holes(&meta);
     let map = match backend {
         Backend::Pread => None,
         Backend::Mmap => Some(mapping()?),

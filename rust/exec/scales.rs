@@ -775,6 +775,79 @@ mod tests {
         }
     }
 
+    /// A sparse rehearsal file (header, then holes) of MXFP4 experts is still mapped under `auto`: `pread`
+    /// would split the transposed runs per repetition onto the scalar nibble kernel (gpt-oss-120b's rank: 2.6
+    /// -> 0.4 GB/s); the values are those of the holes (zero codes).
+    #[test]
+    fn auto_maps_a_sparse_mxfp4_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let (e, y, g) = (1u64, 512u64, 8u64);
+        let nblocks = e * y * g * 16;
+        let h = write_file(
+            dir.path(),
+            "m.safetensors",
+            &[
+                (
+                    "w_scales",
+                    Dtype::U8,
+                    vec![e, y, g],
+                    vec![127; (e * y * g) as usize],
+                ),
+                (
+                    "w_blocks",
+                    Dtype::U8,
+                    vec![e, y, g, 16],
+                    random_bytes(nblocks as usize, 4),
+                ),
+            ],
+        );
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&h.path)
+            .unwrap();
+        f.set_len(h.file_len - nblocks).unwrap(); // the blocks punched out: a hole, zeros when read
+        f.set_len(h.file_len).unwrap();
+        drop(f);
+        let h = Arc::new(Header::read(&h.path).unwrap());
+        let x = g * 32;
+        let mut item = Item {
+            file: 0,
+            tensor: h.index("w_blocks").unwrap() as i64,
+            ndim: 3,
+            scale: 1,
+            ..Item::default()
+        };
+        // transformers' transposed layout [E, X, Y]: repeated runs, one per row of the logical tensor
+        for (d, (len, (src, dst))) in [(e, (y * x, x * y)), (y, (x, 1)), (x, (1, y))]
+            .into_iter()
+            .enumerate()
+        {
+            item.lengths[d] = len as i64;
+            item.src_strides[d] = src as i64;
+            item.dst_strides[d] = dst as i64;
+        }
+        let mut sc = Scale {
+            file: 0,
+            tensor: h.index("w_scales").unwrap() as i64,
+            ndim: 3,
+            ..Scale::default()
+        };
+        sc.shape[..3].copy_from_slice(&[e as i64, y as i64, x as i64]);
+        sc.block[..3].copy_from_slice(&[1, 1, 32]);
+        let mut out = vec![0xaau8; (e * y * x * 2) as usize];
+        let dest = [DestBuf::from_mut_slice(&mut out, Dtype::BF16)];
+        let stats = execute_scaled(
+            std::slice::from_ref(&h),
+            &dest,
+            &[item],
+            &[sc],
+            &ExecOptions::default(),
+        )
+        .unwrap();
+        assert_eq!(stats.backend, "mmap", "{stats:?}");
+        assert!(out.iter().all(|&b| b == 0));
+    }
+
     /// The transformers layout of gpt-oss experts (`[E, G * 32, Y]`, the logical tensor transposed) from
     /// odd and even starts of the 32-element groups, over one or several tiles of the row-stepping kernel,
     /// and bad MXFP4 scales refused before any write.
