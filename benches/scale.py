@@ -16,12 +16,16 @@ ones and rehearses ranks of real trainer layouts on them:
   (regular expressions over keys), written with random values: bf16 with the exponent's top bit cleared
   (finite), FP8 by block-quantizing random bf16 with plain torch ops, MXFP4 codes as random bytes with exponents
   near 127.
-- **Per rank** (``hp-fastload plan CKPT --layout L --world W --rank r --execute --json``, fresh processes: one
-  that brings the bytes into the page cache, then ``--repeat`` warm ones, the median reported): plan seconds
-  (index open included), the rank's reads (bytes, GB/s against the warm-rows anchor of the same run: the median
-  of three ``os.preadv`` passes over the same number of bytes in contiguous 64 MiB rows of the same files, warm,
-  same threads; both after two untimed reads of their pages: the first zero-fills a hole, the second moves the
-  page to the kernel's active list), peak RSS over the rank's local shard bytes, and peak open descriptors.
+- **Per rank** (``hp-fastload plan CKPT --layout L --world W --rank r --execute --json``, fresh processes: two
+  untimed ones, then ``--repeat`` warm ones, the median reported): plan seconds
+  (index open included), the rank's reads (bytes, GB/s against the warm-rows anchor of the same box: the median
+  of three passes of ``os.preadv`` over the byte spans the rank's plan reads (``box_spans``: each item's
+  contiguous runs, merged per file; at most 64 MiB a request, the first 4 GiB), same threads, each request into
+  its own place of one pre-faulted buffer as a loader's bytes land in shards; both after
+  two untimed reads of their pages: the first zero-fills a hole, the second moves the page to the kernel's
+  active list. ``files_rows_gbps`` keeps the earlier anchor: as many bytes in 64 MiB rows of the same files,
+  which sit in other pages, in other folio sizes), peak RSS over the rank's local shard bytes, and peak open
+  descriptors.
 - **Job** (``hp-fastload plan CKPT --all-ranks --json``): per-node storage bytes and the total, with the
   planning seconds and peak RSS of the whole run.
 
@@ -40,7 +44,9 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
+import math
 import os
 import re
 import shutil
@@ -542,6 +548,148 @@ def mem_available() -> int:
     return 0
 
 
+#: An item whose box is more runs than this is counted as its byte hull (one span) by ``box_spans``.
+MAX_RUNS_PER_ITEM = 1 << 16
+
+
+def item_runs(base: int, strides: Sequence[int], lengths: Sequence[int]) -> list[tuple[int, int]]:
+    """A strided box of a tensor as contiguous element runs ``(start, count)``: trailing dims that continue one
+    another (``stride[j] == lengths[j + 1] * stride[j + 1]``, the last with stride 1) make one run, the others
+    enumerate the runs; more than ``MAX_RUNS_PER_ITEM`` runs (or no unit stride): the box's hull."""
+    dims = [(st, n) for st, n in zip(strides, lengths, strict=True) if n != 1]
+    if not dims:
+        return [(base, 1)]
+    run, k = 1, len(dims)
+    while k > 0 and dims[k - 1][0] == run:
+        run *= dims[k - 1][1]
+        k -= 1
+    outer = dims[:k]
+    count = 1
+    for _, n in outer:
+        count *= n
+    if run == 1 or count > MAX_RUNS_PER_ITEM:
+        last = base + sum(st * (n - 1) for st, n in dims)
+        return [(base, last - base + 1)]
+    starts = [base]
+    for st, n in outer:
+        starts = [s0 + i * st for s0 in starts for i in range(n)]
+    return [(s0, run) for s0 in starts]
+
+
+def box_spans(checkpoint: Path, layout: Layout, rank: int) -> list[tuple[str, int, int]]:
+    """The file byte spans of every read the rank's plan makes (region items as their contiguous runs, deferred
+    groups as whole tensors), merged per file: the same box the rehearsal reads, for the warm-rows anchor. In a
+    child process (laying a model out starts a fake process group)."""
+    code = (
+        "import json, sys\n"
+        "sys.path.insert(0, sys.argv[1])\n"
+        "import scale\n"
+        "print(json.dumps(scale._box_spans_here(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5], "
+        "int(sys.argv[6]))))\n"
+    )
+    mesh = f"{layout.mesh[0]}x{layout.mesh[1]}" if layout.mesh else ""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "python"), os.environ.get("PYTHONPATH", "")]))
+    args = [str(Path(__file__).resolve().parent), str(checkpoint), layout.layout, layout.world, mesh, rank]
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *map(str, args)], env=env, capture_output=True, text=True, check=False
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"box spans of {checkpoint} {layout.label} rank {rank} failed:\n{proc.stderr[-4000:]}")
+    return [tuple(x) for x in json.loads(proc.stdout)]
+
+
+def _box_spans_here(checkpoint: str, layout: str, world: int, mesh: str, rank: int) -> list[tuple[str, int, int]]:
+    import hp_fastload as hf
+    from hp_fastload.api.ranks import laid_out
+    from hp_fastload.source.index import CheckpointIndex
+
+    shape = tuple(int(x) for x in mesh.split("x")) if mesh else None
+    by_file: dict[str, list[tuple[int, int]]] = {}
+    with laid_out(checkpoint, layout, world, shape) as (model, _, location, _):
+        plan = hf.plan(model, checkpoint, rank=rank)
+        index = CheckpointIndex.open(location)
+
+        def add(key: str, runs: Iterable[tuple[int, int]]) -> None:
+            entry = index.locate(key)
+            begin, _ = entry.file.offsets(key)
+            size = entry.nbytes // max(1, math.prod(entry.shape))
+            spans = by_file.setdefault(str(entry.file.path), [])
+            spans.extend((begin + start * size, begin + (start + count) * size) for start, count in runs)
+
+        for reads in plan.region_reads.values():
+            for item in reads:
+                add(item.source, item_runs(item.storage_base, item.storage_strides, item.lengths))
+        for group in plan.deferred:
+            for key in group.keys:
+                add(key, [(0, max(1, math.prod(index.locate(key).shape)))])
+    out: list[tuple[str, int, int]] = []
+    for path, spans in sorted(by_file.items()):
+        spans.sort()
+        merged = [list(spans[0])]
+        for a, b in spans[1:]:
+            if a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        out.extend((path, a, b) for a, b in merged)
+    return out
+
+
+def box_rows_anchor(
+    spans: Sequence[tuple[str, int, int]],
+    threads: int,
+    row: int = 64 << 20,
+    runs: int = 3,
+    limit: int = 4 << 30,
+    reused: bool = False,
+) -> list[float]:
+    """GB/s of ``os.preadv`` of the rank's own spans (``box_spans``; longer ones in ``row``-byte requests; the
+    first ``limit`` bytes of them), ``threads`` threads taking every ``threads``-th request, warm: the same pages
+    as the rehearsal's, read as plainly as they can be. Each request lands at its own place in one pre-faulted
+    buffer, as a loader's bytes land in the shards (``reused``: into one reused buffer per thread instead, which
+    stays in the CPU caches when the requests are a few MiB: a rate no loader writing real shards gets). Two
+    untimed passes, then ``runs`` timed ones."""
+    requests: list[tuple[str, int, int]] = []
+    total = 0
+    for path, a, b in spans:
+        for k in range(a, b, row):
+            n = min(row, b - k, limit - total)
+            if n <= 0:
+                break
+            requests.append((path, k, n))
+            total += n
+    places = list(itertools.accumulate((n for _, _, n in requests), initial=0))
+    size = max((n for _, _, n in requests), default=0) if reused else total
+    buffers = [bytearray(size) for _ in range(threads if reused else 1)]
+    for b in buffers:
+        b[::4096] = b"\x01" * len(b[::4096])
+
+    def run() -> float:
+        fds = {p: os.open(p, os.O_RDONLY) for p in {p for p, _, _ in requests}}
+
+        def worker(t: int) -> None:
+            view = memoryview(buffers[t if reused else 0])
+            for i in range(t, len(requests), threads):
+                path, offset, n = requests[i]
+                at = 0 if reused else places[i]
+                os.preadv(fds[path], [view[at : at + n]], offset)
+
+        pool = [threading.Thread(target=worker, args=(t,)) for t in range(threads)]
+        started = time.perf_counter()
+        for th in pool:
+            th.start()
+        for th in pool:
+            th.join()
+        elapsed = time.perf_counter() - started
+        for fd in fds.values():
+            os.close(fd)
+        return total / elapsed / 1e9
+
+    run()
+    run()
+    return [run() for _ in range(runs)]
+
+
 @dataclass(frozen=True)
 class Layout:
     layout: str
@@ -635,20 +783,22 @@ def _gb(n: float) -> str:
 def tables(result: dict[str, Any]) -> str:
     lines = ["### Per rank (one rank rehearsed: local shards allocated, its reads executed; warm)", ""]
     lines += [
-        "| model | layout | rank | plan s | read GB | read s | GB/s | x warm rows | local GB | RSS - local GiB | fds "
-        "| first run GB/s |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| model | layout | rank | plan s | read GB | read s | GB/s | box rows GB/s | x box rows | files rows GB/s "
+        "| local GB | RSS - local GiB | fds | first, second run GB/s |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in result["per_rank"]:
         if "skipped" in row:
             lines.append(f"| {row['model']} | {row['layout_label']} | {row['rank']} | {row['skipped']} |")
             continue
         ratio = row["gbps"] / row["anchor_gbps"] if row.get("anchor_gbps") else float("nan")
+        nan = float("nan")
         lines.append(
             f"| {row['model']} | {row['layout_label']} | {row['rank']} | {row['plan_seconds']:.3f} | "
-            f"{_gb(row['bytes_read'])} | {row['read_seconds']:.2f} | {row['gbps']:.2f} | {ratio:.2f} | "
+            f"{_gb(row['bytes_read'])} | {row['read_seconds']:.2f} | {row['gbps']:.2f} | "
+            f"{row.get('anchor_gbps', nan):.2f} | {ratio:.2f} | {row.get('files_rows_gbps', nan):.2f} | "
             f"{_gb(row['local_bytes'])} | {row['rss_over_local'] / 2**30:+.2f} | {row['peak_fds']} "
-            f"(threads {row['threads']}) | {row.get('first_gbps', float('nan')):.2f} |"
+            f"(threads {row['threads']}) | {row.get('first_gbps', nan):.2f}, {row.get('second_gbps', nan):.2f} |"
         )
     lines += ["", "### Job (`--all-ranks`: every rank planned in one process)", ""]
     lines += [
@@ -720,13 +870,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if "skipped" in row:
                     print(f"  {layout.label} rank {row['rank']}: skipped: {row['skipped']}", flush=True)
                     continue
-                anchors = warm_rows_anchor(shards, min(row["bytes_read"], 4 << 30), args.threads, runs=3)
+                spans = box_spans(gen.path, layout, rank % layout.world)
+                row["box_bytes"] = sum(b - a for _, a, b in spans)
+                row["box_spans"] = len(spans)
+                anchors = box_rows_anchor(spans, args.threads, runs=3)
                 row["anchor_gbps_runs"] = anchors
                 row["anchor_gbps"] = sorted(anchors)[len(anchors) // 2]
+                reused = box_rows_anchor(spans, args.threads, runs=3, reused=True)
+                row["box_rows_reused_gbps"] = sorted(reused)[len(reused) // 2]
+                rows_elsewhere = warm_rows_anchor(shards, min(row["bytes_read"], 4 << 30), args.threads, runs=3)
+                row["files_rows_gbps"] = sorted(rows_elsewhere)[len(rows_elsewhere) // 2]
                 print(
                     f"  {layout.label} rank {row['rank']}: plan {row['plan_seconds']:.3f} s, "
                     f"{row['bytes_read'] / 1e9:.2f} GB at {row['gbps']:.2f} GB/s "
-                    f"(warm rows {row['anchor_gbps']:.2f}), RSS-local {row['rss_over_local'] / 2**30:+.2f} GiB, "
+                    f"(box rows {row['anchor_gbps']:.2f}), RSS-local {row['rss_over_local'] / 2**30:+.2f} GiB, "
                     f"fds {row['peak_fds']}",
                     flush=True,
                 )
