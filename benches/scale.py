@@ -476,12 +476,51 @@ def _cli(args: Sequence[str], timeout: float = 3600) -> tuple[dict[str, Any], fl
     return json.loads(proc.stdout), wall, peak
 
 
+def timed_preadv(requests: Sequence[tuple[str | Path, int, int]], threads: int, runs: int, reused: bool) -> list[float]:
+    """GB/s of ``os.preadv`` of ``requests`` (path, offset, bytes), ``threads`` threads taking every
+    ``threads``-th one: each into its own place of one pre-faulted buffer, or (``reused``) into the start of one
+    pre-faulted buffer per thread. Two untimed passes (a page's first read zero-fills a hole into the page
+    cache; its second moves it to the kernel's active list, a cost per page that the rank's reads paid before
+    they were timed too), then ``runs`` timed ones."""
+    total = sum(n for _, _, n in requests)
+    places = list(itertools.accumulate((n for _, _, n in requests), initial=0))
+    size = max((n for _, _, n in requests), default=0) if reused else total
+    buffers = [bytearray(size) for _ in range(threads if reused else 1)]
+    for b in buffers:
+        b[::4096] = b"\x01" * len(b[::4096])
+
+    def run() -> float:
+        fds = {p: os.open(p, os.O_RDONLY) for p in {p for p, _, _ in requests}}
+
+        def worker(t: int) -> None:
+            view = memoryview(buffers[t if reused else 0])
+            for i in range(t, len(requests), threads):
+                path, offset, n = requests[i]
+                at = 0 if reused else places[i]
+                os.preadv(fds[path], [view[at : at + n]], offset)
+
+        pool = [threading.Thread(target=worker, args=(t,)) for t in range(threads)]
+        started = time.perf_counter()
+        for th in pool:
+            th.start()
+        for th in pool:
+            th.join()
+        elapsed = time.perf_counter() - started
+        for fd in fds.values():
+            os.close(fd)
+        return total / elapsed / 1e9
+
+    run()
+    run()
+    return [run() for _ in range(runs)]
+
+
 def warm_rows_anchor(
     paths: Iterable[Path], nbytes: int, threads: int, row: int = 64 << 20, runs: int = 3
 ) -> list[float]:
-    """GB/s of ``os.preadv`` of ``nbytes`` in contiguous ``row``-byte rows spread over ``paths`` (warmed by a
-    first pass), ``threads`` threads into one pre-faulted buffer each: the box's warm-rows rate, ``runs``
-    times (the rows compare medians: the rehearsal's and this)."""
+    """GB/s of ``os.preadv`` of ``nbytes`` in contiguous ``row``-byte rows spread over ``paths``, ``threads``
+    threads into one pre-faulted buffer each (``timed_preadv``), ``runs`` times: the files-rows rate the
+    per-rank rows kept from before the box anchor."""
     files = [p for p in paths if p.stat().st_size > row]
     jobs: list[tuple[Path, int]] = []
     budget = nbytes
@@ -493,32 +532,7 @@ def warm_rows_anchor(
         jobs.append((path, offset - offset % 4096))
         budget -= row
         k += 1
-
-    def run() -> float:
-        buffers = [bytearray(row) for _ in range(threads)]
-        for b in buffers:
-            b[::4096] = b"\x01" * len(b[::4096])
-        fds = {p: os.open(p, os.O_RDONLY) for p in {p for p, _ in jobs}}
-
-        def worker(t: int) -> None:
-            view = memoryview(buffers[t])
-            for path, offset in jobs[t::threads]:
-                os.preadv(fds[path], [view], offset)
-
-        pool = [threading.Thread(target=worker, args=(t,)) for t in range(threads)]
-        started = time.perf_counter()
-        for th in pool:
-            th.start()
-        for th in pool:
-            th.join()
-        elapsed = time.perf_counter() - started
-        for fd in fds.values():
-            os.close(fd)
-        return len(jobs) * row / elapsed / 1e9
-
-    run()  # the first read of a page: a hole is zero-filled into the page cache
-    run()  # the second: the kernel moves the page to its active list (costly per page), as for the rank's reads
-    return [run() for _ in range(runs)]
+    return timed_preadv([(path, offset, row) for path, offset in jobs], threads, runs, reused=True)
 
 
 def evict_others(data: Path, keep: Path) -> int:
@@ -658,36 +672,7 @@ def box_rows_anchor(
                 break
             requests.append((path, k, n))
             total += n
-    places = list(itertools.accumulate((n for _, _, n in requests), initial=0))
-    size = max((n for _, _, n in requests), default=0) if reused else total
-    buffers = [bytearray(size) for _ in range(threads if reused else 1)]
-    for b in buffers:
-        b[::4096] = b"\x01" * len(b[::4096])
-
-    def run() -> float:
-        fds = {p: os.open(p, os.O_RDONLY) for p in {p for p, _, _ in requests}}
-
-        def worker(t: int) -> None:
-            view = memoryview(buffers[t if reused else 0])
-            for i in range(t, len(requests), threads):
-                path, offset, n = requests[i]
-                at = 0 if reused else places[i]
-                os.preadv(fds[path], [view[at : at + n]], offset)
-
-        pool = [threading.Thread(target=worker, args=(t,)) for t in range(threads)]
-        started = time.perf_counter()
-        for th in pool:
-            th.start()
-        for th in pool:
-            th.join()
-        elapsed = time.perf_counter() - started
-        for fd in fds.values():
-            os.close(fd)
-        return total / elapsed / 1e9
-
-    run()
-    run()
-    return [run() for _ in range(runs)]
+    return timed_preadv(requests, threads, runs, reused)
 
 
 @dataclass(frozen=True)
