@@ -3,7 +3,7 @@
 //! each run into its destination.
 
 use std::fs::File;
-use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::release::{Release, Releases};
@@ -293,7 +293,7 @@ fn run_tasks(
     // next `lookahead` tasks are hinted then (on a worker, so that a coordinating thread already watches for
     // interrupts: a hint can take milliseconds per task), then one more per task taken.
     let lookahead = 2 * threads;
-    let hinting = AtomicU8::new(HINTS_UNTIL_A_MISS);
+    let hinting = AtomicBool::new(false); // on once a pread task waited for storage
     let prefetch_task = |i: usize| {
         if let Some(t) = tasks.get(i).filter(|t| t.mode != Mode::Mmap) {
             // An open that fails here fails again in the task, which reports it. A file whose tasks are all
@@ -318,16 +318,16 @@ fn run_tasks(
                     prefetch_task(ahead);
                 }
             };
-            if hinting.load(Ordering::Relaxed) == HINTS_ON {
+            if hinting.load(Ordering::Relaxed) {
                 hint(i + lookahead..=i + lookahead);
             }
             let on_miss = || {
                 // the first task of the call that waits for storage: hint the tasks it runs ahead of
-                if hinting.swap(HINTS_ON, Ordering::Relaxed) != HINTS_ON {
+                if !hinting.swap(true, Ordering::Relaxed) {
                     hint(i + 1..=i + lookahead);
                 }
             };
-            let cached_first = hinting.load(Ordering::Relaxed) != HINTS_ON;
+            let cached_first = !hinting.load(Ordering::Relaxed);
             let result = run_task(
                 task,
                 pieces,
@@ -363,10 +363,6 @@ fn release(sources: &[Option<Source>], ranges: &[Release]) {
         }
     }
 }
-
-/// `run_tasks`' read-ahead hints: none until a pread task waits for storage, then one per task taken.
-const HINTS_UNTIL_A_MISS: u8 = 0;
-const HINTS_ON: u8 = 1;
 
 /// Reads `buf` at `offset`: first what the page cache holds without waiting (`cached_first`), calling
 /// `on_miss` before waiting for the rest; then blocking reads ([`read_exact_at`]).
@@ -767,15 +763,7 @@ mod tests {
             &[("w", Dtype::U8, vec![n], random_bytes(n as usize, 3))],
         );
         // Punch the data out again: the same header, a hole where the bytes were (zeros when read).
-        let f = std::fs::OpenOptions::new()
-            .write(true)
-            .open(&h.path)
-            .unwrap();
-        let header_end = h.file_len - n;
-        f.set_len(header_end).unwrap();
-        f.set_len(h.file_len).unwrap();
-        drop(f);
-        let h = Arc::new(Header::read(&h.path).unwrap());
+        let h = punch_tail(&h, n);
         let _ = std::fs::read(&h.path).unwrap(); // cached, as a rehearsal's second run finds it
         let item = flat_item(n as i64);
         let mut out = vec![1u8; n as usize];
