@@ -639,6 +639,20 @@ mod tests {
         assert!(matches!(r, Err(LoadError::Request { .. })), "{r:?}");
     }
 
+    /// The e8m0 scale record of `h`'s `w_scales` for the logical `[e, y, x]` MXFP4 tensor (one cell per 32
+    /// elements of the last dim).
+    fn mxfp4_scale(h: &Header, (e, y, x): (u64, u64, u64)) -> Scale {
+        let mut sc = Scale {
+            file: 0,
+            tensor: h.index("w_scales").unwrap() as i64,
+            ndim: 3,
+            ..Scale::default()
+        };
+        sc.shape[..3].copy_from_slice(&[e as i64, y as i64, x as i64]);
+        sc.block[..3].copy_from_slice(&[1, 1, 32]);
+        sc
+    }
+
     /// An MXFP4 box: a stored `[E, Y, G, 16]` U8 tensor (two e2m1 codes a byte, low nibble first) with e8m0
     /// scales `[E, Y, G]` is the logical `[E, Y, G * 32]` tensor of 4-bit elements; a box of it (any start,
     /// odd or even, any permutation of its dims into the destination, as transformers' transposed
@@ -696,14 +710,7 @@ mod tests {
             item.src_strides[d] = strides[d] as i64;
             item.dst_strides[d] = dstride[d] as i64;
         }
-        let mut sc = Scale {
-            file: 0,
-            tensor: h.index("w_scales").unwrap() as i64,
-            ndim: 3,
-            ..Scale::default()
-        };
-        sc.shape[..3].copy_from_slice(&[e as i64, y as i64, x as i64]);
-        sc.block[..3].copy_from_slice(&[1, 1, 32]);
+        let sc = mxfp4_scale(&h, (e, y, x));
         // the reference, from the bits of each code
         let e2m1 = |c: u8| -> f32 {
             let (sign, exp, man) = (c >> 3, (c >> 1) & 3, c & 1);
@@ -801,14 +808,7 @@ mod tests {
                 ),
             ],
         );
-        let f = std::fs::OpenOptions::new()
-            .write(true)
-            .open(&h.path)
-            .unwrap();
-        f.set_len(h.file_len - nblocks).unwrap(); // the blocks punched out: a hole, zeros when read
-        f.set_len(h.file_len).unwrap();
-        drop(f);
-        let h = Arc::new(Header::read(&h.path).unwrap());
+        let h = punch_tail(&h, nblocks); // the blocks punched out: a hole, zeros when read
         let x = g * 32;
         let mut item = Item {
             file: 0,
@@ -826,14 +826,7 @@ mod tests {
             item.src_strides[d] = src as i64;
             item.dst_strides[d] = dst as i64;
         }
-        let mut sc = Scale {
-            file: 0,
-            tensor: h.index("w_scales").unwrap() as i64,
-            ndim: 3,
-            ..Scale::default()
-        };
-        sc.shape[..3].copy_from_slice(&[e as i64, y as i64, x as i64]);
-        sc.block[..3].copy_from_slice(&[1, 1, 32]);
+        let sc = mxfp4_scale(&h, (e, y, x));
         let mut out = vec![0xaau8; (e * y * x * 2) as usize];
         let dest = [DestBuf::from_mut_slice(&mut out, Dtype::BF16)];
         let stats = execute_scaled(
@@ -962,13 +955,7 @@ mod tests {
         item.lengths[..2].copy_from_slice(&[cols as i64, y as i64]);
         item.src_strides[..2].copy_from_slice(&[1, x as i64]);
         item.dst_strides[..2].copy_from_slice(&[y as i64, 1]);
-        let mut sc = Scale {
-            tensor: h.index("w_scales").unwrap() as i64,
-            ndim: 3,
-            ..Scale::default()
-        };
-        sc.shape[..3].copy_from_slice(&[e as i64, y as i64, x as i64]);
-        sc.block[..3].copy_from_slice(&[1, 1, 32]);
+        let sc = mxfp4_scale(&h, (e, y, x));
         let files = std::slice::from_ref(&h);
         let mut a = vec![0u8; (2 * cols * y) as usize];
         let dests = [DestBuf::from_mut_slice(&mut a, Dtype::BF16)];

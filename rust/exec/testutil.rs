@@ -51,6 +51,19 @@ pub(super) fn write_file(
     Arc::new(Header::read(&path).unwrap())
 }
 
+/// The last `n` bytes of `h`'s file turned into a hole (zeros when read), as a sparse rehearsal checkpoint
+/// holds its data; the header read again (the file's identity changed).
+pub(super) fn punch_tail(h: &Header, n: u64) -> Arc<Header> {
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&h.path)
+        .unwrap();
+    f.set_len(h.file_len - n).unwrap();
+    f.set_len(h.file_len).unwrap();
+    drop(f);
+    Arc::new(Header::read(&h.path).unwrap())
+}
+
 pub(super) fn random_bytes(n: usize, seed: u64) -> Vec<u8> {
     let mut s = seed | 1;
     (0..n)
