@@ -259,7 +259,6 @@ class Batch:
         engine's stats of doing nothing); the ``after`` work is the caller's (``run`` does both for loads)."""
         if not self.count and not empty:
             return None
-        self._flush_rows()
         kwargs: dict[str, Any] = {"threads": threads, "direction": direction}
         if direction == "read":
             kwargs["backend"] = backend or "auto"
@@ -268,7 +267,7 @@ class Batch:
             _core.execute(
                 self.headers,
                 np.array(self.dests, dtype=np.int64).tobytes(),
-                b"".join(records.tobytes() for records in self.items),
+                self.records().tobytes(),
                 **kwargs,
             )
         )
