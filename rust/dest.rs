@@ -25,6 +25,8 @@ use crate::kernels::{
 };
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::{mxfp4_exponent_step, E8m0Scales, Scales, E2M1_BF16_BITS};
+#[cfg(target_arch = "x86_64")]
+use crate::lookup;
 use crate::types::Run;
 
 /// Caller memory that a batch of reads writes into, interpreted as elements of `dtype`.
@@ -315,7 +317,24 @@ unsafe fn cast_scaled_dense_avx2(
     cast_scaled_dense(pair, src, dst, map, flat0);
 }
 
-/// [`cast_scaled_dense`] through the widest vector code this CPU runs.
+/// [`cast_scaled_dense`] compiled for AVX-512 (16 lanes; bit for bit the values of the other builds).
+///
+/// # Safety
+/// The CPU must support AVX-512 F and BW.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn cast_scaled_dense_avx512(
+    pair: (Dtype, Dtype),
+    src: &[u8],
+    dst: &mut [u8],
+    map: &ScaleMap<'_>,
+    flat0: u64,
+) {
+    cast_scaled_dense(pair, src, dst, map, flat0);
+}
+
+/// [`cast_scaled_dense`] through the fastest code this CPU runs: the per-block lookup where the span reuses
+/// its tables (`crate::lookup`), else the arithmetic kernel at the widest vector width.
 fn dequantize_dense(
     pair: (Dtype, Dtype),
     src: &[u8],
@@ -323,6 +342,20 @@ fn dequantize_dense(
     map: &ScaleMap<'_>,
     flat0: u64,
 ) {
+    #[cfg(target_arch = "x86_64")]
+    if lookup::worthwhile(pair, src.len(), map) && lookup::supported() {
+        // SAFETY: the CPU features were just detected.
+        unsafe { lookup::dequantize_dense(pair, src, dst, map, flat0) };
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f")
+        && std::arch::is_x86_feature_detected!("avx512bw")
+    {
+        // SAFETY: AVX-512 F and BW were just detected on this CPU.
+        unsafe { cast_scaled_dense_avx512(pair, src, dst, map, flat0) };
+        return;
+    }
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
         // SAFETY: AVX2 support was just detected on this CPU.
@@ -1027,7 +1060,7 @@ unsafe fn nibble_tiles_avx2(
                 with_dense_rep(run, r as u64, |out| {
                     let o = &mut out[2 * y0..2 * y1];
                     let p = o.as_mut_ptr();
-                    if p as usize % 16 != 0 {
+                    if !(p as usize).is_multiple_of(16) {
                         o.copy_from_slice(from);
                         return;
                     }

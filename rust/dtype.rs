@@ -156,7 +156,7 @@ impl Dtype {
 
     /// Whether elements are smaller than a byte (and so packed several to a byte).
     pub fn is_sub_byte(self) -> bool {
-        self.bits() % 8 != 0
+        !self.bits().is_multiple_of(8)
     }
 
     /// Size of one element in bytes; `None` for sub-byte types.

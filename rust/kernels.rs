@@ -544,7 +544,10 @@ impl ScaleMap<'_> {
     /// the tensor is a grid row, a window's row is `width` cells).
     pub(crate) fn row_steps(&self, flat0: u64, step: u64) -> Option<(usize, usize)> {
         let n = self.ndim;
-        if n < 2 || self.block[..n - 1].iter().any(|&b| b != 1) || step % self.shape[n - 1] != 0 {
+        if n < 2
+            || self.block[..n - 1].iter().any(|&b| b != 1)
+            || !step.is_multiple_of(self.shape[n - 1])
+        {
             return None;
         }
         let rows = step / self.shape[n - 1];
@@ -843,8 +846,94 @@ fn scaled_segment<Q: Fp8Value, D: FloatCodec>(scale: f32, src: &[u8], dst: &mut 
     }
 }
 
-/// The dense kernel: walks the block segments of `src` (flat indices `flat0..`), one grid lookup per row of
-/// the last dim and the next grid cell for each further segment of that row.
+/// Every byte in order: the 256 codes of an 8-bit float.
+const ALL_CODES: [u8; 256] = {
+    let mut codes = [0u8; 256];
+    let mut c = 0;
+    while c < 256 {
+        codes[c] = c as u8;
+        c += 1;
+    }
+    codes
+};
+
+/// What the dense kernel makes of each of the 256 codes of the 8-bit float `sd` times `scale` in the 2-byte
+/// float `dd`: code `c`'s bits at `out[2c..2c + 2]` (little-endian), computed by [`scaled_segment`] itself,
+/// so that looking an element up gives it bit for bit (a block with one scale holds only these 256 values).
+/// `false`, and `out` untouched, for any pair but e4m3 / e5m2 into bf16 / f16. Inlined into its callers, so
+/// that they compile it for their vector width.
+#[inline(always)]
+pub(crate) fn scaled_code_values(sd: Dtype, dd: Dtype, scale: f32, out: &mut [u8; 512]) -> bool {
+    match (sd, dd) {
+        (Dtype::F8_E4M3, Dtype::BF16) => scaled_segment::<QE4M3, CBF16>(scale, &ALL_CODES, out),
+        (Dtype::F8_E4M3, Dtype::F16) => scaled_segment::<QE4M3, CF16>(scale, &ALL_CODES, out),
+        (Dtype::F8_E5M2, Dtype::BF16) => scaled_segment::<QE5M2, CBF16>(scale, &ALL_CODES, out),
+        (Dtype::F8_E5M2, Dtype::F16) => scaled_segment::<QE5M2, CF16>(scale, &ALL_CODES, out),
+        _ => return false,
+    }
+    true
+}
+
+/// The block segments of the flat elements `flat0..flat0 + n` of a scaled tensor: `(cell, a, b)`, elements
+/// `a..b` (counted from `flat0`) sharing the scale of window cell `cell`; one grid lookup per row of the last
+/// dim, the next cell for each further segment of that row. (An iterator rather than a walk taking a
+/// closure: a closure is compiled without the vector features of the kernel that calls it.)
+pub(crate) struct BlockSegments<'m, 'a> {
+    map: &'m ScaleMap<'a>,
+    block: u64,
+    n: usize,
+    i: usize,
+    flat: u64,
+    /// The current segment's cell, its end and its row's end (flat indices); `until == flat` at a row start.
+    cell: usize,
+    until: u64,
+    row_end: u64,
+}
+
+impl<'m, 'a> BlockSegments<'m, 'a> {
+    #[inline(always)]
+    pub(crate) fn new(map: &'m ScaleMap<'a>, flat0: u64, n: usize) -> Self {
+        let block = match map.ndim {
+            0 => u64::MAX,
+            d => map.block[d - 1],
+        };
+        BlockSegments {
+            map,
+            block,
+            n,
+            i: 0,
+            flat: flat0,
+            cell: 0,
+            until: flat0,
+            row_end: flat0,
+        }
+    }
+}
+
+impl Iterator for BlockSegments<'_, '_> {
+    type Item = (usize, usize, usize);
+
+    #[inline(always)]
+    fn next(&mut self) -> Option<(usize, usize, usize)> {
+        if self.i == self.n {
+            return None;
+        }
+        if self.flat >= self.row_end {
+            (self.cell, self.until, self.row_end) = self.map.locate(self.flat);
+        } else {
+            self.cell += 1;
+            self.until = self.until.saturating_add(self.block).min(self.row_end);
+        }
+        let left = self.n - self.i;
+        let seg = usize::try_from(self.until - self.flat).map_or(left, |s| s.min(left));
+        let a = self.i;
+        self.i += seg;
+        self.flat += seg as u64;
+        Some((self.cell, a, self.i))
+    }
+}
+
+/// The dense kernel: each block segment of `src` ([`BlockSegments`]) through [`scaled_segment`].
 #[inline(always)]
 fn dense_scaled<Q: Fp8Value, D: FloatCodec>(
     src: &[u8],
@@ -852,27 +941,9 @@ fn dense_scaled<Q: Fp8Value, D: FloatCodec>(
     map: &ScaleMap<'_>,
     flat0: u64,
 ) {
-    let n = src.len();
-    let block = match map.ndim {
-        0 => u64::MAX,
-        d => map.block[d - 1],
-    };
-    let (mut i, mut flat) = (0usize, flat0);
-    while i < n {
-        let (mut idx, mut until, row_end) = map.locate(flat);
-        loop {
-            let seg = usize::try_from(until - flat).map_or(n - i, |s| s.min(n - i));
-            let (a, b) = (i, i + seg);
-            let out = &mut dst[a * D::SIZE..b * D::SIZE];
-            scaled_segment::<Q, D>(map.values.get(idx), &src[a..b], out);
-            i = b;
-            flat += seg as u64;
-            if i == n || flat >= row_end {
-                break;
-            }
-            idx += 1;
-            until = until.saturating_add(block).min(row_end);
-        }
+    for (cell, a, b) in BlockSegments::new(map, flat0, src.len()) {
+        let out = &mut dst[a * D::SIZE..b * D::SIZE];
+        scaled_segment::<Q, D>(map.values.get(cell), &src[a..b], out);
     }
 }
 

@@ -20,6 +20,7 @@
 //!   [`threads`]: the default thread count.
 //! - [`types`]: plain data: [`Item`] (a read request), [`types::Run`] (a planned strided copy), [`MAX_NDIM`].
 //! - [`kernels`]: scalar conversions, cast kernels, dequantizing kernels (fp8 and MXFP4 with block scales).
+//! - `lookup`: 8-bit float block dequantization by per-block tables (AVX-512 VBMI; `unsafe`, fenced).
 //! - `mmap`: maps, page residency, positioned reads (`unsafe`, fenced). [`header`]: strict safetensors
 //!   headers ([`Header`]), weight maps, natural order. [`keys`]: key templates.
 //! - [`dest`]: destination buffers ([`DestBuf`]) and the only writes through raw destination pointers
@@ -61,6 +62,7 @@ pub mod exec;
 pub mod header;
 pub mod kernels;
 pub mod keys;
+mod lookup;
 mod mmap;
 #[cfg(feature = "s3")]
 pub mod objstore;

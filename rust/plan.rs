@@ -265,7 +265,9 @@ fn plan_item(
     // Sub-byte runs must start and end on byte boundaries in every repetition: repetition 0 does when its
     // start and length do, and then every later one does when repetition 1 does (the strides are even).
     let misaligned = |se: u64, de: u64| {
-        (se * sbits) % 8 != 0 || (de * dbits) % 8 != 0 || (count * sbits) % 8 != 0
+        !(se * sbits).is_multiple_of(8)
+            || !(de * dbits).is_multiple_of(8)
+            || (count * sbits) % 8 != 0
     };
     let data_start = h.data_start + tensor.begin;
     let mut idx = vec![0u64; dims.len()];

@@ -536,7 +536,7 @@ fn execute<'py>(
             "the write direction writes local files; an object header cannot be written".into(),
         ));
     }
-    if dests.len() % 24 != 0 {
+    if !dests.len().is_multiple_of(24) {
         return Err(plan_error(
             py,
             format!("dests has {} bytes, not a multiple of 24", dests.len()),
@@ -568,7 +568,7 @@ fn execute<'py>(
         }
         triples.push((addr, nbytes, dtype));
     }
-    if items.len() % (ITEM_WIDTH * 8) != 0 {
+    if !items.len().is_multiple_of(ITEM_WIDTH * 8) {
         return Err(plan_error(
             py,
             format!(
@@ -602,7 +602,7 @@ fn execute<'py>(
         })
         .collect();
     let scales = scales.unwrap_or_default();
-    if scales.len() % (SCALE_WIDTH * 8) != 0 {
+    if !scales.len().is_multiple_of(SCALE_WIDTH * 8) {
         return Err(plan_error(
             py,
             format!(

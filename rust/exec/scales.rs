@@ -464,7 +464,7 @@ pub(super) fn item_scales(
             let fits = sc.ndim > 0
                 && row > 0
                 && logical == 2 * t.numel()
-                && sc.shape[sc.ndim - 1] % row == 0;
+                && sc.shape[sc.ndim - 1].is_multiple_of(row);
             if !fits {
                 return Err(bad(format!(
                     "'{}' (U8, MXFP4 pairs) has shape {:?} but its scale {} describes 4-bit elements {:?} \
