@@ -782,9 +782,9 @@ mod tests {
         }
     }
 
-    /// A sparse rehearsal file (header, then holes) of MXFP4 experts is still mapped under `auto`: `pread`
-    /// would split the transposed runs per repetition onto the scalar nibble kernel (gpt-oss-120b's rank: 2.6
-    /// -> 0.4 GB/s); the values are those of the holes (zero codes).
+    /// A sparse rehearsal file (header, then holes) of MXFP4 experts, warm, is still mapped under `auto`:
+    /// `pread` would split the transposed runs per repetition onto the scalar nibble kernel (gpt-oss-120b's
+    /// rank: 2.6 -> 0.4 GB/s); the values are those of the holes (zero codes).
     #[test]
     fn auto_maps_a_sparse_mxfp4_file() {
         let dir = tempfile::tempdir().unwrap();
@@ -827,6 +827,9 @@ mod tests {
             item.dst_strides[d] = dst as i64;
         }
         let sc = mxfp4_scale(&h, (e, y, x));
+        // Warm, as a rehearsal's timed runs are: a hole's first read puts zero pages in the page cache, and a
+        // cold file goes to `pread` whatever it holds (the residency probe).
+        std::fs::read(&h.path).unwrap();
         let mut out = vec![0xaau8; (e * y * x * 2) as usize];
         let dest = [DestBuf::from_mut_slice(&mut out, Dtype::BF16)];
         let stats = execute_scaled(

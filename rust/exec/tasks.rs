@@ -2,6 +2,7 @@
 //! otherwise read through, sorting by (file, offset), grouping nearby pieces into tasks, and the byte ranges
 //! the `auto` backend probes for residency. It reads nothing.
 
+use crate::mmap::RESIDENCY_SAMPLES;
 use crate::types::Run;
 
 /// Mapped runs join a task across gaps up to this many bytes (see `make_tasks`).
@@ -27,25 +28,38 @@ pub(super) struct Task {
     pub(super) end: u64,
 }
 
-/// Most byte ranges per file handed to the `auto` residency probe ([`crate::mmap::Mapping::resident_fraction`], which
-/// asks about at most `RESIDENCY_SAMPLES` = 256 pages spread evenly over them).
-const PROBE_RANGES: u64 = 4096;
+/// Needed bytes per one-byte range handed to the `auto` residency probe
+/// ([`crate::mmap::Mapping::resident_fraction`]), between [`MIN_PROBES`] and `RESIDENCY_SAMPLES` = 256 ranges
+/// a file (the most pages the probe asks about): a file a call needs 3 MiB of gets 8 ranges, not 256. Each
+/// range is a `mincore` call for a file the probe maps (one system call per sample: 256 for each of the 254
+/// files of a Llama-3.1-405B rank was 65 thousand calls), and every range is built per call (4,096 a file
+/// were built, 16 MB of vectors for such a rank: 7 ms of its 50 ms engine call, docs/perf-notes.md,
+/// "Session 15").
+const PROBE_BYTES: u64 = 1 << 20;
 
-/// Per file, at most [`PROBE_RANGES`] one-byte ranges at positions spread evenly over the source
-/// bytes the runs need (repetitions expanded, the bytes between them left out), so that the probe samples
-/// what is read, not the span, in O(runs + PROBE_RANGES) rather than O(repetitions).
+/// Fewest probe ranges a file gets (when it has that many needed bytes).
+const MIN_PROBES: u64 = 8;
+
+/// Per file, one-byte ranges at positions spread evenly over the source bytes the runs need (repetitions
+/// expanded, the bytes between them left out), one per [`PROBE_BYTES`] of them within
+/// `MIN_PROBES..=RESIDENCY_SAMPLES`, so that the probe samples what is read, not the span, in O(runs + ranges)
+/// rather than O(repetitions).
 pub(super) fn probe_ranges(runs: &[Run], nfiles: usize) -> Vec<Vec<(u64, u64)>> {
     let mut total = vec![0u64; nfiles];
     for r in runs {
         total[r.file] += r.needed_bytes();
     }
+    let probes = |t: u64| (t / PROBE_BYTES).clamp(MIN_PROBES, RESIDENCY_SAMPLES);
     let step: Vec<u64> = total
         .iter()
-        .map(|&t| t.div_ceil(PROBE_RANGES).max(1))
+        .map(|&t| t.div_ceil(probes(t)).max(1))
         .collect();
     let mut seen = vec![0u64; nfiles]; // needed bytes of the file's runs so far
     let mut next = vec![0u64; nfiles]; // needed-byte position of the file's next probe
-    let mut out: Vec<Vec<(u64, u64)>> = vec![Vec::new(); nfiles];
+    let mut out: Vec<Vec<(u64, u64)>> = total
+        .iter()
+        .map(|&t| Vec::with_capacity(probes(t).min(t) as usize))
+        .collect();
     for r in runs {
         let f = r.file;
         let (extent, needed) = (r.run_extent(), r.needed_bytes());
@@ -270,21 +284,36 @@ mod tests {
         ];
         let probes = probe_ranges(&runs, 3);
         assert!(probes[2].is_empty());
-        assert_eq!(probes[1], (5..15).map(|a| (a, a + 1)).collect::<Vec<_>>());
+        // 10 needed bytes: MIN_PROBES ranges, at most one per 2 bytes.
+        assert_eq!(
+            probes[1],
+            (5..15).step_by(2).map(|a| (a, a + 1)).collect::<Vec<_>>()
+        );
+        // 2 MB needed: 2 ranges by size, MIN_PROBES at least.
+        assert_eq!(probe_ranges(&runs[..2], 1)[0].len() as u64, MIN_PROBES);
+        // 256 MB needed in repetitions and as much in one run: RESIDENCY_SAMPLES ranges.
+        let runs = [
+            run(0, 1000, 100, 2_560_000, 1000),
+            run(0, 3_000_000_000, 256_000_000, 1, 0),
+            run(1, 5, 10, 1, 0),
+        ];
+        let probes = probe_ranges(&runs, 3);
         let p = &probes[0];
         assert!(
-            (PROBE_RANGES - 10..=PROBE_RANGES).contains(&(p.len() as u64)),
+            (RESIDENCY_SAMPLES - 2..=RESIDENCY_SAMPLES).contains(&(p.len() as u64)),
             "{}",
             p.len()
         );
         assert!(p.iter().all(|&(a, b)| b == a + 1));
         let (repeated, plain): (Vec<u64>, Vec<u64>) =
-            p.iter().map(|r| r.0).partition(|&a| a < 20_000_000);
+            p.iter().map(|r| r.0).partition(|&a| a < 3_000_000_000);
         // Only bytes the repetitions read, none between them; both runs get half the probes.
         assert!(repeated
             .iter()
             .all(|a| a >= &1000 && (a - 1000) % 1000 < 100));
-        assert!(plain.iter().all(|a| (20_000_000..21_000_000).contains(a)));
+        assert!(plain
+            .iter()
+            .all(|a| (3_000_000_000..3_256_000_000).contains(a)));
         assert!(
             repeated.len().abs_diff(plain.len()) <= 2,
             "{} {}",
@@ -293,6 +322,6 @@ mod tests {
         );
         // Evenly spread over the repetitions.
         let last_rep = (repeated.last().unwrap() - 1000) / 1000;
-        assert!(last_rep >= 9_990, "{last_rep}");
+        assert!(last_rep >= 2_540_000, "{last_rep}");
     }
 }
