@@ -769,20 +769,25 @@ def tables(result: dict[str, Any]) -> str:
     lines = ["### Per rank (one rank rehearsed: local shards allocated, its reads executed; warm)", ""]
     lines += [
         "| model | layout | rank | plan s | read GB | read s | GB/s | box rows GB/s | x box rows | files rows GB/s "
-        "| local GB | RSS - local GiB | fds | first, second run GB/s |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| local GB | written GB/s | x box rows, written | RSS - local GiB | fds | first, second run GB/s |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in result["per_rank"]:
         if "skipped" in row:
             lines.append(f"| {row['model']} | {row['layout_label']} | {row['rank']} | {row['skipped']} |")
             continue
         ratio = row["gbps"] / row["anchor_gbps"] if row.get("anchor_gbps") else float("nan")
+        # A dequantizing rank writes more bytes than it reads (bf16 from FP8: 2x; from MXFP4: 4x), the box's
+        # copy as many as it reads: the written rate is the like-for-like one for those rows.
+        written = row["local_bytes"] / row["read_seconds"] / 1e9 if row["read_seconds"] else float("nan")
+        written_ratio = written / row["anchor_gbps"] if row.get("anchor_gbps") else float("nan")
         nan = float("nan")
         lines.append(
             f"| {row['model']} | {row['layout_label']} | {row['rank']} | {row['plan_seconds']:.3f} | "
             f"{_gb(row['bytes_read'])} | {row['read_seconds']:.2f} | {row['gbps']:.2f} | "
             f"{row.get('anchor_gbps', nan):.2f} | {ratio:.2f} | {row.get('files_rows_gbps', nan):.2f} | "
-            f"{_gb(row['local_bytes'])} | {row['rss_over_local'] / 2**30:+.2f} | {row['peak_fds']} "
+            f"{_gb(row['local_bytes'])} | {written:.2f} | {written_ratio:.2f} | "
+            f"{row['rss_over_local'] / 2**30:+.2f} | {row['peak_fds']} "
             f"(threads {row['threads']}) | {row.get('first_gbps', nan):.2f}, {row.get('second_gbps', nan):.2f} |"
         )
     lines += ["", "### Job (`--all-ranks`: every rank planned in one process)", ""]

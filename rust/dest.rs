@@ -300,38 +300,41 @@ pub(crate) fn write_run(run: &Run, src: &[u8]) {
     }
 }
 
-/// [`cast_scaled_dense`] compiled for AVX2 (8 lanes and byte-to-dword loads in the vectorized block loop; the
-/// same scalar semantics, no fused multiply-add, so the values are bit for bit those of the SSE2 build).
-///
-/// # Safety
-/// The CPU must support AVX2.
+/// Defines [`cast_scaled_dense`] compiled for a set of x86-64 vector features: the same scalar semantics and
+/// no fused multiply-add, so every build's values are bit for bit those of the SSE2 build.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn cast_scaled_dense_avx2(
-    pair: (Dtype, Dtype),
-    src: &[u8],
-    dst: &mut [u8],
-    map: &ScaleMap<'_>,
-    flat0: u64,
-) {
-    cast_scaled_dense(pair, src, dst, map, flat0);
+macro_rules! scaled_dense_for {
+    ($(#[$doc:meta])* $name:ident, $features:literal) => {
+        $(#[$doc])*
+        ///
+        /// # Safety
+        #[doc = concat!("The CPU must support ", $features, ".")]
+        #[target_feature(enable = $features)]
+        unsafe fn $name(
+            pair: (Dtype, Dtype),
+            src: &[u8],
+            dst: &mut [u8],
+            map: &ScaleMap<'_>,
+            flat0: u64,
+        ) {
+            cast_scaled_dense(pair, src, dst, map, flat0);
+        }
+    };
 }
 
-/// [`cast_scaled_dense`] compiled for AVX-512 (16 lanes; bit for bit the values of the other builds).
-///
-/// # Safety
-/// The CPU must support AVX-512 F and BW.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn cast_scaled_dense_avx512(
-    pair: (Dtype, Dtype),
-    src: &[u8],
-    dst: &mut [u8],
-    map: &ScaleMap<'_>,
-    flat0: u64,
-) {
-    cast_scaled_dense(pair, src, dst, map, flat0);
-}
+scaled_dense_for!(
+    /// [`cast_scaled_dense`] for AVX2 (8 lanes and byte-to-dword loads in the vectorized block loop).
+    cast_scaled_dense_avx2,
+    "avx2"
+);
+
+#[cfg(target_arch = "x86_64")]
+scaled_dense_for!(
+    /// [`cast_scaled_dense`] for AVX-512 (16 lanes).
+    cast_scaled_dense_avx512,
+    "avx512f,avx512bw"
+);
 
 /// [`cast_scaled_dense`] through the fastest code this CPU runs: the per-block lookup where the span reuses
 /// its tables (`crate::lookup`), else the arithmetic kernel at the widest vector width.
