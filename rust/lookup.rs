@@ -73,8 +73,8 @@ pub(crate) fn supported() -> bool {
 
 /// Whether the lookup pays for `n` dense elements of `sd` scaled into `dd` over `map`: an 8-bit float into a
 /// 2-byte float, and each table serving at least [`MIN_REUSE`] elements by the estimate "the span's part of
-/// a block's width times the block's rows" (the rows of a block are read in order by one thread, in this
-/// call or the next ones; a per-tensor scale: the whole span).
+/// a block's width times the block's rows that the tensor has" (the rows of a block are read in order by one
+/// thread, in this call or the next ones; a per-tensor scale: the whole span).
 pub(crate) fn worthwhile((sd, dd): (Dtype, Dtype), n: usize, map: &ScaleMap<'_>) -> bool {
     if !matches!(sd, Dtype::F8_E4M3 | Dtype::F8_E5M2) || !matches!(dd, Dtype::BF16 | Dtype::F16) {
         return false;
@@ -83,7 +83,10 @@ pub(crate) fn worthwhile((sd, dd): (Dtype, Dtype), n: usize, map: &ScaleMap<'_>)
     let reuse = match map.ndim {
         0 => n,
         1 => map.block[0].min(n),
-        d => map.block[d - 1].min(map.shape[d - 1]).min(n) * map.block[d - 2],
+        d => {
+            let width = map.block[d - 1].min(map.shape[d - 1]).min(n);
+            width * map.block[d - 2].min(map.shape[d - 2])
+        }
     };
     reuse >= MIN_REUSE
 }
@@ -313,8 +316,8 @@ mod tests {
     }
 
     /// A dense span of a DeepSeek-V3-like weight (128 x 128 blocks, rows of 7,168) takes the lookup, also a
-    /// column slice's row; a span of a few elements, a grid with one row per block, or a 4-byte destination
-    /// keep the arithmetic kernel.
+    /// column slice's row; a span of a few elements, a grid with one row per block, a tensor of one row, or a
+    /// 4-byte destination keep the arithmetic kernel.
     #[test]
     fn worthwhile_takes_spans_that_reuse_their_tables() {
         let (shape, block, strides) = grid([1024, 7168], [128, 128]);
@@ -325,6 +328,10 @@ mod tests {
         assert!(worthwhile(fp8, 128, &map));
         assert!(!worthwhile(fp8, 3, &map));
         assert!(!worthwhile((Dtype::F8_E4M3, Dtype::F32), 28 * 7168, &map));
+        // one row: a block's 128 rows are not there to reuse its table
+        let (shape, block, strides) = grid([1, 7168], [128, 128]);
+        let one_row = ScaleMap::whole(&values, 2, shape, block, strides);
+        assert!(!worthwhile(fp8, 7168, &one_row));
         let (shape, block, strides) = grid([1024, 7168], [1, 128]);
         let map = ScaleMap::whole(&values, 2, shape, block, strides);
         assert!(!worthwhile(fp8, 28 * 7168, &map));
