@@ -615,6 +615,7 @@ def box_spans(checkpoint: Path, layout: Layout, rank: int) -> list[tuple[str, in
 def _box_spans_here(checkpoint: str, layout: str, world: int, mesh: str, rank: int) -> list[tuple[str, int, int]]:
     import hp_fastload as hf
     from hp_fastload.api.ranks import laid_out
+    from hp_fastload.planning.jobranks import packed_keys
     from hp_fastload.source.index import CheckpointIndex
 
     shape = tuple(int(x) for x in mesh.split("x")) if mesh else None
@@ -622,12 +623,16 @@ def _box_spans_here(checkpoint: str, layout: str, world: int, mesh: str, rank: i
     with laid_out(checkpoint, layout, world, shape) as (model, _, location, _):
         plan = hf.plan(model, checkpoint, rank=rank)
         index = CheckpointIndex.open(location)
+        packed = packed_keys(plan, index)
 
         def add(key: str, runs: Iterable[tuple[int, int]]) -> None:
             entry = index.locate(key)
             begin, _ = entry.file.offsets(key)
-            size = entry.nbytes // max(1, math.prod(entry.shape))
             spans = by_file.setdefault(str(entry.file.path), [])
+            if key in packed:  # MXFP4 blocks: the plan's items count 4-bit codes, two a byte
+                spans.extend((begin + start // 2, begin + (start + count + 1) // 2) for start, count in runs)
+                return
+            size = entry.nbytes // max(1, math.prod(entry.shape))
             spans.extend((begin + start * size, begin + (start + count) * size) for start, count in runs)
 
         for reads in plan.region_reads.values():
@@ -765,12 +770,25 @@ def _gb(n: float) -> str:
     return f"{n / 1e9:,.2f}"
 
 
+def like_for_like(row: dict[str, Any]) -> float:
+    """The box's time over the rank's for the same work: the box copying, at its measured rate, the larger of
+    the bytes the rank's reads page through (``box_bytes``: a cut along a tensor's inner dim, as EP x FSDP cuts
+    gpt-oss's transposed experts, takes a few bytes of every row, and storage and the page cache deal in
+    whole pages) and the bytes the rank writes (``local_bytes``: a dequantizing rank writes 2-4x what it
+    reads). For a bf16 rank reading whole rows both are its read bytes, and this is "x box rows"."""
+    if not row.get("anchor_gbps") or not row.get("read_seconds"):
+        return float("nan")
+    work = max(row.get("box_bytes", 0), row["local_bytes"])
+    return work / 1e9 / row["anchor_gbps"] / row["read_seconds"]
+
+
 def tables(result: dict[str, Any]) -> str:
     lines = ["### Per rank (one rank rehearsed: local shards allocated, its reads executed; warm)", ""]
     lines += [
         "| model | layout | rank | plan s | read GB | read s | GB/s | box rows GB/s | x box rows | files rows GB/s "
-        "| local GB | written GB/s | x box rows, written | RSS - local GiB | fds | first, second run GB/s |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| local GB | written GB/s | x box rows, written | x box, like for like | RSS - local GiB | fds "
+        "| first, second run GB/s |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in result["per_rank"]:
         if "skipped" in row:
@@ -781,12 +799,13 @@ def tables(result: dict[str, Any]) -> str:
         # copy as many as it reads: the written rate is the like-for-like one for those rows.
         written = row["local_bytes"] / row["read_seconds"] / 1e9 if row["read_seconds"] else float("nan")
         written_ratio = written / row["anchor_gbps"] if row.get("anchor_gbps") else float("nan")
+        like = like_for_like(row)
         nan = float("nan")
         lines.append(
             f"| {row['model']} | {row['layout_label']} | {row['rank']} | {row['plan_seconds']:.3f} | "
             f"{_gb(row['bytes_read'])} | {row['read_seconds']:.2f} | {row['gbps']:.2f} | "
             f"{row.get('anchor_gbps', nan):.2f} | {ratio:.2f} | {row.get('files_rows_gbps', nan):.2f} | "
-            f"{_gb(row['local_bytes'])} | {written:.2f} | {written_ratio:.2f} | "
+            f"{_gb(row['local_bytes'])} | {written:.2f} | {written_ratio:.2f} | {like:.2f} | "
             f"{row['rss_over_local'] / 2**30:+.2f} | {row['peak_fds']} "
             f"(threads {row['threads']}) | {row.get('first_gbps', nan):.2f}, {row.get('second_gbps', nan):.2f} |"
         )

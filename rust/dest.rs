@@ -24,7 +24,7 @@ use crate::kernels::{
     nibble_rows_dense, ElemSink, ScaleMap, ScaleValues,
 };
 #[cfg(target_arch = "x86_64")]
-use crate::kernels::{mxfp4_exponent_step, E8m0Scales, Scales, E2M1_BF16_BITS};
+use crate::kernels::{mxfp4_exponent_step, Scales, E2M1_BF16_BITS};
 #[cfg(target_arch = "x86_64")]
 use crate::lookup;
 use crate::types::Run;
@@ -574,14 +574,21 @@ impl RunSteps {
     /// are consecutive blocks), each once.
     fn new(cells: &[usize], step: usize, count: usize, values: ScaleValues<'_>) -> Self {
         match values {
-            ScaleValues::F32(v) => Self::with(cells, step, count, v),
-            ScaleValues::E8m0(b) => Self::with(cells, step, count, E8m0Scales(b)),
+            ScaleValues::F32(v) => Self::with(cells, step, count, |i| step_class(v.scale(i))),
+            ScaleValues::E8m0(b) => {
+                Self::with(cells, step, count, |i| E8M0_STEPS[usize::from(b[i])])
+            }
         }
     }
 
-    /// [`RunSteps::new`] over one kind of scale values.
+    /// [`RunSteps::new`] over one kind of scale values: `step_of(cell)` is the cell's step and class.
     #[inline(always)]
-    fn with(cells: &[usize], step: usize, count: usize, values: impl Scales) -> Self {
+    fn with(
+        cells: &[usize],
+        step: usize,
+        count: usize,
+        step_of: impl Fn(usize) -> (i16, u8),
+    ) -> Self {
         const T: usize = NIBBLE_SIMD_TILE;
         let mut slot = Vec::with_capacity(cells.len());
         let mut bases: Vec<usize> = Vec::new();
@@ -603,7 +610,7 @@ impl RunSteps {
                 let out = &mut steps[s * pitch + rows.start..s * pitch + rows.end];
                 let mut how = NARROW;
                 for (o, i) in out.iter_mut().zip(rows.clone()) {
-                    let (st, c) = step_class(values.scale(base + i * step));
+                    let (st, c) = step_of(base + i * step);
                     *o = st;
                     how |= c;
                 }
@@ -626,6 +633,27 @@ impl RunSteps {
             c => c,
         }
     }
+}
+
+/// [`step_class`] of each e8m0 scale byte's value ([`crate::kernels::mxfp4_scale_to_f32`]), looked up: the
+/// steps of a run's scale bytes were computed through their `f32` values, a tenth of the tile kernel's time
+/// on whole gpt-oss experts (docs/perf-notes.md, "Session 16").
+#[cfg(target_arch = "x86_64")]
+static E8M0_STEPS: [(i16, u8); 256] = e8m0_steps();
+
+#[cfg(target_arch = "x86_64")]
+const fn e8m0_steps() -> [(i16, u8); 256] {
+    let mut table = [(0i16, NARROW); 256];
+    let mut b = 0;
+    while b < 256 {
+        table[b] = match b {
+            2..=252 => ((b as i16 - 127) << 7, NARROW),
+            255 => (128 << 7, WIDE), // 2^128
+            _ => ((b as i16 - 127) << 7, WIDE),
+        };
+        b += 1;
+    }
+    table
 }
 
 /// The exponent step of an MXFP4 scale ([`mxfp4_exponent_step`], 0 where there is none) and how a tile with
@@ -1299,6 +1327,11 @@ mod tests {
                 None => (0, SCALAR),
             };
             assert_eq!(step_class(v), want, "{v:e} ({:#x})", v.to_bits());
+        }
+        // the table of the e8m0 bytes is the same function
+        for b in 0..=255u8 {
+            let v = mxfp4_scale_to_f32(b);
+            assert_eq!(E8M0_STEPS[usize::from(b)], step_class(v), "byte {b}");
         }
     }
 

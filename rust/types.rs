@@ -149,6 +149,15 @@ impl Run {
         self.src_dtype == self.dst_dtype && self.src_is_dense() && self.dst_is_dense()
     }
 
+    /// Whether every repetition's element `i` lies before any repetition's element `i + 1` in the source
+    /// (repetitions are neighbouring columns of the same rows: `(reps - 1) * rep_src_stride` plus an element
+    /// fits in one `src_stride`), so that a run of rows `a..b` of every repetition is one span of the file.
+    pub fn interleaved(&self) -> bool {
+        self.count > 1
+            && !self.packed_src()
+            && (self.reps - 1) * self.rep_src_stride + self.src_elem_size() <= self.src_stride
+    }
+
     /// Repetition `r` (< `reps`) as a run of its own.
     pub fn rep(&self, r: u64) -> Run {
         debug_assert!(r < self.reps);
@@ -168,8 +177,9 @@ impl Run {
     }
 
     /// Splits the run into consecutive pieces whose source extent is at most `max_extent` bytes: groups
-    /// of repetitions (at least one each), and, when one repetition is longer than that, pieces of
-    /// repetitions of at least one element each (sub-byte pieces stay byte aligned).
+    /// of repetitions (at least one each), and, when one repetition is longer than that, bands of rows of
+    /// every repetition when they are [`Run::interleaved`], else pieces of repetitions of at least one
+    /// element each (sub-byte pieces stay byte aligned).
     pub fn split(&self, max_extent: u64, out: &mut Vec<Run>) {
         if self.src_extent() <= max_extent {
             out.push(*self);
@@ -177,6 +187,24 @@ impl Run {
         }
         if self.reps > 1 {
             let extent = self.run_extent();
+            if extent > max_extent && self.interleaved() {
+                // Pieces of whole rows, each with every repetition: a transposed slice (repetition `r` the
+                // `r`-th column of each row) stays one tiled copy rather than one column copy per piece.
+                let span = (self.reps - 1) * self.rep_src_stride + self.src_elem_size();
+                let per = (max_extent.saturating_sub(span) / self.src_stride + 1).min(self.count);
+                let mut done = 0;
+                while done < self.count {
+                    let n = per.min(self.count - done);
+                    out.push(Run {
+                        src_off: self.src_off + done * self.src_stride,
+                        dst_addr: self.dst_addr + done as usize * self.dst_stride,
+                        count: n,
+                        ..*self
+                    });
+                    done += n;
+                }
+                return;
+            }
             if extent > max_extent {
                 for r in 0..self.reps {
                     self.rep(r).split(max_extent, out);

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use super::release::{Release, Releases};
 use super::scales::{check_scale, item_scales, read_scale_cells, scale_cells, LoadedScale, Scaled};
 use super::staged::{needed_ranges, Stage};
-use super::tasks::{make_pieces, make_tasks, probe_ranges, Mode, Task};
+use super::tasks::{pieces_and_tasks, probe_ranges, Mode, Task};
 use super::workers::run_workers;
 use super::{Backend, ExecOptions, ExecStats, Scale, AUTO_MMAP_RESIDENT, IO_THREAD_FACTOR};
 use crate::dest::{with_dense_dst, DestBuf};
@@ -115,10 +115,8 @@ pub(super) fn execute_scaled_reading(
     }
     // Open, check and (maybe) map each file that is needed.
     let mut used = vec![false; files.len()];
-    let mut nibbles = vec![false; files.len()];
     for r in &runs {
         used[r.file] = true;
-        nibbles[r.file] |= r.src_nibble != 0;
     }
     let probes = match opts.backend {
         Backend::Auto => probe_ranges(&runs, files.len()),
@@ -137,7 +135,7 @@ pub(super) fn execute_scaled_reading(
             }),
             true => {
                 let keep = kept_open < KEEP_OPEN.min(threads);
-                let mut source = open_source(h, opts.backend, ranges, keep, nibbles[f])?;
+                let mut source = open_source(h, opts.backend, ranges, keep)?;
                 kept_open += usize::from(source.file.get_mut().is_ok_and(|f| f.is_some()));
                 Some(source)
             }
@@ -159,8 +157,7 @@ pub(super) fn execute_scaled_reading(
         .collect();
     let total: u64 = runs.iter().map(Run::needed_bytes).sum();
     let chunk = (total / (threads as u64 * 8)).clamp(64 * 1024, 8 * 1024 * 1024);
-    let pieces = make_pieces(runs, &mapped, chunk, opts.pread_gap);
-    let tasks = make_tasks(&pieces, &mapped, chunk, opts.pread_gap);
+    let (pieces, tasks) = pieces_and_tasks(runs, &mapped, chunk, opts.pread_gap);
     for t in tasks.iter().filter(|t| t.mode != Mode::Mmap) {
         if let Some(s) = &sources[t.file] {
             s.pending.fetch_add(1, Ordering::Relaxed);
@@ -227,15 +224,11 @@ fn open_checked_meta(h: &Header) -> Result<(File, std::fs::Metadata), LoadError>
 
 /// Checks the file of `h` and maps it when `backend` may copy from a map. The descriptor is kept for
 /// positioned reads only when `keep_open`, else closed (a map does not need it; [`Source::file`] reopens).
-/// `prefer_map`: the file's runs include MXFP4 nibbles, whose tile kernel needs every repetition of a run in
-/// one source slice (a map gives it; `pread` tasks split such runs per repetition, onto the scalar kernel, 6x
-/// slower), so a mostly-holes file is still mapped.
 fn open_source(
     h: &Header,
     backend: Backend,
     ranges: &[(u64, u64)],
     keep_open: bool,
-    prefer_map: bool,
 ) -> Result<Source, LoadError> {
     let (file, meta) = open_checked_meta(h)?;
     // Headers parsed from memory have no identity to check a kept map against: map afresh.
@@ -247,7 +240,7 @@ fn open_source(
             make().map(Arc::new)
         }
     };
-    let holes = backend == Backend::Auto && !prefer_map && mostly_holes(&meta);
+    let holes = backend == Backend::Auto && mostly_holes(&meta);
     let map = match backend {
         Backend::Pread => None,
         Backend::Mmap => Some(mapping()?),

@@ -782,11 +782,11 @@ mod tests {
         }
     }
 
-    /// A sparse rehearsal file (header, then holes) of MXFP4 experts, warm, is still mapped under `auto`:
-    /// `pread` would split the transposed runs per repetition onto the scalar nibble kernel (gpt-oss-120b's
-    /// rank: 2.6 -> 0.4 GB/s); the values are those of the holes (zero codes).
+    /// A sparse rehearsal file (header, then holes) of MXFP4 experts, warm, goes to `pread` under `auto` as
+    /// any mostly-holes file does (its hole pages are single-page folios, costly to map): the transposed runs
+    /// stay whole there (`tasks::pieces_and_tasks`); the values are those of the holes (zero codes).
     #[test]
-    fn auto_maps_a_sparse_mxfp4_file() {
+    fn auto_reads_a_sparse_mxfp4_file_with_pread() {
         let dir = tempfile::tempdir().unwrap();
         let (e, y, g) = (1u64, 512u64, 8u64);
         let nblocks = e * y * g * 16;
@@ -840,7 +840,7 @@ mod tests {
             &ExecOptions::default(),
         )
         .unwrap();
-        assert_eq!(stats.backend, "mmap", "{stats:?}");
+        assert_eq!(stats.backend, "pread", "{stats:?}");
         assert!(out.iter().all(|&b| b == 0));
     }
 
@@ -854,6 +854,16 @@ mod tests {
         // runs longer than a tile of the row-stepping kernel (several tiles, a ragged last one)
         check_mxfp4((1, 300, 1), [0, 3, 5], [1, 297, 20], [0, 2, 1], false, 1, 9);
         check_mxfp4((2, 260, 2), [1, 0, 30], [1, 260, 5], [0, 2, 1], true, 2, 10);
+        // a transposed run longer than the smallest task chunk (64 KiB): bands of rows, every column each
+        check_mxfp4(
+            (1, 6000, 1),
+            [0, 0, 3],
+            [1, 6000, 21],
+            [0, 2, 1],
+            false,
+            2,
+            11,
+        );
         let dir = tempfile::tempdir().unwrap();
         let h = write_file(
             dir.path(),

@@ -78,8 +78,8 @@ pub(super) fn probe_ranges(runs: &[Run], nfiles: usize) -> Vec<Vec<(u64, u64)>> 
 /// them by (file, offset), keeping the planned order when it is already sorted (items that read forward,
 /// planned in file order). Repeated runs stay repeated unless the bytes between repetitions are more than
 /// their file's task would read through or populate (`pread_gap` for `pread`, [`MMAP_JOIN_GAP`] for a
-/// map), a repetition is large enough for a direct `pread`, or (`pread`) spans of repeated runs overlap
-/// other runs: those are expanded, which gives the tasks of one run per repetition.
+/// map) or a repetition is large enough for a direct `pread`: those are expanded, which gives the tasks of
+/// one run per repetition (and see [`pieces_and_tasks`]).
 pub(super) fn make_pieces(runs: Vec<Run>, mapped: &[bool], chunk: u64, gap: u64) -> Vec<Run> {
     let expand = |r: &Run| {
         r.reps > 1 && {
@@ -107,14 +107,31 @@ pub(super) fn make_pieces(runs: Vec<Run>, mapped: &[bool], chunk: u64, gap: u64)
     } else {
         runs
     };
+    sort_pieces(&mut pieces);
+    pieces
+}
+
+fn sort_pieces(pieces: &mut [Run]) {
     let by_offset = |r: &Run| (r.file, r.src_off);
     if !pieces.is_sorted_by_key(by_offset) {
         pieces.sort_unstable_by_key(by_offset);
     }
-    // A buffered pread task reads its whole span: a repeated run whose span overlaps another run's (two
-    // items reading interleaved columns of one tensor, or overlapping repetitions split in two) would
-    // read those bytes twice. Expand them, which reads them once as before.
-    if pread_spans_overlap(&pieces, mapped) {
+}
+
+/// [`make_pieces`] and [`make_tasks`] of them. A buffered `pread` task reads its whole span: when a task
+/// holding a repeated piece overlaps another task of its file (two items reading interleaved columns of one
+/// tensor, split into tasks), those bytes would be read twice, so the repeated pieces of `pread` files are
+/// expanded, which reads them once, and the tasks made again. Overlapping pieces that land in one task (the
+/// low and the high nibbles of the same MXFP4 bytes) are read once and stay whole.
+pub(super) fn pieces_and_tasks(
+    runs: Vec<Run>,
+    mapped: &[bool],
+    chunk: u64,
+    gap: u64,
+) -> (Vec<Run>, Vec<Task>) {
+    let mut pieces = make_pieces(runs, mapped, chunk, gap);
+    let mut tasks = make_tasks(&pieces, mapped, chunk, gap);
+    if pread_tasks_overlap(&tasks, &pieces) {
         let mut flat = Vec::with_capacity(pieces.len());
         for p in &pieces {
             match p.reps > 1 && !mapped[p.file] {
@@ -123,27 +140,28 @@ pub(super) fn make_pieces(runs: Vec<Run>, mapped: &[bool], chunk: u64, gap: u64)
             }
         }
         pieces = flat;
-        if !pieces.is_sorted_by_key(by_offset) {
-            pieces.sort_unstable_by_key(by_offset);
-        }
+        sort_pieces(&mut pieces);
+        tasks = make_tasks(&pieces, mapped, chunk, gap);
     }
-    pieces
+    (pieces, tasks)
 }
 
-/// Whether, among sorted pieces, a repeated piece of a `pread` file overlaps another piece's span.
-fn pread_spans_overlap(pieces: &[Run], mapped: &[bool]) -> bool {
+/// Whether, among the tasks (in file and offset order), a buffered `pread` task overlaps another of its file
+/// where either holds a repeated piece.
+fn pread_tasks_overlap(tasks: &[Task], pieces: &[Run]) -> bool {
     let mut file = usize::MAX;
     let (mut end, mut repeated_end) = (0u64, 0u64);
-    for p in pieces.iter().filter(|p| !mapped[p.file]) {
-        if p.file != file {
-            (file, end, repeated_end) = (p.file, 0, 0);
+    for t in tasks.iter().filter(|t| t.mode == Mode::PreadBuffered) {
+        if t.file != file {
+            (file, end, repeated_end) = (t.file, 0, 0);
         }
-        if p.src_off < repeated_end || (p.reps > 1 && p.src_off < end) {
+        let repeated = pieces[t.first..t.last].iter().any(|p| p.reps > 1);
+        if t.start < repeated_end || (repeated && t.start < end) {
             return true;
         }
-        end = end.max(p.src_end());
-        if p.reps > 1 {
-            repeated_end = repeated_end.max(p.src_end());
+        end = end.max(t.end);
+        if repeated {
+            repeated_end = repeated_end.max(t.end);
         }
     }
     false
@@ -323,5 +341,92 @@ mod tests {
         // Evenly spread over the repetitions.
         let last_rep = (repeated.last().unwrap() - 1000) / 1000;
         assert!(last_rep >= 2_540_000, "{last_rep}");
+    }
+
+    fn nibble_run(nibble: u8, rows: u64, cols: u64, stride: u64) -> Run {
+        Run {
+            item: 0,
+            file: 0,
+            src_off: 4096,
+            src_stride: stride,
+            count: rows,
+            dst_addr: 0,
+            dst_stride: 2,
+            reps: cols,
+            rep_src_stride: 1,
+            rep_dst_stride: 2 * rows as usize,
+            src_dtype: Dtype::U8,
+            dst_dtype: Dtype::BF16,
+            src_nibble: nibble,
+        }
+    }
+
+    /// gpt-oss's transposed expert slice under `pread`: the low- and the high-nibble runs read the same bytes
+    /// (every column of each row), so their spans overlap; in one task they are read once and stay whole,
+    /// as the tile kernel needs (they were expanded into one run per column, onto the scalar kernel).
+    #[test]
+    fn overlapping_nibble_runs_in_one_task_stay_whole() {
+        let runs = vec![nibble_run(1, 5760, 45, 1440), nibble_run(2, 5760, 45, 1440)];
+        let (pieces, tasks) = pieces_and_tasks(runs.clone(), &[false], 8 << 20, DEFAULT_PREAD_GAP);
+        assert_eq!(pieces, runs);
+        assert_eq!(tasks.len(), 1);
+        assert_eq!(tasks[0].mode, Mode::PreadBuffered);
+        assert_eq!((tasks[0].start, tasks[0].end), (4096, runs[0].src_end()));
+    }
+
+    /// A transposed run longer than the task chunk is cut into bands of rows that each keep every column
+    /// (it was cut into one run per column); the bands tile the rows and fit the chunk.
+    #[test]
+    fn a_long_interleaved_run_splits_into_bands_of_rows() {
+        let run = nibble_run(2, 5760, 45, 1440);
+        let chunk = 1 << 20;
+        for mapped in [false, true] {
+            let (pieces, _) = pieces_and_tasks(vec![run], &[mapped], chunk, DEFAULT_PREAD_GAP);
+            assert!(pieces.len() > 1);
+            let mut row = 0;
+            for p in &pieces {
+                assert_eq!((p.reps, p.rep_src_stride, p.src_stride), (45, 1, 1440));
+                assert_eq!(p.src_off, run.src_off + row * 1440);
+                assert_eq!(p.dst_addr, run.dst_addr + row as usize * 2);
+                assert!(p.src_extent() <= chunk);
+                row += p.count;
+            }
+            assert_eq!(row, 5760);
+        }
+    }
+
+    /// Repeated `pread` pieces whose spans overlap another task's are still expanded (read once, not twice).
+    #[test]
+    fn repeated_pread_pieces_overlapping_another_task_are_expanded() {
+        let plain = Run {
+            src_off: 4096 + 50,
+            src_stride: 1,
+            count: 100,
+            reps: 1,
+            rep_src_stride: 0,
+            rep_dst_stride: 0,
+            src_nibble: 0,
+            dst_dtype: Dtype::U8,
+            dst_stride: 1,
+            ..nibble_run(0, 1, 1, 1)
+        };
+        let repeated = Run {
+            count: 10,
+            src_stride: 1,
+            reps: 4,
+            rep_src_stride: 30,
+            rep_dst_stride: 10,
+            ..plain
+        };
+        let repeated = Run {
+            src_off: 4096,
+            ..repeated
+        };
+        // the repeated run spans 4096..4196, the plain one 4146..4246: 150 bytes together, over a 120-byte chunk
+        let (pieces, tasks) =
+            pieces_and_tasks(vec![repeated, plain], &[false], 120, DEFAULT_PREAD_GAP);
+        assert!(pieces.iter().all(|p| p.reps == 1), "{pieces:?}");
+        assert_eq!(pieces.len(), 5);
+        assert!(tasks.len() >= 2);
     }
 }
