@@ -461,8 +461,10 @@ fn write_nibble_run(run: &Run, src: &[u8], map: &ScaleMap<'_>, begin: u64) {
                 && run.rep_src_stride == 1
                 && std::arch::is_x86_feature_detected!("avx2")
             {
-                // SAFETY: AVX2 support was just detected on this CPU.
-                unsafe { nibble_tiles_avx2(run, src, map.values, &cells, cell_step) };
+                let quad = std::arch::is_x86_feature_detected!("avx512f")
+                    && std::arch::is_x86_feature_detected!("avx512bw");
+                // SAFETY: AVX2 support was just detected on this CPU, AVX-512 F and BW where `quad` is set.
+                unsafe { nibble_tiles_avx2(run, src, map.values, &cells, cell_step, quad) };
                 return;
             }
             let size = run.dst_elem_size();
@@ -736,16 +738,27 @@ wide_decode!(
     _mm256_blendv_epi8
 );
 
+/// The low (`E2M1_BF16_BYTES[0]`) and high bytes of [`E2M1_BF16_BITS`], built at compile time (built per
+/// call, with `array::map`, they were 7% of the tile kernel's time in criterion's `mxfp4/whole`).
+#[cfg(target_arch = "x86_64")]
+static E2M1_BF16_BYTES: [[u8; 16]; 2] = {
+    let mut t = [[0u8; 16]; 2];
+    let mut i = 0;
+    while i < 16 {
+        t[0][i] = E2M1_BF16_BITS[i] as u8;
+        t[1][i] = (E2M1_BF16_BITS[i] >> 8) as u8;
+        i += 1;
+    }
+    t
+};
+
 /// The e2m1 code -> bf16 bits lookup of the nibble kernels, as two 16-byte vectors: each code's low bytes and
 /// its high bytes.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 fn e2m1_tables() -> (std::arch::x86_64::__m128i, std::arch::x86_64::__m128i) {
     use std::arch::x86_64::_mm_loadu_si128;
-    let (lo_tab, hi_tab) = (
-        E2M1_BF16_BITS.map(|b| b as u8),
-        E2M1_BF16_BITS.map(|b| (b >> 8) as u8),
-    );
+    let [lo_tab, hi_tab] = &E2M1_BF16_BYTES;
     // SAFETY: each array holds the 16 bytes read.
     unsafe {
         (
@@ -875,6 +888,7 @@ unsafe fn nibble_tiles_avx2(
     values: ScaleValues<'_>,
     cells: &[usize],
     cell_step: usize,
+    quad: bool,
 ) {
     use std::arch::x86_64::*;
     const T: usize = NIBBLE_SIMD_TILE;
@@ -960,6 +974,26 @@ unsafe fn nibble_tiles_avx2(
                 }
                 let mut r0 = b0;
                 while r0 < b1 {
+                    // A whole band of narrow tiles, each within one scale column: one 512-bit pass.
+                    let quad_here = quad
+                        && r0 + BAND <= b1
+                        && (0..NIBBLE_BAND).all(|t| {
+                            let s = steps.slot[r0 + t * T];
+                            steps.slot[r0 + t * T + T - 1] == s && steps.class(s, yy) == NARROW
+                        });
+                    if quad_here {
+                        let st: [&[i16]; NIBBLE_BAND] = std::array::from_fn(|t| {
+                            &steps.steps[steps.slot[r0 + t * T] * steps.pitch + yy..][..T]
+                        });
+                        let rows = &src[yy * stride + r0..];
+                        let stage = &mut stage[(r0 - b0) * pitch..];
+                        // SAFETY: `quad` is set only where AVX-512 F and BW were detected on this CPU.
+                        unsafe {
+                            quad_columns_avx512(rows, stride, high, st, stage, pitch, 2 * (yy - y0))
+                        };
+                        r0 += BAND;
+                        continue;
+                    }
                     // Two tiles side by side (32 byte columns), each within one scale column whose steps
                     // hold for these rows: one 256-bit pass, a tile in each 128-bit lane.
                     let pair = r0 + 2 * T <= b1 && {
@@ -1123,6 +1157,77 @@ unsafe fn nibble_tiles_avx2(
     }
 }
 
+/// [`nibble_tiles_avx2`]'s four tiles side by side (a band's 64 byte columns, a tile in each 128-bit lane of
+/// 512-bit vectors), all narrow: rows `0..16` of `rows` (the source from the tiles' first byte of their first
+/// row, rows `stride` apart) transposed and decoded as the pair path does, with the zero codes' steps masked
+/// out by mask registers; column `k` of tile `t` goes to `stage[(t * 16 + k) * pitch + at..]`, 32 bytes.
+/// `steps[t]` are tile `t`'s 16 steps. Half the transposes and about two thirds of the decode operations
+/// of two pair passes (docs/perf-notes.md, "Session 16").
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline(never)]
+fn quad_columns_avx512(
+    rows: &[u8],
+    stride: usize,
+    high: bool,
+    steps: [&[i16]; NIBBLE_BAND],
+    stage: &mut [u8],
+    pitch: usize,
+    at: usize,
+) {
+    use std::arch::x86_64::*;
+    const T: usize = NIBBLE_SIMD_TILE;
+    let low4 = _mm512_set1_epi8(0x0f);
+    let mut codes = [_mm512_setzero_si512(); T];
+    for (y, row) in codes.iter_mut().enumerate() {
+        let bytes = &rows[y * stride..][..NIBBLE_BAND * T];
+        // SAFETY: `bytes` holds the 64 bytes read (unaligned, as `loadu` allows).
+        let v = unsafe { _mm512_loadu_si512(bytes.as_ptr().cast()) };
+        *row = match high {
+            true => _mm512_and_si512(_mm512_srli_epi16::<4>(v), low4),
+            false => _mm512_and_si512(v, low4),
+        };
+    }
+    let cols = transpose_16x16_quads(codes);
+    let (tlo, thi) = e2m1_tables();
+    let (tlo, thi) = (_mm512_broadcast_i32x4(tlo), _mm512_broadcast_i32x4(thi));
+    // SAFETY: each `steps[t]` holds the 16 `i16` (32 bytes) its load reads, unaligned.
+    let st = steps.map(|s| unsafe { _mm256_loadu_si256(s[..T].as_ptr().cast()) });
+    let ab = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(st[0]), st[1]);
+    let cd = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(st[2]), st[3]);
+    // rows 0..8 of each tile's steps, one tile a lane | rows 8..16
+    let s0 = _mm512_shuffle_i64x2::<0x88>(ab, cd);
+    let s1 = _mm512_shuffle_i64x2::<0xdd>(ab, cd);
+    let mag = _mm512_set1_epi16(0x0707);
+    // 64-bit units of (v0, v1): tiles 0 and 1 | tiles 2 and 3, each tile's rows 0..8 then 8..16
+    let first = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);
+    let second = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
+    for (k, &c) in cols.iter().enumerate() {
+        let lo = _mm512_shuffle_epi8(tlo, c);
+        let hi = _mm512_shuffle_epi8(thi, c);
+        // the non-zero codes of rows 0..8 and 8..16 of each lane, as 16-bit lanes
+        let m0 = _mm512_test_epi16_mask(_mm512_unpacklo_epi8(c, c), mag);
+        let m1 = _mm512_test_epi16_mask(_mm512_unpackhi_epi8(c, c), mag);
+        let w0 = _mm512_unpacklo_epi8(lo, hi);
+        let w1 = _mm512_unpackhi_epi8(lo, hi);
+        let v0 = _mm512_mask_add_epi16(w0, m0, w0, s0);
+        let v1 = _mm512_mask_add_epi16(w1, m1, w1, s1);
+        let x = _mm512_permutex2var_epi64(v0, first, v1);
+        let y = _mm512_permutex2var_epi64(v0, second, v1);
+        let halves = [
+            _mm512_castsi512_si256(x),
+            _mm512_extracti64x4_epi64::<1>(x),
+            _mm512_castsi512_si256(y),
+            _mm512_extracti64x4_epi64::<1>(y),
+        ];
+        for (t, h) in halves.into_iter().enumerate() {
+            let o = &mut stage[(t * T + k) * pitch + at..][..2 * T];
+            // SAFETY: `o` holds the 32 bytes stored, unaligned.
+            unsafe { _mm256_storeu_si256(o.as_mut_ptr().cast(), h) };
+        }
+    }
+}
+
 /// One round of a byte transpose: the low and high unpacks of each listed pair of vectors.
 #[cfg(target_arch = "x86_64")]
 macro_rules! unpack_round {
@@ -1137,10 +1242,10 @@ macro_rules! unpack_round {
 /// registers).
 #[cfg(target_arch = "x86_64")]
 macro_rules! byte_transpose {
-    ($(#[$doc:meta])* $name:ident, $vec:ty, $lo8:path, $hi8:path, $lo16:path, $hi16:path, $lo32:path, $hi32:path,
-     $lo64:path, $hi64:path) => {
+    ($(#[$doc:meta])* $name:ident, $feat:literal, $vec:ty, $lo8:path, $hi8:path, $lo16:path, $hi16:path,
+     $lo32:path, $hi32:path, $lo64:path, $hi64:path) => {
         $(#[$doc])*
-        #[target_feature(enable = "avx2")]
+        #[target_feature(enable = $feat)]
         #[inline]
         fn $name(r: [$vec; 16]) -> [$vec; 16] {
             // a[2p + h]: rows 2p, 2p + 1, columns 8h..8h + 8 (byte pairs).
@@ -1159,6 +1264,7 @@ macro_rules! byte_transpose {
 byte_transpose!(
     /// Transposes a 16 x 16 byte matrix held as 16 row vectors (see `byte_transpose`).
     transpose_16x16,
+    "avx2",
     std::arch::x86_64::__m128i,
     std::arch::x86_64::_mm_unpacklo_epi8,
     std::arch::x86_64::_mm_unpackhi_epi8,
@@ -1174,6 +1280,7 @@ byte_transpose!(
 byte_transpose!(
     /// [`transpose_16x16`] of two matrices at once, one in each 128-bit lane of 16 row vectors.
     transpose_16x16_lanes,
+    "avx2",
     std::arch::x86_64::__m256i,
     std::arch::x86_64::_mm256_unpacklo_epi8,
     std::arch::x86_64::_mm256_unpackhi_epi8,
@@ -1183,6 +1290,22 @@ byte_transpose!(
     std::arch::x86_64::_mm256_unpackhi_epi32,
     std::arch::x86_64::_mm256_unpacklo_epi64,
     std::arch::x86_64::_mm256_unpackhi_epi64
+);
+
+#[cfg(target_arch = "x86_64")]
+byte_transpose!(
+    /// [`transpose_16x16`] of four matrices at once, one in each 128-bit lane of 16 row vectors.
+    transpose_16x16_quads,
+    "avx512f,avx512bw",
+    std::arch::x86_64::__m512i,
+    std::arch::x86_64::_mm512_unpacklo_epi8,
+    std::arch::x86_64::_mm512_unpackhi_epi8,
+    std::arch::x86_64::_mm512_unpacklo_epi16,
+    std::arch::x86_64::_mm512_unpackhi_epi16,
+    std::arch::x86_64::_mm512_unpacklo_epi32,
+    std::arch::x86_64::_mm512_unpackhi_epi32,
+    std::arch::x86_64::_mm512_unpacklo_epi64,
+    std::arch::x86_64::_mm512_unpackhi_epi64
 );
 
 /// The write direction's zero-copy case: calls `f` with the memory of repetitions `reps` of a same-dtype,
@@ -1452,11 +1575,11 @@ mod tests {
         #[test]
         fn nibble_tiles_equal_the_scalar_kernel(
             rows in 1usize..300,
-            groups in 1usize..5,
+            groups in 1usize..9,
             row0 in 0usize..8,
             col0 in prop_oneof![2 => 0usize..40, 1 => Just(0usize), 1 => Just(16usize)],
             count in 1usize..300,
-            reps in 1usize..80,
+            reps in prop_oneof![1usize..80, 60usize..140],
             high: bool,
             pad in 0usize..5,
             seed: u64,
@@ -1562,12 +1685,17 @@ mod tests {
                     .map(|r| row0 * groups + (2 * (col0 + r) + usize::from(high)) / 32)
                     .collect();
                 let f32s = ScaleValues::F32(&values);
+                let avx512 = std::arch::is_x86_feature_detected!("avx512f")
+                    && std::arch::is_x86_feature_detected!("avx512bw");
                 for (values, what) in [(Some(f32s), "f32"), (kept.as_deref().map(ScaleValues::E8m0), "e8m0 bytes")] {
                     let Some(values) = values else { continue };
-                    out.fill(0x5a);
-                    // SAFETY: AVX2 support was just detected on this CPU.
-                    unsafe { nibble_tiles_avx2(&run, src, values, &cells, cell_step) };
-                    prop_assert_eq!(&out, &want, "nibble_tiles_avx2, {}", what);
+                    for quad in [false, avx512] {
+                        out.fill(0x5a);
+                        // SAFETY: AVX2 support was just detected on this CPU, and AVX-512 F and BW where
+                        // `quad` is set.
+                        unsafe { nibble_tiles_avx2(&run, src, values, &cells, cell_step, quad) };
+                        prop_assert_eq!(&out, &want, "nibble_tiles_avx2, {}, quad {}", what, quad);
+                    }
                 }
             }
         }
