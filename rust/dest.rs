@@ -738,6 +738,34 @@ wide_decode!(
     _mm256_blendv_epi8
 );
 
+/// The wide decode (`wide_decode`) of 32 lanes with AVX-512: the same operations, the lane selections by mask
+/// registers; `nonzero` marks the lanes whose code is not ±0.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+fn wide_lanes_512(
+    bits: std::arch::x86_64::__m512i,
+    steps: std::arch::x86_64::__m512i,
+    nonzero: std::arch::x86_64::__mmask32,
+) -> std::arch::x86_64::__m512i {
+    use std::arch::x86_64::*;
+    let sign = _mm512_and_si512(bits, _mm512_set1_epi16(i16::MIN));
+    let e = _mm512_adds_epi16(
+        _mm512_andnot_si512(_mm512_set1_epi16(i16::MIN), bits),
+        steps,
+    );
+    let normal = _mm512_min_epi16(e, _mm512_set1_epi16(0x7f80));
+    let t = _mm512_or_si512(
+        _mm512_srli_epi16::<1>(_mm512_and_si512(e, _mm512_set1_epi16(0x40))),
+        _mm512_set1_epi16(0x40),
+    );
+    let negative = _mm512_cmpgt_epi16_mask(_mm512_setzero_si512(), e);
+    let sub = _mm512_mask_blend_epi16(negative, t, _mm512_srli_epi16::<1>(t));
+    let small = _mm512_cmpgt_epi16_mask(_mm512_set1_epi16(0x80), e);
+    let mag = _mm512_mask_blend_epi16(small, normal, sub);
+    _mm512_or_si512(_mm512_maskz_mov_epi16(nonzero, mag), sign)
+}
+
 /// The low (`E2M1_BF16_BYTES[0]`) and high bytes of [`E2M1_BF16_BITS`], built at compile time (built per
 /// call, with `array::map`, they were 7% of the tile kernel's time in criterion's `mxfp4/whole`).
 #[cfg(target_arch = "x86_64")]
@@ -974,12 +1002,15 @@ unsafe fn nibble_tiles_avx2(
                 }
                 let mut r0 = b0;
                 while r0 < b1 {
-                    // A whole band of narrow tiles, each within one scale column: one 512-bit pass.
+                    // A whole band of tiles, each within one scale column and none for the scalar kernel:
+                    // one 512-bit pass.
+                    let mut how = NARROW;
                     let quad_here = quad
                         && r0 + BAND <= b1
                         && (0..NIBBLE_BAND).all(|t| {
                             let s = steps.slot[r0 + t * T];
-                            steps.slot[r0 + t * T + T - 1] == s && steps.class(s, yy) == NARROW
+                            how = how.max(steps.class(s, yy));
+                            steps.slot[r0 + t * T + T - 1] == s && how < SCALAR
                         });
                     if quad_here {
                         let st: [&[i16]; NIBBLE_BAND] = std::array::from_fn(|t| {
@@ -987,9 +1018,17 @@ unsafe fn nibble_tiles_avx2(
                         });
                         let rows = &src[yy * stride + r0..];
                         let stage = &mut stage[(r0 - b0) * pitch..];
+                        let at = 2 * (yy - y0);
                         // SAFETY: `quad` is set only where AVX-512 F and BW were detected on this CPU.
                         unsafe {
-                            quad_columns_avx512(rows, stride, high, st, stage, pitch, 2 * (yy - y0))
+                            match how {
+                                WIDE => quad_columns_avx512::<true>(
+                                    rows, stride, high, st, stage, pitch, at,
+                                ),
+                                _ => quad_columns_avx512::<false>(
+                                    rows, stride, high, st, stage, pitch, at,
+                                ),
+                            }
                         };
                         r0 += BAND;
                         continue;
@@ -1158,7 +1197,7 @@ unsafe fn nibble_tiles_avx2(
 }
 
 /// [`nibble_tiles_avx2`]'s four tiles side by side (a band's 64 byte columns, a tile in each 128-bit lane of
-/// 512-bit vectors), all narrow: rows `0..16` of `rows` (the source from the tiles' first byte of their first
+/// 512-bit vectors), all narrow (`WIDE` false) or some wide (`WIDE`: the wide decode, [`wide_lanes_512`]): rows `0..16` of `rows` (the source from the tiles' first byte of their first
 /// row, rows `stride` apart) transposed and decoded as the pair path does, with the zero codes' steps masked
 /// out by mask registers; column `k` of tile `t` goes to `stage[(t * 16 + k) * pitch + at..]`, 32 bytes.
 /// `steps[t]` are tile `t`'s 16 steps. Half the transposes and about two thirds of the decode operations
@@ -1166,7 +1205,7 @@ unsafe fn nibble_tiles_avx2(
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw")]
 #[inline(never)]
-fn quad_columns_avx512(
+fn quad_columns_avx512<const WIDE: bool>(
     rows: &[u8],
     stride: usize,
     high: bool,
@@ -1210,8 +1249,13 @@ fn quad_columns_avx512(
         let m1 = _mm512_test_epi16_mask(_mm512_unpackhi_epi8(c, c), mag);
         let w0 = _mm512_unpacklo_epi8(lo, hi);
         let w1 = _mm512_unpackhi_epi8(lo, hi);
-        let v0 = _mm512_mask_add_epi16(w0, m0, w0, s0);
-        let v1 = _mm512_mask_add_epi16(w1, m1, w1, s1);
+        let (v0, v1) = match WIDE {
+            true => (wide_lanes_512(w0, s0, m0), wide_lanes_512(w1, s1, m1)),
+            false => (
+                _mm512_mask_add_epi16(w0, m0, w0, s0),
+                _mm512_mask_add_epi16(w1, m1, w1, s1),
+            ),
+        };
         let x = _mm512_permutex2var_epi64(v0, first, v1);
         let y = _mm512_permutex2var_epi64(v0, second, v1);
         let halves = [
