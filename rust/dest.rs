@@ -352,9 +352,7 @@ fn dequantize_dense(
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx512f")
-        && std::arch::is_x86_feature_detected!("avx512bw")
-    {
+    if avx512bw() {
         // SAFETY: AVX-512 F and BW were just detected on this CPU.
         unsafe { cast_scaled_dense_avx512(pair, src, dst, map, flat0) };
         return;
@@ -461,8 +459,7 @@ fn write_nibble_run(run: &Run, src: &[u8], map: &ScaleMap<'_>, begin: u64) {
                 && run.rep_src_stride == 1
                 && std::arch::is_x86_feature_detected!("avx2")
             {
-                let quad = std::arch::is_x86_feature_detected!("avx512f")
-                    && std::arch::is_x86_feature_detected!("avx512bw");
+                let quad = avx512bw();
                 // SAFETY: AVX2 support was just detected on this CPU, AVX-512 F and BW where `quad` is set.
                 unsafe { nibble_tiles_avx2(run, src, map.values, &cells, cell_step, quad) };
                 return;
@@ -648,11 +645,9 @@ const fn e8m0_steps() -> [(i16, u8); 256] {
     let mut table = [(0i16, NARROW); 256];
     let mut b = 0;
     while b < 256 {
-        table[b] = match b {
-            2..=252 => ((b as i16 - 127) << 7, NARROW),
-            255 => (128 << 7, WIDE), // 2^128
-            _ => ((b as i16 - 127) << 7, WIDE),
-        };
+        // byte 255 is 2^128: its step too is `(b - 127) << 7`
+        let class = if b >= 2 && b <= 252 { NARROW } else { WIDE };
+        table[b] = ((b as i16 - 127) << 7, class);
         b += 1;
     }
     table
@@ -764,6 +759,13 @@ fn wide_lanes_512(
     let small = _mm512_cmpgt_epi16_mask(_mm512_set1_epi16(0x80), e);
     let mag = _mm512_mask_blend_epi16(small, normal, sub);
     _mm512_or_si512(_mm512_maskz_mov_epi16(nonzero, mag), sign)
+}
+
+/// Whether this CPU has AVX-512 F and BW (the 512-bit dequantizing and nibble kernels).
+#[cfg(target_arch = "x86_64")]
+fn avx512bw() -> bool {
+    std::arch::is_x86_feature_detected!("avx512f")
+        && std::arch::is_x86_feature_detected!("avx512bw")
 }
 
 /// The low (`E2M1_BF16_BYTES[0]`) and high bytes of [`E2M1_BF16_BITS`], built at compile time (built per
@@ -1729,8 +1731,7 @@ mod tests {
                     .map(|r| row0 * groups + (2 * (col0 + r) + usize::from(high)) / 32)
                     .collect();
                 let f32s = ScaleValues::F32(&values);
-                let avx512 = std::arch::is_x86_feature_detected!("avx512f")
-                    && std::arch::is_x86_feature_detected!("avx512bw");
+                let avx512 = avx512bw();
                 for (values, what) in [(Some(f32s), "f32"), (kept.as_deref().map(ScaleValues::E8m0), "e8m0 bytes")] {
                     let Some(values) = values else { continue };
                     for quad in [false, avx512] {

@@ -185,26 +185,11 @@ impl Run {
             out.push(*self);
             return;
         }
-        if self.reps > 1 {
-            let extent = self.run_extent();
-            if extent > max_extent && self.interleaved() {
-                // Pieces of whole rows, each with every repetition: a transposed slice (repetition `r` the
-                // `r`-th column of each row) stays one tiled copy rather than one column copy per piece.
-                let span = (self.reps - 1) * self.rep_src_stride + self.src_elem_size();
-                let per = (max_extent.saturating_sub(span) / self.src_stride + 1).min(self.count);
-                let mut done = 0;
-                while done < self.count {
-                    let n = per.min(self.count - done);
-                    out.push(Run {
-                        src_off: self.src_off + done * self.src_stride,
-                        dst_addr: self.dst_addr + done as usize * self.dst_stride,
-                        count: n,
-                        ..*self
-                    });
-                    done += n;
-                }
-                return;
-            }
+        // A repeated run whose repetitions are neighbouring columns of the same rows, each longer than the
+        // limit, is cut into bands of rows below, every repetition in each: a transposed slice stays one
+        // tiled copy rather than one column copy per piece.
+        let extent = self.run_extent();
+        if self.reps > 1 && !(extent > max_extent && self.interleaved()) {
             if extent > max_extent {
                 for r in 0..self.reps {
                     self.rep(r).split(max_extent, out);
@@ -235,9 +220,10 @@ impl Run {
             let per = ((max_extent * 8 / bits) / 8 * 8).max(8);
             (per, per * bits / 8, (per * bits / 8) as usize)
         } else {
-            let size = self.src_elem_size();
+            // the bytes of one row of every repetition (one element when not repeated)
+            let span = (self.reps - 1) * self.rep_src_stride + self.src_elem_size();
             let per = max_extent
-                .saturating_sub(size)
+                .saturating_sub(span)
                 .checked_div(self.src_stride)
                 .map_or(self.count, |q| q + 1);
             (per, per * self.src_stride, per as usize * self.dst_stride)
