@@ -573,19 +573,30 @@ impl RunSteps {
     /// are consecutive blocks), each once.
     fn new(cells: &[usize], step: usize, count: usize, values: ScaleValues<'_>) -> Self {
         match values {
-            ScaleValues::F32(v) => Self::with(cells, step, count, |i| step_class(v.scale(i))),
-            ScaleValues::E8m0(b) => {
-                Self::with(cells, step, count, |i| E8M0_STEPS[usize::from(b[i])])
+            ScaleValues::F32(v) => {
+                Self::with(cells, step, count, |_, _| 0, |i| step_class(v.scale(i)))
             }
+            ScaleValues::E8m0(b) => Self::with(
+                cells,
+                step,
+                count,
+                // SAFETY: `RunSteps` is built only inside `nibble_tiles_avx2`, which runs where AVX2 was
+                // detected.
+                |steps, bases| unsafe { steps.e8m0_groups_avx2(bases, b, step, count) },
+                |i| E8M0_STEPS[usize::from(b[i])],
+            ),
         }
     }
 
-    /// [`RunSteps::new`] over one kind of scale values: `step_of(cell)` is the cell's step and class.
+    /// [`RunSteps::new`] over one kind of scale values: `groups(steps, bases)` fills the steps of every
+    /// row of whole tile heights of the slots it can and returns how many leading slots it filled;
+    /// `step_of(cell)` is a cell's step and class, for every other step.
     #[inline(always)]
     fn with(
         cells: &[usize],
         step: usize,
         count: usize,
+        groups: impl FnOnce(&mut Self, &[usize]) -> usize,
         step_of: impl Fn(usize) -> (i16, u8),
     ) -> Self {
         const T: usize = NIBBLE_SIMD_TILE;
@@ -599,30 +610,79 @@ impl RunSteps {
         }
         let blocks = count.div_ceil(T);
         let pitch = blocks * T + T;
-        let mut steps = vec![0i16; bases.len() * pitch];
-        let mut class = vec![NARROW; bases.len() * blocks];
+        let mut me = RunSteps {
+            pitch,
+            blocks,
+            slot,
+            steps: vec![0i16; bases.len() * pitch],
+            class: vec![NARROW; bases.len() * blocks],
+        };
+        let filled = groups(&mut me, &bases);
         // Tile height by tile height, each slot's 16 steps written side by side without a branch (the 16
-        // source lines of the scales stay in L1 across the slots).
+        // source lines of the scales stay in L1 across the slots); the slots `groups` filled only past
+        // their whole tile heights.
         for b in 0..blocks {
             let rows = b * T..count.min(b * T + T);
-            for (s, &base) in bases.iter().enumerate() {
-                let out = &mut steps[s * pitch + rows.start..s * pitch + rows.end];
+            let first = if rows.len() == T { filled } else { 0 };
+            for (s, &base) in bases.iter().enumerate().skip(first) {
+                let out = &mut me.steps[s * pitch + rows.start..s * pitch + rows.end];
                 let mut how = NARROW;
                 for (o, i) in out.iter_mut().zip(rows.clone()) {
                     let (st, c) = step_of(base + i * step);
                     *o = st;
                     how |= c;
                 }
-                class[s * blocks + b] = how;
+                me.class[s * blocks + b] = how;
             }
         }
-        RunSteps {
-            pitch,
-            blocks,
-            slot,
-            steps,
-            class,
+        me
+    }
+
+    /// The steps of e8m0 scale bytes `b` for slots in groups of 16 whose cells are consecutive (a run
+    /// over transposed experts: its slots are neighbouring blocks of one scale row), a 16 x 16 byte
+    /// matrix (rows of a tile height, the group's bytes of each row, one load) at a time: transposed into
+    /// each slot's 16 bytes, widened to `(b - 127) << 7` ([`E8M0_STEPS`]), a tile [`WIDE`] where some
+    /// byte is outside `2..=252`. Returns how many leading slots it filled (their whole tile heights);
+    /// the first group that is not consecutive, or whose last row would reach past `b`, ends it.
+    #[target_feature(enable = "avx2")]
+    fn e8m0_groups_avx2(&mut self, bases: &[usize], b: &[u8], step: usize, count: usize) -> usize {
+        use std::arch::x86_64::*;
+        const T: usize = NIBBLE_SIMD_TILE;
+        let full = count / T;
+        let mut filled = 0;
+        while filled + T <= bases.len() && full > 0 {
+            let base = bases[filled];
+            let consecutive = (0..T).all(|k| bases[filled + k] == base + k);
+            if !consecutive || base + (full * T - 1) * step + T > b.len() {
+                break;
+            }
+            for blk in 0..full {
+                let rows: [__m128i; T] = std::array::from_fn(|y| {
+                    let at = &b[base + (blk * T + y) * step..][..T];
+                    // SAFETY: `at` holds the 16 bytes read (unaligned, as `loadu` allows).
+                    unsafe { _mm_loadu_si128(at.as_ptr().cast()) }
+                });
+                for (k, col) in transpose_16x16(rows).into_iter().enumerate() {
+                    let s = filled + k;
+                    let wide = _mm256_slli_epi16::<7>(_mm256_sub_epi16(
+                        _mm256_cvtepu8_epi16(col),
+                        _mm256_set1_epi16(127),
+                    ));
+                    let out = &mut self.steps[s * self.pitch + blk * T..][..T];
+                    // SAFETY: `out` holds the 16 `i16` (32 bytes) stored, unaligned.
+                    unsafe { _mm256_storeu_si256(out.as_mut_ptr().cast(), wide) };
+                    // byte - 2 >= 251 (unsigned): a byte outside 2..=252
+                    let x = _mm_sub_epi8(col, _mm_set1_epi8(2));
+                    let outside = _mm_cmpeq_epi8(_mm_max_epu8(x, _mm_set1_epi8(-5)), x);
+                    self.class[s * self.blocks + blk] = match _mm_movemask_epi8(outside) {
+                        0 => NARROW,
+                        _ => WIDE,
+                    };
+                }
+            }
+            filled += T;
         }
+        filled
     }
 
     /// How slot `slot` decodes the tile height from element `y` ([`NARROW`], [`WIDE`] or [`SCALAR`]).
@@ -1621,11 +1681,11 @@ mod tests {
         #[test]
         fn nibble_tiles_equal_the_scalar_kernel(
             rows in 1usize..300,
-            groups in 1usize..9,
+            groups in prop_oneof![3 => 1usize..9, 1 => 16usize..20],
             row0 in 0usize..8,
             col0 in prop_oneof![2 => 0usize..40, 1 => Just(0usize), 1 => Just(16usize)],
             count in 1usize..300,
-            reps in prop_oneof![1usize..80, 60usize..140],
+            reps in prop_oneof![2 => 1usize..80, 2 => 60usize..140, 1 => 250usize..320],
             high: bool,
             pad in 0usize..5,
             seed: u64,
