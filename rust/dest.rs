@@ -657,11 +657,14 @@ impl RunSteps {
                 break;
             }
             for blk in 0..full {
-                let rows: [__m128i; T] = std::array::from_fn(|y| {
+                // (a loop, not `array::from_fn`: vectors returned through a function without the target
+                // feature go through memory, a tenth of the rank's time)
+                let mut rows = [_mm_setzero_si128(); T];
+                for (y, row) in rows.iter_mut().enumerate() {
                     let at = &b[base + (blk * T + y) * step..][..T];
                     // SAFETY: `at` holds the 16 bytes read (unaligned, as `loadu` allows).
-                    unsafe { _mm_loadu_si128(at.as_ptr().cast()) }
-                });
+                    *row = unsafe { _mm_loadu_si128(at.as_ptr().cast()) };
+                }
                 for (k, col) in transpose_16x16(rows).into_iter().enumerate() {
                     let s = filled + k;
                     let wide = _mm256_slli_epi16::<7>(_mm256_sub_epi16(
@@ -961,9 +964,12 @@ const NIBBLE_STAGE: usize = 2048;
 /// Bands of 4 tiles side by side (a cache line of each source row) walk down the rows; each
 /// [`NIBBLE_STAGE`] rows of a band are decoded into a buffer first and then written to the band's 64
 /// destination rows one after the other, with streaming stores where 16-byte aligned (written straight from
-/// the tiles, the 64 rows' lines were each read from memory before being overwritten). A ragged edge of
-/// fewer than 16 columns is a padded tile (its padding decoded, not written) except in the last tile heights,
-/// whose padding would read past `src`. Columns with a scale that is no e8m0 value (an arbitrary `f32`, only
+/// the tiles with plain stores, the 64 rows' lines were each read from memory before being overwritten).
+/// Where the destination rows start on lines (a torch shard's rows of a multiple of 32 elements) and AVX-512
+/// is there, a band instead takes two tile heights a pass and streams each column's 64 bytes straight into
+/// its row as one whole line ([`quad_lines_avx512`]): no stage, and the writes to memory spread between the
+/// decodes. A ragged edge of fewer than 16 columns is a padded tile (its padding decoded, not written) except
+/// in the last tile heights, whose padding would read past `src`. Columns with a scale that is no e8m0 value (an arbitrary `f32`, only
 /// through the Rust API), the rows of the ragged edges that do not fill a tile and the edge's last tile
 /// heights go through the scalar [`nibble_rows_dense`], which stays the reference
 /// (`nibble_tiles_equal_the_scalar_kernel`).
@@ -1049,9 +1055,63 @@ unsafe fn nibble_tiles_avx2(
         let b1 = rvec.min(b0 + BAND);
         let v1 = b1.min(reps);
         let ylim = if b1 > reps { ypad } else { yfull };
+        // A whole band of the run's columns whose destination rows start on lines takes two tile heights at
+        // a time straight into the rows (`quad_lines_avx512`), where its tiles allow.
+        let lined = quad
+            && v1 - b0 == BAND
+            && run.dst_is_dense()
+            && run.dst_addr.is_multiple_of(64)
+            && run.rep_dst_stride.is_multiple_of(64);
         let mut y0 = 0;
         while y0 < ylim {
-            let y1 = ylim.min(y0 + stage_rows);
+            if lined && y0 + 2 * T <= ylim {
+                let mut how = NARROW;
+                let whole = (0..NIBBLE_BAND).all(|t| {
+                    let s = steps.slot[b0 + t * T];
+                    how = how.max(steps.class(s, y0)).max(steps.class(s, y0 + T));
+                    steps.slot[b0 + t * T + T - 1] == s && how < SCALAR
+                });
+                if whole {
+                    for y in y0 + 2 * NIBBLE_AHEAD * T..count.min(y0 + (2 * NIBBLE_AHEAD + 2) * T) {
+                        prefetch_lines(&src[y * stride + b0..][..1]);
+                        prefetch_lines(&src[y * stride + v1 - 1..][..1]);
+                    }
+                    let st: [&[i16]; NIBBLE_BAND] = std::array::from_fn(|t| {
+                        &steps.steps[steps.slot[b0 + t * T] * steps.pitch + y0..][..2 * T]
+                    });
+                    let rows = &src[y0 * stride + b0..];
+                    let dst = (run.dst_addr + b0 * run.rep_dst_stride + 2 * y0) as *mut u8;
+                    // SAFETY: `lined` holds only where AVX-512 F and BW were detected (`quad`) and the
+                    // destination is dense with its first row and row pitch multiples of 64 bytes, and `y0`
+                    // is a multiple of 32 (only whole pairs of tile heights advance it before this point):
+                    // each column's 64 bytes from element `y0` are one aligned line inside the run's
+                    // destination row (`y0 + 32 <= count`), which plan::plan gave to this run alone.
+                    unsafe {
+                        match how {
+                            WIDE => quad_lines_avx512::<true>(
+                                rows,
+                                stride,
+                                high,
+                                st,
+                                dst,
+                                run.rep_dst_stride,
+                            ),
+                            _ => quad_lines_avx512::<false>(
+                                rows,
+                                stride,
+                                high,
+                                st,
+                                dst,
+                                run.rep_dst_stride,
+                            ),
+                        }
+                    }
+                    streamed = true;
+                    y0 += 2 * T;
+                    continue;
+                }
+            }
+            let y1 = ylim.min(y0 + if lined { 2 * T } else { stage_rows });
             let mut bad = 0u64; // columns of the band with a scale for the scalar kernel in y0..y1
             for yy in (y0..y1).step_by(T) {
                 if yy + (NIBBLE_AHEAD + 1) * T <= count {
@@ -1259,11 +1319,12 @@ unsafe fn nibble_tiles_avx2(
 }
 
 /// [`nibble_tiles_avx2`]'s four tiles side by side (a band's 64 byte columns, a tile in each 128-bit lane of
-/// 512-bit vectors), all narrow (`WIDE` false) or some wide (`WIDE`: the wide decode, [`wide_lanes_512`]): rows `0..16` of `rows` (the source from the tiles' first byte of their first
-/// row, rows `stride` apart) transposed and decoded as the pair path does, with the zero codes' steps masked
-/// out by mask registers; column `k` of tile `t` goes to `stage[(t * 16 + k) * pitch + at..]`, 32 bytes.
-/// `steps[t]` are tile `t`'s 16 steps. Half the transposes and about two thirds of the decode operations
-/// of two pair passes (docs/perf-notes.md, "Session 16").
+/// 512-bit vectors), all narrow (`WIDE` false) or some wide (`WIDE`: the wide decode, [`wide_lanes_512`]):
+/// rows `0..16` of `rows` (the source from the tiles' first byte of their first row, rows `stride` apart)
+/// transposed and decoded as the pair path does, with the zero codes' steps masked out by mask registers;
+/// column `k` of tile `t` goes to `stage[(t * 16 + k) * pitch + at..]`, 32 bytes. `steps[t]` are tile `t`'s
+/// 16 steps. Half the transposes and about two thirds of the decode operations of two pair passes
+/// (docs/perf-notes.md, "Session 16").
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw")]
 #[inline(never)]
@@ -1278,48 +1339,10 @@ fn quad_columns_avx512<const WIDE: bool>(
 ) {
     use std::arch::x86_64::*;
     const T: usize = NIBBLE_SIMD_TILE;
-    let low4 = _mm512_set1_epi8(0x0f);
-    let mut codes = [_mm512_setzero_si512(); T];
-    for (y, row) in codes.iter_mut().enumerate() {
-        let bytes = &rows[y * stride..][..NIBBLE_BAND * T];
-        // SAFETY: `bytes` holds the 64 bytes read (unaligned, as `loadu` allows).
-        let v = unsafe { _mm512_loadu_si512(bytes.as_ptr().cast()) };
-        *row = match high {
-            true => _mm512_and_si512(_mm512_srli_epi16::<4>(v), low4),
-            false => _mm512_and_si512(v, low4),
-        };
-    }
-    let cols = transpose_16x16_quads(codes);
-    let (tlo, thi) = e2m1_tables();
-    let (tlo, thi) = (_mm512_broadcast_i32x4(tlo), _mm512_broadcast_i32x4(thi));
-    // SAFETY: each `steps[t]` holds the 16 `i16` (32 bytes) its load reads, unaligned.
-    let st = steps.map(|s| unsafe { _mm256_loadu_si256(s[..T].as_ptr().cast()) });
-    let ab = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(st[0]), st[1]);
-    let cd = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(st[2]), st[3]);
-    // rows 0..8 of each tile's steps, one tile a lane | rows 8..16
-    let s0 = _mm512_shuffle_i64x2::<0x88>(ab, cd);
-    let s1 = _mm512_shuffle_i64x2::<0xdd>(ab, cd);
-    let mag = _mm512_set1_epi16(0x0707);
-    // 64-bit units of (v0, v1): tiles 0 and 1 | tiles 2 and 3, each tile's rows 0..8 then 8..16
-    let first = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);
-    let second = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
+    let cols = quad_codes(rows, stride, high);
+    let (s0, s1) = quad_steps(steps);
     for (k, &c) in cols.iter().enumerate() {
-        let lo = _mm512_shuffle_epi8(tlo, c);
-        let hi = _mm512_shuffle_epi8(thi, c);
-        // the non-zero codes of rows 0..8 and 8..16 of each lane, as 16-bit lanes
-        let m0 = _mm512_test_epi16_mask(_mm512_unpacklo_epi8(c, c), mag);
-        let m1 = _mm512_test_epi16_mask(_mm512_unpackhi_epi8(c, c), mag);
-        let w0 = _mm512_unpacklo_epi8(lo, hi);
-        let w1 = _mm512_unpackhi_epi8(lo, hi);
-        let (v0, v1) = match WIDE {
-            true => (wide_lanes_512(w0, s0, m0), wide_lanes_512(w1, s1, m1)),
-            false => (
-                _mm512_mask_add_epi16(w0, m0, w0, s0),
-                _mm512_mask_add_epi16(w1, m1, w1, s1),
-            ),
-        };
-        let x = _mm512_permutex2var_epi64(v0, first, v1);
-        let y = _mm512_permutex2var_epi64(v0, second, v1);
+        let (x, y) = quad_column::<WIDE>(c, s0, s1);
         let halves = [
             _mm512_castsi512_si256(x),
             _mm512_extracti64x4_epi64::<1>(x),
@@ -1332,6 +1355,136 @@ fn quad_columns_avx512<const WIDE: bool>(
             unsafe { _mm256_storeu_si256(o.as_mut_ptr().cast(), h) };
         }
     }
+}
+
+/// [`quad_columns_avx512`] over two tile heights (rows `0..32` of `rows`), written straight to the
+/// destination: column `k` of tile `t` is the 64 bytes (a whole line) at `dst + (t * 16 + k) * dst_stride`,
+/// stored by one streaming store, so that the writes to memory go out between the decodes instead of in
+/// bursts after them (a staged band's write-out ran at the memory's streaming rate while nothing else ran:
+/// a quarter of the kernel, docs/perf-notes.md, "Session 17"). `steps[t]` are tile `t`'s 32 steps.
+///
+/// # Safety
+/// AVX-512 F and BW must be available; for every column `c < 64`, `dst + c * dst_stride` must be 64-byte
+/// aligned and valid for 64 bytes of writes, which nothing else reads or writes meanwhile; the caller fences
+/// the streaming stores.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline(never)]
+unsafe fn quad_lines_avx512<const WIDE: bool>(
+    rows: &[u8],
+    stride: usize,
+    high: bool,
+    steps: [&[i16]; NIBBLE_BAND],
+    dst: *mut u8,
+    dst_stride: usize,
+) {
+    use std::arch::x86_64::*;
+    const T: usize = NIBBLE_SIMD_TILE;
+    let upper = &rows[T * stride..];
+    let (a, b) = (
+        quad_codes(rows, stride, high),
+        quad_codes(upper, stride, high),
+    );
+    let (sa0, sa1) = quad_steps(steps);
+    let (sb0, sb1) = quad_steps(steps.map(|s| &s[T..]));
+    for k in 0..T {
+        let (xa, ya) = quad_column::<WIDE>(a[k], sa0, sa1);
+        let (xb, yb) = quad_column::<WIDE>(b[k], sb0, sb1);
+        // tile t's 16 rows of each height: the low (t even) or high 256 bits of xa / ya, then of xb / yb
+        let lines = [
+            _mm512_shuffle_i64x2::<0x44>(xa, xb),
+            _mm512_shuffle_i64x2::<0xee>(xa, xb),
+            _mm512_shuffle_i64x2::<0x44>(ya, yb),
+            _mm512_shuffle_i64x2::<0xee>(ya, yb),
+        ];
+        for (t, line) in lines.into_iter().enumerate() {
+            // SAFETY: by the contract above, the line of column `t * 16 + k` is aligned and writable.
+            unsafe { _mm512_stream_si512(dst.add((t * T + k) * dst_stride).cast(), line) };
+        }
+    }
+}
+
+/// The nibbles of rows `0..16` of a band (64 bytes each, `stride` apart), transposed four 16 x 16 tiles
+/// at once: vector `k` holds column `k` of tile `t` in its 128-bit lane `t`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+fn quad_codes(
+    rows: &[u8],
+    stride: usize,
+    high: bool,
+) -> [std::arch::x86_64::__m512i; NIBBLE_SIMD_TILE] {
+    use std::arch::x86_64::*;
+    const T: usize = NIBBLE_SIMD_TILE;
+    let low4 = _mm512_set1_epi8(0x0f);
+    let mut codes = [_mm512_setzero_si512(); T];
+    for (y, row) in codes.iter_mut().enumerate() {
+        let bytes = &rows[y * stride..][..NIBBLE_BAND * T];
+        // SAFETY: `bytes` holds the 64 bytes read (unaligned, as `loadu` allows).
+        let v = unsafe { _mm512_loadu_si512(bytes.as_ptr().cast()) };
+        *row = match high {
+            true => _mm512_and_si512(_mm512_srli_epi16::<4>(v), low4),
+            false => _mm512_and_si512(v, low4),
+        };
+    }
+    transpose_16x16_quads(codes)
+}
+
+/// The four tiles' 16 steps each (`steps[t]`) as two vectors: rows 0..8 of each tile, one tile a lane,
+/// and rows 8..16.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+fn quad_steps(
+    steps: [&[i16]; NIBBLE_BAND],
+) -> (std::arch::x86_64::__m512i, std::arch::x86_64::__m512i) {
+    use std::arch::x86_64::*;
+    const T: usize = NIBBLE_SIMD_TILE;
+    // SAFETY: each `steps[t]` holds the 16 `i16` (32 bytes) its load reads, unaligned.
+    let st = steps.map(|s| unsafe { _mm256_loadu_si256(s[..T].as_ptr().cast()) });
+    let ab = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(st[0]), st[1]);
+    let cd = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(st[2]), st[3]);
+    (
+        _mm512_shuffle_i64x2::<0x88>(ab, cd),
+        _mm512_shuffle_i64x2::<0xdd>(ab, cd),
+    )
+}
+
+/// Column `k` of the four tiles decoded (`c`: [`quad_codes`]' vector `k`; `s0`, `s1`: [`quad_steps`]): tiles
+/// 0 and 1's 16 bf16 values (32 bytes each, the low 256 bits tile 0's) and tiles 2 and 3's.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+fn quad_column<const WIDE: bool>(
+    c: std::arch::x86_64::__m512i,
+    s0: std::arch::x86_64::__m512i,
+    s1: std::arch::x86_64::__m512i,
+) -> (std::arch::x86_64::__m512i, std::arch::x86_64::__m512i) {
+    use std::arch::x86_64::*;
+    let (tlo, thi) = e2m1_tables();
+    let (tlo, thi) = (_mm512_broadcast_i32x4(tlo), _mm512_broadcast_i32x4(thi));
+    let mag = _mm512_set1_epi16(0x0707);
+    // 64-bit units of (v0, v1): tiles 0 and 1 | tiles 2 and 3, each tile's rows 0..8 then 8..16
+    let first = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);
+    let second = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
+    let lo = _mm512_shuffle_epi8(tlo, c);
+    let hi = _mm512_shuffle_epi8(thi, c);
+    // the non-zero codes of rows 0..8 and 8..16 of each lane, as 16-bit lanes
+    let m0 = _mm512_test_epi16_mask(_mm512_unpacklo_epi8(c, c), mag);
+    let m1 = _mm512_test_epi16_mask(_mm512_unpackhi_epi8(c, c), mag);
+    let w0 = _mm512_unpacklo_epi8(lo, hi);
+    let w1 = _mm512_unpackhi_epi8(lo, hi);
+    let (v0, v1) = match WIDE {
+        true => (wide_lanes_512(w0, s0, m0), wide_lanes_512(w1, s1, m1)),
+        false => (
+            _mm512_mask_add_epi16(w0, m0, w0, s0),
+            _mm512_mask_add_epi16(w1, m1, w1, s1),
+        ),
+    };
+    (
+        _mm512_permutex2var_epi64(v0, first, v1),
+        _mm512_permutex2var_epi64(v0, second, v1),
+    )
 }
 
 /// One round of a byte transpose: the low and high unpacks of each listed pair of vectors.
@@ -1688,6 +1841,7 @@ mod tests {
             reps in prop_oneof![2 => 1usize..80, 2 => 60usize..140, 1 => 250usize..320],
             high: bool,
             pad in 0usize..5,
+            lined: bool,
             seed: u64,
             odd in prop_oneof![4 => Just(0u8), 1 => Just(1u8), 1 => Just(2u8), 1 => Just(3u8)],
             wild in proptest::collection::vec(scale_value(), 1..8),
@@ -1731,9 +1885,16 @@ mod tests {
             block[..2].copy_from_slice(&[1, 32]);
             grid_strides[..2].copy_from_slice(&[groups as u64, 1]);
             let map = ScaleMap::whole(&values, 2, shape, block, grid_strides);
-            let dst_row = 2 * (count + pad);
-            let mut out = vec![0x5au8; dst_row * reps + 64];
-            let mut want = out.clone();
+            // `lined`: destination rows starting on lines (a 64-byte aligned buffer, rows a multiple of 64
+            // bytes), as torch allocates shards: whole bands go straight into the rows
+            let dst_row = match lined {
+                true => (2 * (count + pad)).next_multiple_of(64),
+                false => 2 * (count + pad),
+            };
+            let mut backing = vec![0x5au8; dst_row * reps + 128];
+            let at = backing.as_ptr().align_offset(64) + usize::from(!lined) * 16;
+            let out = &mut backing[at..][..dst_row * reps + 64];
+            let mut want = out.to_vec();
             let src_off = begin + row0 * width + col0;
             let run = Run {
                 item: 0,
@@ -1777,13 +1938,13 @@ mod tests {
             // the run's bytes exactly, as the engine hands them (`src_end`): a padded tile must not read past
             let src = &file[src_off..src_off + (count - 1) * width + reps];
             write_run_scaled(&run, src, &map, begin as u64);
-            prop_assert_eq!(&out, &want, "write_run_scaled");
+            prop_assert_eq!(&out[..], &want[..], "write_run_scaled");
             // the same scales kept as their e8m0 bytes, as the engine keeps MXFP4's (when every cell is one)
             let kept: Option<Vec<u8>> = bytes.iter().copied().collect();
             if let Some(kept) = &kept {
                 out.fill(0x5a);
                 write_run_scaled(&run, src, &ScaleMap { values: ScaleValues::E8m0(kept), ..map }, begin as u64);
-                prop_assert_eq!(&out, &want, "write_run_scaled, e8m0 bytes");
+                prop_assert_eq!(&out[..], &want[..], "write_run_scaled, e8m0 bytes");
             }
             #[cfg(target_arch = "x86_64")]
             if std::arch::is_x86_feature_detected!("avx2") {
@@ -1799,7 +1960,7 @@ mod tests {
                         // SAFETY: AVX2 support was just detected on this CPU, and AVX-512 F and BW where
                         // `quad` is set.
                         unsafe { nibble_tiles_avx2(&run, src, values, &cells, cell_step, quad) };
-                        prop_assert_eq!(&out, &want, "nibble_tiles_avx2, {}, quad {}", what, quad);
+                        prop_assert_eq!(&out[..], &want[..], "nibble_tiles_avx2, {}, quad {}", what, quad);
                     }
                 }
             }
