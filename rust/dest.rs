@@ -638,22 +638,25 @@ impl RunSteps {
         me
     }
 
-    /// The steps of e8m0 scale bytes `b` for slots in groups of 16 whose cells are consecutive (a run
-    /// over transposed experts: its slots are neighbouring blocks of one scale row), a 16 x 16 byte
-    /// matrix (rows of a tile height, the group's bytes of each row, one load) at a time: transposed into
-    /// each slot's 16 bytes, widened to `(b - 127) << 7` ([`E8M0_STEPS`]), a tile [`WIDE`] where some
-    /// byte is outside `2..=252`. Returns how many leading slots it filled (their whole tile heights);
-    /// the first group that is not consecutive, or whose last row would reach past `b`, ends it.
+    /// The steps of e8m0 scale bytes `b` for slots in groups of up to 16 whose cells are consecutive (a
+    /// run over transposed experts: its slots are neighbouring blocks of one scale row; gpt-oss's 90 a
+    /// row are five groups and one of 10), a 16 x 16 byte matrix (rows of a tile height, 16 bytes of
+    /// each row from the group's first cell, one load) at a time: transposed into each slot's 16 bytes,
+    /// widened to `(b - 127) << 7` ([`E8M0_STEPS`]), a tile [`WIDE`] where some byte is outside
+    /// `2..=252`; a short group's other bytes are read (zeros past the end of `b`) and dropped. Returns
+    /// how many leading slots it filled (their whole tile heights); the first group that is not
+    /// consecutive ends it.
     #[target_feature(enable = "avx2")]
     fn e8m0_groups_avx2(&mut self, bases: &[usize], b: &[u8], step: usize, count: usize) -> usize {
         use std::arch::x86_64::*;
         const T: usize = NIBBLE_SIMD_TILE;
         let full = count / T;
         let mut filled = 0;
-        while filled + T <= bases.len() && full > 0 {
+        while filled < bases.len() && full > 0 {
+            let n = (bases.len() - filled).min(T);
             let base = bases[filled];
-            let consecutive = (0..T).all(|k| bases[filled + k] == base + k);
-            if !consecutive || base + (full * T - 1) * step + T > b.len() {
+            let consecutive = (0..n).all(|k| bases[filled + k] == base + k);
+            if !consecutive {
                 break;
             }
             for blk in 0..full {
@@ -661,11 +664,19 @@ impl RunSteps {
                 // feature go through memory, a tenth of the rank's time)
                 let mut rows = [_mm_setzero_si128(); T];
                 for (y, row) in rows.iter_mut().enumerate() {
-                    let at = &b[base + (blk * T + y) * step..][..T];
+                    let at = &b[base + (blk * T + y) * step..];
+                    let mut last = [0u8; T]; // a short group's last row may end `b`
+                    let at = match at.len() >= T {
+                        true => &at[..T],
+                        false => {
+                            last[..at.len()].copy_from_slice(at);
+                            &last[..]
+                        }
+                    };
                     // SAFETY: `at` holds the 16 bytes read (unaligned, as `loadu` allows).
                     *row = unsafe { _mm_loadu_si128(at.as_ptr().cast()) };
                 }
-                for (k, col) in transpose_16x16(rows).into_iter().enumerate() {
+                for (k, col) in transpose_16x16(rows).into_iter().enumerate().take(n) {
                     let s = filled + k;
                     let wide = _mm256_slli_epi16::<7>(_mm256_sub_epi16(
                         _mm256_cvtepu8_epi16(col),
@@ -683,7 +694,7 @@ impl RunSteps {
                     };
                 }
             }
-            filled += T;
+            filled += n;
         }
         filled
     }
@@ -1076,9 +1087,10 @@ unsafe fn nibble_tiles_avx2(
                         prefetch_lines(&src[y * stride + b0..][..1]);
                         prefetch_lines(&src[y * stride + v1 - 1..][..1]);
                     }
-                    let st: [&[i16]; NIBBLE_BAND] = std::array::from_fn(|t| {
+                    let at = |t: usize| {
                         &steps.steps[steps.slot[b0 + t * T] * steps.pitch + y0..][..2 * T]
-                    });
+                    };
+                    let st = [at(0), at(1), at(2), at(3)];
                     let rows = &src[y0 * stride + b0..];
                     let dst = (run.dst_addr + b0 * run.rep_dst_stride + 2 * y0) as *mut u8;
                     // SAFETY: `lined` holds only where AVX-512 F and BW were detected (`quad`) and the
