@@ -7,7 +7,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use super::release::{Release, Releases};
-use super::scales::{check_scale, item_scales, read_scale_cells, scale_cells, LoadedScale, Scaled};
+use super::scales::{
+    check_scale, item_scales, mappable_scale_files, read_scale_cells, scale_cells, LoadedScale,
+    Scaled,
+};
 use super::staged::{needed_ranges, Stage};
 use super::tasks::{pieces_and_tasks, probe_ranges, Mode, Task};
 use super::workers::run_workers;
@@ -99,7 +102,32 @@ pub(super) fn execute_scaled_reading(
             )?);
             runs = copied;
         }
-        read_scale_cells(&mut loaded, &cells, files, staged.as_deref())?;
+        let threads = opts.threads.unwrap_or_else(default_threads).max(1);
+        let interrupt = opts.interrupt.as_ref();
+        // MXFP4 scale windows of whole rows are kept as slices of their file's map (unless `pread` was asked
+        // for): a rank's whole experts' scales copied into fresh memory cost a page fault every 4 KiB
+        let maps = match (&staged, opts.backend) {
+            (Some(staged), _) => Some(staged.clone()),
+            (None, Backend::Pread) => None,
+            (None, _) => Some(
+                mappable_scale_files(&loaded, &cells, files)
+                    .into_iter()
+                    .zip(files)
+                    .map(|(wanted, h)| match wanted {
+                        true => file_map(h, &open_checked_meta(h)?.0).map(Some),
+                        false => Ok(None),
+                    })
+                    .collect::<Result<Vec<_>, LoadError>>()?,
+            ),
+        };
+        read_scale_cells(
+            &mut loaded,
+            &cells,
+            files,
+            maps.as_deref(),
+            threads,
+            interrupt,
+        )?;
     }
     let scale_bytes: u64 = loaded.iter().map(|s| s.bytes).sum();
     let threads = opts.threads.unwrap_or_else(default_threads).max(1);
@@ -205,6 +233,16 @@ fn open_checked(h: &Header) -> Result<File, LoadError> {
 }
 
 /// [`open_checked`], with the metadata it checked the file against.
+/// A map of the whole of `h`'s file (`file`, opened and checked by [`open_checked_meta`]): the header's kept
+/// map when it has an identity to check that against, else a fresh one (headers parsed from memory).
+fn file_map(h: &Header, file: &File) -> Result<Arc<Mapping>, LoadError> {
+    let make = || Mapping::new(file, h.file_len, &h.path);
+    match h.identity {
+        Some(_) => h.map.get_or_map(make),
+        None => make().map(Arc::new),
+    }
+}
+
 fn open_checked_meta(h: &Header) -> Result<(File, std::fs::Metadata), LoadError> {
     let (file, meta) = open_regular(&h.path)?;
     if meta.len() < h.file_len {
@@ -231,15 +269,7 @@ fn open_source(
     keep_open: bool,
 ) -> Result<Source, LoadError> {
     let (file, meta) = open_checked_meta(h)?;
-    // Headers parsed from memory have no identity to check a kept map against: map afresh.
-    let mapping = || -> Result<Arc<Mapping>, LoadError> {
-        let make = || Mapping::new(&file, h.file_len, &h.path);
-        if h.identity.is_some() {
-            h.map.get_or_map(make)
-        } else {
-            make().map(Arc::new)
-        }
-    };
+    let mapping = || file_map(h, &file);
     let holes = backend == Backend::Auto && mostly_holes(&meta);
     let map = match backend {
         Backend::Pread => None,

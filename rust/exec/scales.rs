@@ -2,8 +2,10 @@
 //! the items that use it, the reading of only the grid rows those items touch, and the per-run choice
 //! between a plain and a scaled copy.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
+use super::workers::run_workers;
+use super::Interrupt;
 use crate::dest::{write_run, write_run_scaled, DestBuf};
 use crate::dtype::Dtype;
 use crate::error::LoadError;
@@ -33,10 +35,25 @@ pub struct Scale {
 }
 
 /// The values of a scale's window as a batch keeps them ([`ScaleValues`]): decoded to `f32`, or the e8m0 bytes
-/// of an MXFP4 scale as they are.
+/// of an MXFP4 scale as they are: copied, or (`Mapped`: a window of whole grid rows of a mapped file) the
+/// `len` bytes at `start` of the map, which drops its page-table entries for them again once the batch is
+/// done with them ([`Mapping::done_with`]).
 enum Kept {
     F32(Vec<f32>),
     E8m0(Vec<u8>),
+    Mapped {
+        map: Arc<Mapping>,
+        start: usize,
+        len: usize,
+    },
+}
+
+impl Drop for Kept {
+    fn drop(&mut self) {
+        if let Kept::Mapped { map, start, len } = self {
+            map.done_with(*start as u64, (*start + *len) as u64);
+        }
+    }
 }
 
 /// A validated [`Scale`] with the grid's strides and, once [`read_scale_cells`] ran, the values of the window of
@@ -65,6 +82,9 @@ impl LoadedScale {
             values: match &self.values {
                 Kept::F32(v) => ScaleValues::F32(v),
                 Kept::E8m0(b) => ScaleValues::E8m0(b),
+                Kept::Mapped { map, start, len } => {
+                    ScaleValues::E8m0(&map.bytes()[*start..][..*len])
+                }
             },
             ndim: self.ndim,
             shape: self.shape,
@@ -297,34 +317,162 @@ pub(super) fn scale_byte_range(
 /// scale's decoded window (`f32`), the rank's share of the scales.
 pub(super) const SCALE_READ_CHUNK: u64 = 4 << 20;
 
-/// Reads the span of each scale ([`scale_cells`]) and decodes its window: from the staged bytes of its file
-/// when there are some (object storage, `super::staged`), else by `pread`s of whole grid rows of at most
+/// Reads the span of each scale ([`scale_cells`]) and decodes its window: from its file's map in `maps` when
+/// there is one, else by `pread`s of whole grid rows of at most
 /// [`SCALE_READ_CHUNK`] bytes at a time (a grid row longer than that: its window's cells alone, in pieces of
-/// that size).
+/// that size); MXFP4's kept e8m0 bytes of whole grid rows are read straight into the window, or, where
+/// `maps` holds their file's map, kept as a slice of it (populated in one call; no fresh pages to fault, no
+/// copy). `maps`: the staged bytes of each file when there are some (object storage, `super::staged`), else
+/// maps of the files of such windows, or none. The scales are read on `threads` workers, the largest
+/// windows first (one thread read a rank's 112 MB of gpt-oss scales while the other waited: a quarter of
+/// the rank's time, docs/perf-notes.md, "Session 17").
 pub(super) fn read_scale_cells(
     scales: &mut [LoadedScale],
     cells: &[Option<ScaleCells>],
     files: &[Arc<Header>],
-    staged: Option<&[Option<Arc<Mapping>>]>,
+    maps: Option<&[Option<Arc<Mapping>>]>,
+    threads: usize,
+    interrupt: Option<&Interrupt>,
 ) -> Result<(), LoadError> {
-    let mut buf: Vec<u8> = Vec::new();
-    for (sc, cells) in scales.iter_mut().zip(cells) {
-        let Some(cells) = cells else {
-            continue; // no item uses it
-        };
-        let h = &files[sc.file];
-        let t = &h.tensors[sc.tensor];
-        let (dtype, mxfp4) = (t.dtype, sc.mxfp4);
-        let size = dtype.byte_size().expect("scale dtypes are byte-sized") as u64;
-        let base = h.data_start + t.begin; // the file offset of cell 0
+    let mut order: Vec<usize> = (0..scales.len()).filter(|&k| cells[k].is_some()).collect();
+    order.sort_by_key(|&k| {
+        std::cmp::Reverse(cells[k].as_ref().map_or(0, |c| c.rows() * c.window.width))
+    });
+    let read: Vec<Mutex<Option<(Kept, u64)>>> = scales.iter().map(|_| Mutex::new(None)).collect();
+    {
+        let scales = &*scales;
+        run_workers(
+            threads.clamp(1, order.len().max(1)),
+            order.len(),
+            interrupt,
+            |i, buf, _| {
+                let k = order[i];
+                let cells = cells[k]
+                    .as_ref()
+                    .expect("only scales some item uses are read");
+                let window = read_window(&scales[k], cells, files, maps, buf)?;
+                *read[k].lock().unwrap_or_else(|p| p.into_inner()) = Some(window);
+                Ok(())
+            },
+        )?;
+    }
+    for ((sc, cells), read) in scales.iter_mut().zip(cells).zip(read) {
+        if let (Some(cells), Some((values, bytes))) =
+            (cells, read.into_inner().unwrap_or_else(|p| p.into_inner()))
+        {
+            sc.values = values;
+            sc.window = cells.window;
+            sc.bytes = bytes;
+        }
+    }
+    Ok(())
+}
+
+/// The files holding a scale window that [`read_scale_cells`] keeps as a slice of a map when given one: MXFP4
+/// e8m0 bytes of whole grid rows (a rank's whole experts).
+pub(super) fn mappable_scale_files(
+    scales: &[LoadedScale],
+    cells: &[Option<ScaleCells>],
+    files: &[Arc<Header>],
+) -> Vec<bool> {
+    let mut wanted = vec![false; files.len()];
+    for (sc, cells) in scales.iter().zip(cells) {
+        let Some(cells) = cells else { continue };
+        let dtype = files[sc.file].tensors[sc.tensor].dtype;
         let w = cells.window;
-        let rows = cells.rows();
-        // MXFP4's e8m0 bytes are kept as they are (a quarter of the `f32`), every other scale decoded
-        let bytes_kept = mxfp4 && matches!(dtype, Dtype::U8 | Dtype::F8_E8M0);
-        let n = (rows * w.width) as usize;
-        let mut values = match bytes_kept {
-            true => Kept::E8m0(vec![0u8; n]),
-            false => Kept::F32(vec![0.0f32; n]),
+        if sc.mxfp4
+            && matches!(dtype, Dtype::U8 | Dtype::F8_E8M0)
+            && w.col0 == 0
+            && w.width == w.gcols
+        {
+            wanted[sc.file] = true;
+        }
+    }
+    wanted
+}
+
+/// One scale's window of [`read_scale_cells`] and the bytes read for it, `buf` the worker's scratch buffer.
+fn read_window(
+    sc: &LoadedScale,
+    cells: &ScaleCells,
+    files: &[Arc<Header>],
+    maps: Option<&[Option<Arc<Mapping>>]>,
+    buf: &mut Vec<u8>,
+) -> Result<(Kept, u64), LoadError> {
+    let h = &files[sc.file];
+    let t = &h.tensors[sc.tensor];
+    let (dtype, mxfp4) = (t.dtype, sc.mxfp4);
+    let size = dtype.byte_size().expect("scale dtypes are byte-sized") as u64;
+    let base = h.data_start + t.begin; // the file offset of cell 0
+    let w = cells.window;
+    let rows = cells.rows();
+    // MXFP4's e8m0 bytes are kept as they are (a quarter of the `f32`), every other scale decoded
+    let bytes_kept = mxfp4 && matches!(dtype, Dtype::U8 | Dtype::F8_E8M0);
+    let n = (rows * w.width) as usize;
+    let row_cells = w.gcols;
+    let whole_rows = w.col0 == 0 && w.width == row_cells;
+    let map = maps.and_then(|s| s[sc.file].clone());
+    if let (Some(map), true, true) = (&map, bytes_kept, whole_rows) {
+        let start = (base + w.row0 * row_cells) as usize;
+        map.will_need(start as u64, (start + n) as u64);
+        let read = (cells.span.1 - cells.span.0) * size;
+        let map = Arc::clone(map);
+        return Ok((Kept::Mapped { map, start, len: n }, read));
+    }
+    let mut values = match bytes_kept {
+        true => Kept::E8m0(vec![0u8; n]),
+        false => Kept::F32(vec![0.0f32; n]),
+    };
+    let file = match map {
+        Some(_) => None,
+        None => Some(open_regular(&h.path)?.0),
+    };
+    // Pieces of the span, each a range of flat cells read at once: whole grid rows, as many as fit in a
+    // chunk; a row longer than a chunk: its window's cells in chunks.
+    let chunk_cells = (SCALE_READ_CHUNK / size).max(1);
+    let mut pieces: Vec<(u64, u64)> = Vec::new();
+    let per_read = (chunk_cells / row_cells).max(1);
+    let mut r = 0;
+    while r < rows {
+        let k = per_read.min(rows - r);
+        let first = (w.row0 + r) * row_cells;
+        match row_cells <= chunk_cells {
+            true => pieces.push((
+                first.max(cells.span.0),
+                (first + k * row_cells).min(cells.span.1),
+            )),
+            false => {
+                let (a, b) = (first + w.col0, first + w.col0 + w.width);
+                pieces.extend(
+                    (a..b)
+                        .step_by(chunk_cells as usize)
+                        .map(|p| (p, (p + chunk_cells).min(b))),
+                );
+            }
+        }
+        r += k;
+    }
+    let mut read = 0u64;
+    for (p0, p1) in pieces {
+        let (start, end) = (base + p0 * size, base + p1 * size);
+        read += end - start;
+        let at = |cell: u64| {
+            ((cell / row_cells - w.row0) * w.width + (cell % row_cells - w.col0)) as usize
+        };
+        let bytes: &[u8] = match (&map, &file, &mut values) {
+            (Some(map), _, _) => &map.bytes()[start as usize..end as usize],
+            // whole rows of kept bytes: the piece's cells are the window's, in order
+            (None, Some(file), Kept::E8m0(kept)) if whole_rows => {
+                let into = &mut kept[at(p0)..][..(end - start) as usize];
+                read_exact_at(file, into, start, &h.path, h.file_len)?;
+                continue;
+            }
+            (None, Some(file), _) => {
+                buf.resize((end - start) as usize, 0);
+                read_exact_at(file, buf, start, &h.path, h.file_len)?;
+                buf
+            }
+            (None, None, _) => unreachable!("a scale's file is opened when it is not staged"),
         };
         // the window's cells `at..at + src.len() / size` from their bytes `src`
         let mut put = |at: usize, src: &[u8]| match &mut values {
@@ -333,78 +481,29 @@ pub(super) fn read_scale_cells(
                 let out = &mut v[at..at + src.len() / size as usize];
                 decode_scales_into(dtype, src, out, mxfp4);
             }
+            Kept::Mapped { .. } => unreachable!("a mapped window is returned above"),
         };
-        let map = staged.and_then(|s| s[sc.file].clone());
-        let file = match map {
-            Some(_) => None,
-            None => Some(open_regular(&h.path)?.0),
-        };
-        // Pieces of the span, each a range of flat cells read at once: whole grid rows, as many as fit in a
-        // chunk; a row longer than a chunk: its window's cells in chunks.
-        let row_cells = w.gcols;
-        let chunk_cells = (SCALE_READ_CHUNK / size).max(1);
-        let mut pieces: Vec<(u64, u64)> = Vec::new();
-        let per_read = (chunk_cells / row_cells).max(1);
-        let mut r = 0;
-        while r < rows {
-            let k = per_read.min(rows - r);
-            let first = (w.row0 + r) * row_cells;
-            match row_cells <= chunk_cells {
-                true => pieces.push((
-                    first.max(cells.span.0),
-                    (first + k * row_cells).min(cells.span.1),
-                )),
-                false => {
-                    let (a, b) = (first + w.col0, first + w.col0 + w.width);
-                    pieces.extend(
-                        (a..b)
-                            .step_by(chunk_cells as usize)
-                            .map(|p| (p, (p + chunk_cells).min(b))),
-                    );
-                }
-            }
-            r += k;
+        if whole_rows {
+            put(at(p0), bytes);
+            continue;
         }
-        let mut read = 0u64;
-        for (p0, p1) in pieces {
-            let (start, end) = (base + p0 * size, base + p1 * size);
-            let bytes: &[u8] = match (&map, &file) {
-                (Some(map), _) => &map.bytes()[start as usize..end as usize],
-                (None, Some(file)) => {
-                    buf.resize((end - start) as usize, 0);
-                    read_exact_at(file, &mut buf, start, &h.path, h.file_len)?;
-                    &buf
-                }
-                (None, None) => unreachable!("a scale's file is opened when it is not staged"),
-            };
-            read += end - start;
-            if w.col0 == 0 && w.width == row_cells {
-                // whole rows: the piece's cells are the window's, in order
-                put((p0 - w.row0 * row_cells) as usize, bytes);
-                continue;
-            }
-            // the window's cells of each row in the piece
-            let mut row = p0 / row_cells;
-            while row * row_cells < p1 {
-                let (a, b) = (
-                    (row * row_cells + w.col0).max(p0),
-                    (row * row_cells + w.col0 + w.width).min(p1),
+        // the window's cells of each row in the piece
+        let mut row = p0 / row_cells;
+        while row * row_cells < p1 {
+            let (a, b) = (
+                (row * row_cells + w.col0).max(p0),
+                (row * row_cells + w.col0 + w.width).min(p1),
+            );
+            if a < b {
+                put(
+                    at(a),
+                    &bytes[((a - p0) * size) as usize..((b - p0) * size) as usize],
                 );
-                if a < b {
-                    let at = ((row - w.row0) * w.width + (a - row * row_cells - w.col0)) as usize;
-                    put(
-                        at,
-                        &bytes[((a - p0) * size) as usize..((b - p0) * size) as usize],
-                    );
-                }
-                row += 1;
             }
+            row += 1;
         }
-        sc.values = values;
-        sc.window = w;
-        sc.bytes = read;
     }
-    Ok(())
+    Ok((values, read))
 }
 
 /// Per item: its scale (index into the loaded scales) and the absolute file offset of its tensor.
@@ -985,7 +1084,7 @@ mod tests {
             },
         };
         assert_eq!(cells, vec![Some(want)]);
-        read_scale_cells(&mut loaded, &cells, files, None).unwrap();
+        read_scale_cells(&mut loaded, &cells, files, None, 2, None).unwrap();
         let Kept::E8m0(kept) = &loaded[0].values else {
             panic!("MXFP4's e8m0 bytes are kept as bytes");
         };
