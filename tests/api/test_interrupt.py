@@ -330,6 +330,30 @@ def _settling_checks(rank: int) -> dict[str, Any]:
         if rank == 0:
             got["late_leaver_stays"] = not protocol._leave(store, 7, _Waiting())
     torch.distributed.barrier()
+
+    # A job-wide exchange: rank 0 left it after a signal (its notice of the step is in the store, its
+    # connections closed), and rank 1's next post to it fails in the transport: rank 1 raises PeerInterrupted
+    # naming rank 0, and a transport error with no notice stays what it is.
+    with protocol.interrupts_between_steps():
+        if rank == 0:
+            store = protocol._store()
+            store.set(f"{protocol._NOTICE_KEY}{protocol._call}/{protocol._sequence}", "rank 0")
+        torch.distributed.barrier()
+        if rank == 1:
+            try:
+                with protocol.exchanging():
+                    raise RuntimeError("Connection closed by peer [127.0.0.1]:1")
+            except Exception as exc:  # the type is the outcome
+                got["lost_peer"] = f"{type(exc).__name__} {getattr(exc, 'ranks', '')}: {exc}"
+        torch.distributed.barrier()
+    with protocol.interrupts_between_steps():
+        if rank == 1:
+            try:
+                with protocol.exchanging():
+                    raise RuntimeError("Connection closed by peer [127.0.0.1]:1")
+            except Exception as exc:  # the type is the outcome
+                got["lost_quietly"] = f"{type(exc).__name__}: {exc}"
+    torch.distributed.barrier()
     return got
 
 
@@ -430,6 +454,18 @@ def test_a_rank_that_leaves_while_waiting_stops_its_peers_before_their_next_coll
     assert "Step one" in other["outcome"] and "rank 0" in other["outcome"], other
     assert [got["settling"]["sum_after"] for got in ranks] == [3.0, 3.0], ranks
     assert other["sealer_goes_on"] and ranks[0]["settling"]["late_leaver_stays"], ranks
+
+
+def test_a_peer_gone_from_the_exchange_after_its_signal_is_named_as_interrupted(
+    ranks: list[dict[str, Any]],
+) -> None:
+    """A transport error in the job-wide exchange (posting to a rank that left after its signal closed its
+    connections) is the ``PeerInterrupted`` naming that rank when its notice is in the store, and the transport
+    error itself when there is none."""
+    lost = ranks[1]["settling"]["lost_peer"]
+    assert lost.startswith("PeerInterrupted (0,):") and "rank 0" in lost and "exchange" in lost, lost
+    quiet = ranks[1]["settling"]["lost_quietly"]
+    assert quiet.startswith("RuntimeError: Connection closed by peer"), quiet
 
 
 def test_a_two_rank_load_interrupted_on_every_rank(ranks: list[dict[str, Any]]) -> None:

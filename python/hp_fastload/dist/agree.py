@@ -123,7 +123,10 @@ def _signals_live() -> Iterator[None]:
 def exchanging() -> Iterator[None]:
     """A step between two agreements in which the ranks exchange messages directly (the job-wide delivery):
     a signal raises here, as in an agreement's wait, after leaving a notice in the store that the peers find in
-    their waits of this step or in the next agreement (they raise ``PeerInterrupted`` naming this rank)."""
+    their waits of this step or in the next agreement (they raise ``PeerInterrupted`` naming this rank). A
+    transport error here (posting a message to, or waiting for, a peer that is gone) becomes that
+    ``PeerInterrupted`` when the peer left such a notice: an interrupted rank that leaves closes its
+    connections, and a peer posting to it meanwhile fails in gloo before any wait could look at the store."""
     sequence = _sequence
     try:
         with _signals_live():
@@ -134,6 +137,29 @@ def exchanging() -> Iterator[None]:
             with contextlib.suppress(RuntimeError, ValueError):
                 store.set(f"{_NOTICE_KEY}{_call}/{sequence}", f"rank {torch.distributed.get_rank()}")
         raise
+    except RuntimeError as exc:
+        noticed = _notice_within(sequence, _LEFT_NOTICE_SECONDS) if dist_active() else None
+        if noticed is not None:
+            raise _peer_interrupted("The job-wide exchange", noticed, " during the exchange") from exc
+        raise
+
+
+#: How long a rank whose exchange failed looks for the notice of a peer that left it (the notice is written
+#: before the leaving rank raises, so before its connections close: this only covers the store's latency).
+_LEFT_NOTICE_SECONDS = 0.5
+
+
+def _notice_within(sequence: int, seconds: float) -> str | None:
+    """A peer's interrupt notice of step ``sequence``, looked for during ``seconds`` at most."""
+    store = _store()
+    if store is None:
+        return None
+    deadline = time.monotonic() + seconds
+    while True:
+        noticed = _notice(store, sequence)
+        if noticed is not None or time.monotonic() >= deadline:
+            return noticed
+        time.sleep(0.01)
 
 
 def agree(stage: str, fn: Callable[[], Any], call: str = "hp_fastload.load (or from_pretrained)") -> Any:

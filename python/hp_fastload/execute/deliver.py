@@ -25,8 +25,8 @@ from __future__ import annotations
 import errno
 import math
 import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -442,7 +442,8 @@ def deliver(
                         continue
                     buf = torch.empty(int(split_bytes[rows].sum()), dtype=torch.uint8)
                     inbox[peer] = buf
-                    works.append((peer, dist.irecv(buf, src=peer, tag=rnd, group=group)))
+                    with _lost(rank, peer, rnd, job.rounds):
+                        works.append((peer, dist.irecv(buf, src=peer, tag=rnd, group=group)))
                 outbox: list[torch.Tensor] = []
                 t0 = time.perf_counter()
                 for peer, rows in sends.items():
@@ -450,7 +451,8 @@ def deliver(
                     tensor = torch.from_numpy(data)
                     outbox.append(tensor)
                     stats.bytes_sent += tensor.numel()
-                    works.append((peer, dist.isend(tensor, dst=peer, tag=rnd, group=group)))
+                    with _lost(rank, peer, rnd, job.rounds):
+                        works.append((peer, dist.isend(tensor, dst=peer, tag=rnd, group=group)))
                 own = receives.get(rank)
                 if own is not None and len(skipped):
                     own = own[~np.isin(split_key[own], skipped)]
@@ -460,7 +462,7 @@ def deliver(
                 stats.seconds_pack += time.perf_counter() - t0
                 t0 = time.perf_counter()
                 for peer, work in works:
-                    try:
+                    with _lost(rank, peer, rnd, job.rounds):
                         if wait is not None:
                             stage = f"Round {rnd + 1} of {job.rounds} of the job-wide delivery"
                             wait(stage, work, peer, WAIT_TIMEOUT_S)
@@ -468,13 +470,6 @@ def deliver(
                             work.wait()
                         else:
                             work.wait(timedelta(seconds=WAIT_TIMEOUT_S))
-                    except PeerInterrupted:
-                        raise
-                    except RuntimeError as exc:
-                        raise RuntimeError(
-                            f"hp_fastload.load: rank {rank} lost rank {peer} during round {rnd + 1} of the job-wide "
-                            f"delivery ({str(exc).splitlines()[0][:200]}); rank {peer} failed or exited"
-                        ) from exc
                 t1 = time.perf_counter()
                 stats.seconds_wait += t1 - t0
                 for peer, buf in inbox.items():
@@ -491,6 +486,21 @@ def deliver(
     if by_round:
         raise ReadError(f"rank {rank}: items left after the last round of the job-wide plan")
     return stats
+
+
+@contextmanager
+def _lost(rank: int, peer: int, rnd: int, rounds: int) -> Iterator[None]:
+    """A transport error posting a message to ``peer`` or waiting for one (gloo's "Connection closed by peer") as
+    the ``RuntimeError`` that names the peer and the round; a ``PeerInterrupted`` passes as it is."""
+    try:
+        yield
+    except PeerInterrupted:
+        raise
+    except RuntimeError as exc:
+        raise RuntimeError(
+            f"hp_fastload.load: rank {rank} lost rank {peer} during round {rnd + 1} of {rounds} of the job-wide "
+            f"delivery ({str(exc).splitlines()[0][:200]}); rank {peer} failed or exited"
+        ) from exc
 
 
 def _agree_or_local(agree: Callable[[str, Callable[[], Any]], Any] | None, stage: str, fn: Callable[[], Any]) -> Any:
