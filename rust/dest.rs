@@ -1093,31 +1093,16 @@ unsafe fn nibble_tiles_avx2(
                     let st = [at(0), at(1), at(2), at(3)];
                     let rows = &src[y0 * stride + b0..];
                     let dst = (run.dst_addr + b0 * run.rep_dst_stride + 2 * y0) as *mut u8;
+                    let pass: QuadLines = match how {
+                        WIDE => quad_lines_avx512::<true>,
+                        _ => quad_lines_avx512::<false>,
+                    };
                     // SAFETY: `lined` holds only where AVX-512 F and BW were detected (`quad`) and the
                     // destination is dense with its first row and row pitch multiples of 64 bytes, and `y0`
                     // is a multiple of 32 (only whole pairs of tile heights advance it before this point):
                     // each column's 64 bytes from element `y0` are one aligned line inside the run's
                     // destination row (`y0 + 32 <= count`), which plan::plan gave to this run alone.
-                    unsafe {
-                        match how {
-                            WIDE => quad_lines_avx512::<true>(
-                                rows,
-                                stride,
-                                high,
-                                st,
-                                dst,
-                                run.rep_dst_stride,
-                            ),
-                            _ => quad_lines_avx512::<false>(
-                                rows,
-                                stride,
-                                high,
-                                st,
-                                dst,
-                                run.rep_dst_stride,
-                            ),
-                        }
-                    }
+                    unsafe { pass(rows, stride, high, st, dst, run.rep_dst_stride) };
                     streamed = true;
                     y0 += 2 * T;
                     continue;
@@ -1415,6 +1400,10 @@ unsafe fn quad_lines_avx512<const WIDE: bool>(
         }
     }
 }
+
+/// [`quad_lines_avx512`] of one decode (narrow or wide), as the band loop picks it.
+#[cfg(target_arch = "x86_64")]
+type QuadLines = unsafe fn(&[u8], usize, bool, [&[i16]; NIBBLE_BAND], *mut u8, usize);
 
 /// The nibbles of rows `0..16` of a band (64 bytes each, `stride` apart), transposed four 16 x 16 tiles
 /// at once: vector `k` holds column `k` of tile `t` in its 128-bit lane `t`.
