@@ -699,6 +699,23 @@ impl RunSteps {
         filled
     }
 
+    /// How the four tiles of a band from byte column `r0` decode at the tile height from element `y`
+    /// ([`NARROW`] or [`WIDE`]) when each lies within one scale column and none needs the scalar kernel,
+    /// else None.
+    #[inline(always)]
+    fn band(&self, r0: usize, y: usize) -> Option<u8> {
+        const T: usize = NIBBLE_SIMD_TILE;
+        let mut how = NARROW;
+        for t in 0..NIBBLE_BAND {
+            let s = self.slot[r0 + t * T];
+            how = how.max(self.class(s, y));
+            if self.slot[r0 + t * T + T - 1] != s || how >= SCALAR {
+                return None;
+            }
+        }
+        Some(how)
+    }
+
     /// How slot `slot` decodes the tile height from element `y` ([`NARROW`], [`WIDE`] or [`SCALAR`]).
     fn class(&self, slot: usize, y: usize) -> u8 {
         match self.class[slot * self.blocks + y / NIBBLE_SIMD_TILE] {
@@ -980,9 +997,9 @@ const NIBBLE_STAGE: usize = 2048;
 /// is there, a band instead takes two tile heights a pass and streams each column's 64 bytes straight into
 /// its row as one whole line ([`quad_lines_avx512`]): no stage, and the writes to memory spread between the
 /// decodes. A ragged edge of fewer than 16 columns is a padded tile (its padding decoded, not written) except
-/// in the last tile heights, whose padding would read past `src`. Columns with a scale that is no e8m0 value (an arbitrary `f32`, only
-/// through the Rust API), the rows of the ragged edges that do not fill a tile and the edge's last tile
-/// heights go through the scalar [`nibble_rows_dense`], which stays the reference
+/// in the last tile heights, whose padding would read past `src`. Columns with a scale that is no e8m0 value
+/// (an arbitrary `f32`, only through the Rust API), the rows of the ragged edges that do not fill a tile and
+/// the edge's last tile heights go through the scalar [`nibble_rows_dense`], which stays the reference
 /// (`nibble_tiles_equal_the_scalar_kernel`).
 ///
 /// # Safety
@@ -1076,13 +1093,8 @@ unsafe fn nibble_tiles_avx2(
         let mut y0 = 0;
         while y0 < ylim {
             if lined && y0 + 2 * T <= ylim {
-                let mut how = NARROW;
-                let whole = (0..NIBBLE_BAND).all(|t| {
-                    let s = steps.slot[b0 + t * T];
-                    how = how.max(steps.class(s, y0)).max(steps.class(s, y0 + T));
-                    steps.slot[b0 + t * T + T - 1] == s && how < SCALAR
-                });
-                if whole {
+                if let (Some(upper), Some(lower)) = (steps.band(b0, y0), steps.band(b0, y0 + T)) {
+                    let how = upper.max(lower);
                     for y in y0 + 2 * NIBBLE_AHEAD * T..count.min(y0 + (2 * NIBBLE_AHEAD + 2) * T) {
                         prefetch_lines(&src[y * stride + b0..][..1]);
                         prefetch_lines(&src[y * stride + v1 - 1..][..1]);
@@ -1123,15 +1135,11 @@ unsafe fn nibble_tiles_avx2(
                 while r0 < b1 {
                     // A whole band of tiles, each within one scale column and none for the scalar kernel:
                     // one 512-bit pass.
-                    let mut how = NARROW;
-                    let quad_here = quad
-                        && r0 + BAND <= b1
-                        && (0..NIBBLE_BAND).all(|t| {
-                            let s = steps.slot[r0 + t * T];
-                            how = how.max(steps.class(s, yy));
-                            steps.slot[r0 + t * T + T - 1] == s && how < SCALAR
-                        });
-                    if quad_here {
+                    let quad_here = match quad && r0 + BAND <= b1 {
+                        true => steps.band(r0, yy),
+                        false => None,
+                    };
+                    if let Some(how) = quad_here {
                         let st: [&[i16]; NIBBLE_BAND] = std::array::from_fn(|t| {
                             &steps.steps[steps.slot[r0 + t * T] * steps.pitch + yy..][..T]
                         });

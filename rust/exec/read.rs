@@ -82,6 +82,7 @@ pub(super) fn execute_scaled_reading(
     let per_item = item_scales(files, dests, items, &mut loaded)?;
     let mut runs = plan(files, dests, items)?;
     let all_runs: usize = runs.iter().map(|r| r.reps as usize).sum();
+    let threads = opts.threads.unwrap_or_else(default_threads).max(1);
     let mut staged = None;
     let mut direct_bytes = 0;
     if !runs.is_empty() {
@@ -102,7 +103,6 @@ pub(super) fn execute_scaled_reading(
             )?);
             runs = copied;
         }
-        let threads = opts.threads.unwrap_or_else(default_threads).max(1);
         let interrupt = opts.interrupt.as_ref();
         // MXFP4 scale windows of whole rows are kept as slices of their file's map (unless `pread` was asked
         // for): a rank's whole experts' scales copied into fresh memory cost a page fault every 4 KiB
@@ -130,7 +130,6 @@ pub(super) fn execute_scaled_reading(
         )?;
     }
     let scale_bytes: u64 = loaded.iter().map(|s| s.bytes).sum();
-    let threads = opts.threads.unwrap_or_else(default_threads).max(1);
     let mut stats = ExecStats {
         runs: all_runs,
         backend: if direct_bytes > 0 { "direct" } else { "none" },
@@ -232,7 +231,6 @@ fn open_checked(h: &Header) -> Result<File, LoadError> {
     open_checked_meta(h).map(|(file, _)| file)
 }
 
-/// [`open_checked`], with the metadata it checked the file against.
 /// A map of the whole of `h`'s file (`file`, opened and checked by [`open_checked_meta`]): the header's kept
 /// map when it has an identity to check that against, else a fresh one (headers parsed from memory).
 fn file_map(h: &Header, file: &File) -> Result<Arc<Mapping>, LoadError> {
@@ -243,6 +241,7 @@ fn file_map(h: &Header, file: &File) -> Result<Arc<Mapping>, LoadError> {
     }
 }
 
+/// [`open_checked`], with the metadata it checked the file against.
 fn open_checked_meta(h: &Header) -> Result<(File, std::fs::Metadata), LoadError> {
     let (file, meta) = open_regular(&h.path)?;
     if meta.len() < h.file_len {

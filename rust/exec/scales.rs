@@ -368,8 +368,8 @@ pub(super) fn read_scale_cells(
     Ok(())
 }
 
-/// The files holding a scale window that [`read_scale_cells`] keeps as a slice of a map when given one: MXFP4
-/// e8m0 bytes of whole grid rows (a rank's whole experts).
+/// The files holding a scale window that [`read_scale_cells`] keeps as a slice of a map when given one
+/// ([`mappable_window`]).
 pub(super) fn mappable_scale_files(
     scales: &[LoadedScale],
     cells: &[Option<ScaleCells>],
@@ -377,18 +377,28 @@ pub(super) fn mappable_scale_files(
 ) -> Vec<bool> {
     let mut wanted = vec![false; files.len()];
     for (sc, cells) in scales.iter().zip(cells) {
-        let Some(cells) = cells else { continue };
-        let dtype = files[sc.file].tensors[sc.tensor].dtype;
-        let w = cells.window;
-        if sc.mxfp4
-            && matches!(dtype, Dtype::U8 | Dtype::F8_E8M0)
-            && w.col0 == 0
-            && w.width == w.gcols
+        if cells
+            .as_ref()
+            .is_some_and(|c| mappable_window(sc, c, files))
         {
             wanted[sc.file] = true;
         }
     }
     wanted
+}
+
+/// Whether a scale keeps its e8m0 bytes as they are ([`Kept::E8m0`]: MXFP4's; every other scale is decoded to
+/// `f32`).
+fn keeps_bytes(sc: &LoadedScale, files: &[Arc<Header>]) -> bool {
+    let dtype = files[sc.file].tensors[sc.tensor].dtype;
+    sc.mxfp4 && matches!(dtype, Dtype::U8 | Dtype::F8_E8M0)
+}
+
+/// Whether a scale's window can be a slice of its file's map: kept bytes ([`keeps_bytes`]) of whole grid rows
+/// (a rank's whole experts), which lie in the file in the window's order.
+fn mappable_window(sc: &LoadedScale, cells: &ScaleCells, files: &[Arc<Header>]) -> bool {
+    let w = cells.window;
+    keeps_bytes(sc, files) && w.col0 == 0 && w.width == w.gcols
 }
 
 /// One scale's window of [`read_scale_cells`] and the bytes read for it, `buf` the worker's scratch buffer.
@@ -407,12 +417,12 @@ fn read_window(
     let w = cells.window;
     let rows = cells.rows();
     // MXFP4's e8m0 bytes are kept as they are (a quarter of the `f32`), every other scale decoded
-    let bytes_kept = mxfp4 && matches!(dtype, Dtype::U8 | Dtype::F8_E8M0);
+    let bytes_kept = keeps_bytes(sc, files);
     let n = (rows * w.width) as usize;
     let row_cells = w.gcols;
     let whole_rows = w.col0 == 0 && w.width == row_cells;
     let map = maps.and_then(|s| s[sc.file].clone());
-    if let (Some(map), true, true) = (&map, bytes_kept, whole_rows) {
+    if let (Some(map), true) = (&map, mappable_window(sc, cells, files)) {
         let start = (base + w.row0 * row_cells) as usize;
         map.will_need(start as u64, (start + n) as u64);
         let read = (cells.span.1 - cells.span.0) * size;
