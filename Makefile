@@ -8,7 +8,7 @@ PIP := $(VENV)/bin/pip
 DEPS := $(VENV)/.deps-installed
 PYTEST_ARGS ?=
 
-.PHONY: help venv build demo test test-slow test-rust test-python lint lint-rust lint-python format bench bench-compare bench-scale bench-guard bench-s3 clean
+.PHONY: help venv build demo test test-slow test-rust test-python lint lint-rust lint-python format bench bench-compare bench-scale bench-guard bench-s3 docs docs-check clean
 
 help:
 	@echo "make demo          a generated Mixtral into 2 gloo ranks (FSDP2 + TP): shards, buffers, one training step"
@@ -19,6 +19,8 @@ help:
 	@echo "make bench-scale   DeepSeek-V3, Kimi-K2, Qwen3-235B, Llama-3.1-405B, gpt-oss-120b: sparse releases, ranks rehearsed"
 	@echo "make bench-guard   warm rows vs benches/baseline.json as same-run ratios; exit 1 on a fall (not CI)"
 	@echo "make bench-s3      s3:// loads on a local SeaweedFS: hp_fastload vs Run:ai's streamer vs boto3 download + load"
+	@echo "make docs          the docs site (mkdocs-material + mkdocstrings) built strict into site/"
+	@echo "make docs-check    the built site opened in headless Chromium: screenshots, search index, navigation"
 
 $(DEPS): constraints.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -91,6 +93,23 @@ bench-guard: build
 bench-s3: build
 	$(PIP) install -q -c constraints.txt runai-model-streamer runai-model-streamer-s3
 	$(PY) benches/s3_bench.py $(S3_BENCH_ARGS)
+
+# The docs site: its own pins in constraints.txt, installed once into the same venv (not by make build).
+DOCS_DEPS := $(VENV)/.docs-installed
+
+$(DOCS_DEPS): constraints.txt $(DEPS)
+	$(PIP) install -q -c constraints.txt mkdocs mkdocs-material "mkdocstrings[python]"
+	touch $(DOCS_DEPS)
+
+# Strict: a broken link, a missing reference or any warning fails the build. The reference pages import the
+# package (the CLI page runs its argparse parser), hence build.
+docs: build $(DOCS_DEPS)
+	$(PY) -m mkdocs build --strict --quiet --site-dir site
+
+# The built site as a reader sees it, in Debian's headless Chromium (apt-get install chromium): screenshots
+# under site-check/, the search index and the navigation checked (not in CI).
+docs-check: docs
+	$(PY) tools/docs_check.py site site-check
 
 clean:
 	cargo clean
