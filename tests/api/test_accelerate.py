@@ -9,8 +9,8 @@ Trainer's own ``Accelerator`` shares that state, so the Trainer prepares with FS
 
 Each route is compared bit-exactly with accelerate's own path (transformers' ``from_pretrained`` +
 ``accelerator.prepare(model, AdamW)``): every local shard after the load, the loss, and every local shard after
-one AdamW step (the Trainer: one ``train()`` step each). The routes run are the README's snippets themselves
-(section "Use with accelerate / Trainer"), read from the README. The last check: a ``parallelize`` that fails on
+one AdamW step (the Trainer: one ``train()`` step each). The routes run are the guide's snippets themselves
+(docs/guides/accelerate.md), read from the page. The last check: a ``parallelize`` that fails on
 rank 0 inside accelerate's ``prepare`` while rank 1 waits in accelerate's own broadcast (the
 ``cpu_ram_efficient_loading`` hang of the issue, with the up-front refusal switched off) raises on every rank
 within seconds, naming rank 0 and its error.
@@ -19,7 +19,6 @@ within seconds, naming rank 0 and its error.
 from __future__ import annotations
 
 import os
-import re
 import time
 from pathlib import Path
 from typing import Any
@@ -29,32 +28,25 @@ import torch
 from torch import nn
 
 from tests.helpers.dist import run_distributed, run_subchecks, subcheck_values
+from tests.helpers.docs import snippets
 from tests.helpers.tiny_models import TINY_DECODER, config_of, randomized
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
 ROOT_ENV = "HPF_ACCELERATE_ROOT"
-README = Path(__file__).resolve().parents[2] / "README.md"
+GUIDE = "docs/guides/accelerate.md"
 CONFIGS: dict[str, dict[str, Any]] = {
     "llama": dict(TINY_DECODER, tie_word_embeddings=True),
     "qwen3_moe": dict(
         TINY_DECODER, tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8
     ),
 }
-LR = 1e-5  # the README snippet's
+LR = 1e-5  # the guide snippet's
 
 
 def readme_snippets() -> dict[str, str]:
-    """The README section's Python snippets, keyed by their first comment line (``# accelerate``, ...)."""
-    text = README.read_text()
-    start = text.index("## Use with accelerate / Trainer")
-    end = text.find("\n## ", start + 1)
-    section = text[start : end if end > 0 else len(text)]
-    snippets = {}
-    for block in re.findall(r"```python\n(.*?)```", section, flags=re.S):
-        first, _, body = block.partition("\n")
-        snippets[first.removeprefix("#").strip()] = body
-    return snippets
+    """The guide's Python snippets by name (``accelerate``, ``Trainer``, ``distributed_config``)."""
+    return {name: s.code for name, s in snippets(GUIDE).items()}
 
 
 def _path(family: str) -> str:
@@ -164,7 +156,7 @@ def check_meta_prepare_binds_one_parameter(rank: int, world: int) -> tuple[int, 
 
 
 def _trainer_run(family: str, with_callback: bool) -> dict[str, Any]:
-    """One Trainer step on the same data: accelerate's own model, or the README's callback route."""
+    """One Trainer step on the same data: accelerate's own model, or the guide's callback route."""
     import tempfile
 
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
@@ -232,7 +224,7 @@ def check_trainer_callback_llama(rank: int, world: int) -> dict[str, Any]:
 
 
 def check_distributed_config_qwen3_moe(rank: int, world: int) -> list[str]:
-    """The README's third route, against transformers' own single-process from_pretrained: names that differ."""
+    """The guide's third route, against transformers' own single-process from_pretrained: names that differ."""
     import transformers
     from transformers import AutoModelForCausalLM
 

@@ -2,7 +2,7 @@
 functions, against torchtitan's own HF load (``CheckpointManager.dcp_load(from_hf=True)``): every local shard
 bit-equal, the same loss; the same through ``share="job"`` (each checkpoint byte read once per job) and through
 ``from_pretrained(model_factory=, state_dict_adapter=)``. Also: the two recipes that used to load silently wrong
-values now raise, and the README's torchtitan line runs as written.
+values now raise, and the guide's torchtitan line runs as written.
 
 One spawn runs every distributed check (``run_subchecks``); checkpoints are written once per module.
 """
@@ -20,6 +20,7 @@ pytest.importorskip("torchtitan")
 
 from tests.helpers import titan
 from tests.helpers.dist import run_distributed, run_subchecks, subcheck_values
+from tests.helpers.docs import run_snippet, snippet
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
@@ -426,15 +427,15 @@ def test_ignore_missing_with_rules(tmp_path: Path) -> None:
     assert torch.equal(model.weight, torch.ones(3, 4))
 
 
-def test_readme_torchtitan_line(root: Path) -> None:
-    """The README's torchtitan section, as written (its one line of user code), on a plain model."""
-    import hp_fastload as hf
-
+def test_guide_torchtitan_line(root: Path) -> None:
+    """The torchtitan guide's snippet, as written (its one line of user code), on a plain model."""
     model, model_config = _model("llama3")
     path = root / "llama3"
-    from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
-
-    report = hf.load(model, path, state_dict_adapter=Llama3StateDictAdapter(model_config, None))  # README
+    scope = run_snippet(
+        snippet("docs/guides/torchtitan.md", "torchtitan-load"),
+        {"model": model, "path": path, "model_config": model_config},
+    )
+    report = scope["report"]
     reference, _ = _model("llama3")
     reference.load_state_dict(titan.adapter("llama3", model_config).from_hf(_read(path)))
     for (name, a), (_, b) in zip(reference.state_dict().items(), model.state_dict().items(), strict=True):
