@@ -18,6 +18,7 @@ from safetensors import safe_open
 
 import hp_fastload
 from hp_fastload.formats import TORCH_TO_SAFETENSORS
+from tests.helpers.docs import run_snippet, snippet
 from tests.helpers.quant_checkpoints import weight_dequant
 from tests.helpers.tiny_models import FAMILIES, model_class
 
@@ -260,18 +261,14 @@ def test_a_rank_that_does_not_fit_in_memory_is_refused_before_allocating(
     assert not allocated, allocated[:3]
 
 
-def test_the_readme_rehearsal_snippet_runs(deepseek: Path, fake_world: Any, capsys: pytest.CaptureFixture[str]) -> None:
-    """The README's "Rehearse one rank" snippet, run as written on the reduced DeepSeek-V3 release (its path
-    put in for the example's, the model laid out for 16 ranks on meta)."""
-    import re
-
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = readme.split("## Rehearse one rank of a big job on one machine", 1)[1].split("\n## ", 1)[0]
-    (block,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+def test_the_guide_rehearsal_snippet_runs(deepseek: Path, fake_world: Any) -> None:
+    """The at-scale guide's "Rehearse one rank" snippet, run as written on the reduced DeepSeek-V3 release (its
+    path put in for the example's, the model laid out for 16 ranks on meta), printing what the page shows."""
     fake_world(16, 0)
     model = _fsdp_model(deepseek, 16)
-    exec(block.replace('"/ckpt/DeepSeek-V3"', repr(str(deepseek))), {"model_on_meta": model})
-    printed = capsys.readouterr().out
+    page = snippet("docs/guides/at-scale.md", "rehearse")
+    scope = run_snippet(page, {"model_on_meta": model}, replace={'"/ckpt/DeepSeek-V3"': repr(str(deepseek))})
+    printed = scope["__stdout__"]
     assert printed.startswith("rank 5: planned in"), printed
     assert "GB/s" in printed and "open descriptors" in printed, printed
 
