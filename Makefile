@@ -104,7 +104,7 @@ $(DOCS_DEPS): constraints.txt $(DEPS)
 # Strict: a broken link, a missing reference or any warning fails the build. The reference pages import the
 # package (the CLI page runs its argparse parser), hence build.
 docs: build $(DOCS_DEPS)
-	$(PY) -m mkdocs build --strict --quiet --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet --site-dir site
 
 # The built site as a reader sees it, in Debian's headless Chromium (apt-get install chromium): screenshots
 # under site-check/, the search index and the navigation checked (not in CI).

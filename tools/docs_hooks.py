@@ -2,15 +2,18 @@
 
 ``<!-- cli-reference -->`` in a page is replaced by every ``hp-fastload`` command with its usage and flags, read
 from the argparse parser the command itself runs (``hp_fastload.cli.main.build_parser``), so a new command or
-flag appears on the next ``make docs`` without anyone editing the page.
+flag appears on the next ``make docs`` without anyone editing the page. ``<!-- api-summary -->`` is replaced by
+a table of every name in ``hp_fastload.__all__`` with the first line of its docstring, linked to its entry.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 from typing import Any
 
 CLI_MARKER = "<!-- cli-reference -->"
+API_MARKER = "<!-- api-summary -->"
 
 
 def _flag(action: argparse.Action) -> str:
@@ -58,7 +61,35 @@ def cli_reference() -> str:
     return "\n".join(lines)
 
 
+def _kind(obj: object) -> str:
+    if inspect.ismodule(obj):
+        return "module"
+    if inspect.isclass(obj):
+        return "exception" if issubclass(obj, BaseException) else "class"
+    return "function" if callable(obj) else "constant"
+
+
+def _first_line(obj: object) -> str:
+    doc = inspect.getdoc(obj) if not isinstance(obj, (str, int, float)) else None
+    return _cell(doc.split("\n\n")[0]) if doc else ""
+
+
+def api_summary() -> str:
+    """Markdown table of ``hp_fastload.__all__``: name (linked to its mkdocstrings entry), kind, summary."""
+    import hp_fastload
+
+    lines = ["| name | kind | summary |", "|---|---|---|"]
+    for name in sorted(hp_fastload.__all__, key=str.lower):
+        obj = getattr(hp_fastload, name)
+        link = f"[`{name}`](rules.md)" if name == "rules" else f"[`{name}`](#hp_fastload.{name})"
+        summary = "" if _kind(obj) in ("module", "constant") else _first_line(obj)
+        lines.append(f"| {link} | {_kind(obj)} | {summary} |")
+    return "\n".join(lines) + "\n"
+
+
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
     if CLI_MARKER in markdown:
-        return markdown.replace(CLI_MARKER, cli_reference())
+        markdown = markdown.replace(CLI_MARKER, cli_reference())
+    if API_MARKER in markdown:
+        markdown = markdown.replace(API_MARKER, api_summary())
     return markdown
