@@ -12,6 +12,7 @@ from __future__ import annotations
 from hp_fastload import rules
 from hp_fastload.api.checkpointer import HuggingFaceCheckpointer
 from hp_fastload.api.load import HF_LOADER_ENV, load, plan, resolve_hf_loader
+from hp_fastload.api.peft import load_adapter
 from hp_fastload.api.pretrained import from_pretrained
 from hp_fastload.api.read import read_into, read_many
 from hp_fastload.api.rehearse import Rehearsal, as_rank, plan_each, rehearse
@@ -27,12 +28,14 @@ from hp_fastload.errors import (
     ReadError,
     TargetError,
 )
+from hp_fastload.model.peft import AdapterMismatchError
 from hp_fastload.planning.items import LoadPlan, LoadReport
 from hp_fastload.planning.replacement import Replacement
 from hp_fastload.planning.trace import ConversionError
 from hp_fastload.source.files import HeaderEntry, SafetensorsFile, clear_cache
 
 __all__ = [
+    "AdapterMismatchError",
     "HF_LOADER_ENV",
     "CheckpointMismatchError",
     "ConversionError",
@@ -56,6 +59,7 @@ __all__ = [
     "clear_cache",
     "from_pretrained",
     "load",
+    "load_adapter",
     "plan",
     "plan_each",
     "read_into",

@@ -31,6 +31,7 @@ from hp_fastload.errors import HeaderError
 from hp_fastload.execute.read import ExecStats, execute_plan
 from hp_fastload.execute.threads import threads_per_rank
 from hp_fastload.model.finalize import non_persistent_buffers, recreate_buffers, retie
+from hp_fastload.model.peft import BaseView, base_view, fill_copies, inner_model, is_peft_model, refuse_quantized_base
 from hp_fastload.model.regions import virtual_rank
 from hp_fastload.model.targets import build_targets
 from hp_fastload.model.wrappers import unwrapped
@@ -304,6 +305,12 @@ def load(
     A model wrapped by ``torch.compile`` or ``DistributedDataParallel`` is loaded through the module it wraps
     (``rules.unwrapped``): the same tensors, under the checkpoint's names.
 
+    A PEFT model (``peft.get_peft_model``, wrapped by ``fully_shard`` or laid out by TP as any model) takes its
+    *base* checkpoint here: every ``base_layer`` and untouched module is filled through the inner transformers
+    model's own conversion rules, ties and buffers (``model.peft``); the adapters are left to their
+    initialization and listed in ``LoadReport.adapter_keys``, the ``modules_to_save`` copies are filled from
+    their originals, as peft copies them. The adapter itself: :func:`hp_fastload.load_adapter`.
+
     ``state_dict_adapter`` (instead of ``weights_mapping`` / ``key_mapping``): any object with torchtitan's
     ``StateDictAdapter`` protocol (``from_hf``, ``to_hf``), e.g. ``Llama3StateDictAdapter(model_config, None)``.
     Its ``from_hf`` and the model's own ``load_state_dict`` pre-hooks (torchtitan's fused-QKV merge) are traced on
@@ -316,6 +323,10 @@ def load(
     if not isinstance(model, nn.Module):
         raise TypeError(f"load() needs a live nn.Module to write into, got {type(model).__name__}")
     model = unwrapped(model)  # torch.compile / DDP: the wrapped module's names and rules (same tensors)
+    peft_model = model if is_peft_model(model) else None
+    if peft_model is not None and state_dict_adapter is not None:
+        raise ValueError("state_dict_adapter= is for torchtitan models; a PEFT model's base follows transformers")
+    owner = inner_model(peft_model) if peft_model is not None else model  # whose ties, buffers and rules
     name = resolve_hf_loader(loader)
     sharing = resolve_share(share, share_replicated)
     start = time.perf_counter()
@@ -325,7 +336,14 @@ def load(
     location = resolve_location_each(path, revision)
     index = agree("Reading the checkpoint headers", lambda: CheckpointIndex.open(location))
     agree_checkpoint(location, index)
-    retied: list[str] = agree("Tying the model's tied weights", lambda: retie(model)) if finalize else []
+    retied: list[str] = agree("Tying the model's tied weights", lambda: retie(owner)) if finalize else []
+    view: BaseView | None = None
+    if peft_model is not None:  # the base tensors under the base checkpoint's names, the rules of the inner model
+        view = agree("Naming the PEFT model's base tensors", lambda: _peft_base(peft_model))
+        weights_mapping = agree(
+            "Resolving the base model's rules", lambda: resolve_mapping(owner, weights_mapping, key_mapping)
+        )
+        model, key_mapping = view.skeleton, None
     planned_pair: tuple[LoadPlan, LoadContext] = agree(
         "Planning the pretrained load",
         lambda: plan_at(
@@ -408,8 +426,10 @@ def load(
     for deferred in load_plan.deferred:
         for target_name in deferred.claims.values():
             context.target(target_name).tensor._is_hf_initialized = True  # type: ignore[attr-defined]
-    _record_used_rules(model, context)
-    unfilled = recreate_buffers(model) if finalize else [name for name, _ in non_persistent_buffers(model)]
+    if view is not None and view.copies:
+        agree("Filling the modules_to_save copies", lambda: fill_copies(view))
+    _record_used_rules(owner, context)
+    unfilled = recreate_buffers(owner) if finalize else [name for name, _ in non_persistent_buffers(owner)]
     seconds = time.perf_counter() - start
     # The plan's report (keys, checkpoint bytes, the loader) with what executing it measured.
     report = dataclasses.replace(
@@ -424,6 +444,7 @@ def load(
         else int(stats.extra.get("bytes_received", 0)),
         bytes_sent=stats.bytes_sent if isinstance(stats, JobStats) else 0,
         share="job" if job is not None else ("replicated" if replicas is not None else "none"),
+        adapter_keys=view.adapter_keys if view is not None else (),
     )
     if report.unexpected_keys:
         log.warning(
@@ -433,6 +454,11 @@ def load(
         )
     log.info(report.summary())
     return report
+
+
+def _peft_base(peft_model: nn.Module) -> BaseView:
+    refuse_quantized_base(peft_model)
+    return base_view(peft_model)
 
 
 def _record_used_rules(model: nn.Module, context: LoadContext) -> None:

@@ -48,7 +48,9 @@ from hp_fastload.execute.write import (
     write_whole,
 )
 from hp_fastload.formats import INDEX_NAME
+from hp_fastload.model.peft import adapter_tensors, is_peft_model, skeleton, write_adapter_config
 from hp_fastload.model.targets import Target, build_targets
+from hp_fastload.model.wrappers import unwrapped
 from hp_fastload.planning.adapter import AdapterError, released_layout
 from hp_fastload.planning.context import LoadContext
 from hp_fastload.planning.export import (
@@ -166,6 +168,8 @@ def save(
     threads: int | None = None,
     batch_bytes: int = DEFAULT_BATCH_BYTES,
     state_dict_adapter: Any = None,
+    adapter_only: bool = False,
+    adapter_name: str = "default",
 ) -> SaveReport:
     """Write ``model`` as a Hugging Face checkpoint at ``path``: what ``save_pretrained`` of the gathered
     model writes, without gathering. Every rank of the default process group calls it together.
@@ -183,6 +187,11 @@ def save(
     ``state_dict`` hooks, as torchtitan's HF export), and each model tensor's elements go where the traced
     ``from_hf`` (with the model's ``load_state_dict`` pre-hooks) reads them from. Tensors ``to_hf`` does not
     map are not written; a conversion that is not an exact rearrangement raises ``AdapterError``.
+
+    ``adapter_only=True`` (a PEFT model): what peft's ``save_pretrained`` writes for the gathered model, the
+    adapter ``adapter_name`` alone: ``adapter_model.safetensors`` (the keys of peft's own
+    ``get_peft_model_state_dict``) with ``adapter_config.json`` and the model card, every rank writing the
+    regions of its own adapter shards, nothing gathered.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"save() needs an nn.Module, got {type(model).__name__}")
@@ -193,6 +202,18 @@ def save(
         raise ValueError(
             "state_dict_adapter= converts the whole state dict; it cannot be combined with weights_mapping="
         )
+    stem = "model"
+    peft_model: nn.Module | None = None
+    if adapter_only:
+        if adapter is not None or weights_mapping is not None:
+            raise ValueError(
+                "adapter_only=True saves peft's own adapter layout: no weights_mapping or state_dict_adapter"
+            )
+        peft_model = unwrapped(model)
+        if not is_peft_model(peft_model):
+            raise TypeError(f"adapter_only=True needs a PEFT model (peft.get_peft_model), got {type(model).__name__}")
+        tensors = agree_in_save("Naming the adapter's tensors", lambda: adapter_tensors(peft_model, adapter_name))
+        model, weights_mapping, stem, max_shard_size = skeleton(tensors.items()), [], "adapter_model", 1 << 62
     rules = None if adapter is not None else forward_rules(model, weights_mapping)
     agree_in_save("Checking the save destination", lambda: _check_destination(path, overwrite))
     layout: ExportLayout = agree_in_save(
@@ -202,6 +223,7 @@ def save(
             rules,
             max_shard_size,
             None if adapter is None else released_layout(model, adapter, build_targets(model)),
+            stem,
         ),
     )
     token, first_path = broadcast_object((secrets.token_hex(6), str(path)))
@@ -246,6 +268,11 @@ def save(
         finally:
             for file in context.index.files:
                 file.header.release_map()
+        if peft_model is not None:
+            agree_in_save(
+                "Writing the adapter's config",
+                lambda: write_adapter_config(peft_model, adapter_name, tmp) if is_rank0() else None,
+            )
         agree_in_save("Finishing the checkpoint", lambda: finish_files(tmp, layout, model) if is_rank0() else None)
         agree_in_save("Publishing the checkpoint", lambda: _publish(tmp, path, overwrite) if is_rank0() else None)
         done = True

@@ -204,19 +204,23 @@ def export_layout(
     rules: list[Any] | None,
     max_shard_size: int | str,
     released: dict[str, torch.Tensor] | None = None,
+    stem: str = "model",
 ) -> ExportLayout:
     """The files of ``model``'s export: ``released`` (key -> meta tensor) when given (a state-dict adapter's
-    ``to_hf`` layout), else the one transformers' reverse conversion of ``rules`` gives."""
+    ``to_hf`` layout), else the one transformers' reverse conversion of ``rules`` gives. ``stem`` names the
+    files (``adapter_model`` for a PEFT adapter)."""
     if released is None:
         released = _released(model, rules)
     if not released:
         raise PlanError("the model has no tensors to save")
     count = getattr(model, "num_parameters", None)
     total = count() if callable(count) else sum(p.numel() for p in model.parameters())
-    return _split(released, max_shard_size, total)
+    return _split(released, max_shard_size, total, stem)
 
 
-def _split(released: dict[str, torch.Tensor], max_shard_size: int | str, total: int | None) -> ExportLayout:
+def _split(
+    released: dict[str, torch.Tensor], max_shard_size: int | str, total: int | None, stem: str = "model"
+) -> ExportLayout:
     from huggingface_hub import split_state_dict_into_shards_factory
 
     # transformers splits the reverted state dict with huggingface_hub, which counts a storage once and keeps
@@ -226,7 +230,7 @@ def _split(released: dict[str, torch.Tensor], max_shard_size: int | str, total: 
         released,
         get_storage_size=lambda t: t.untyped_storage().nbytes(),
         get_storage_id=lambda t: (t.untyped_storage()._cdata, t.untyped_storage().nbytes()),
-        filename_pattern="model{suffix}.safetensors",
+        filename_pattern=stem + "{suffix}.safetensors",
         max_shard_size=_parse_size(max_shard_size),
     )
     files = []

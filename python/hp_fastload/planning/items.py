@@ -46,6 +46,8 @@ class LoadReport:
     #: model tensors no checkpoint holds by design, left as they are: those a ``state_dict_adapter`` does not
     #: map (torchtitan's ``expert_bias``) and those matching ``ignore_missing``
     ignored_missing_keys: tuple[str, ...] = field(default=(), compare=False)
+    #: a PEFT model's adapter tensors that a base-checkpoint load left as they are (their initialization)
+    adapter_keys: tuple[str, ...] = field(default=(), compare=False)
     #: bytes this rank received from / sent to other ranks (``share="job"`` or ``"replicated"``)
     bytes_received: int = field(default=0, compare=False)
     bytes_sent: int = field(default=0, compare=False)
@@ -64,6 +66,8 @@ class LoadReport:
         if self.ignored_missing_keys:
             shown = ", ".join(self.ignored_missing_keys[:3]) + (", ..." if len(self.ignored_missing_keys) > 3 else "")
             text += f"; {len(self.ignored_missing_keys)} not in any checkpoint, left as they are ({shown})"
+        if self.adapter_keys:
+            text += f"; {len(self.adapter_keys)} PEFT adapter tensors left to their initialization"
         if self.bytes_received or self.bytes_sent or self.share not in ("", "none"):
             text += (
                 f"; share={self.share or 'none'}: received {self.bytes_received / 1e6:.1f} MB, "

@@ -1,0 +1,352 @@
+"""PEFT (LoRA) models on 2 gloo ranks, FSDP2 with the root wrapped and TP: the base checkpoint through ``load``,
+peft's adapter format through ``load_adapter`` and ``save(adapter_only=True)``, against peft's own single-process
+route (``get_peft_model`` / ``PeftModel.from_pretrained`` on transformers' ``from_pretrained``, then torch's
+``distribute_tensor`` of every reference tensor) and peft's own ``save_pretrained`` of the gathered model.
+
+The checkpoints are made by transformers' ``save_pretrained`` (base) and peft's ``save_pretrained`` (adapter, its
+LoRA tensors drawn at random so that no value sits at its init). One spawn of 2 ranks runs every check."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from tests.helpers.dist import run_distributed, run_subchecks, subcheck_values
+from tests.helpers.tiny_models import randomized, tiny_config
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(400)]
+
+ROOT_ENV = "HPF_PEFT_ROOT"
+LORA: dict[str, Any] = dict(
+    r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"], modules_to_save=["lm_head"]
+)
+SENTINEL = 7.0
+#: TP plans of the inner model: the tuner layer's base_layer and the LoRA factor on the sharded side.
+COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+ROWWISE = ("o_proj", "down_proj")
+
+
+def _root() -> Path:
+    return Path(os.environ[ROOT_ENV])
+
+
+def _batch() -> torch.Tensor:
+    return torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(5))
+
+
+def _lora(**overrides: Any) -> Any:
+    from peft import LoraConfig
+
+    return LoraConfig(**{**LORA, **overrides})
+
+
+def _meta_peft(**overrides: Any) -> nn.Module:
+    from peft import get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(_root() / "base")  # the user's prologue: the base's own config.json
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return get_peft_model(model, _lora(**overrides))
+
+
+def _mesh() -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+
+
+def _fsdp(peft_model: nn.Module) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = _mesh()
+    for layer in peft_model.get_base_model().model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(peft_model, mesh=mesh)
+
+
+def _tp(peft_model: nn.Module) -> None:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    inner = peft_model.get_base_model()
+    plan: dict[str, Any] = {}
+    for name, module in inner.named_modules():
+        leaf = name.rpartition(".")[2]
+        wrapped = hasattr(module, "base_layer")
+        if leaf in COLWISE:
+            plan[f"{name}.base_layer" if wrapped else name] = ColwiseParallel()
+            if wrapped:
+                plan[f"{name}.lora_B.default"] = ColwiseParallel()
+        elif leaf in ROWWISE:
+            plan[f"{name}.base_layer" if wrapped else name] = RowwiseParallel()
+            if wrapped:
+                plan[f"{name}.lora_A.default"] = RowwiseParallel()
+    parallelize_module(inner, _mesh(), plan)
+
+
+LAYOUTS = {"fsdp": _fsdp, "tp": _tp}
+
+
+def _sharded(layout: str, **overrides: Any) -> nn.Module:
+    model = _meta_peft(**overrides)
+    LAYOUTS[layout](model)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                getattr(param, "_local_tensor", param).fill_(SENTINEL)
+    return model
+
+
+def _reference(adapter: bool) -> nn.Module:
+    """peft's own single-process route: transformers' from_pretrained, then get_peft_model or
+    PeftModel.from_pretrained."""
+    from peft import PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(_root() / "base", dtype=torch.float32)
+    if adapter:
+        return PeftModel.from_pretrained(base, _root() / "adapter", is_trainable=True)
+    return get_peft_model(base, _lora())
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _expected_local(ours: torch.Tensor, theirs: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(ours, DTensor):
+        return distribute_tensor(theirs.detach(), ours.device_mesh, ours.placements, src_data_rank=None).to_local()
+    return theirs.detach()
+
+
+def _differences(model: nn.Module, reference: nn.Module, skip_lora: bool) -> list[str]:
+    """Names whose local shard is not bit-equal to ``distribute_tensor`` of the reference's tensor."""
+    theirs = dict(reference.named_parameters())
+    theirs.update(reference.named_buffers())
+    ours = dict(model.named_parameters())
+    ours.update(model.named_buffers())
+    assert sorted(ours) == sorted(theirs)
+    bad = []
+    for name, tensor in ours.items():
+        if skip_lora and "lora_" in name:
+            continue
+        expected = _expected_local(tensor, theirs[name])
+        local = _local(tensor.detach())
+        if local.shape != expected.shape or not torch.equal(local.view(torch.uint8), expected.view(torch.uint8)):
+            bad.append(name)
+    return bad
+
+
+def _loss_and_step(model: nn.Module) -> tuple[float, float]:
+    ids = _batch()
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    model.train()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    with torch.no_grad():
+        after = model(input_ids=ids, labels=ids).loss
+    return float(_local(loss.detach())), float(_local(after.detach()))
+
+
+def _base(layout: str) -> dict[str, Any]:
+    import hp_fastload as hf
+
+    model = _sharded(layout)
+    report = hf.load(model, _root() / "base")
+    untouched = all(
+        bool((_local(p.detach()) == SENTINEL).all()) for name, p in model.named_parameters() if "lora_" in name
+    )
+    return {
+        "differences": _differences(model, _reference(adapter=False), skip_lora=True),
+        "adapters_untouched": untouched,
+        "adapter_keys": sorted(report.adapter_keys),
+        "lora_names": sorted(n for n, _ in model.named_parameters() if "lora_" in n or "modules_to_save" in n),
+        "missing": list(report.missing_keys),
+        "unexpected": list(report.unexpected_keys),
+        "summary": report.summary(),
+    }
+
+
+def check_base_fsdp(rank: int, world: int) -> dict[str, Any]:
+    return _base("fsdp")
+
+
+def check_base_tp(rank: int, world: int) -> dict[str, Any]:
+    return _base("tp")
+
+
+def _adapter(layout: str) -> dict[str, Any]:
+    import hp_fastload as hf
+
+    model = _sharded(layout)
+    hf.load(model, _root() / "base")
+    report = hf.load_adapter(model, _root() / "adapter")
+    for param in model.parameters():  # PeftModel.from_pretrained(is_trainable=True) leaves the base frozen
+        param.requires_grad_(False)
+    for name, param in model.named_parameters():
+        param.requires_grad_("lora_" in name or "modules_to_save" in name)
+    reference = _reference(adapter=True)
+    differences = _differences(model, reference, skip_lora=False)
+    return {
+        "differences": differences,
+        "loaded": len(report.loaded_keys),
+        "bytes_read": report.bytes_read,
+        "bytes_needed": report.bytes_needed,
+        "losses": _loss_and_step(model),
+        "reference_losses": _loss_and_step(reference),
+    }
+
+
+def check_adapter_fsdp(rank: int, world: int) -> dict[str, Any]:
+    return _adapter("fsdp")
+
+
+def check_adapter_tp(rank: int, world: int) -> dict[str, Any]:
+    return _adapter("tp")
+
+
+def check_adapter_mismatch(rank: int, world: int) -> dict[str, str]:
+    import hp_fastload as hf
+
+    out = {}
+    for what, overrides in {"rank": dict(r=8), "targets": dict(target_modules=["q_proj", "v_proj"])}.items():
+        model = _sharded("fsdp", **overrides)
+        try:
+            hf.load_adapter(model, _root() / "adapter")
+            out[what] = "loaded"
+        except hf.AdapterMismatchError as exc:
+            untouched = all(
+                bool((_local(p.detach()) == SENTINEL).all()) for n, p in model.named_parameters() if "lora_" in n
+            )
+            out[what] = f"{type(exc).__name__} untouched={untouched}: {exc}"
+    return out
+
+
+def check_save_adapter_fsdp(rank: int, world: int) -> dict[str, Any]:
+    """Train one step, save the adapter from the shards, and compare with peft's save_pretrained of the
+    gathered model (rank 0); then load the saved adapter into a fresh sharded model (round trip)."""
+    import hp_fastload as hf
+
+    out_dir = _root() / "saved"
+    model = _sharded("fsdp")
+    hf.load(model, _root() / "base")
+    hf.load_adapter(model, _root() / "adapter")
+    for name, param in model.named_parameters():
+        param.requires_grad_("lora_" in name or "modules_to_save" in name)
+    _loss_and_step(model)
+    report = hf.save(model, out_dir, adapter_only=True)
+    gathered = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for n, p in model.named_parameters()}
+    same: dict[str, bool] = {}
+    if rank == 0:
+        reference = _reference(adapter=False)
+        with torch.no_grad():
+            for name, param in reference.named_parameters():
+                param.copy_(gathered[name])
+        reference.save_pretrained(_root() / "peft_saved")
+        for file in ("adapter_model.safetensors", "adapter_config.json", "README.md"):
+            same[file] = (out_dir / file).read_bytes() == (_root() / "peft_saved" / file).read_bytes()
+        same["files"] = sorted(p.name for p in out_dir.iterdir()) == sorted(
+            p.name for p in (_root() / "peft_saved").iterdir()
+        )
+    torch.distributed.barrier()
+    fresh = _sharded("fsdp")
+    hf.load(fresh, _root() / "base")
+    hf.load_adapter(fresh, out_dir)
+    round_trip = [
+        name
+        for (name, a), (_, b) in zip(fresh.named_parameters(), model.named_parameters(), strict=True)
+        if not torch.equal(_local(a.detach()), _local(b.detach()))
+    ]
+    return {"same": same, "bytes_written_by_rank": report.bytes_written_by_rank, "round_trip": round_trip}
+
+
+CHECKS = [
+    check_base_fsdp,
+    check_base_tp,
+    check_adapter_fsdp,
+    check_adapter_tp,
+    check_adapter_mismatch,
+    check_save_adapter_fsdp,
+]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict[str, Any]]:
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("peft")
+    torch.manual_seed(0)
+    base = randomized(AutoModelForCausalLM.from_config(tiny_config("llama")), 0.5)
+    base.save_pretrained(root / "base")
+    adapted = get_peft_model(base, _lora())
+    with torch.no_grad():
+        for name, param in adapted.named_parameters():
+            if "lora_" in name or "modules_to_save" in name:
+                param.copy_(torch.randn_like(param) * 0.3)
+    adapted.save_pretrained(root / "adapter")
+    os.environ[ROOT_ENV] = str(root)
+    try:
+        return run_distributed(run_subchecks, 2, checks=CHECKS, timeout=360)
+    finally:
+        os.environ.pop(ROOT_ENV, None)
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "tp"])
+def test_base_checkpoint_into_peft_model(ranks, layout):
+    for value in subcheck_values(ranks, f"check_base_{layout}"):
+        assert value["differences"] == [], value["differences"]
+        assert value["adapters_untouched"]
+        lora = [n for n in value["lora_names"] if "lora_" in n]
+        assert value["adapter_keys"] == sorted(value["lora_names"]) and len(lora) == 12
+        assert value["missing"] == [] and value["unexpected"] == []
+        assert "12 PEFT adapter tensors" not in value["summary"]  # 13: the 12 LoRA factors and lm_head's copy
+        assert "13 PEFT adapter tensors left to their initialization" in value["summary"]
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "tp"])
+def test_adapter_loads_like_peft_from_pretrained(ranks, layout):
+    values = subcheck_values(ranks, f"check_adapter_{layout}")
+    for value in values:
+        assert value["differences"] == [], value["differences"]
+        assert value["loaded"] == 13
+        loss, after = value["losses"]
+        reference, reference_after = value["reference_losses"]
+        assert loss == pytest.approx(reference, rel=1e-6, abs=1e-6)
+        assert after == pytest.approx(reference_after, rel=1e-5, abs=1e-5)
+        assert after != pytest.approx(loss, rel=1e-4)  # the step moved the adapter
+    if layout == "fsdp":  # each rank read its half of every sharded adapter tensor
+        assert all(v["bytes_read"] < sum(w["bytes_needed"] for w in values) for v in values)
+
+
+def test_adapter_mismatch_is_refused_before_reading(ranks):
+    for value in subcheck_values(ranks, "check_adapter_mismatch"):
+        assert value["rank"].startswith("AdapterMismatchError untouched=True"), value["rank"]
+        assert "r 4 in the file, 8 in the model" in value["rank"]
+        assert value["targets"].startswith("AdapterMismatchError untouched=True"), value["targets"]
+        assert "target_modules" in value["targets"]
+
+
+def test_adapter_only_save_equals_peft_save_pretrained(ranks):
+    values = subcheck_values(ranks, "check_save_adapter_fsdp")
+    assert values[0]["same"] == {
+        "adapter_model.safetensors": True,
+        "adapter_config.json": True,
+        "README.md": True,
+        "files": True,
+    }
+    # every rank wrote its own shards (accelerate #4206 kept rank 0's alone): losing any rank's regions would
+    # change the bytes compared above; here each rank's share is also counted
+    assert all(written > 0 for written in values[0]["bytes_written_by_rank"])
+    for value in values:
+        assert value["round_trip"] == []
