@@ -106,9 +106,12 @@ $(DOCS_DEPS): constraints.txt $(DEPS)
 docs: build $(DOCS_DEPS)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet --site-dir site
 
-# The built site as a reader sees it, in Debian's headless Chromium (apt-get install chromium): screenshots
-# under site-check/, the search index and the navigation checked (not in CI).
+# The built site as a reader sees it, in Debian's headless Chromium (installed here when missing and root):
+# screenshots under site-check/ to look at, the navigation, the search index and a search checked (not in CI:
+# it installs a browser).
 docs-check: docs
+	command -v chromium >/dev/null || { test "$$(id -u)" = 0 && apt-get update -qq && apt-get install -y -qq chromium; } \
+		|| { echo "make docs-check needs Debian's chromium: apt-get install chromium"; exit 1; }
 	$(PY) tools/docs_check.py site site-check
 
 clean:

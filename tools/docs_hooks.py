@@ -71,7 +71,11 @@ def _kind(obj: object) -> str:
 
 def _first_line(obj: object) -> str:
     doc = inspect.getdoc(obj) if not isinstance(obj, (str, int, float)) else None
-    return _cell(doc.split("\n\n")[0]) if doc else ""
+    if not doc:
+        return ""
+    paragraph = " ".join(doc.split("\n\n")[0].split())
+    sentence, dot, _ = paragraph.partition(". ")
+    return _cell(sentence + dot.strip())
 
 
 def api_summary() -> str:
