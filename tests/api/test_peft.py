@@ -270,6 +270,50 @@ def check_save_adapter_fsdp(rank: int, world: int) -> dict[str, Any]:
     return {"same": same, "bytes_written_by_rank": report.bytes_written_by_rank, "round_trip": round_trip}
 
 
+def check_from_pretrained_peft_config_fsdp(rank: int, world: int) -> list[str]:
+    """The one-call prologue with a fresh LoRA: base and adapter init equal peft's single-process
+    ``get_peft_model`` after the same seed, on every local shard."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    import hp_fastload as hf
+
+    torch.manual_seed(11)
+    model = hf.from_pretrained(_root() / "base", parallelize=_fsdp, peft_config=_lora(), dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(_root() / "base", dtype=torch.float32)
+    torch.manual_seed(11)
+    reference = get_peft_model(base, _lora())
+    return _differences(model, reference, skip_lora=False)
+
+
+def check_from_pretrained_adapter_tp(rank: int, world: int) -> dict[str, Any]:
+    import hp_fastload as hf
+
+    model = hf.from_pretrained(
+        _root() / "base", parallelize=_tp, adapter=_root() / "adapter", is_trainable=True, dtype=torch.float32
+    )
+    reference = _reference(adapter=True)
+    trainable = sorted(n for n, p in model.named_parameters() if p.requires_grad)
+    expected = sorted(n for n, p in reference.named_parameters() if p.requires_grad)
+    return {
+        "differences": _differences(model, reference, skip_lora=False),
+        "trainable": trainable == expected and len(trainable) == 13,
+        "losses": _loss_and_step(model),
+        "reference_losses": _loss_and_step(reference),
+    }
+
+
+def check_from_pretrained_adapter_repo(rank: int, world: int) -> list[str]:
+    """A path holding only an adapter: its base from ``base_model_name_or_path``, then the adapter (frozen, as
+    ``PeftModel.from_pretrained`` leaves it)."""
+    import hp_fastload as hf
+
+    model = hf.from_pretrained(_root() / "adapter", parallelize=_fsdp, dtype=torch.float32)
+    assert not any(p.requires_grad for n, p in model.named_parameters() if "lora_" in n)
+    reference = _reference(adapter=True)
+    return _differences(model, reference, skip_lora=False)
+
+
 CHECKS = [
     check_base_fsdp,
     check_base_tp,
@@ -277,6 +321,9 @@ CHECKS = [
     check_adapter_tp,
     check_adapter_mismatch,
     check_save_adapter_fsdp,
+    check_from_pretrained_peft_config_fsdp,
+    check_from_pretrained_adapter_tp,
+    check_from_pretrained_adapter_repo,
 ]
 
 
@@ -289,7 +336,8 @@ def ranks(tmp_path_factory) -> list[dict[str, Any]]:
     torch.manual_seed(0)
     base = randomized(AutoModelForCausalLM.from_config(tiny_config("llama")), 0.5)
     base.save_pretrained(root / "base")
-    adapted = get_peft_model(base, _lora())
+    # the adapter of peft's usual route, which records the base's path in adapter_config.json
+    adapted = get_peft_model(AutoModelForCausalLM.from_pretrained(root / "base", dtype=torch.float32), _lora())
     with torch.no_grad():
         for name, param in adapted.named_parameters():
             if "lora_" in name or "modules_to_save" in name:
@@ -350,3 +398,17 @@ def test_adapter_only_save_equals_peft_save_pretrained(ranks):
     assert all(written > 0 for written in values[0]["bytes_written_by_rank"])
     for value in values:
         assert value["round_trip"] == []
+
+
+def test_from_pretrained_with_a_fresh_lora_equals_get_peft_model(ranks):
+    for value in subcheck_values(ranks, "check_from_pretrained_peft_config_fsdp"):
+        assert value == []
+
+
+def test_from_pretrained_with_a_saved_adapter(ranks):
+    for value in subcheck_values(ranks, "check_from_pretrained_adapter_tp"):
+        assert value["differences"] == [] and value["trainable"]
+        assert value["losses"][0] == pytest.approx(value["reference_losses"][0], rel=1e-6, abs=1e-6)
+        assert value["losses"][1] == pytest.approx(value["reference_losses"][1], rel=1e-5, abs=1e-5)
+    for value in subcheck_values(ranks, "check_from_pretrained_adapter_repo"):
+        assert value == []

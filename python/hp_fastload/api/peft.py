@@ -10,8 +10,11 @@ goes through ``load`` itself; the adapter's export through ``save(..., adapter_o
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +27,7 @@ from hp_fastload.model.peft import (
     adapter_tensors,
     check_adapter_config,
     check_adapter_keys,
+    init_adapter,
     is_peft_model,
     skeleton,
 )
@@ -125,6 +129,61 @@ def load_adapter(
         progress=progress,
         finalize=False,
     )
+
+
+def adapter_only_repo(location: Any, path: str | os.PathLike[str], revision: str | None) -> Path | None:
+    """The adapter directory when ``path`` (resolved to ``location``) holds a PEFT adapter and no model: no
+    ``config.json`` but an ``adapter_config.json`` (fetched from the Hub for a repo id), else None."""
+    if not isinstance(location, Path) or not location.is_dir() or (location / "config.json").exists():
+        return None
+    if (location / ADAPTER_CONFIG_NAME).is_file():
+        return location
+    try:
+        directory = resolve_adapter_dir(path, revision)
+    except Exception:  # not an adapter repo either: from_pretrained's own config.json error follows
+        return None
+    return directory if (directory / ADAPTER_CONFIG_NAME).is_file() else None
+
+
+def base_of_adapter(directory: Path) -> str:
+    """The base model an adapter was trained on (``base_model_name_or_path`` of its config)."""
+    base = read_adapter_config(directory).get("base_model_name_or_path")
+    if not base:
+        raise ValueError(
+            f"the adapter at {directory} names no base model (base_model_name_or_path): pass the base checkpoint "
+            "as the path and the adapter as adapter="
+        )
+    return str(base)
+
+
+def peft_wrapper(
+    peft_config: Any, adapter_dir: Path | None, adapter_name: str, is_trainable: bool
+) -> Callable[[nn.Module], nn.Module]:
+    """``get_peft_model`` of the meta model with ``peft_config``, or with the adapter's own config (trainable or
+    not, as ``PeftModel.from_pretrained(is_trainable=...)``); the user's config object is not changed."""
+
+    def wrap(model: nn.Module) -> nn.Module:
+        from peft import PeftConfig, get_peft_model
+
+        if peft_config is not None:
+            config = copy.deepcopy(peft_config)
+        else:
+            assert adapter_dir is not None
+            config = PeftConfig.from_pretrained(str(adapter_dir))
+            config.inference_mode = not is_trainable
+        return get_peft_model(model, config, adapter_name=adapter_name)
+
+    return wrap
+
+
+def fill_adapter(model: nn.Module, adapter_dir: Path | None, adapter_name: str, report: LoadReport) -> LoadReport:
+    """After the base load of ``from_pretrained``: the adapter read from ``adapter_dir``, or (a fresh
+    ``peft_config``) initialized as ``get_peft_model`` does on one process (``model.peft.init_adapter``)."""
+    if adapter_dir is not None:
+        load_adapter(model, adapter_dir, adapter_name)
+    else:
+        agree("Initializing the adapter", lambda: init_adapter(unwrapped(model), adapter_name))
+    return dataclasses.replace(report, adapter_keys=())
 
 
 __all__ = ["ADAPTER_CONFIG_NAME", "ADAPTER_WEIGHTS_NAME", "AdapterMismatchError", "load_adapter"]

@@ -28,10 +28,12 @@ import torch
 from torch import nn
 
 from hp_fastload.api.load import load
+from hp_fastload.api.peft import adapter_only_repo, base_of_adapter, fill_adapter, peft_wrapper, resolve_adapter_dir
 from hp_fastload.dist.agree import agree, interrupts_between_steps, resolve_location_each
 from hp_fastload.dist.bounded import agree_bounded
 from hp_fastload.errors import CheckpointMismatchError
 from hp_fastload.model.finalize import initialize_missing
+from hp_fastload.model.peft import inner_model, is_peft_model
 from hp_fastload.model.wrappers import unwrapped
 from hp_fastload.planning.items import LoadReport
 from hp_fastload.runtime import dist_active, interrupts_deferred
@@ -140,6 +142,10 @@ def from_pretrained(
     share: str | None = None,
     ranks_per_node: int | None = None,
     output_loading_info: bool = False,
+    peft_config: Any = None,
+    adapter: str | os.PathLike[str] | None = None,
+    adapter_name: str = "default",
+    is_trainable: bool = False,
     **config_overrides: Any,
 ) -> Any:
     """A parallelized transformers model filled from ``path_or_hub_id``; ``(model, report)`` with
@@ -168,15 +174,37 @@ def from_pretrained(
     caches and MoE counters, and what the adapter does not map, as ``expert_bias``) → the load → ``eval()``.
     Any other module gets no init: its non-persistent buffers are listed in ``LoadReport.unfilled_buffers``.
 
-    Not covered: quantized checkpoints, ``device_map`` offloading, remote code, PEFT adapters; build such a
-    model yourself and call ``hp_fastload.load`` on it.
+    PEFT: ``peft_config=LoraConfig(...)`` wraps the meta model with ``get_peft_model`` before ``parallelize``
+    (which then lays out the PEFT model), loads the base and initializes the adapter as ``get_peft_model`` does on
+    one process (the same values after the same ``torch.manual_seed``); ``adapter=path`` (a directory of
+    peft's ``save_pretrained`` or a Hub repo) wraps it with the adapter's own config and reads the adapter
+    (:func:`hp_fastload.load_adapter`), trainable with ``is_trainable=True`` (as ``PeftModel.from_pretrained``).
+    A ``path`` that holds only an adapter loads its base from the adapter's ``base_model_name_or_path``.
+
+    Not covered: quantized checkpoints, ``device_map`` offloading, remote code; build such a model yourself and
+    call ``hp_fastload.load`` on it.
     """
     if parallelize is not None and distributed_config is not None:
         raise ValueError("pass either parallelize or distributed_config, not both")
     if parallelize is not None and not callable(parallelize):
         raise TypeError(f"parallelize must be a callable taking the model, got {type(parallelize).__name__}")
     _check_factory(model_factory, auto_class, dtype, distributed_config, config_overrides)
+    if peft_config is not None and adapter is not None:
+        raise ValueError("pass either peft_config (a fresh adapter) or adapter (a saved one), not both")
+    peft = peft_config is not None or adapter is not None
+    if peft and (model_factory is not None or distributed_config is not None):
+        raise ValueError(
+            "a PEFT adapter needs a transformers model laid out by parallelize= (not model_factory, nor "
+            "distributed_config)"
+        )
     location = resolve_location_each(path_or_hub_id, revision)
+    adapter_dir = agree("Resolving the adapter", lambda: resolve_adapter_dir(adapter, revision)) if adapter else None
+    if model_factory is None and adapter is None and peft_config is None:
+        only_adapter = agree("Looking for an adapter", lambda: adapter_only_repo(location, path_or_hub_id, revision))
+        if only_adapter is not None:  # an adapter repo: its base model, then the adapter
+            adapter_dir, peft = only_adapter, True
+            location = resolve_location_each(base_of_adapter(only_adapter), None)
+    wrap = peft_wrapper(peft_config, adapter_dir, adapter_name, is_trainable) if peft else None
     # Each step that can fail on one rank alone is agreed on: the others raise too instead of waiting in
     # load's first collective.
     if model_factory is None:
@@ -196,7 +224,7 @@ def from_pretrained(
     else:
         model = agree_bounded(
             "Building and parallelizing the model",
-            lambda: _build(location, config, auto_class, dtype, parallelize, distributed_config, device),
+            lambda: _build(location, config, auto_class, dtype, parallelize, distributed_config, device, wrap),
         )
         initialized = False
     # an s3:// URL or a path
@@ -210,14 +238,21 @@ def from_pretrained(
     )
     if initialized:  # the model's own init_weights made its non-persistent buffers, before the load
         report = dataclasses.replace(report, unfilled_buffers=())
+    if peft:
+        report = fill_adapter(model, adapter_dir, adapter_name, report)
     # strict=False: what the checkpoint does not hold is fresh from to_empty (whatever the allocator left there);
     # transformers initializes it. Agreed on every rank (the collective does not depend on the report).
     agree(
         "Initializing the tensors the checkpoint does not hold",
-        lambda: initialize_missing(unwrapped(model)) if report.missing_keys else None,
+        lambda: initialize_missing(_transformers_model(model)) if report.missing_keys else None,
     )
     model.eval()
     return (model, report) if output_loading_info else model
+
+
+def _transformers_model(model: nn.Module) -> nn.Module:
+    model = unwrapped(model)
+    return inner_model(model) if is_peft_model(model) else model
 
 
 def refuse_rank0_broadcast() -> None:
@@ -332,8 +367,10 @@ def _build(
     parallelize: Callable[[nn.Module], Any] | None,
     distributed_config: Any,
     device: str | torch.device | None,
+    wrap: Callable[[nn.Module], nn.Module] | None = None,
 ) -> nn.Module:
-    """The model on meta, parallelized, materialized on ``device`` (not yet filled)."""
+    """The model on meta (wrapped by ``wrap``: a PEFT model), parallelized, materialized on ``device`` (not yet
+    filled)."""
     cls = _model_class(auto_class)
     torch_dtype = _dtype(dtype, config, location)
     with contextlib.ExitStack() as stack:
@@ -343,6 +380,9 @@ def _build(
             model = cls.from_config(config, dtype=torch_dtype)
         else:
             model = cls._from_config(config, dtype=torch_dtype)
+        if wrap is not None:  # on meta: the adapter's modules draw nothing from the generator here
+            model.tie_weights()
+            model = wrap(model)
     bound = None
     if distributed_config is not None:
         distributed_config, bound, mesh_manager = type(model).prepare_distribute_model(distributed_config)

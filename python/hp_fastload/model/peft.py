@@ -349,23 +349,92 @@ def check_adapter_keys(file_keys: Iterable[str], model_keys: Iterable[str], wher
 
 
 def write_adapter_config(peft_model: Any, adapter_name: str, directory: Any) -> None:
-    """``adapter_config.json`` (and the model card) as peft's ``save_pretrained`` writes them: the config with
-    ``inference_mode`` True, the base model's name when it has none, and the base model's class as
-    ``auto_mapping`` when the config has no task type. The live config is not changed."""
-    import copy
-
+    """``adapter_config.json`` (and the model card) as peft's ``save_pretrained`` writes them, step for step on the
+    live config (its ``target_modules`` set is written in the set's own order, so a copy could order it
+    otherwise): the base model's name recorded when the config has none (kept, as peft keeps it),
+    ``inference_mode`` True while writing, and the base model's class as ``auto_mapping`` when the config has no
+    task type."""
     from hp_fastload.model.wrappers import own_class
 
-    config = copy.deepcopy(_peft_config(peft_model, adapter_name))
+    config = _peft_config(peft_model, adapter_name)
     inner = peft_model.get_base_model()
+    card = getattr(peft_model, "create_or_update_model_card", None)
+    if callable(card):
+        card(str(directory))
     if config.base_model_name_or_path is None:
         config.base_model_name_or_path = inner.__dict__.get("name_or_path", None) or None
-    config.inference_mode = True
     auto_mapping = None
     if config.task_type is None:
         base_class = own_class(inner)
         auto_mapping = {"base_model_class": base_class.__name__, "parent_library": base_class.__module__}
-    card = getattr(peft_model, "create_or_update_model_card", None)
-    if callable(card):
-        card(str(directory))
-    config.save_pretrained(str(directory), auto_mapping_dict=auto_mapping)
+    inference_mode = config.inference_mode
+    config.inference_mode = True
+    try:
+        config.save_pretrained(str(directory), auto_mapping_dict=auto_mapping)
+    finally:
+        config.inference_mode = inference_mode
+
+
+@torch.no_grad()
+def init_adapter(peft_model: Any, adapter_name: str) -> list[str]:
+    """Initialize the LoRA adapter ``adapter_name`` of a PEFT model materialized by ``to_empty`` as peft's
+    ``get_peft_model`` initializes it on a single process, and return the names written.
+
+    peft creates, per targeted ``Linear`` in module order, ``lora_A = nn.Linear(in, r)`` and ``lora_B =
+    nn.Linear(r, out)`` (each drawing its default init) and then resets them (``init_lora_weights``: True is
+    Kaiming-uniform A, ``"gaussian"`` is normal A with std 1/r, B zero; False keeps the defaults). The same draws
+    are made here on full tensors of the global shapes, in the same order from the same generator, and each
+    rank keeps its own region (``distribute_tensor`` without communication): after ``torch.manual_seed(s)`` on
+    every rank, the values are those of ``torch.manual_seed(s); get_peft_model(model, config)``, whatever the
+    layout. Initializations computed from the base weights (PiSSA, OLoRA, EVA, LoftQ, DoRA's magnitudes...),
+    embedding and convolution LoRA are refused: initialize on one process, save the adapter, load it."""
+    import math
+
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    config = _peft_config(peft_model, adapter_name)
+    init = getattr(config, "init_lora_weights", None)
+    if type(config.peft_type).__name__ != "PeftType" or str(config.peft_type.value) != "LORA":
+        raise TargetError(f"initializing a fresh {config.peft_type} adapter on shards is not supported: LoRA only")
+    if not (init is True or init is False or (isinstance(init, str) and init.lower() == "gaussian")):
+        raise TargetError(
+            f"init_lora_weights={init!r} computes the adapter from the base weights; on shards only True, False "
+            "and 'gaussian' are supported: initialize it on one process, save the adapter, and load it (adapter=)"
+        )
+    if getattr(config, "use_dora", False):
+        raise TargetError("DoRA's magnitudes are computed from the full base weights: initialize on one process")
+
+    def write(tensor: torch.Tensor, full: torch.Tensor) -> None:
+        if isinstance(tensor, DTensor):
+            tensor.to_local().copy_(
+                distribute_tensor(full, tensor.device_mesh, tensor.placements, src_data_rank=None).to_local()
+            )
+        else:
+            tensor.copy_(full)
+
+    written = []
+    for name, module in inner_model(peft_model).named_modules():
+        if not _is_tuner_layer(module) or adapter_name not in getattr(module, "lora_A", {}):
+            continue
+        if adapter_name in getattr(module, "lora_embedding_A", {}) or type(module).__name__ != "Linear":
+            raise TargetError(f"{name}: {type(module).__name__} LoRA cannot be initialized on shards (Linear only)")
+        lora_a, lora_b = module.lora_A[adapter_name], module.lora_B[adapter_name]
+        rank = module.r[adapter_name]
+        full_a = nn.Linear(module.in_features, rank, bias=False).weight.detach()  # the draws peft's Linear makes
+        full_b_module = nn.Linear(rank, module.out_features, bias=lora_b.bias is not None)
+        full_b = full_b_module.weight.detach()
+        if init is True:
+            nn.init.kaiming_uniform_(full_a, a=math.sqrt(5))
+        elif isinstance(init, str):
+            nn.init.normal_(full_a, std=1 / rank)
+        if init is not False:
+            full_b.zero_()
+            if full_b_module.bias is not None:
+                full_b_module.bias.detach().zero_()
+        write(lora_a.weight, full_a.to(lora_a.weight.dtype))
+        write(lora_b.weight, full_b.to(lora_b.weight.dtype))
+        written += [f"{name}.lora_A.{adapter_name}.weight", f"{name}.lora_B.{adapter_name}.weight"]
+        if lora_b.bias is not None:
+            write(lora_b.bias, full_b_module.bias.detach().to(lora_b.bias.dtype))
+            written.append(f"{name}.lora_B.{adapter_name}.bias")
+    return written
