@@ -26,6 +26,7 @@ from hp_fastload.source import objstore
 from ..helpers import quant_checkpoints as qc
 from ..helpers import s3server
 from ..helpers.bits import bit_equal
+from ..helpers.docs import run_snippet, snippet
 from ..helpers.tiny_models import model_class, tiny_model
 
 pytestmark = pytest.mark.timeout(300)
@@ -79,6 +80,20 @@ def test_from_pretrained_over_s3_equals_transformers(ckpts: dict[str, Any]) -> N
     assert sorted(ours) == sorted(theirs)
     differ = [k for k in theirs if ours[k].dtype != theirs[k].dtype or not bit_equal(ours[k], theirs[k])]
     assert differ == []
+
+
+def test_object_storage_guide_snippet(ckpts: dict[str, Any]) -> None:
+    """The object-storage guide's snippet as written, its URL put in for the example's: transformers' values."""
+    from transformers import AutoModelForCausalLM
+
+    page = snippet("docs/guides/object-storage.md", "s3-load")
+    scope = run_snippet(page, replace={'"s3://bucket/llama-3-8b"': repr(ckpts["urls"]["llama"])})
+    ours, theirs = (
+        scope["model"].state_dict(),
+        AutoModelForCausalLM.from_pretrained(ckpts["root"] / "llama").state_dict(),
+    )
+    assert sorted(ours) == sorted(theirs)
+    assert [k for k in theirs if not bit_equal(ours[k], theirs[k])] == []
 
 
 def test_fp8_block_checkpoint_over_s3_dequantizes_like_transformers(ckpts: dict[str, Any]) -> None:

@@ -302,7 +302,7 @@ def test_moe_expert_bias_is_not_missing(outcomes: Any) -> None:
     assert ignored and all(k.endswith("moe.expert_bias_E") for k in ignored)
 
 
-# ---- single process: the recipes that loaded silently wrong values, the README line, the report ----
+# ---- single process: the recipes that loaded silently wrong values, the guide line, the report ----
 
 
 def _model(name: str) -> tuple[torch.nn.Module, Any]:
