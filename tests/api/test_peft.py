@@ -25,6 +25,16 @@ ROOT_ENV = "HPF_PEFT_ROOT"
 LORA: dict[str, Any] = dict(
     r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"], modules_to_save=["lm_head"]
 )
+#: LoRA on a MoE: attention modules and the stacked experts' parameters (peft's ``target_parameters``)
+MOE_LORA: dict[str, Any] = dict(
+    r=4,
+    lora_alpha=8,
+    lora_dropout=0.0,
+    target_modules=["q_proj", "v_proj"],
+    target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+)
+#: checkpoint directory -> (family, LoRA config)
+BASES = {"base": ("llama", LORA), "moe": ("qwen3_moe", MOE_LORA)}
 SENTINEL = 7.0
 #: TP plans of the inner model: the tuner layer's base_layer and the LoRA factor on the sharded side.
 COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
@@ -39,20 +49,20 @@ def _batch() -> torch.Tensor:
     return torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(5))
 
 
-def _lora(**overrides: Any) -> Any:
+def _lora(base: str = "base", **overrides: Any) -> Any:
     from peft import LoraConfig
 
-    return LoraConfig(**{**LORA, **overrides})
+    return LoraConfig(**{**BASES[base][1], **overrides})
 
 
-def _meta_peft(**overrides: Any) -> nn.Module:
+def _meta_peft(base: str = "base", **overrides: Any) -> nn.Module:
     from peft import get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(_root() / "base")  # the user's prologue: the base's own config.json
+    config = AutoConfig.from_pretrained(_root() / base)  # the user's prologue: the base's own config.json
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    return get_peft_model(model, _lora(**overrides))
+    return get_peft_model(model, _lora(base, **overrides))
 
 
 def _mesh() -> Any:
@@ -89,11 +99,28 @@ def _tp(peft_model: nn.Module) -> None:
     parallelize_module(inner, _mesh(), plan)
 
 
-LAYOUTS = {"fsdp": _fsdp, "tp": _tp}
+def _ep(peft_model: nn.Module) -> None:
+    """Expert parallel: the stacked experts split by expert (dim 0), their LoRA factors by the experts' blocks of
+    rank rows (A: dim 0, B: dim 1); the rest replicated."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = _mesh()
+    for name, module in peft_model.get_base_model().named_modules():
+        if "experts" not in name:
+            continue
+        for pname, param in list(module._parameters.items()):
+            if param is None:
+                continue
+            dim = 0 if param.ndim == 3 or ".lora_A." in f"{name}." else 1
+            dt = distribute_tensor(param.data, mesh, [Shard(dim)], src_data_rank=None)
+            module.register_parameter(pname, nn.Parameter(dt, requires_grad=param.requires_grad))
 
 
-def _sharded(layout: str, **overrides: Any) -> nn.Module:
-    model = _meta_peft(**overrides)
+LAYOUTS = {"fsdp": _fsdp, "tp": _tp, "ep": _ep}
+
+
+def _sharded(layout: str, base: str = "base", **overrides: Any) -> nn.Module:
+    model = _meta_peft(base, **overrides)
     LAYOUTS[layout](model)
     model.to_empty(device="cpu")
     with torch.no_grad():
@@ -103,16 +130,16 @@ def _sharded(layout: str, **overrides: Any) -> nn.Module:
     return model
 
 
-def _reference(adapter: bool) -> nn.Module:
+def _reference(adapter: bool, base: str = "base") -> nn.Module:
     """peft's own single-process route: transformers' from_pretrained, then get_peft_model or
     PeftModel.from_pretrained."""
     from peft import PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(_root() / "base", dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(_root() / base, dtype=torch.float32)
     if adapter:
-        return PeftModel.from_pretrained(base, _root() / "adapter", is_trainable=True)
-    return get_peft_model(base, _lora())
+        return PeftModel.from_pretrained(model, _root() / f"{base}_adapter", is_trainable=True)
+    return get_peft_model(model, _lora(base))
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -190,7 +217,7 @@ def _adapter(layout: str) -> dict[str, Any]:
 
     model = _sharded(layout)
     hf.load(model, _root() / "base")
-    report = hf.load_adapter(model, _root() / "adapter")
+    report = hf.load_adapter(model, _root() / "base_adapter")
     for param in model.parameters():  # PeftModel.from_pretrained(is_trainable=True) leaves the base frozen
         param.requires_grad_(False)
     for name, param in model.named_parameters():
@@ -222,7 +249,7 @@ def check_adapter_mismatch(rank: int, world: int) -> dict[str, str]:
     for what, overrides in {"rank": dict(r=8), "targets": dict(target_modules=["q_proj", "v_proj"])}.items():
         model = _sharded("fsdp", **overrides)
         try:
-            hf.load_adapter(model, _root() / "adapter")
+            hf.load_adapter(model, _root() / "base_adapter")
             out[what] = "loaded"
         except hf.AdapterMismatchError as exc:
             untouched = all(
@@ -240,7 +267,7 @@ def check_save_adapter_fsdp(rank: int, world: int) -> dict[str, Any]:
     out_dir = _root() / "saved"
     model = _sharded("fsdp")
     hf.load(model, _root() / "base")
-    hf.load_adapter(model, _root() / "adapter")
+    hf.load_adapter(model, _root() / "base_adapter")
     for name, param in model.named_parameters():
         param.requires_grad_("lora_" in name or "modules_to_save" in name)
     _loss_and_step(model)
@@ -290,7 +317,7 @@ def check_from_pretrained_adapter_tp(rank: int, world: int) -> dict[str, Any]:
     import hp_fastload as hf
 
     model = hf.from_pretrained(
-        _root() / "base", parallelize=_tp, adapter=_root() / "adapter", is_trainable=True, dtype=torch.float32
+        _root() / "base", parallelize=_tp, adapter=_root() / "base_adapter", is_trainable=True, dtype=torch.float32
     )
     reference = _reference(adapter=True)
     trainable = sorted(n for n, p in model.named_parameters() if p.requires_grad)
@@ -308,10 +335,50 @@ def check_from_pretrained_adapter_repo(rank: int, world: int) -> list[str]:
     ``PeftModel.from_pretrained`` leaves it)."""
     import hp_fastload as hf
 
-    model = hf.from_pretrained(_root() / "adapter", parallelize=_fsdp, dtype=torch.float32)
+    model = hf.from_pretrained(_root() / "base_adapter", parallelize=_fsdp, dtype=torch.float32)
     assert not any(p.requires_grad for n, p in model.named_parameters() if "lora_" in n)
     reference = _reference(adapter=True)
     return _differences(model, reference, skip_lora=False)
+
+
+def _moe(layout: str) -> dict[str, Any]:
+    import hp_fastload as hf
+
+    model = _sharded(layout, "moe")
+    base_report = hf.load(model, _root() / "moe")
+    hf.load_adapter(model, _root() / "moe_adapter")
+    for name, param in model.named_parameters():
+        param.requires_grad_("lora_" in name)
+    reference = _reference(adapter=True, base="moe")
+    out: dict[str, Any] = {
+        "differences": _differences(model, reference, skip_lora=False),
+        "adapter_keys": len(base_report.adapter_keys),
+    }
+    if layout == "fsdp":  # transformers' MoE forward takes plain experts: FSDP2 gathers them
+        out["losses"], out["reference_losses"] = _loss_and_step(model), _loss_and_step(reference)
+    return out
+
+
+def check_moe_fsdp(rank: int, world: int) -> dict[str, Any]:
+    return _moe("fsdp")
+
+
+def check_moe_ep(rank: int, world: int) -> dict[str, Any]:
+    return _moe("ep")
+
+
+def check_moe_from_pretrained_peft_config_ep(rank: int, world: int) -> list[str]:
+    """A fresh LoRA on the experts (EP) and attention: peft's own init values after the same seed."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    import hp_fastload as hf
+
+    torch.manual_seed(13)
+    model = hf.from_pretrained(_root() / "moe", parallelize=_ep, peft_config=_lora("moe"), dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(_root() / "moe", dtype=torch.float32)
+    torch.manual_seed(13)
+    return _differences(model, get_peft_model(base, _lora("moe")), skip_lora=False)
 
 
 CHECKS = [
@@ -324,25 +391,29 @@ CHECKS = [
     check_from_pretrained_peft_config_fsdp,
     check_from_pretrained_adapter_tp,
     check_from_pretrained_adapter_repo,
+    check_moe_fsdp,
+    check_moe_ep,
+    check_moe_from_pretrained_peft_config_ep,
 ]
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict[str, Any]]:
-    from peft import get_peft_model
+    from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     root = tmp_path_factory.mktemp("peft")
-    torch.manual_seed(0)
-    base = randomized(AutoModelForCausalLM.from_config(tiny_config("llama")), 0.5)
-    base.save_pretrained(root / "base")
-    # the adapter of peft's usual route, which records the base's path in adapter_config.json
-    adapted = get_peft_model(AutoModelForCausalLM.from_pretrained(root / "base", dtype=torch.float32), _lora())
-    with torch.no_grad():
-        for name, param in adapted.named_parameters():
-            if "lora_" in name or "modules_to_save" in name:
-                param.copy_(torch.randn_like(param) * 0.3)
-    adapted.save_pretrained(root / "adapter")
+    for base_dir, (family, lora) in BASES.items():
+        torch.manual_seed(0)
+        randomized(AutoModelForCausalLM.from_config(tiny_config(family)), 0.5).save_pretrained(root / base_dir)
+        # the adapter of peft's usual route, which records the base's path in adapter_config.json
+        base = AutoModelForCausalLM.from_pretrained(root / base_dir, dtype=torch.float32)
+        adapted = get_peft_model(base, LoraConfig(**lora))
+        with torch.no_grad():
+            for name, param in adapted.named_parameters():
+                if "lora_" in name or "modules_to_save" in name:
+                    param.copy_(torch.randn_like(param) * 0.3)
+        adapted.save_pretrained(root / f"{base_dir}_adapter")
     os.environ[ROOT_ENV] = str(root)
     try:
         return run_distributed(run_subchecks, 2, checks=CHECKS, timeout=360)
@@ -411,4 +482,16 @@ def test_from_pretrained_with_a_saved_adapter(ranks):
         assert value["losses"][0] == pytest.approx(value["reference_losses"][0], rel=1e-6, abs=1e-6)
         assert value["losses"][1] == pytest.approx(value["reference_losses"][1], rel=1e-5, abs=1e-5)
     for value in subcheck_values(ranks, "check_from_pretrained_adapter_repo"):
+        assert value == []
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "ep"])
+def test_moe_lora_on_experts(ranks, layout):
+    for value in subcheck_values(ranks, f"check_moe_{layout}"):
+        assert value["differences"] == [], value["differences"]
+        assert value["adapter_keys"] == 16  # q, v and the two expert parameters' A and B, in 2 layers
+        if layout == "fsdp":
+            assert value["losses"][0] == pytest.approx(value["reference_losses"][0], rel=1e-6, abs=1e-6)
+            assert value["losses"][1] == pytest.approx(value["reference_losses"][1], rel=1e-5, abs=1e-5)
+    for value in subcheck_values(ranks, "check_moe_from_pretrained_peft_config_ep"):
         assert value == []

@@ -375,6 +375,28 @@ def write_adapter_config(peft_model: Any, adapter_name: str, directory: Any) -> 
         config.inference_mode = inference_mode
 
 
+def _creation_order(inner: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The tuner layers in the order peft created them (and drew their initial values): the targeted modules in
+    module order, then the targeted parameters (``ParamWrapper``), module by module, each chain of wrappers on
+    one module from the innermost (the first parameter wrapped) out."""
+    modules: list[tuple[str, nn.Module]] = []
+    parameters: list[tuple[str, nn.Module]] = []
+    seen: set[int] = set()
+    for name, module in inner.named_modules():
+        if not _is_tuner_layer(module) or id(module) in seen:
+            continue
+        if type(module).__name__ != "ParamWrapper":
+            modules.append((name, module))
+            continue
+        chain = []
+        while _is_tuner_layer(module) and type(module).__name__ == "ParamWrapper":
+            chain.append((name, module))
+            seen.add(id(module))
+            name, module = f"{name}.base_layer", module.base_layer
+        parameters.extend(reversed(chain))
+    return modules + parameters
+
+
 @torch.no_grad()
 def init_adapter(peft_model: Any, adapter_name: str) -> list[str]:
     """Initialize the LoRA adapter ``adapter_name`` of a PEFT model materialized by ``to_empty`` as peft's
@@ -386,7 +408,8 @@ def init_adapter(peft_model: Any, adapter_name: str) -> list[str]:
     are made here on full tensors of the global shapes, in the same order from the same generator, and each
     rank keeps its own region (``distribute_tensor`` without communication): after ``torch.manual_seed(s)`` on
     every rank, the values are those of ``torch.manual_seed(s); get_peft_model(model, config)``, whatever the
-    layout. Initializations computed from the base weights (PiSSA, OLoRA, EVA, LoftQ, DoRA's magnitudes...),
+    layout. LoRA on ``Linear`` modules and on parameters (``target_parameters``: MoE experts, ``ParamWrapper``)
+    is covered; initializations computed from the base weights (PiSSA, OLoRA, EVA, LoftQ, DoRA's magnitudes...),
     embedding and convolution LoRA are refused: initialize on one process, save the adapter, load it."""
     import math
 
@@ -413,15 +436,20 @@ def init_adapter(peft_model: Any, adapter_name: str) -> list[str]:
             tensor.copy_(full)
 
     written = []
-    for name, module in inner_model(peft_model).named_modules():
-        if not _is_tuner_layer(module) or adapter_name not in getattr(module, "lora_A", {}):
+    for name, module in _creation_order(inner_model(peft_model)):
+        if adapter_name not in getattr(module, "lora_A", {}):
             continue
-        if adapter_name in getattr(module, "lora_embedding_A", {}) or type(module).__name__ != "Linear":
-            raise TargetError(f"{name}: {type(module).__name__} LoRA cannot be initialized on shards (Linear only)")
+        if type(module).__name__ not in ("Linear", "ParamWrapper"):
+            raise TargetError(
+                f"{name}: {type(module).__name__} LoRA cannot be initialized on shards (Linear and experts' "
+                "parameters only)"
+            )
         lora_a, lora_b = module.lora_A[adapter_name], module.lora_B[adapter_name]
         rank = module.r[adapter_name]
-        full_a = nn.Linear(module.in_features, rank, bias=False).weight.detach()  # the draws peft's Linear makes
-        full_b_module = nn.Linear(rank, module.out_features, bias=lora_b.bias is not None)
+        # the draws peft's own nn.Linear(in, r) and nn.Linear(r, out) make (r x experts for a ParamWrapper)
+        (a_out, a_in), (b_out, b_in) = lora_a.weight.shape, lora_b.weight.shape
+        full_a = nn.Linear(a_in, a_out, bias=False).weight.detach()
+        full_b_module = nn.Linear(b_in, b_out, bias=lora_b.bias is not None)
         full_b = full_b_module.weight.detach()
         if init is True:
             nn.init.kaiming_uniform_(full_a, a=math.sqrt(5))
