@@ -437,7 +437,7 @@ def _rank_checks(rank: int, world: int, root: str) -> dict[str, Any]:
     job["held"] = _held(base)
     job["received"] = received
     job["all_read"] = all_read
-    out["job"] = job  # last: a peer may still have a message posted that rank 0 never sent (see docs/how-it-works/interrupts.md)
+    out["job"] = job  # last: a peer may still have a message posted that rank 0 never sent (docs: interrupts)
     return out
 
 
