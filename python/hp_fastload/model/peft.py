@@ -375,13 +375,14 @@ def write_adapter_config(peft_model: Any, adapter_name: str, directory: Any) -> 
         config.inference_mode = inference_mode
 
 
-def _creation_order(inner: nn.Module) -> list[tuple[str, nn.Module]]:
+def _creation_order(inner: nn.Module) -> list[tuple[str, Any]]:
     """The tuner layers in the order peft created them (and drew their initial values): the targeted modules in
     module order, then the targeted parameters (``ParamWrapper``), module by module, each chain of wrappers on
     one module from the innermost (the first parameter wrapped) out."""
-    modules: list[tuple[str, nn.Module]] = []
-    parameters: list[tuple[str, nn.Module]] = []
+    modules: list[tuple[str, Any]] = []
+    parameters: list[tuple[str, Any]] = []
     seen: set[int] = set()
+    module: Any
     for name, module in inner.named_modules():
         if not _is_tuner_layer(module) or id(module) in seen:
             continue
