@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import sys
+from pathlib import Path
 from typing import Any
 
 CLI_MARKER = "<!-- cli-reference -->"
@@ -89,6 +91,15 @@ def api_summary() -> str:
         summary = "" if _kind(obj) in ("module", "constant") else _first_line(obj)
         lines.append(f"| {link} | {_kind(obj)} | {summary} |")
     return "\n".join(lines) + "\n"
+
+
+def on_config(config: Any) -> Any:
+    """Import the package from this checkout's ``python/`` (the sources mkdocstrings reads), not from wherever
+    the environment installed it, so that the generated tables and the rendered docstrings agree."""
+    source = str(Path(config["config_file_path"]).resolve().parent / "python")
+    if source not in sys.path:
+        sys.path.insert(0, source)
+    return config
 
 
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
