@@ -460,10 +460,16 @@ def init_adapter(peft_model: Any, adapter_name: str) -> list[str]:
             full_b.zero_()
             if full_b_module.bias is not None:
                 full_b_module.bias.detach().zero_()
-        write(lora_a.weight, full_a.to(lora_a.weight.dtype))
-        write(lora_b.weight, full_b.to(lora_b.weight.dtype))
+        # peft moves the fresh factors to the base layer's float dtype, and then casts them to the adapter's
+        # (float32 under a bf16 base): the values pass through the base's dtype
+        get_param = getattr(module, "get_param", None)  # a ParamWrapper: the wrapped parameter's dtype
+        base_weight = get_param() if callable(get_param) else getattr(module.get_base_layer(), "weight", None)
+        through = base_weight.dtype if base_weight is not None and base_weight.dtype.is_floating_point else None
+        write(lora_a.weight, full_a.to(through or full_a.dtype).to(lora_a.weight.dtype))
+        write(lora_b.weight, full_b.to(through or full_b.dtype).to(lora_b.weight.dtype))
         written += [f"{name}.lora_A.{adapter_name}.weight", f"{name}.lora_B.{adapter_name}.weight"]
         if lora_b.bias is not None:
-            write(lora_b.bias, full_b_module.bias.detach().to(lora_b.bias.dtype))
+            bias = full_b_module.bias.detach()
+            write(lora_b.bias, bias.to(through or bias.dtype).to(lora_b.bias.dtype))
             written.append(f"{name}.lora_B.{adapter_name}.bias")
     return written
