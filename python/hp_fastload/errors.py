@@ -19,6 +19,7 @@ __all__ = [
     "MissingKeysError",
     "ObjectStoreError",
     "PeerInterrupted",
+    "PeerLost",
     "PlanError",
     "ReadError",
     "TargetError",
@@ -79,6 +80,19 @@ class PeerInterrupted(HpFastloadError, RuntimeError):
     def __init__(self, message: str, ranks: Sequence[int] = ()) -> None:
         super().__init__(message)
         self.ranks = tuple(ranks)
+
+
+class PeerLost(HpFastloadError, RuntimeError):
+    """Another rank of the same distributed call is gone: it gave no sign of life (no heartbeat in the job's
+    store) for ``HP_FASTLOAD_PEER_SILENCE_S`` seconds (its node's link is down, its host hangs), or its
+    connection closed under a message (its process died), or, seen from a node cut off from the job, the
+    store's host stopped answering. Raised on the ranks that remain, naming the lost ``ranks`` and their
+    ``nodes`` (``rank // LOCAL_WORLD_SIZE``). The process group is unusable afterwards."""
+
+    def __init__(self, message: str, ranks: Sequence[int] = (), nodes: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.ranks = tuple(ranks)
+        self.nodes = tuple(nodes)
 
 
 class TargetError(HpFastloadError, ValueError):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import signal
 import threading
 from collections.abc import Iterator
@@ -16,7 +17,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["dist_active", "gc_paused", "interrupts_deferred", "is_rank0", "world_size"]
+__all__ = ["dist_active", "gc_paused", "interrupts_deferred", "is_rank0", "node_of", "world_size"]
 
 
 def dist_active() -> bool:
@@ -30,6 +31,13 @@ def dist_active() -> bool:
 def world_size() -> int:
     """Ranks of the default process group; 1 without one."""
     return torch.distributed.get_world_size() if dist_active() else 1
+
+
+def node_of(rank: int) -> int:
+    """The node of ``rank`` as torchrun lays ranks out: ``rank // $LOCAL_WORLD_SIZE`` (0 without it)."""
+    env = os.environ.get("LOCAL_WORLD_SIZE", "")
+    per = int(env) if env.isdigit() and int(env) > 0 else 0
+    return rank // per if per else 0
 
 
 def is_rank0() -> bool:

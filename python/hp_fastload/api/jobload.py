@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from hp_fastload.convert.rules import resolve_mapping
-from hp_fastload.dist.agree import agree, agree_digest, exchanging, wait_work
+from hp_fastload.dist.agree import agree, agree_digest, exchanging, gather_floats, wait_work
 from hp_fastload.dist.groups import host_message_group
 from hp_fastload.errors import PlanError
 from hp_fastload.execute.deliver import deliver
@@ -33,6 +33,7 @@ from hp_fastload.planning.jobneeds import StorageMap, delivered_rows, rank_needs
 from hp_fastload.planning.jobranks import all_rank_needs, packed_keys
 from hp_fastload.planning.jobwide import DEFAULT_BUDGET_BYTES, DEFAULT_CHUNK_BYTES, JobPlan, plan_job
 from hp_fastload.planning.replacement import Replacement
+from hp_fastload.runtime import node_of
 from hp_fastload.source.index import CheckpointIndex
 
 __all__ = ["SHARES", "JobStats", "agree_job_plan", "ranks_per_node", "resolve_share", "run_job"]
@@ -196,7 +197,33 @@ def run_job(
     stats.bytes_sent = delivered.bytes_sent
     stats.bytes_received = delivered.bytes_received
     stats.extra.update(rounds=delivered.rounds, read_retries=delivered.read_retries, items_from_memory=delivered.items)
+    timings = gather_floats("Comparing the ranks' reads", [float(delivered.bytes_read), delivered.seconds_read])
+    stats.extra["stragglers"] = stragglers([(int(b), t) for b, t in timings])
     return stats
+
+
+#: A reader is a straggler when its seconds per byte are this many times the (lower) median reader's ...
+STRAGGLER_RATIO = 3.0
+#: ... and that costs it this many seconds more than the median rate would (below it: timing noise).
+STRAGGLER_EXCESS_S = 0.25
+
+
+def stragglers(reads: list[tuple[int, float]]) -> tuple[str, ...]:
+    """The ranks whose job-wide reads (``(bytes, seconds)`` per rank) took far longer per byte than the lower
+    median reader's (of 2k readers the k-th fastest: with half the nodes slow, the fast half is the norm): a
+    slow link to the storage, or a slow disk, on their node. Each as "rank r (node n): ..."."""
+    rates = sorted(t / b for b, t in reads if b > 0 and t > 0)
+    if len(rates) < 2:
+        return ()
+    median = rates[(len(rates) - 1) // 2]
+    out = []
+    for rank, (b, t) in enumerate(reads):
+        if b > 0 and t / b > STRAGGLER_RATIO * median and t - b * median > STRAGGLER_EXCESS_S:
+            out.append(
+                f"rank {rank} (node {node_of(rank)}) read {b / 1e6:.2f} MB in {t:.2f} s ({b / t / 1e6:.2f} MB/s; "
+                f"the median reader {1 / median / 1e6:.2f} MB/s)"
+            )
+    return tuple(out)
 
 
 def agree_job_plan(

@@ -444,6 +444,7 @@ def load(
         else int(stats.extra.get("bytes_received", 0)),
         bytes_sent=stats.bytes_sent if isinstance(stats, JobStats) else 0,
         share="job" if job is not None else ("replicated" if replicas is not None else "none"),
+        stragglers=tuple(stats.extra.get("stragglers", ())),
         adapter_keys=view.adapter_keys if view is not None else (),
     )
     if report.unexpected_keys:

@@ -22,6 +22,7 @@ import torch
 
 from hp_fastload import errors
 from hp_fastload.convert.quant import QuantizationError
+from hp_fastload.dist import liveness
 from hp_fastload.runtime import dist_active, interrupts_deferred
 from hp_fastload.source.location import Location, resolve_checkpoint_location
 
@@ -44,6 +45,7 @@ _REBUILDABLE: dict[str, type[BaseException]] = {
         errors.TargetError,
         QuantizationError,
         errors.CheckpointMismatchError,
+        errors.PeerLost,
     )
 }
 
@@ -82,6 +84,8 @@ def interrupts_between_steps() -> Iterator[None]:
         yield
         return
     _depth, _call, _sequence = 1, _call + 1, 0
+    if dist_active():
+        liveness.ensure_running()
     try:
         if (
             not dist_active()
@@ -138,9 +142,16 @@ def exchanging() -> Iterator[None]:
                 store.set(f"{_NOTICE_KEY}{_call}/{sequence}", f"rank {torch.distributed.get_rank()}")
         raise
     except RuntimeError as exc:
-        noticed = _notice_within(sequence, _LEFT_NOTICE_SECONDS) if dist_active() else None
+        if not dist_active() or not liveness.store_answering():
+            raise
+        noticed = _notice_within(sequence, _LEFT_NOTICE_SECONDS)
         if noticed is not None:
             raise _peer_interrupted("The job-wide exchange", noticed, " during the exchange") from exc
+        if isinstance(exc, errors.PeerLost):
+            raise
+        lost = liveness.verdict_after_error("The job-wide exchange", exc)
+        if lost is not None:
+            raise lost from exc
         raise
 
 
@@ -151,12 +162,9 @@ _LEFT_NOTICE_SECONDS = 0.5
 
 def _notice_within(sequence: int, seconds: float) -> str | None:
     """A peer's interrupt notice of step ``sequence``, looked for during ``seconds`` at most."""
-    store = _store()
-    if store is None:
-        return None
     deadline = time.monotonic() + seconds
     while True:
-        noticed = _notice(store, sequence)
+        noticed = liveness.ask(lambda store: _notice(store, sequence))
         if noticed is not None or time.monotonic() >= deadline:
             return noticed
         time.sleep(0.01)
@@ -295,16 +303,19 @@ def _slept(seconds: float) -> bool:
 def _poll(stage: str, done: Callable[[float], bool], sequence: int, where: str = "") -> None:
     """Wait until ``done(sleep)`` says so (it waits up to ``sleep`` seconds itself; the sleeps double from 0.1 ms to
     ``_POLL_SECONDS``), looking every ``_NOTICE_SECONDS`` for a peer's interrupt notice of step ``sequence``, which
-    raises ``PeerInterrupted`` naming it (``where`` says where it was interrupted)."""
-    store = _store()
+    raises ``PeerInterrupted`` naming it (``where`` says where it was interrupted); a peer silent for
+    ``liveness.silence_s()`` seconds (or the store, seen from a node cut off) raises ``PeerLost`` naming it."""
     looked = time.monotonic()
     sleep = 0.0001
     while not done(sleep):
         sleep = min(sleep * 2, _POLL_SECONDS)
         now = time.monotonic()
-        if store is not None and now - looked >= _NOTICE_SECONDS:
+        if now - looked >= _NOTICE_SECONDS:
             looked = now
-            noticed = _notice(store, sequence)
+            lost = liveness.verdict(stage)
+            if lost is not None:
+                raise lost
+            noticed = liveness.ask(lambda store: _notice(store, sequence))
             if noticed is not None:
                 raise _peer_interrupted(stage, noticed, where)
 
@@ -362,12 +373,11 @@ def _peer_left_last_step() -> bool:
     """Whether a peer raised in the job-wide exchange after the previous step (its notice is in the store,
     written within milliseconds of the signal that also reached this rank): such a peer never posts a status
     for this step. (A peer that left while waiting in the previous step itself was settled there.)"""
-    store = _store()
-    if store is None:
+    if _store() is None:
         return False
     deadline = time.monotonic() + _LEFT_WAIT_SECONDS
     while True:
-        if _notice(store, _sequence - 1) is not None:
+        if liveness.ask(lambda store: _notice(store, _sequence - 1)) is not None:
             return True
         if time.monotonic() >= deadline:
             return False
@@ -416,8 +426,12 @@ def _waiting(stage: str, collective: Callable[[], Any], call: str = "hp_fastload
         if not (isinstance(exc, distributed) or any(m in str(exc).lower() for m in _COLLECTIVE_FAILURES)):
             raise
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-        store = _store()
-        notices = [n for n in (_notice(store, _sequence - 1), _notice(store, _sequence)) if n] if store else []
+        notices: list[str] = []
+        if _store() is not None and liveness.store_answering():
+            for step in (_sequence - 1, _sequence):
+                noticed = liveness.ask(lambda store, step=step: _notice(store, step))  # type: ignore[misc]
+                if noticed:
+                    notices.append(noticed)
         if notices:
             raise errors.PeerInterrupted(
                 f"{call.split()[0]}: rank {rank} of {world} waited for the other ranks while {stage.lower()} and "
@@ -425,12 +439,30 @@ def _waiting(stage: str, collective: Callable[[], Any], call: str = "hp_fastload
                 "(KeyboardInterrupt) while it waited for the others",
                 [int(notices[0].split()[-1])],
             ) from exc
-        raise RuntimeError(
+        text = (
             f"{call.split()[0]}: rank {rank} of {world} waited for the other ranks while {stage.lower()} and "
             f"the collective failed ({str(exc).splitlines()[0][:300]}). Every rank of the default process group "
             f"must call {call} together; a rank that skipped the call, failed before it or exited makes the "
             "others wait until the process group's timeout"
-        ) from exc
+        )
+        lost = exc if isinstance(exc, errors.PeerLost) else liveness.verdict_after_error(stage, exc)
+        if lost is not None:
+            raise errors.PeerLost(f"{text}. {lost}", lost.ranks, lost.nodes) from exc
+        raise RuntimeError(text) from exc
+
+
+def gather_floats(stage: str, values: list[float]) -> list[list[float]]:
+    """Every rank's ``values`` (the same count on every rank), in one all-gather that this rank polls as it
+    polls an agreement's statuses: a peer that went silent meanwhile raises ``PeerLost`` naming it."""
+    if not dist_active():
+        return [list(values)]
+    world = torch.distributed.get_world_size()
+    mine = torch.tensor(values, dtype=torch.float64)
+    out = [torch.zeros(len(values), dtype=torch.float64) for _ in range(world)]
+    work = _waiting(stage, lambda: torch.distributed.all_gather(out, mine, async_op=True))
+    _poll(stage, lambda sleep: work.is_completed() or _slept(sleep), _sequence)
+    _waiting(stage, work.wait)
+    return [t.tolist() for t in out]
 
 
 def agree_digest(stage: str, digest: str, hint: str) -> None:

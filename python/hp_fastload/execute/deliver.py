@@ -35,11 +35,12 @@ import numpy as np
 import torch
 
 from hp_fastload.convert.symbolic import apply_post
-from hp_fastload.errors import PeerInterrupted, ReadError
+from hp_fastload.errors import PeerInterrupted, PeerLost, ReadError
 from hp_fastload.execute.batch import Batch
 from hp_fastload.planning.items import LoadPlan, Reads
 from hp_fastload.planning.jobneeds import Needs, delivered_rows
 from hp_fastload.planning.jobwide import JobPlan
+from hp_fastload.runtime import node_of
 
 __all__ = ["DeliveryStats", "MemoryStorage", "deliver", "read_chunk"]
 
@@ -491,15 +492,18 @@ def deliver(
 @contextmanager
 def _lost(rank: int, peer: int, rnd: int, rounds: int) -> Iterator[None]:
     """A transport error posting a message to ``peer`` or waiting for one (gloo's "Connection closed by peer") as
-    the ``RuntimeError`` that names the peer and the round; a ``PeerInterrupted`` passes as it is."""
+    the ``PeerLost`` that names the peer, its node and the round; a ``PeerInterrupted`` or ``PeerLost`` (a silent
+    peer, from the wait) passes as it is."""
     try:
         yield
-    except PeerInterrupted:
+    except (PeerInterrupted, PeerLost):
         raise
     except RuntimeError as exc:
-        raise RuntimeError(
-            f"hp_fastload.load: rank {rank} lost rank {peer} during round {rnd + 1} of {rounds} of the job-wide "
-            f"delivery ({str(exc).splitlines()[0][:200]}); rank {peer} failed or exited"
+        raise PeerLost(
+            f"hp_fastload.load: rank {rank} lost rank {peer} (node {node_of(peer)}) during round {rnd + 1} of "
+            f"{rounds} of the job-wide delivery ({str(exc).splitlines()[0][:200]}); rank {peer} failed or exited",
+            [peer],
+            [node_of(peer)],
         ) from exc
 
 

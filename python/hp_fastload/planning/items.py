@@ -53,6 +53,9 @@ class LoadReport:
     bytes_sent: int = field(default=0, compare=False)
     #: the sharing strategy that ran: ``"none"``, ``"job"`` or ``"replicated"``
     share: str = field(default="", compare=False)
+    #: ``share="job"``: the ranks whose reads were far slower per byte than the median reader's (a slow link or
+    #: disk on their node), each as "rank r (node n): ...", the same on every rank
+    stragglers: tuple[str, ...] = field(default=(), compare=False)
 
     def summary(self) -> str:
         rate = self.bytes_read / self.seconds / 1e9 if self.seconds > 0 else 0.0
@@ -73,6 +76,8 @@ class LoadReport:
                 f"; share={self.share or 'none'}: received {self.bytes_received / 1e6:.1f} MB, "
                 f"sent {self.bytes_sent / 1e6:.1f} MB"
             )
+        if self.stragglers:
+            text += f"; stragglers: {'; '.join(self.stragglers)}"
         if self.retied_keys:
             text += f"; re-tied {len(self.retied_keys)} ({', '.join(self.retied_keys[:3])})"
         if self.unfilled_buffers:

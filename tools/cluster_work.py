@@ -1,0 +1,192 @@
+"""What the ranks of a :mod:`tools.cluster` run do: build a Llama under a trainer's layout (FSDP2, HSDP, TP x DP)
+on meta and allocate its shards, load a checkpoint with ``hp_fastload.load`` (``share`` as asked), and check
+every local shard bit for bit against safetensors' own read of the checkpoint cut by torch's own
+``distribute_tensor``; optionally ``hp_fastload.save`` it back. The checkpoint is written by transformers'
+``save_pretrained`` (:func:`write_llama`).
+
+Faults are placed by :func:`pause_at`: a rank pauses at a chosen read of the job-wide delivery (or write of a
+save) after leaving a marker file, so the parent acts (cuts a link, kills a node or the storage) while the
+load is in flight, at the same point in every run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["LAYOUTS", "load_body", "write_llama"]
+
+LAYOUTS = ("fsdp", "hsdp", "tp_dp")
+
+
+def write_llama(
+    root: Path, hidden: int = 128, layers: int = 2, intermediate: int = 256, vocab: int = 2048, seed: int = 0
+) -> Path:
+    """A random bf16 Llama written by ``save_pretrained`` (several files) under ``root``; its directory."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=vocab,
+        tie_word_embeddings=False,
+        max_position_embeddings=256,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_()
+    out = root / f"llama-h{hidden}-l{layers}-v{vocab}"
+    model.save_pretrained(out, max_shard_size="512KB")
+    return out
+
+
+def _tp(name: str, shape: tuple[int, ...]) -> Any:
+    from torch.distributed.tensor import Replicate, Shard
+
+    if len(shape) == 2 and name.endswith(("o_proj.weight", "down_proj.weight")):
+        return Shard(1)
+    return Shard(0) if shape and shape[0] >= 2 else Replicate()
+
+
+def build(config_dir: str, layout: str) -> tuple[Any, Any]:
+    """The model of ``config_dir`` under ``layout`` with its shards allocated (garbage), and its mesh."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    world = int(os.environ["WORLD_SIZE"])
+    per = int(os.environ["LOCAL_WORLD_SIZE"])
+    config = AutoConfig.from_pretrained(config_dir)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    if layout == "fsdp":
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    elif layout == "hsdp":  # replicas across the nodes, shards within a node
+        mesh = init_device_mesh("cpu", (world // per, per), mesh_dim_names=("replicate", "shard"))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    elif layout == "tp_dp":  # tensor parallel within a node, data-parallel replicas across the nodes
+        mesh = init_device_mesh("cpu", (world // per, per), mesh_dim_names=("replicate", "shard"))
+        for name, param in list(model.named_parameters()):
+            *path, leaf = name.split(".")
+            module = model.get_submodule(".".join(path))
+            dt = distribute_tensor(
+                param.detach(), mesh, [Replicate(), _tp(name, tuple(param.shape))], src_data_rank=None
+            )
+            setattr(module, leaf, torch.nn.Parameter(dt, requires_grad=param.requires_grad))
+    else:
+        raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
+    model.to_empty(device="cpu")
+    return model, mesh
+
+
+def check_exact(model: Any, checkpoint: str) -> list[str]:
+    """Names of the parameters whose local shard differs, bit for bit, from safetensors' read of the checkpoint
+    cut by ``distribute_tensor`` (no communication: ``src_data_rank=None``)."""
+    import torch
+    from safetensors.torch import load_file
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    reference: dict[str, Any] = {}
+    for f in sorted(Path(checkpoint).glob("*.safetensors")):
+        reference.update(load_file(str(f)))
+    bad = []
+    for name, param in model.named_parameters():
+        ref = reference.get(name)
+        if ref is None:
+            bad.append(f"{name} (not in the checkpoint)")
+            continue
+        if isinstance(param, DTensor):
+            want = distribute_tensor(ref, param.device_mesh, param.placements, src_data_rank=None).to_local()
+            got = param.to_local()
+        else:
+            want, got = ref, param.detach()
+        if want.shape != got.shape or not torch.equal(
+            want.contiguous().view(torch.uint8), got.detach().contiguous().view(torch.uint8)
+        ):
+            bad.append(name)
+    return bad
+
+
+def pause_at(module: Any, attr: str, ranks: list[int], call: int, marker: str, seconds: float) -> None:
+    """Wraps ``module.attr`` so that on the ranks in ``ranks``, its ``call``-th call (from 1) first writes
+    ``marker`` and sleeps ``seconds``."""
+    inner = getattr(module, attr)
+    rank = int(os.environ["RANK"])
+    if rank not in ranks:
+        return
+    count = [0]
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        count[0] += 1
+        if count[0] == call:
+            Path(marker).write_text(str(time.time()))
+            time.sleep(seconds)
+        return inner(*args, **kwargs)
+
+    setattr(module, attr, wrapped)
+
+
+def load_body(spec: dict[str, Any]) -> dict[str, Any]:
+    """One rank's run of ``spec``: ``checkpoint`` (a local directory, or ``s3://...`` with ``reference`` the local
+    copy to check against; ``{node}`` in it is this rank's node), ``layout``, ``share``, ``budget`` (bytes per
+    round), ``pause`` (``pause_at``'s arguments: ``attr`` of ``read_chunk`` / ``write_regions``), ``save_to``
+    (a path to save to after the load). Returns the load's measurements and the names that differ."""
+    import torch.distributed as dist
+
+    import hp_fastload
+    from hp_fastload.api import save as save_mod
+    from hp_fastload.execute import deliver
+
+    rank, node = int(os.environ["RANK"]), int(os.environ["GROUP_RANK"])
+    checkpoint = str(spec["checkpoint"]).format(node=node)
+    reference = str(spec.get("reference", checkpoint)).format(node=node)
+    t_build = time.perf_counter()
+    model, _mesh = build(reference, spec.get("layout", "hsdp"))
+    build_s = time.perf_counter() - t_build
+    pause = spec.get("pause")
+    if pause and pause.get("during", "load") == "load":
+        pause_at(deliver, "read_chunk", pause["ranks"], pause["call"], pause["marker"], pause["seconds"])
+    dist.barrier()
+    t0 = time.perf_counter()
+    report = hp_fastload.load(
+        model, checkpoint, share=spec.get("share", "none"), share_budget_bytes=spec.get("budget"), progress=False
+    )
+    seconds = time.perf_counter() - t0
+    out: dict[str, Any] = {
+        "rank": rank,
+        "node": node,
+        "build_seconds": build_s,
+        "seconds": seconds,
+        "bytes_read": report.bytes_read,
+        "bytes_received": report.bytes_received,
+        "bytes_sent": report.bytes_sent,
+        "share": report.share,
+        "stragglers": list(getattr(report, "stragglers", ())),
+        "finished_at": time.time(),
+    }
+    out["mismatched"] = check_exact(model, reference) if spec.get("check", True) else []
+    if spec.get("save_to"):
+        if pause and pause.get("during") == "save":
+            pause_at(save_mod, "write_regions", pause["ranks"], pause["call"], pause["marker"], pause["seconds"])
+        hp_fastload.save(model, spec["save_to"])
+    return out
+
+
+def dump(path: Path, value: Any) -> None:
+    path.write_text(json.dumps(value, indent=2))
