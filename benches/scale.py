@@ -273,7 +273,9 @@ def released_layout(
     config = model_config(spec, layers, experts, overrides)
     model = meta_model(config)
     parameters = sum(p.numel() for p in model.parameters())
-    released = dict(released_tensors(model))
+    # Every tensor of these releases is bf16 but DeepSeek's e_score_correction_bias (below); transformers >= 5.25
+    # keeps some modules of the model in fp32 (the MoE routers), which the released files do not.
+    released = {k: t.to(torch.bfloat16) if t.dtype == torch.float32 else t for k, t in released_tensors(model).items()}
     for i in range(spec.mtp_layers if layers is None else 0):
         released.update(_mtp_tensors(config, released, config.num_hidden_layers + i))
     if spec.quantization is None:

@@ -21,12 +21,14 @@ use std::marker::PhantomData;
 use crate::dtype::Dtype;
 use crate::kernels::{
     cast_dense, cast_scaled, cast_scaled_dense, cast_scaled_nibbles, cast_strided,
-    nibble_rows_dense, ElemSink, ScaleMap, ScaleValues,
+    nibble_rows_dense, ElemSink, ScaleMap,
 };
 #[cfg(target_arch = "x86_64")]
-use crate::kernels::{mxfp4_exponent_step, Scales, E2M1_BF16_BITS};
+use crate::kernels::{mxfp4_exponent_step, ScaleValues, Scales, E2M1_BF16_BITS};
 #[cfg(target_arch = "x86_64")]
 use crate::lookup;
+#[cfg(target_arch = "x86_64")]
+use crate::simd;
 use crate::types::Run;
 
 /// Caller memory that a batch of reads writes into, interpreted as elements of `dtype`.
@@ -347,19 +349,19 @@ fn dequantize_dense(
 ) {
     #[cfg(target_arch = "x86_64")]
     if lookup::worthwhile(pair, src.len(), map) && lookup::supported() {
-        // SAFETY: the CPU features were just detected.
+        // SAFETY: `lookup::supported` holds only at a level the CPU was detected to support (`simd::level`).
         unsafe { lookup::dequantize_dense(pair, src, dst, map, flat0) };
         return;
     }
     #[cfg(target_arch = "x86_64")]
     if avx512bw() {
-        // SAFETY: AVX-512 F and BW were just detected on this CPU.
+        // SAFETY: `avx512bw` holds only where AVX-512 F and BW were detected on this CPU (`simd::level`).
         unsafe { cast_scaled_dense_avx512(pair, src, dst, map, flat0) };
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") {
-        // SAFETY: AVX2 support was just detected on this CPU.
+    if avx2() {
+        // SAFETY: `avx2` holds only where AVX2 was detected on this CPU (`simd::level`).
         unsafe { cast_scaled_dense_avx2(pair, src, dst, map, flat0) };
         return;
     }
@@ -455,12 +457,10 @@ fn write_nibble_run(run: &Run, src: &[u8], map: &ScaleMap<'_>, begin: u64) {
             // columns) read the same source lines, which then stay in L1.
             let cells: Vec<usize> = (0..run.reps).map(|r| map.locate(flat_of(r)).0).collect();
             #[cfg(target_arch = "x86_64")]
-            if run.dst_dtype == Dtype::BF16
-                && run.rep_src_stride == 1
-                && std::arch::is_x86_feature_detected!("avx2")
-            {
+            if run.dst_dtype == Dtype::BF16 && run.rep_src_stride == 1 && avx2() {
                 let quad = avx512bw();
-                // SAFETY: AVX2 support was just detected on this CPU, AVX-512 F and BW where `quad` is set.
+                // SAFETY: `avx2` and `avx512bw` hold only where the CPU was detected to have AVX2, and AVX-512 F
+                // and BW (`simd::level`).
                 unsafe { nibble_tiles_avx2(run, src, map.values, &cells, cell_step, quad) };
                 return;
             }
@@ -852,11 +852,17 @@ fn wide_lanes_512(
     _mm512_or_si512(_mm512_maskz_mov_epi16(nonzero, mag), sign)
 }
 
-/// Whether this CPU has AVX-512 F and BW (the 512-bit dequantizing and nibble kernels).
+/// Whether the 512-bit dequantizing and nibble kernels run: AVX-512 F and BW detected on this CPU and the level
+/// not capped below them (`crate::simd`).
 #[cfg(target_arch = "x86_64")]
 fn avx512bw() -> bool {
-    std::arch::is_x86_feature_detected!("avx512f")
-        && std::arch::is_x86_feature_detected!("avx512bw")
+    simd::level() >= simd::Level::Avx512
+}
+
+/// Whether the 256-bit kernels run: AVX2 detected on this CPU and the level not capped below it (`crate::simd`).
+#[cfg(target_arch = "x86_64")]
+fn avx2() -> bool {
+    simd::level() >= simd::Level::Avx2
 }
 
 /// The low (`E2M1_BF16_BYTES[0]`) and high bytes of [`E2M1_BF16_BITS`], built at compile time (built per
@@ -1637,7 +1643,7 @@ mod tests {
 
     use crate::kernels::{
         bf16_to_f32, e4m3fn_to_f32, e5m2_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16,
-        mxfp4_scale_to_f32, E2M1_VALUES,
+        mxfp4_scale_to_f32, ScaleValues, E2M1_VALUES,
     };
 
     /// A sink writing element `i` at element `offset + i * stride` of a buffer of `size`-byte elements.
@@ -1727,8 +1733,9 @@ mod tests {
     }
 
     proptest! {
-        /// The dense dequantizing kernel (the SSE2 build and the dispatched AVX2 one) equals the generic
-        /// per-element kernel (into dense and strided destinations) and the formula, bit for bit: random
+        /// The dense dequantizing kernel (the SSE2 build, and the dispatch at every SIMD level this host runs)
+        /// equals the generic per-element kernel (into dense and strided destinations) and the formula, bit
+        /// for bit: random
         /// codes (NaN, subnormal, every code), scales of every class, ragged blocks, runs that start and
         /// end anywhere and cross rows, every source and target dtype. The one allowed difference: when
         /// both the code and its scale are NaN, which NaN the multiply returns is not specified.
@@ -1773,8 +1780,14 @@ mod tests {
             let size = dd.byte_size().unwrap();
             let mut sse2 = vec![0u8; n * size];
             cast_scaled_dense((sd, dd), src, &mut sse2, &map, a);
-            let mut fast = vec![0u8; n * size];
-            dequantize_dense((sd, dd), src, &mut fast, &map, a);
+            // the dispatched kernel at every SIMD level this host runs (as `HP_FASTLOAD_SIMD` would force it)
+            let levels: Vec<(crate::simd::Level, Vec<u8>)> = crate::simd::levels_here()
+                .map(|level| {
+                    let mut fast = vec![0u8; n * size];
+                    crate::simd::with_cap(level, || dequantize_dense((sd, dd), src, &mut fast, &map, a));
+                    (level, fast)
+                })
+                .collect();
             let mut strided = VecSink { out: vec![0u8; (n * dst_stride + 1) * size], size, stride: dst_stride, offset: 1 };
             cast_scaled((sd, dd), src, 1, n, &map, (a, 1), &mut strided);
             for i in 0..n {
@@ -1783,7 +1796,8 @@ mod tests {
                 let scale = values[((r / brow) * gcols + c / bcol) as usize];
                 let want = formula(sd, dd, src[i], scale);
                 let generic = &strided.out[(1 + i * dst_stride) * size..][..size];
-                for (name, got) in [("sse2", &sse2[i * size..][..size]), ("dispatched", &fast[i * size..][..size]), ("generic", generic)] {
+                let dispatched = levels.iter().map(|(level, fast)| (level.name(), &fast[i * size..][..size]));
+                for (name, got) in [("sse2", &sse2[i * size..][..size]), ("generic", generic)].into_iter().chain(dispatched) {
                     let both_nan = scale.is_nan() && (match sd { Dtype::F8_E4M3 => e4m3fn_to_f32(src[i]), _ => e5m2_to_f32(src[i]) }).is_nan();
                     if both_nan {
                         prop_assert!(is_nan(dd, got), "{} at {}: not NaN", name, flat);
@@ -1946,17 +1960,22 @@ mod tests {
             }
             // the run's bytes exactly, as the engine hands them (`src_end`): a padded tile must not read past
             let src = &file[src_off..src_off + (count - 1) * width + reps];
-            write_run_scaled(&run, src, &map, begin as u64);
-            prop_assert_eq!(&out[..], &want[..], "write_run_scaled");
-            // the same scales kept as their e8m0 bytes, as the engine keeps MXFP4's (when every cell is one)
+            // every SIMD level this host runs (the dispatch at each, as `HP_FASTLOAD_SIMD` would force it)
             let kept: Option<Vec<u8>> = bytes.iter().copied().collect();
-            if let Some(kept) = &kept {
+            for level in crate::simd::levels_here() {
                 out.fill(0x5a);
-                write_run_scaled(&run, src, &ScaleMap { values: ScaleValues::E8m0(kept), ..map }, begin as u64);
-                prop_assert_eq!(&out[..], &want[..], "write_run_scaled, e8m0 bytes");
+                crate::simd::with_cap(level, || write_run_scaled(&run, src, &map, begin as u64));
+                prop_assert_eq!(&out[..], &want[..], "write_run_scaled at {}", level.name());
+                // the same scales kept as their e8m0 bytes, as the engine keeps MXFP4's (when every cell is one)
+                if let Some(kept) = &kept {
+                    out.fill(0x5a);
+                    let e8m0 = ScaleMap { values: ScaleValues::E8m0(kept), ..map };
+                    crate::simd::with_cap(level, || write_run_scaled(&run, src, &e8m0, begin as u64));
+                    prop_assert_eq!(&out[..], &want[..], "write_run_scaled at {}, e8m0 bytes", level.name());
+                }
             }
             #[cfg(target_arch = "x86_64")]
-            if std::arch::is_x86_feature_detected!("avx2") {
+            if avx2() {
                 let cells: Vec<usize> = (0..reps)
                     .map(|r| row0 * groups + (2 * (col0 + r) + usize::from(high)) / 32)
                     .collect();
@@ -1966,8 +1985,8 @@ mod tests {
                     let Some(values) = values else { continue };
                     for quad in [false, avx512] {
                         out.fill(0x5a);
-                        // SAFETY: AVX2 support was just detected on this CPU, and AVX-512 F and BW where
-                        // `quad` is set.
+                        // SAFETY: `avx2` holds only where AVX2 was detected on this CPU, `avx512bw` (`quad`)
+                        // only where AVX-512 F and BW were.
                         unsafe { nibble_tiles_avx2(&run, src, values, &cells, cell_step, quad) };
                         prop_assert_eq!(&out[..], &want[..], "nibble_tiles_avx2, {}, quad {}", what, quad);
                     }

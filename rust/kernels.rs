@@ -666,6 +666,7 @@ pub const E2M1_VALUES: [f32; 16] = [
 
 /// The bfloat16 bits of each e2m1 value ([`E2M1_VALUES`], all exact in bf16): the lookup table of the
 /// vectorized MXFP4 kernel (`crate::dest`).
+#[cfg(any(test, target_arch = "x86_64"))]
 pub(crate) const E2M1_BF16_BITS: [u16; 16] = [
     0x0000, 0x3f00, 0x3f80, 0x3fc0, 0x4000, 0x4040, 0x4080, 0x40c0, 0x8000, 0xbf00, 0xbf80, 0xbfc0,
     0xc000, 0xc040, 0xc080, 0xc0c0,
@@ -681,6 +682,7 @@ pub(crate) const E2M1_BF16_BITS: [u16; 16] = [
 /// the other bytes some products are subnormal (bytes 0 and 1) or overflow to infinity (253..=255), which
 /// the vectorized kernel's wide decode handles (`mxfp4_wide_bits`, its scalar model in the tests). Zero codes
 /// stay zero (the caller masks them).
+#[cfg(any(test, target_arch = "x86_64"))]
 #[inline(always)]
 pub(crate) fn mxfp4_exponent_step(scale: f32) -> Option<i16> {
     let bits = scale.to_bits();
@@ -847,6 +849,7 @@ fn scaled_segment<Q: Fp8Value, D: FloatCodec>(scale: f32, src: &[u8], dst: &mut 
 }
 
 /// Every byte in order: the 256 codes of an 8-bit float.
+#[cfg(target_arch = "x86_64")]
 const ALL_CODES: [u8; 256] = {
     let mut codes = [0u8; 256];
     let mut c = 0;
@@ -862,6 +865,7 @@ const ALL_CODES: [u8; 256] = {
 /// so that looking an element up gives it bit for bit (a block with one scale holds only these 256 values).
 /// `false`, and `out` untouched, for any pair but e4m3 / e5m2 into bf16 / f16. Inlined into its callers, so
 /// that they compile it for their vector width.
+#[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub(crate) fn scaled_code_values(sd: Dtype, dd: Dtype, scale: f32, out: &mut [u8; 512]) -> bool {
     match (sd, dd) {

@@ -17,10 +17,11 @@
 //! `tools/rust_module_deps.py` checks that there is no cycle):
 //!
 //! - [`error`]: [`LoadError`], the one error type. [`dtype`]: [`Dtype`], codes, names, sizes, cast table.
-//!   [`threads`]: the default thread count.
+//!   [`threads`]: the default thread count. [`simd`]: the SIMD level the kernels run at (CPU, `HP_FASTLOAD_SIMD`).
 //! - [`types`]: plain data: [`Item`] (a read request), [`types::Run`] (a planned strided copy), [`MAX_NDIM`].
 //! - [`kernels`]: scalar conversions, cast kernels, dequantizing kernels (fp8 and MXFP4 with block scales).
-//! - `lookup`: 8-bit float block dequantization by per-block tables (AVX-512 VBMI; `unsafe`, fenced).
+//! - `lookup` (x86-64 only): 8-bit float block dequantization by per-block tables (AVX-512 VBMI; `unsafe`,
+//!   fenced).
 //! - `mmap`: maps, page residency, positioned reads (`unsafe`, fenced). [`header`]: strict safetensors
 //!   headers ([`Header`]), weight maps, natural order. [`keys`]: key templates.
 //! - [`dest`]: destination buffers ([`DestBuf`]) and the only writes through raw destination pointers
@@ -62,6 +63,7 @@ pub mod exec;
 pub mod header;
 pub mod kernels;
 pub mod keys;
+#[cfg(target_arch = "x86_64")]
 mod lookup;
 mod mmap;
 #[cfg(feature = "s3")]
@@ -70,6 +72,7 @@ mod overlap;
 pub mod plan;
 #[cfg(feature = "python")]
 mod python;
+pub mod simd;
 pub mod threads;
 pub mod types;
 

@@ -719,6 +719,28 @@ fn suffix_stems(names: &Bound<'_, PyList>, suffix: &str) -> PyResult<(Vec<usize>
         .detach(|| crate::keys::suffix_stems(&strs, suffix)))
 }
 
+/// `(level in use, level this CPU supports, level HP_FASTLOAD_SIMD asks for or None)` by name (see
+/// [`crate::simd`]); `ValueError` when `HP_FASTLOAD_SIMD` names no level.
+#[pyfunction]
+fn simd_levels() -> PyResult<(&'static str, &'static str, Option<&'static str>)> {
+    use crate::simd::{self, Level};
+    match simd::configured() {
+        Ok(cap) => Ok((
+            simd::level().name(),
+            simd::detected().name(),
+            cap.map(Level::name),
+        )),
+        Err(value) => {
+            let names: Vec<&str> = Level::ALL.iter().map(|l| l.name()).collect();
+            Err(pyo3::exceptions::PyValueError::new_err(format!(
+                "{}={value:?} names no SIMD level: use one of {} (or unset it, or 'auto', for the CPU's own)",
+                simd::ENV,
+                names.join(", ")
+            )))
+        }
+    }
+}
+
 /// The `hp_fastload._core` module.
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -728,6 +750,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(execute, m)?)?;
     m.add_function(wrap_pyfunction!(key_templates, m)?)?;
     m.add_function(wrap_pyfunction!(suffix_stems, m)?)?;
+    m.add_function(wrap_pyfunction!(simd_levels, m)?)?;
     add_object_functions(m)?;
     m.add("MAX_NDIM", MAX_NDIM)?;
     m.add("ITEM_WIDTH", ITEM_WIDTH)?;
@@ -758,5 +781,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     }
     m.add("DTYPE_CODES", codes)?;
     m.add("DEFAULT_THREADS", crate::threads::default_threads())?;
+    let levels: Vec<&str> = crate::simd::Level::ALL.iter().map(|l| l.name()).collect();
+    m.add("SIMD_LEVELS", PyTuple::new(m.py(), levels)?)?;
     Ok(())
 }

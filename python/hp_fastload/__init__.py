@@ -34,6 +34,7 @@ from hp_fastload.planning.items import LoadPlan, LoadReport
 from hp_fastload.planning.replacement import Replacement
 from hp_fastload.planning.trace import ConversionError
 from hp_fastload.source.files import HeaderEntry, SafetensorsFile, clear_cache
+from hp_fastload.support import info
 
 __all__ = [
     "AdapterMismatchError",
@@ -60,6 +61,7 @@ __all__ = [
     "as_rank",
     "clear_cache",
     "from_pretrained",
+    "info",
     "load",
     "load_adapter",
     "plan",

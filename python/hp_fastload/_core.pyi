@@ -21,6 +21,8 @@ DTYPE_CODES: Final[dict[str, int]]
 DEFAULT_THREADS: Final[int]
 #: Whether this build has the object-storage backend (Rust feature ``s3``).
 HAS_OBJECT_STORE: Final[bool]
+#: The SIMD levels of the kernels, narrowest first (rust/simd.rs).
+SIMD_LEVELS: Final[tuple[str, ...]]
 
 __all__ = [
     "SafetensorsHeader",
@@ -46,6 +48,8 @@ __all__ = [
     "DTYPE_CODES",
     "DEFAULT_THREADS",
     "HAS_OBJECT_STORE",
+    "SIMD_LEVELS",
+    "simd_levels",
     "read_object",
     "list_objects",
     "object_identity",
@@ -184,3 +188,7 @@ def object_identity(url: str) -> tuple[str | None, int]:
 def object_counters(reset: bool = False) -> tuple[int, int, int]:
     """Process-wide ``(bytes fetched, GET requests, retries)`` of the object-storage backend; ``reset`` zeroes
     them after reading."""
+
+def simd_levels() -> tuple[str, str, str | None]:
+    """``(level in use, level this CPU supports, level HP_FASTLOAD_SIMD asks for or None)``; ``ValueError`` when
+    ``HP_FASTLOAD_SIMD`` names no level."""

@@ -341,8 +341,14 @@ def test_helper_is_bit_equal_to_accelerates_own_path_after_one_adamw_step(ranks,
 
 
 def test_accelerates_fsdp2_prepare_of_a_meta_model_binds_one_parameter(ranks):
+    """Up to accelerate 1.15, FSDP2's prepare of a meta model left every optimizer entry bound to one parameter
+    (what prepare_pretrained's rebinding by name repairs); accelerate 1.16 binds each entry to its own. The
+    helper's route is checked against accelerate's on both (the parity test above)."""
+    from importlib.metadata import version
+
+    fixed = tuple(int(p) for p in version("accelerate").split(".")[:2]) >= (1, 16)
     for entries, distinct in subcheck_values(ranks, "check_meta_prepare_binds_one_parameter"):
-        assert entries > 1 and distinct == 1  # what prepare_pretrained's rebinding by name repairs
+        assert entries > 1 and distinct == (entries if fixed else 1), (version("accelerate"), entries, distinct)
 
 
 def test_trainer_callback_is_bit_equal_to_the_trainers_own_load(ranks):

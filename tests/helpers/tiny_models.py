@@ -178,6 +178,7 @@ _SHRINK: dict[str, Any] = dict(
     num_attention_heads=4,
     num_key_value_heads=2,
     vocab_size=64,
+    unpadded_vocab_size=60,  # Inkling2 (transformers >= 5.25): lm_head rows; its conversion pads them to vocab_size
     head_dim=4,
     moe_intermediate_size=8,
     num_experts=4,
@@ -210,10 +211,15 @@ def _shrink(config: Any) -> Any:
     for key, value in _SHRINK.items():
         if key in fields:
             setattr(config, key, value)
-    for key, value in fields.items():  # per-layer kind lists follow the layer count (first two kinds kept)
-        if key.endswith("layer_types") and isinstance(value, list) and value:
+    layers = fields.get("num_hidden_layers")
+    for key, value in fields.items():  # per-layer lists follow the layer count
+        if not isinstance(value, list) or not value:
+            continue
+        if key.endswith("layer_types"):  # the first two kinds kept
             kinds = list(dict.fromkeys(value))[:2]
             setattr(config, key, (kinds * 2)[:2])
+        elif isinstance(layers, int) and layers > 2 and len(value) == layers:  # e.g. BailingHybrid's swiglu_limits
+            setattr(config, key, value[:2])
     if "vocabulary_map" in fields and fields["vocabulary_map"] is None:  # emu3 cannot build without one
         config.vocabulary_map = {"<|extra_200|>": 60, "<image>": 61, "<|visual token 000000|>": 62}
     for name in getattr(config, "sub_configs", {}):

@@ -349,7 +349,23 @@ def _register_plan(subparsers: Any) -> None:
     p.set_defaults(func=_plan)
 
 
-_COMMANDS: list[Callable[[Any], None]] = [_register_inspect, _register_demo, _register_plan]
+def _info(args: argparse.Namespace) -> int:
+    from hp_fastload.support import describe, info
+
+    facts = info()
+    print(json.dumps(facts, indent=2) if args.json else describe(facts))
+    return 0
+
+
+def _register_info(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "info", help="versions of the libraries, the CPU's SIMD flags and the kernel level in use (HP_FASTLOAD_SIMD)"
+    )
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.set_defaults(func=_info)
+
+
+_COMMANDS: list[Callable[[Any], None]] = [_register_inspect, _register_demo, _register_plan, _register_info]
 
 
 def build_parser() -> argparse.ArgumentParser:

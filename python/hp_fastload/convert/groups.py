@@ -10,23 +10,16 @@ from __future__ import annotations
 
 import copy
 import re
-import sys
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from itertools import compress, repeat
 from operator import contains
 from typing import Any
 
+from hp_fastload.convert.patterns import Prefiltered
 from hp_fastload.convert.rules import is_converter, is_renaming
 from hp_fastload.convert.templates import template_groups
 from hp_fastload.errors import shown_key
-
-if sys.version_info >= (3, 11):  # the regex parser, to derive a rule's literal prefilter
-    pass
-else:  # pragma: no cover - Python 3.10
-    pass
-
-from hp_fastload.convert.patterns import Prefiltered
 
 
 @dataclass

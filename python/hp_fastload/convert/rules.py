@@ -264,27 +264,38 @@ def from_transformers(rule: Any) -> Any:
     return own
 
 
-class _ModelView:
-    """What ``get_model_conversion_mapping`` reads of a model (``named_modules``, ``base_model_prefix``), with
-    every class-swapped ``PreTrainedModel`` seen as an instance of its own class. transformers looks the
-    conversion rules up by ``type(module).__name__`` and skips classes defined outside ``transformers.``; a
-    root wrapped by ``fully_shard`` is ``FSDP<Class>`` from ``torch.distributed`` and would lose every
-    class-level rule. The user's model is not touched: each wrapped submodule is stood in for by a bare,
-    uninitialized instance of its own class that carries only its ``config``."""
+def _own_class_view(model: Any) -> Any:
+    """``model`` as transformers would see it unwrapped: every module whose class a wrapper swapped (``fully_shard``'s
+    ``FSDP<Class>``, see ``own_class``) seen as an instance of its own class.
 
-    def __init__(self, model: Any, pretrained: Any) -> None:
-        self._model = model
-        self._pretrained = pretrained
-        self.base_model_prefix = getattr(own_class(model), "base_model_prefix", model.base_model_prefix)
+    transformers looks the conversion rules up by ``type(module).__name__`` and skips classes defined outside
+    ``transformers.``; a root wrapped by ``fully_shard`` is ``FSDP<Class>`` from ``torch.distributed`` and would
+    lose every class-level rule. Whatever else transformers reads of the model, in any release (``named_modules``,
+    ``modules``, ``config``, ``is_custom_code``, the fused modules' attributes...), must still answer as the model
+    itself. So the view is no hand-made stand-in with a few methods: each swapped module (and each ancestor of
+    one) is a new instance of its own class whose instance dict is a shallow copy of the module's (the same
+    config, parameters, buffers and hooks), its children replaced by their views; every untouched subtree is the
+    user's module itself. Nothing of the user's model is modified, and no ``__init__`` runs."""
+    views: dict[int, Any] = {}
 
-    def named_modules(self, *args: Any, **kwargs: Any) -> Iterable[tuple[str, Any]]:
-        for name, module in self._model.named_modules(*args, **kwargs):
-            cls: Any = own_class(module)
-            if cls is not type(module) and isinstance(module, self._pretrained):
-                stand_in: Any = cls.__new__(cls)
-                stand_in.__dict__["config"] = module.config  # no __init__ ran: only the instance dict
-                module = stand_in
-            yield name, module
+    def view(module: Any) -> Any:
+        key = id(module)
+        if key in views:
+            return views[key]
+        children = getattr(module, "_modules", None) or {}
+        viewed = {name: (view(child) if child is not None else None) for name, child in children.items()}
+        cls: Any = own_class(module)
+        if cls is type(module) and all(viewed[name] is child for name, child in children.items()):
+            views[key] = module
+            return module
+        stand_in: Any = cls.__new__(cls)
+        state = stand_in.__dict__
+        state.update(module.__dict__)
+        state["_modules"] = viewed
+        views[key] = stand_in
+        return stand_in
+
+    return view(model)
 
 
 def _transformers_mapping(model: Any, key_mapping: Mapping[str, str] | None) -> list[Any] | None:
@@ -297,8 +308,9 @@ def _transformers_mapping(model: Any, key_mapping: Mapping[str, str] | None) -> 
         return None
     if not isinstance(model, PreTrainedModel):
         return None
-    view: Any = _ModelView(model, PreTrainedModel)
-    return list(get_model_conversion_mapping(view, key_mapping=dict(key_mapping) if key_mapping else None))
+    return list(
+        get_model_conversion_mapping(_own_class_view(model), key_mapping=dict(key_mapping) if key_mapping else None)
+    )
 
 
 def resolve_mapping(
