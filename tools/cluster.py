@@ -345,7 +345,8 @@ def _on_sigterm(signum: int, frame: Any) -> None:
 
 class Cluster:
     """``nodes`` nodes of ``ranks_per_node`` ranks, each behind a link shaped as ``node_link`` (or
-    ``node_links[i]``), and, with ``storage_link`` given, an S3 server behind a link of that shape.
+    ``node_links[i]``), and, with ``storage_link`` given, an S3 server behind a link of that shape; ``mtu`` of
+    every link (9000: jumbo frames, as in a data centre).
 
     Use as a context manager (``with Cluster(...) as c:``): :meth:`start` on entry, :meth:`close` on exit."""
 
@@ -357,12 +358,14 @@ class Cluster:
         storage_link: Link | None = None,
         node_links: Mapping[int, Link] | None = None,
         workdir: Path | None = None,
+        mtu: int = 1500,
     ) -> None:
         if not 1 <= nodes <= 200:
             raise ValueError(f"nodes must be in [1, 200], got {nodes}")
         self.nodes, self.ranks_per_node = nodes, ranks_per_node
         self.links = {i: (node_links or {}).get(i, node_link) for i in range(nodes)}
         self.storage_link = storage_link
+        self.mtu = mtu
         self.id = f"{_PREFIX}{os.getpid()}-{secrets.token_hex(3)}"
         self.switch = f"{self.id}-sw"
         self.storage_ns = f"{self.id}-st"
@@ -433,6 +436,8 @@ class Cluster:
         _run(
             "ip", "link", "add", "name", "eth0", "netns", ns, "type", "veth", "peer", "name", port, "netns", self.switch
         )
+        _run("ip", "-n", ns, "link", "set", "eth0", "mtu", str(self.mtu))
+        _run("ip", "-n", self.switch, "link", "set", port, "mtu", str(self.mtu))
         _run("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", "eth0")
         _run("ip", "-n", ns, "link", "set", "eth0", "up")
         _run("ip", "-n", self.switch, "link", "set", port, "master", "br0")

@@ -17,99 +17,84 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LAYOUTS", "load_body", "write_llama"]
+__all__ = ["LAYOUTS", "load_body", "write_llama", "write_model"]
 
-LAYOUTS = ("fsdp", "hsdp", "tp_dp")
+LAYOUTS = ("fsdp", "hsdp", "tp+fsdp", "tp", "ep", "2d")  # hp_fastload.model.layouts, as ``hp-fastload plan`` lays out
 
 
-def write_llama(
-    root: Path, hidden: int = 128, layers: int = 2, intermediate: int = 256, vocab: int = 2048, seed: int = 0
+def write_model(
+    root: Path,
+    family: str = "llama",
+    hidden: int = 128,
+    layers: int = 2,
+    intermediate: int = 256,
+    vocab: int = 2048,
+    seed: int = 0,
+    shard: str = "512KB",
 ) -> Path:
-    """A random bf16 Llama written by ``save_pretrained`` (several files) under ``root``; its directory."""
+    """A random bf16 Llama (or Mixtral: 4 experts, 2 a token) written by transformers' ``save_pretrained`` in
+    files of at most ``shard``; its directory."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
-    config = LlamaConfig(
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=vocab,
-        tie_word_embeddings=False,
-        max_position_embeddings=256,
-    )
+    common = {
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": vocab,
+        "tie_word_embeddings": False,
+        "max_position_embeddings": 256,
+    }
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    if family == "mixtral":
+        model: Any = MixtralForCausalLM(MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    model = model.to(torch.bfloat16)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_()
-    out = root / f"llama-h{hidden}-l{layers}-v{vocab}"
-    model.save_pretrained(out, max_shard_size="512KB")
+    out = root / f"{family}-h{hidden}-l{layers}-v{vocab}"
+    model.save_pretrained(out, max_shard_size=shard)
     return out
 
 
-def _tp(name: str, shape: tuple[int, ...]) -> Any:
-    from torch.distributed.tensor import Replicate, Shard
-
-    if len(shape) == 2 and name.endswith(("o_proj.weight", "down_proj.weight")):
-        return Shard(1)
-    return Shard(0) if shape and shape[0] >= 2 else Replicate()
+def write_llama(root: Path, **sizes: Any) -> Path:
+    return write_model(root, "llama", **sizes)
 
 
-def build(config_dir: str, layout: str) -> tuple[Any, Any]:
-    """The model of ``config_dir`` under ``layout`` with its shards allocated (garbage), and its mesh."""
+def build(config_dir: str, layout: str) -> Any:
+    """The model of ``config_dir`` built on meta, laid out as ``layout`` by ``hp_fastload.model.layouts`` over
+    (nodes x ranks per node) for the 2-D layouts (replicas or FSDP across the nodes), its shards allocated."""
     import torch
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import Replicate, distribute_tensor
-    from transformers import AutoConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    world = int(os.environ["WORLD_SIZE"])
-    per = int(os.environ["LOCAL_WORLD_SIZE"])
+    from hp_fastload.model.layouts import apply_layout
+
+    world, per = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
     config = AutoConfig.from_pretrained(config_dir)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
-    if layout == "fsdp":
-        mesh = init_device_mesh("cpu", (world,))
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-    elif layout == "hsdp":  # replicas across the nodes, shards within a node
-        mesh = init_device_mesh("cpu", (world // per, per), mesh_dim_names=("replicate", "shard"))
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-    elif layout == "tp_dp":  # tensor parallel within a node, data-parallel replicas across the nodes
-        mesh = init_device_mesh("cpu", (world // per, per), mesh_dim_names=("replicate", "shard"))
-        for name, param in list(model.named_parameters()):
-            *path, leaf = name.split(".")
-            module = model.get_submodule(".".join(path))
-            dt = distribute_tensor(
-                param.detach(), mesh, [Replicate(), _tp(name, tuple(param.shape))], src_data_rank=None
-            )
-            setattr(module, leaf, torch.nn.Parameter(dt, requires_grad=param.requires_grad))
-    else:
-        raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    apply_layout(model, layout, world, (world // per, per) if layout in ("hsdp", "tp+fsdp", "2d") else None)
     model.to_empty(device="cpu")
-    return model, mesh
+    return model
 
 
 def check_exact(model: Any, checkpoint: str) -> list[str]:
-    """Names of the parameters whose local shard differs, bit for bit, from safetensors' read of the checkpoint
-    cut by ``distribute_tensor`` (no communication: ``src_data_rank=None``)."""
+    """Names of the parameters whose local shard differs, bit for bit, from transformers' ``from_pretrained`` of
+    the checkpoint cut by torch's ``distribute_tensor`` (no communication: ``src_data_rank=None``)."""
     import torch
-    from safetensors.torch import load_file
     from torch.distributed.tensor import DTensor, distribute_tensor
+    from transformers import AutoModelForCausalLM
 
-    reference: dict[str, Any] = {}
-    for f in sorted(Path(checkpoint).glob("*.safetensors")):
-        reference.update(load_file(str(f)))
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16).state_dict()
     bad = []
     for name, param in model.named_parameters():
         ref = reference.get(name)
         if ref is None:
-            bad.append(f"{name} (not in the checkpoint)")
+            bad.append(f"{name} (not in from_pretrained's model)")
             continue
         if isinstance(param, DTensor):
             want = distribute_tensor(ref, param.device_mesh, param.placements, src_data_rank=None).to_local()
@@ -157,7 +142,7 @@ def load_body(spec: dict[str, Any]) -> dict[str, Any]:
     checkpoint = str(spec["checkpoint"]).format(node=node)
     reference = str(spec.get("reference", checkpoint)).format(node=node)
     t_build = time.perf_counter()
-    model, _mesh = build(reference, spec.get("layout", "hsdp"))
+    model = build(reference, spec.get("layout", "hsdp"))
     build_s = time.perf_counter() - t_build
     pause = spec.get("pause")
     if pause and pause.get("during", "load") == "load":
