@@ -8,7 +8,7 @@ PIP := $(VENV)/bin/pip
 DEPS := $(VENV)/.deps-installed
 PYTEST_ARGS ?=
 
-.PHONY: help venv build demo test test-slow test-rust test-python lint lint-rust lint-python format bench bench-compare bench-scale bench-guard bench-s3 docs docs-check clean
+.PHONY: help venv build demo test test-slow test-rust test-python lint lint-rust lint-python format bench bench-compare bench-scale bench-guard bench-s3 bench-cluster docs docs-check clean
 
 help:
 	@echo "make demo          a generated Mixtral into 2 gloo ranks (FSDP2 + TP): shards, buffers, one training step"
@@ -19,6 +19,7 @@ help:
 	@echo "make bench-scale   DeepSeek-V3, Kimi-K2, Qwen3-235B, Llama-3.1-405B, gpt-oss-120b: sparse releases, ranks rehearsed"
 	@echo "make bench-guard   warm rows vs benches/baseline.json as same-run ratios; exit 1 on a fall (not CI)"
 	@echo "make bench-s3      s3:// loads on a local SeaweedFS: hp_fastload vs Run:ai's streamer vs boto3 download + load"
+	@echo "make bench-cluster 2 nodes x 2 ranks in network namespaces, shaped links, S3 behind its own link (root)"
 	@echo "make docs          the docs site (mkdocs-material + mkdocstrings) built strict into site/"
 	@echo "make docs-check    the built site opened in headless Chromium: screenshots, search index, navigation"
 
@@ -93,6 +94,11 @@ bench-guard: build
 bench-s3: build
 	$(PIP) install -q -c constraints.txt runai-model-streamer runai-model-streamer-s3
 	$(PY) benches/s3_bench.py $(S3_BENCH_ARGS)
+
+# A cluster on one machine (tools/cluster.py): network namespaces, links shaped with tc, SeaweedFS behind its own
+# link. Needs root, iproute2 and iptables; its table goes to docs/benchmarks.md.
+bench-cluster: build
+	$(PY) benches/cluster_bench.py $(CLUSTER_BENCH_ARGS)
 
 # The docs site: its own pins in constraints.txt, installed once into the same venv (not by make build).
 DOCS_DEPS := $(VENV)/.docs-installed
