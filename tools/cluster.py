@@ -343,6 +343,20 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
+#: What the fork server imports once (the tests' own fork server, ``tests/helpers/dist.py``, preloads the same).
+_PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch.distributed.tensor",
+    "torch.distributed.fsdp",
+    "numpy",
+    "safetensors.torch",
+    "transformers",
+    "transformers.modeling_utils",
+    "hp_fastload",
+)
+
+
 class Cluster:
     """``nodes`` nodes of ``ranks_per_node`` ranks, each behind a link shaped as ``node_link`` (or
     ``node_links[i]``), and, with ``storage_link`` given, an S3 server behind a link of that shape; ``mtu`` of
@@ -617,7 +631,7 @@ class Cluster:
         args: tuple[Any, ...] = (),
         env: Mapping[str, str] | None = None,
         timeout: float = 120.0,
-        preload: Sequence[str] = ("torch", "torch.distributed", "numpy", "hp_fastload"),
+        preload: Sequence[str] = _PRELOAD,
     ) -> RankRun:
         """Starts every rank: ``fn(*args)`` in its node's namespace, after ``init_process_group("gloo")``;
         ``env`` is added to this process's environment; the run is killed after ``timeout`` seconds."""
