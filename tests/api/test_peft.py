@@ -381,6 +381,38 @@ def check_moe_from_pretrained_peft_config_ep(rank: int, world: int) -> list[str]
     return _differences(model, get_peft_model(base, _lora("moe")), skip_lora=False)
 
 
+def check_save_merged_fsdp(rank: int, world: int) -> dict[str, Any]:
+    """``save(merge=True)`` after a training step: the files of peft's ``merge_and_unload()`` + ``save_pretrained``
+    of the gathered model, and the sharded PEFT model unchanged afterwards."""
+    import hp_fastload as hf
+
+    out_dir = _root() / "merged"
+    model = _sharded("fsdp")
+    hf.load(model, _root() / "base")
+    hf.load_adapter(model, _root() / "base_adapter")
+    for name, param in model.named_parameters():
+        param.requires_grad_("lora_" in name or "modules_to_save" in name)
+    _loss_and_step(model)
+    model.reshard()  # the root keeps its parameters gathered after a forward (save reshards it)
+    before = {n: _local(p.detach()).clone() for n, p in model.named_parameters()}
+    hf.save(model, out_dir, merge=True)
+    unchanged = all(torch.equal(_local(p.detach()), before[n]) for n, p in model.named_parameters())
+    gathered = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for n, p in model.named_parameters()}
+    same: dict[str, bool] = {}
+    if rank == 0:
+        reference = _reference(adapter=False)
+        with torch.no_grad():
+            for name, param in reference.named_parameters():
+                param.copy_(gathered[name])
+        reference.merge_and_unload().save_pretrained(_root() / "peft_merged")
+        theirs = sorted(p.name for p in (_root() / "peft_merged").iterdir())
+        same["files"] = sorted(p.name for p in out_dir.iterdir()) == theirs
+        for file in theirs:
+            same[file] = (out_dir / file).read_bytes() == (_root() / "peft_merged" / file).read_bytes()
+    torch.distributed.barrier()
+    return {"same": same, "unchanged": unchanged, "still_peft": type(model.base_model).__name__}
+
+
 CHECKS = [
     check_base_fsdp,
     check_base_tp,
@@ -388,6 +420,7 @@ CHECKS = [
     check_adapter_tp,
     check_adapter_mismatch,
     check_save_adapter_fsdp,
+    check_save_merged_fsdp,
     check_from_pretrained_peft_config_fsdp,
     check_from_pretrained_adapter_tp,
     check_from_pretrained_adapter_repo,
@@ -495,3 +528,12 @@ def test_moe_lora_on_experts(ranks, layout):
             assert value["losses"][1] == pytest.approx(value["reference_losses"][1], rel=1e-5, abs=1e-5)
     for value in subcheck_values(ranks, "check_moe_from_pretrained_peft_config_ep"):
         assert value == []
+
+
+def test_merged_save_equals_peft_merge_and_unload(ranks):
+    values = subcheck_values(ranks, "check_save_merged_fsdp")
+    same = values[0]["same"]
+    assert same.pop("files") and "model.safetensors" in same and "config.json" in same
+    assert all(same.values()), same
+    for value in values:
+        assert value["unchanged"] and value["still_peft"] == "LoraModel"

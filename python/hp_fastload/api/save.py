@@ -12,6 +12,7 @@ failure on any rank leave nothing at ``path``.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import secrets
@@ -48,7 +49,7 @@ from hp_fastload.execute.write import (
     write_whole,
 )
 from hp_fastload.formats import INDEX_NAME
-from hp_fastload.model.peft import adapter_tensors, is_peft_model, skeleton, write_adapter_config
+from hp_fastload.model.peft import adapter_tensors, is_peft_model, merged, skeleton, write_adapter_config
 from hp_fastload.model.targets import Target, build_targets
 from hp_fastload.model.wrappers import unwrapped
 from hp_fastload.planning.adapter import AdapterError, released_layout
@@ -170,6 +171,7 @@ def save(
     state_dict_adapter: Any = None,
     adapter_only: bool = False,
     adapter_name: str = "default",
+    merge: bool = False,
 ) -> SaveReport:
     """Write ``model`` as a Hugging Face checkpoint at ``path``: what ``save_pretrained`` of the gathered
     model writes, without gathering. Every rank of the default process group calls it together.
@@ -191,7 +193,10 @@ def save(
     ``adapter_only=True`` (a PEFT model): what peft's ``save_pretrained`` writes for the gathered model, the
     adapter ``adapter_name`` alone: ``adapter_model.safetensors`` (the keys of peft's own
     ``get_peft_model_state_dict``) with ``adapter_config.json`` and the model card, every rank writing the
-    regions of its own adapter shards, nothing gathered.
+    regions of its own adapter shards, nothing gathered. ``merge=True`` (a PEFT model): what
+    ``save_pretrained`` writes after peft's ``merge_and_unload()`` of the gathered model: each rank adds the
+    LoRA delta of its own regions to its base shards (peft's own ``get_delta_weight`` on the gathered factors,
+    which are small), the model is saved as a transformers model, and the shards and modules are restored after.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"save() needs an nn.Module, got {type(model).__name__}")
@@ -202,6 +207,8 @@ def save(
         raise ValueError(
             "state_dict_adapter= converts the whole state dict; it cannot be combined with weights_mapping="
         )
+    if merge:
+        return _save_merged(model, path, adapter_only, adapter_name, max_shard_size, weights_mapping, overwrite)
     stem = "model"
     peft_model: nn.Module | None = None
     if adapter_only:
@@ -290,6 +297,25 @@ def save(
         fallbacks=list(fallbacks),
         seconds=time.perf_counter() - start,
     )
+
+
+def _save_merged(
+    model: nn.Module,
+    path: Path,
+    adapter_only: bool,
+    adapter_name: str,
+    max_shard_size: int | str,
+    weights_mapping: Iterable[Any] | None,
+    overwrite: bool,
+) -> SaveReport:
+    peft_model = unwrapped(model)
+    if adapter_only or not is_peft_model(peft_model):
+        raise ValueError("merge=True saves a PEFT model's base with its adapter merged (not with adapter_only=True)")
+    with contextlib.ExitStack() as stack:  # the merge entered on every rank (or none), undone on the way out
+        inner = agree_in_save(
+            "Merging the adapter into the base shards", lambda: stack.enter_context(merged(peft_model, adapter_name))
+        )
+        return save(inner, path, max_shard_size=max_shard_size, weights_mapping=weights_mapping, overwrite=overwrite)
 
 
 def _exact_only(groups: list[tuple[list[str], list[Target]]]) -> None:

@@ -20,8 +20,9 @@ conversion rules (``convert``) or read anything.
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -473,3 +474,79 @@ def init_adapter(peft_model: Any, adapter_name: str) -> list[str]:
             write(lora_b.bias, bias.to(through or bias.dtype).to(lora_b.bias.dtype))
             written.append(f"{name}.lora_B.{adapter_name}.bias")
     return written
+
+
+@contextlib.contextmanager
+def merged(peft_model: Any, adapter_name: str) -> Iterator[nn.Module]:
+    """The inner model as peft's ``merge_and_unload()`` would leave it, for the duration of the block: each LoRA
+    ``Linear``'s delta (peft's own ``get_delta_weight``, computed on the full adapter factors, which are small)
+    added to the base weight's local shard as ``merge`` adds it, each tuner layer replaced by its base layer and
+    each ``modules_to_save`` wrapper by the adapter's copy. On exit the modules and the base weights' local
+    shards are put back as they were (the original values restored, not the delta subtracted).
+
+    Every rank must enter it together (the adapter factors are gathered). LoRA on parameters (MoE experts),
+    DoRA and other variants, and ``lora_bias`` are refused (``TargetError``)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    resharded(peft_model)
+    inner = inner_model(peft_model)
+    tuners = {name for name, m in inner.named_modules() if _is_tuner_layer(m) or _is_auxiliary_wrapper(m)}
+    outermost = [
+        (name, module)
+        for name, module in inner.named_modules()
+        if name in tuners and not any(name.startswith(t + ".") for t in tuners)
+    ]
+    saved_values: list[tuple[torch.Tensor, torch.Tensor]] = []
+    swapped: list[tuple[nn.Module, str, nn.Module]] = []
+    try:
+        with torch.no_grad():
+            for name, module in outermost:
+                if _is_auxiliary_wrapper(module):
+                    if type(module).__name__ != "ModulesToSaveWrapper":
+                        raise TargetError(f"{name}: {type(module).__name__} cannot be merged on shards")
+                    replacement = module.modules_to_save[adapter_name]
+                else:
+                    if type(module).__name__ != "Linear" or getattr(module, "lora_variant", {}).get(adapter_name):
+                        raise TargetError(
+                            f"{name}: merging {type(module).__name__} LoRA (or a variant such as DoRA) on shards is "
+                            "not supported: LoRA on Linear modules only"
+                        )
+                    if module.lora_bias.get(adapter_name):
+                        raise TargetError(f"{name}: merging lora_bias on shards is not supported")
+                    replacement = module.get_base_layer()
+                    if adapter_name in module.lora_A:
+                        weight = replacement.weight
+                        delta = _delta_weight(module, adapter_name)
+                        local = weight.to_local() if isinstance(weight, DTensor) else weight.data
+                        if isinstance(weight, DTensor):
+                            delta = distribute_tensor(delta, weight.device_mesh, weight.placements, src_data_rank=None)
+                            delta = delta.to_local()
+                        saved_values.append((local, local.clone()))
+                        local += delta  # as peft's merge: base_layer.weight.data += delta_weight
+                parent_name, _, leaf = name.rpartition(".")
+                parent = inner.get_submodule(parent_name) if parent_name else inner
+                swapped.append((parent, leaf, module))
+                setattr(parent, leaf, replacement)
+        yield inner
+    finally:
+        for parent, leaf, module in reversed(swapped):
+            setattr(parent, leaf, module)
+        with torch.no_grad():
+            for local, original in saved_values:
+                local.copy_(original)
+
+
+def _delta_weight(module: Any, adapter_name: str) -> torch.Tensor:
+    """peft's own ``get_delta_weight`` of one LoRA ``Linear``, run on the full (gathered) factors: the factors
+    are swapped in for the call and put back."""
+    factors = [module.lora_A[adapter_name], module.lora_B[adapter_name]]
+    originals = [f._parameters["weight"] for f in factors]
+    try:
+        for factor, original in zip(factors, originals, strict=True):
+            full = original.full_tensor() if hasattr(original, "full_tensor") else original
+            factor._parameters["weight"] = nn.Parameter(full.detach(), requires_grad=False)
+        delta: torch.Tensor = module.get_delta_weight(adapter_name)
+        return delta
+    finally:
+        for factor, original in zip(factors, originals, strict=True):
+            factor._parameters["weight"] = original
