@@ -355,6 +355,17 @@ def test_accelerate_bench_quick(tmp_path: Path) -> None:
         assert [rank["seconds"] > 0 and rank["rss_growth"] > 0 for rank in row["ranks"]] == [True, True]
 
 
+def test_peft_bench_quick(tmp_path: Path) -> None:
+    """``benches/peft_bench.py --quick``: base + LoRA adapter on 2 ranks through hp_fastload and through peft +
+    accelerate's FSDP2; the local shards are bit-equal (the script's own check, exit 1 otherwise)."""
+    _run([str(BENCHES / "peft_bench.py"), "--quick", "--out", str(tmp_path)], timeout=500)
+    doc = json.loads((tmp_path / "peft_bench.json").read_text())
+    assert doc["summary"]["local_shards_equal"] is True
+    assert set(doc["summary"]["methods"]) == {"peft_accelerate", "hp_fastload"}
+    for row in doc["rows"]:
+        assert [rank["seconds"] > 0 and rank["rss_growth"] > 0 for rank in row["ranks"]] == [True, True]
+
+
 def test_titan_plan_quick() -> None:
     """``benches/titan_plan.py`` plans a tiny torchtitan llama3 through its adapter and prints CPU times."""
     pytest.importorskip("torchtitan")
