@@ -413,6 +413,67 @@ def check_save_merged_fsdp(rank: int, world: int) -> dict[str, Any]:
     return {"same": same, "unchanged": unchanged, "still_peft": type(model.base_model).__name__}
 
 
+def _accelerator() -> Any:
+    """This process's Accelerator, set to FSDP2 (on CPU accelerate would otherwise pick DDP)."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    if AcceleratorState._shared_state.get("distributed_type") == DistributedType.FSDP:
+        return Accelerator()
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap")
+    accelerator = Accelerator(fsdp_plugin=plugin, cpu=True)
+    accelerator.state.distributed_type = DistributedType.FSDP
+    accelerator.state.fsdp_plugin = plugin
+    return accelerator
+
+
+def _adamw_step(model: nn.Module, optimizer: Any, accelerator: Any) -> dict[str, Any]:
+    loaded = {n: _local(p.detach()).clone() for n, p in model.named_parameters()}
+    model.train()
+    ids = _batch()
+    loss = model(input_ids=ids, labels=ids).loss
+    accelerator.backward(loss)
+    optimizer.step()
+    optimizer.zero_grad()
+    stepped = {n: _local(p.detach()).clone() for n, p in model.named_parameters()}
+    return {"loaded": loaded, "loss": float(_local(loss.detach())), "stepped": stepped}
+
+
+def check_accelerate_peft_config(rank: int, world: int) -> dict[str, Any]:
+    """accelerate's FSDP2 with a fresh LoRA (the way TRL's SFTTrainer(peft_config=...) builds it): peft +
+    accelerate's own route against ``prepare_pretrained(..., peft_config=...)``, after the same seed."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    import hp_fastload.integrations
+
+    accelerator = _accelerator()
+    torch.manual_seed(17)
+    theirs = get_peft_model(AutoModelForCausalLM.from_pretrained(_root() / "base", dtype=torch.float32), _lora())
+    optimizer = torch.optim.AdamW([p for p in theirs.parameters() if p.requires_grad], lr=1e-2)
+    theirs, optimizer = accelerator.prepare(theirs, optimizer)
+    expected = _adamw_step(theirs, optimizer, accelerator)
+    accelerator = _accelerator()  # accelerate's FSDP2 prepare of the PEFT model left its state at MULTI_CPU
+    torch.manual_seed(17)
+    ours, optimizer = hp_fastload.integrations.prepare_pretrained(
+        accelerator,
+        _root() / "base",
+        optimizer=lambda params: torch.optim.AdamW([p for p in params if p.requires_grad], lr=1e-2),
+        peft_config=_lora(),
+        dtype=torch.float32,
+    )
+    observed = _adamw_step(ours, optimizer, accelerator)
+    return {
+        "loaded": [n for n, t in expected["loaded"].items() if not torch.equal(observed["loaded"][n], t)],
+        "stepped": [n for n, t in expected["stepped"].items() if not torch.equal(observed["stepped"][n], t)],
+        "moved": sum(not torch.equal(expected["loaded"][n], t) for n, t in expected["stepped"].items()),
+        "losses": (observed["loss"], expected["loss"]),
+    }
+
+
 CHECKS = [
     check_base_fsdp,
     check_base_tp,
@@ -427,6 +488,7 @@ CHECKS = [
     check_moe_fsdp,
     check_moe_ep,
     check_moe_from_pretrained_peft_config_ep,
+    check_accelerate_peft_config,  # last: it leaves accelerate's process-wide state set to FSDP2
 ]
 
 
@@ -537,3 +599,11 @@ def test_merged_save_equals_peft_merge_and_unload(ranks):
     assert all(same.values()), same
     for value in values:
         assert value["unchanged"] and value["still_peft"] == "LoraModel"
+
+
+def test_accelerate_prepare_pretrained_with_peft_config(ranks):
+    for value in subcheck_values(ranks, "check_accelerate_peft_config"):
+        assert value["loaded"] == []
+        assert value["stepped"] == []
+        assert value["moved"] >= 12  # the step moved the adapter (and the lm_head copy), not the frozen base
+        assert value["losses"][0] == value["losses"][1]

@@ -92,8 +92,10 @@ def prepare_pretrained(
     lr=1e-5)``); its parameters are rebound to the sharded ones by name (accelerate's own mapping goes by data
     pointer, which meta parameters share). ``kwargs`` go to :func:`hp_fastload.from_pretrained` (``dtype``,
     ``auto_class``, ``strict``, config overrides, ...); the model is on ``accelerator.device``, in eval mode as
-    transformers' ``from_pretrained`` leaves it. Other accelerate setups: DDP and a single process load the
-    whole checkpoint on each rank, then ``prepare``; FSDP1, DeepSpeed and Megatron-LM are refused.
+    transformers' ``from_pretrained`` leaves it; ``peft_config=`` / ``adapter=`` give a PEFT model, prepared by
+    accelerate as TRL's ``SFTTrainer(peft_config=...)`` prepares it. Other accelerate setups: DDP and a single
+    process load the whole checkpoint on each rank, then ``prepare``; FSDP1, DeepSpeed and Megatron-LM are
+    refused.
     """
     from accelerate.utils import DistributedType
 

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from hp_fastload.errors import TargetError
-from hp_fastload.model.wrappers import WRAPPED_CHILDREN
+from hp_fastload.model.wrappers import WRAPPED_CHILDREN, own_class
 
 
 class AdapterMismatchError(TargetError):
@@ -165,7 +165,7 @@ def base_view(peft_model: Any) -> BaseView:
             if child_name in adapter_children:
                 for key, t in child.named_parameters(remove_duplicate=False):
                     adapters.append(f"{child_real}.{key}")
-                    if type(module).__name__ == "ModulesToSaveWrapper":
+                    if own_class(module).__name__ == "ModulesToSaveWrapper":
                         original = _original_of(module, key)
                         if original is not None:
                             copies.append((f"{child_real}.{key}", t, original))
@@ -355,8 +355,6 @@ def write_adapter_config(peft_model: Any, adapter_name: str, directory: Any) -> 
     otherwise): the base model's name recorded when the config has none (kept, as peft keeps it),
     ``inference_mode`` True while writing, and the base model's class as ``auto_mapping`` when the config has no
     task type."""
-    from hp_fastload.model.wrappers import own_class
-
     config = _peft_config(peft_model, adapter_name)
     inner = peft_model.get_base_model()
     card = getattr(peft_model, "create_or_update_model_card", None)
@@ -387,11 +385,11 @@ def _creation_order(inner: nn.Module) -> list[tuple[str, Any]]:
     for name, module in inner.named_modules():
         if not _is_tuner_layer(module) or id(module) in seen:
             continue
-        if type(module).__name__ != "ParamWrapper":
+        if own_class(module).__name__ != "ParamWrapper":
             modules.append((name, module))
             continue
         chain = []
-        while _is_tuner_layer(module) and type(module).__name__ == "ParamWrapper":
+        while _is_tuner_layer(module) and own_class(module).__name__ == "ParamWrapper":
             chain.append((name, module))
             seen.add(id(module))
             name, module = f"{name}.base_layer", module.base_layer
@@ -441,9 +439,9 @@ def init_adapter(peft_model: Any, adapter_name: str) -> list[str]:
     for name, module in _creation_order(inner_model(peft_model)):
         if adapter_name not in getattr(module, "lora_A", {}):
             continue
-        if type(module).__name__ not in ("Linear", "ParamWrapper"):
+        if own_class(module).__name__ not in ("Linear", "ParamWrapper"):
             raise TargetError(
-                f"{name}: {type(module).__name__} LoRA cannot be initialized on shards (Linear and experts' "
+                f"{name}: {own_class(module).__name__} LoRA cannot be initialized on shards (Linear and experts' "
                 "parameters only)"
             )
         lora_a, lora_b = module.lora_A[adapter_name], module.lora_B[adapter_name]
@@ -502,14 +500,14 @@ def merged(peft_model: Any, adapter_name: str) -> Iterator[nn.Module]:
         with torch.no_grad():
             for name, module in outermost:
                 if _is_auxiliary_wrapper(module):
-                    if type(module).__name__ != "ModulesToSaveWrapper":
-                        raise TargetError(f"{name}: {type(module).__name__} cannot be merged on shards")
+                    if own_class(module).__name__ != "ModulesToSaveWrapper":
+                        raise TargetError(f"{name}: {own_class(module).__name__} cannot be merged on shards")
                     replacement = module.modules_to_save[adapter_name]
                 else:
-                    if type(module).__name__ != "Linear" or getattr(module, "lora_variant", {}).get(adapter_name):
+                    if own_class(module).__name__ != "Linear" or getattr(module, "lora_variant", {}).get(adapter_name):
                         raise TargetError(
-                            f"{name}: merging {type(module).__name__} LoRA (or a variant such as DoRA) on shards is "
-                            "not supported: LoRA on Linear modules only"
+                            f"{name}: merging {own_class(module).__name__} LoRA (or a variant such as DoRA) on "
+                            "shards is not supported: LoRA on Linear modules only"
                         )
                     if module.lora_bias.get(adapter_name):
                         raise TargetError(f"{name}: merging lora_bias on shards is not supported")
