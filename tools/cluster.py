@@ -521,6 +521,16 @@ class Cluster:
             out[name] = (int(stats["rx"]["bytes"]), int(stats["tx"]["bytes"]))
         return out
 
+    def retransmits(self) -> dict[str, int]:
+        """``{"node<i>" | "storage": TCP segments retransmitted}`` in each namespace (``/proc/net/snmp``)."""
+        out = {}
+        names = [f"node{i}" for i in range(self.nodes)] + (["storage"] if self.storage_link is not None else [])
+        for name in names:
+            lines = _run("ip", "netns", "exec", self._port(name)[0], "cat", "/proc/net/snmp").stdout.splitlines()
+            tcp = [line.split() for line in lines if line.startswith("Tcp:")]
+            out[name] = int(tcp[1][tcp[0].index("RetransSegs")])
+        return out
+
     # -- storage
     def start_storage(self, timeout: float = 60.0) -> None:
         """(Re)starts the S3 server in the storage namespace on its data directory; waits until it stores an
