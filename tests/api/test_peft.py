@@ -189,6 +189,7 @@ def _base(layout: str) -> dict[str, Any]:
     import hp_fastload as hf
 
     model = _sharded(layout)
+    planned = hf.plan(model, _root() / "base")  # the dry run plans what the load reads
     report = hf.load(model, _root() / "base")
     untouched = all(
         bool((_local(p.detach()) == SENTINEL).all()) for name, p in model.named_parameters() if "lora_" in name
@@ -198,6 +199,8 @@ def _base(layout: str) -> dict[str, Any]:
         "adapters_untouched": untouched,
         "adapter_keys": sorted(report.adapter_keys),
         "lora_names": sorted(n for n, _ in model.named_parameters() if "lora_" in n or "modules_to_save" in n),
+        "planned_as_loaded": planned.report.loaded_keys == report.loaded_keys
+        and planned.bytes_needed == report.bytes_needed,
         "missing": list(report.missing_keys),
         "unexpected": list(report.unexpected_keys),
         "summary": report.summary(),
@@ -224,8 +227,12 @@ def _adapter(layout: str) -> dict[str, Any]:
         param.requires_grad_("lora_" in name or "modules_to_save" in name)
     reference = _reference(adapter=True)
     differences = _differences(model, reference, skip_lora=False)
+    from safetensors.torch import load_file
+
+    file_tensors = load_file(str(_root() / "base_adapter" / "adapter_model.safetensors"))
     return {
         "differences": differences,
+        "file_bytes": sum(t.numel() * t.element_size() for t in file_tensors.values()),
         "loaded": len(report.loaded_keys),
         "bytes_read": report.bytes_read,
         "bytes_needed": report.bytes_needed,
@@ -520,7 +527,7 @@ def ranks(tmp_path_factory) -> list[dict[str, Any]]:
 def test_base_checkpoint_into_peft_model(ranks, layout):
     for value in subcheck_values(ranks, f"check_base_{layout}"):
         assert value["differences"] == [], value["differences"]
-        assert value["adapters_untouched"]
+        assert value["adapters_untouched"] and value["planned_as_loaded"]
         lora = [n for n in value["lora_names"] if "lora_" in n]
         assert value["adapter_keys"] == sorted(value["lora_names"]) and len(lora) == 12
         assert value["missing"] == [] and value["unexpected"] == []
@@ -539,8 +546,9 @@ def test_adapter_loads_like_peft_from_pretrained(ranks, layout):
         assert loss == pytest.approx(reference, rel=1e-6, abs=1e-6)
         assert after == pytest.approx(reference_after, rel=1e-5, abs=1e-5)
         assert after != pytest.approx(loss, rel=1e-4)  # the step moved the adapter
-    if layout == "fsdp":  # each rank read its half of every sharded adapter tensor
-        assert all(v["bytes_read"] < sum(w["bytes_needed"] for w in values) for v in values)
+    if layout == "fsdp":  # every adapter tensor is split between the ranks: each byte of the file read once
+        assert [v["bytes_read"] for v in values] == [v["bytes_needed"] for v in values]
+        assert sum(v["bytes_read"] for v in values) == values[0]["file_bytes"]
 
 
 def test_adapter_mismatch_is_refused_before_reading(ranks):

@@ -105,6 +105,7 @@ def plan(
 
     Reads headers only. ``LoadPlan.read_bytes_by_file()`` / ``read_bytes_by_target()`` / ``summary()``.
     The arguments are ``load``'s. The plan is plain data (picklable, comparable); its live side is dropped.
+    A PEFT model is planned as ``load`` reads its base checkpoint.
 
     ``rank=r`` plans global rank ``r`` of the model's meshes (:func:`as_rank`): one process that laid the model
     out for the whole job (torch's ``fake`` process group of the job's size) plans any rank. A model with
@@ -112,8 +113,13 @@ def plan(
     to be materialized).
     """
     mesh_override = _rank_override(model, mesh_override, rank)
+    model = unwrapped(model)
+    if is_peft_model(model):  # the base checkpoint of a PEFT model, as load reads it
+        inner = inner_model(model)
+        weights_mapping, key_mapping = resolve_mapping(inner, weights_mapping, key_mapping), None
+        model = _peft_base(model).skeleton
     plan_only, _ = plan_at(
-        unwrapped(model),
+        model,
         resolve_checkpoint_location(path, revision=revision),
         resolve_hf_loader(loader),
         weights_mapping=weights_mapping,
