@@ -8,12 +8,14 @@ PIP := $(VENV)/bin/pip
 DEPS := $(VENV)/.deps-installed
 PYTEST_ARGS ?=
 
-.PHONY: help venv build demo test test-slow test-rust test-python lint lint-rust lint-python format bench bench-compare bench-scale bench-guard bench-s3 bench-cluster docs docs-check clean
+.PHONY: help venv build demo test test-slow test-rust test-python test-simd test-latest test-oldest lint lint-rust lint-aarch64 lint-python format bench bench-compare bench-scale bench-guard bench-s3 bench-cluster docs docs-check clean
 
 help:
 	@echo "make demo          a generated Mixtral into 2 gloo ranks (FSDP2 + TP): shards, buffers, one training step"
 	@echo "make test          lint + cargo test + pytest (all but the slow benchmark-script smoke runs)"
 	@echo "make test-slow     the benchmark scripts' smoke runs (CI runs them after make test)"
+	@echo "make test-latest   the support matrix's lane of today's releases (transformers, accelerate, peft, ...)"
+	@echo "make test-oldest   the support matrix's lane of pyproject.toml's lower bounds"
 	@echo "make bench         criterion + pytest-benchmark"
 	@echo "make bench-compare hp_fastload against the peers, one table"
 	@echo "make bench-scale   DeepSeek-V3, Kimi-K2, Qwen3-235B, Llama-3.1-405B, gpt-oss-120b: sparse releases, ranks rehearsed"
@@ -38,7 +40,7 @@ build: $(DEPS)
 demo: build
 	$(PY) -m hp_fastload.cli demo
 
-test: build lint test-rust test-python
+test: build lint test-rust test-python test-simd
 
 # The Rust tests and clippy build the `s3` feature (rust/objstore.rs), as the wheel does (pyproject.toml): its
 # dependencies (object_store, tokio, reqwest, rustls/ring) are compiled once per target dir and shared by the
@@ -51,16 +53,46 @@ test-python: build
 	$(PY) -m mypy.stubtest hp_fastload._core
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
+# The kernels at every SIMD level below the widest (HP_FASTLOAD_SIMD caps it, rust/simd.rs; the default level is the
+# CPU's, which test-rust and test-python run): the Rust kernel and engine tests and the quantized loads, each checked
+# bit for bit against its reference at that level. Levels at or above the CPU's are the default run's.
+SIMD_LANES := scalar avx2 avx512
+SIMD_PYTESTS := tests/convert/test_quant_dequant.py tests/api/test_quant_load_dist.py tests/execute/test_engine.py
+test-simd: build
+	set -e; below="$$($(PY) -c "import hp_fastload as h; s = h.info()['simd']; print(*s['levels'][:s['levels'].index(s['cpu'])])")"; \
+	for level in $(SIMD_LANES); do \
+		if ! grep -qw $$level <<< "$$below"; then echo "== HP_FASTLOAD_SIMD=$$level: not below this CPU's level (tested by default)"; continue; fi; \
+		echo "== HP_FASTLOAD_SIMD=$$level: $$(HP_FASTLOAD_SIMD=$$level $(PY) -m hp_fastload.cli info | grep kernels)"; \
+		HP_FASTLOAD_SIMD=$$level cargo test --release -q --features s3 --lib -- simd:: dest:: lookup:: kernels:: exec::; \
+		HP_FASTLOAD_SIMD=$$level $(PY) -m pytest -q -m "not slow" $(SIMD_PYTESTS); \
+	done
+
+# The support matrix (README, docs/support-matrix.md): the tests against today's releases and against the lower
+# bounds of pyproject.toml, each in a small environment laid over .venv (tools/lanes.py); a failure names the versions.
+test-latest: build
+	$(PY) tools/lanes.py run latest
+
+test-oldest: build
+	$(PY) tools/lanes.py run oldest
+
 test-slow: build
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
 
 lint: lint-rust lint-python
 
-lint-rust:
+lint-rust: lint-aarch64
 	$(PYTHON) tools/rust_module_deps.py --self-test
 	$(PYTHON) tools/rust_module_deps.py
 	cargo fmt --all -- --check
 	cargo clippy --release --all-targets --all-features -q -- -D warnings
+
+# The crate for aarch64 (Grace-Hopper / Grace-Blackwell nodes), where the x86 kernels are compiled out: clippy on the
+# library and its tests. rustup fetches the target's standard library once; where it cannot, this says so and skips.
+AARCH64 := aarch64-unknown-linux-gnu
+lint-aarch64:
+	if rustup target list --installed | grep -qx $(AARCH64) || rustup target add $(AARCH64); then \
+		cargo clippy --release --target $(AARCH64) --lib --tests -q -- -D warnings; \
+	else echo "lint-aarch64: SKIPPED: rustup could not install the $(AARCH64) target"; fi
 
 lint-python: $(DEPS)
 	$(PY) tools/check_imports.py --self-test

@@ -38,8 +38,11 @@ BASE = ROOT / ".venv"
 #: Packages the ``latest`` lane upgrades (the Hugging Face stack and the trainers hp_fastload integrates with).
 LATEST = ("transformers", "accelerate", "safetensors", "huggingface_hub", "peft", "torchtitan")
 
-#: Packages kept as pinned in every lane: their downloads are the cost (torch), or torch's ABI decides (numpy).
+#: Packages kept as pinned in every lane: a torch download is gigabytes.
 KEEP_PINNED = ("torch",)
+
+#: Test tools: not part of the support matrix, so every lane runs the pinned ones.
+TOOLS = ("pytest", "pytest-timeout", "pytest-benchmark")
 
 #: The tests each lane runs: loading and its parity against transformers, the training prologue, quantized
 #: checkpoints, export, and the integrations (accelerate/Trainer, torchtitan, torch DCP readers, PEFT).
@@ -48,6 +51,14 @@ SUBSET = ("tests/api", "tests/convert", "tests/model", "tests/cli/test_info.py")
 
 def _norm(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """``2.15`` and ``2.15.0`` alike: the numeric release, trailing zeros dropped."""
+    parts = [int(p) for p in re.findall(r"\d+", version.split("+")[0])]
+    while parts and parts[-1] == 0:
+        parts.pop()
+    return tuple(parts)
 
 
 def pins() -> dict[str, str]:
@@ -75,6 +86,8 @@ def lower_bounds() -> dict[str, str]:
         if not m:
             continue
         name, version = _norm(m.group(1)), m.group(2)
+        if name in TOOLS:
+            continue
         if bounds.setdefault(name, version) != version:
             raise SystemExit(f"pyproject.toml gives {name} two lower bounds: {bounds[name]} and {version}")
     return bounds
@@ -87,7 +100,7 @@ def requirements(lane: str) -> list[str]:
         return list(LATEST)
     bounds = lower_bounds()
     for name in KEEP_PINNED:
-        if name in bounds and bounds[name] != pinned.get(name):
+        if name in bounds and _release(bounds[name]) != _release(pinned.get(name, "")):
             raise SystemExit(
                 f"pyproject.toml says {name}>={bounds[name]} but the lanes run {name}=={pinned.get(name)} only: "
                 f"raise the bound to the tested release, or add a lane that installs {name}=={bounds[name]}"
@@ -131,10 +144,10 @@ def setup(lane: str) -> tuple[Path, dict[str, str]]:
     for want in wanted:
         if "==" in want:
             name, version = want.split("==")
-            if found[name] != version:
+            if _release(found[name]) != _release(version):
                 raise SystemExit(f"lane {lane}: asked for {want} but the lane imports {name} {found[name]}")
     for name in KEEP_PINNED:
-        if found[name].split("+")[0] != pinned[_norm(name)]:
+        if _release(found[name]) != _release(pinned[_norm(name)]):
             raise SystemExit(f"lane {lane}: {name} {found[name]} is not the pinned {pinned[_norm(name)]}")
     (env_dir / "versions.json").write_text(json.dumps(found, indent=2) + "\n")
     return python, found

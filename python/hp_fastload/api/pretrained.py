@@ -16,12 +16,13 @@ It does not read tensors itself, decide regions, or apply conversion rules: ``lo
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import hashlib
 import json
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -110,12 +111,28 @@ def _first_dtype(first: Any) -> torch.dtype:
     return dtypes[0] if dtypes else torch.float32
 
 
-def _init_contexts(dtype: torch.dtype) -> list[Any]:
-    """transformers' own model-init contexts of ``from_pretrained``: meta device, ``dtype`` as the default, and
-    ties deferred until the weights are loaded (a tied lm_head would hide from the tp plan's parameter names)."""
+def _init_contexts(dtype: torch.dtype, cls: Any, config: Any) -> list[Any]:
+    """transformers' own model-init contexts of ``from_pretrained``: meta device, ``dtype`` as the default, ties
+    deferred until the weights are loaded (a tied lm_head would hide from the tp plan's parameter names), and the
+    module fusions ``config.fusion_config`` asks for (transformers >= 5.25: fused modules replace their originals
+    while the model is built, their weight transforms load and save the original checkpoint layout)."""
     from transformers import PreTrainedModel
 
-    return list(PreTrainedModel.get_init_context(dtype, False, False, None))
+    contexts = list(PreTrainedModel.get_init_context(dtype, False, False, None))
+    fusion = getattr(config, "fusion_config", None)
+    if fusion:
+        try:
+            from transformers.fusion_mapping import get_fusion_patch_mapping
+            from transformers.models.auto.auto_factory import _get_model_class
+            from transformers.monkey_patching import apply_patches
+        except ImportError as exc:
+            raise ValueError(
+                f"fusion_config={fusion!r} needs module fusion, which transformers "
+                f"{getattr(sys.modules.get('transformers'), '__version__', '?')} lacks (5.25 or newer has it)"
+            ) from exc
+        concrete = _get_model_class(config, cls._model_mapping) if hasattr(cls, "_model_mapping") else cls
+        contexts.append(apply_patches(get_fusion_patch_mapping(concrete, config, fusion)))
+    return contexts
 
 
 def _default_device(bound: Any) -> torch.device:
@@ -146,6 +163,7 @@ def from_pretrained(
     adapter: str | os.PathLike[str] | None = None,
     adapter_name: str = "default",
     is_trainable: bool = False,
+    fusion_config: Mapping[str, Any] | None = None,
     **config_overrides: Any,
 ) -> Any:
     """A parallelized transformers model filled from ``path_or_hub_id``; ``(model, report)`` with
@@ -162,6 +180,10 @@ def from_pretrained(
     through the model's own init; with ``strict=False``, what the checkpoint lacks initialized by the model's own
     ``initialize_weights()``, as transformers does; ``share`` and ``ranks_per_node`` as :func:`hp_fastload.load`
     takes them: ``share="job"`` reads each checkpoint byte once per job) → ``eval()``.
+
+    ``fusion_config`` (transformers >= 5.25, as its ``from_pretrained`` takes it; else ``config.fusion_config``):
+    the module fusions the model is built with (``{"patch_embeddings": True}``: Conv3d patch embeddings as one
+    flattened Linear); the checkpoint keeps the original layout, read through the fusions' weight transforms.
 
     A model that is not a transformers one (torchtitan's): ``model_factory`` builds it, called with no
     argument on the meta device (``model_factory=model_config.build``), and ``state_dict_adapter`` (torchtitan's
@@ -188,7 +210,8 @@ def from_pretrained(
         raise ValueError("pass either parallelize or distributed_config, not both")
     if parallelize is not None and not callable(parallelize):
         raise TypeError(f"parallelize must be a callable taking the model, got {type(parallelize).__name__}")
-    _check_factory(model_factory, auto_class, dtype, distributed_config, config_overrides)
+    overrides = config_overrides if fusion_config is None else {**config_overrides, "fusion_config": fusion_config}
+    _check_factory(model_factory, auto_class, dtype, distributed_config, overrides)
     if peft_config is not None and adapter is not None:
         raise ValueError("pass either peft_config (a fresh adapter) or adapter (a saved one), not both")
     peft = peft_config is not None or adapter is not None
@@ -209,6 +232,8 @@ def from_pretrained(
     # load's first collective.
     if model_factory is None:
         config = agree("Reading the checkpoint's config.json", lambda: read_config(location, config_overrides))
+        if fusion_config is not None:
+            config.fusion_config = copy.deepcopy(dict(fusion_config))
         _agree_config(config)
     agree("Checking accelerate's settings", refuse_rank0_broadcast)
     # The user's parallelize may enter collectives of its own; if it fails on some ranks only, the others may be
@@ -374,7 +399,7 @@ def _build(
     cls = _model_class(auto_class)
     torch_dtype = _dtype(dtype, config, location)
     with contextlib.ExitStack() as stack:
-        for context in _init_contexts(torch_dtype):
+        for context in _init_contexts(torch_dtype, cls, config):
             stack.enter_context(context)
         if hasattr(cls, "from_config"):
             model = cls.from_config(config, dtype=torch_dtype)
