@@ -615,3 +615,32 @@ def test_accelerate_prepare_pretrained_with_peft_config(ranks):
         assert value["stepped"] == []
         assert value["moved"] >= 12  # the step moved the adapter (and the lm_head copy), not the frozen base
         assert value["losses"][0] == value["losses"][1]
+
+
+def test_refusals(tmp_path):
+    """Single process: a quantized base (QLoRA), a model that is no PEFT model, a directory without an
+    adapter, an adapter name the model does not have; each a typed error naming the cause."""
+    from transformers import AutoModelForCausalLM
+
+    import hp_fastload as hf
+
+    base = tmp_path / "base"
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config("llama")).save_pretrained(base)
+    os.environ[ROOT_ENV] = str(tmp_path)
+    try:
+        model = _meta_peft()
+    finally:
+        os.environ.pop(ROOT_ENV, None)
+    model.to_empty(device="cpu")
+    model.get_base_model().hf_quantizer = type("Bnb4BitHfQuantizer", (), {})()
+    with pytest.raises(hf.TargetError, match=r"quantized \(Bnb4BitHfQuantizer: QLoRA\)"):
+        hf.load(model, base)
+    del model.get_base_model().hf_quantizer
+    with pytest.raises(TypeError, match="needs a PEFT model"):
+        hf.load_adapter(model.get_base_model(), base)
+    with pytest.raises(FileNotFoundError, match=r"no adapter_config\.json"):
+        hf.load_adapter(model, base)
+    with pytest.raises(hf.TargetError, match="no adapter 'other'"):
+        hf.save(model, tmp_path / "out", adapter_only=True, adapter_name="other")
+    assert not (tmp_path / "out").exists()
