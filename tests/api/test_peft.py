@@ -215,6 +215,21 @@ def check_base_tp(rank: int, world: int) -> dict[str, Any]:
     return _base("tp")
 
 
+def check_base_job_share_tp(rank: int, world: int) -> dict[str, Any]:
+    """``share="job"`` (each checkpoint byte read once per job): the same shards as every rank reading its own."""
+    import hp_fastload as hf
+
+    alone, shared = _sharded("tp"), _sharded("tp")
+    hf.load(alone, _root() / "base")
+    report = hf.load(shared, _root() / "base", share="job")
+    differing = [
+        name
+        for (name, a), (_, b) in zip(alone.named_parameters(), shared.named_parameters(), strict=True)
+        if not torch.equal(_local(a.detach()), _local(b.detach()))
+    ]
+    return {"differing": differing, "share": report.share, "adapter_keys": len(report.adapter_keys)}
+
+
 def _adapter(layout: str) -> dict[str, Any]:
     import hp_fastload as hf
 
@@ -484,6 +499,7 @@ def check_accelerate_peft_config(rank: int, world: int) -> dict[str, Any]:
 CHECKS = [
     check_base_fsdp,
     check_base_tp,
+    check_base_job_share_tp,
     check_adapter_fsdp,
     check_adapter_tp,
     check_adapter_mismatch,
@@ -533,6 +549,12 @@ def test_base_checkpoint_into_peft_model(ranks, layout):
         assert value["missing"] == [] and value["unexpected"] == []
         assert "12 PEFT adapter tensors" not in value["summary"]  # 13: the 12 LoRA factors and lm_head's copy
         assert "13 PEFT adapter tensors left to their initialization" in value["summary"]
+
+
+def test_base_checkpoint_with_job_share(ranks):
+    values = subcheck_values(ranks, "check_base_job_share_tp")
+    for value in values:
+        assert value["differing"] == [] and value["share"] == "job" and value["adapter_keys"] == 13
 
 
 @pytest.mark.parametrize("layout", ["fsdp", "tp"])
