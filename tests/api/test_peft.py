@@ -496,6 +496,63 @@ def check_accelerate_peft_config(rank: int, world: int) -> dict[str, Any]:
     }
 
 
+def _trainer_step(with_callback: bool) -> dict[str, Any]:
+    """One Trainer step (FSDP2 through accelerate) on a fresh LoRA: the PEFT model of peft's own route, or one
+    built without initialization and filled by ``HpFastloadCallback`` after the Trainer prepared it."""
+    import tempfile
+
+    from peft import get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments
+    from transformers.initialization import no_init_weights
+
+    from hp_fastload.integrations import HpFastloadCallback
+
+    generator = torch.Generator().manual_seed(5)
+    rows = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (4, 9), generator=generator)]
+    if with_callback:
+        with no_init_weights():  # memory, not values: the callback fills the base after the Trainer's prepare
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(_root() / "base"))
+    else:
+        model = AutoModelForCausalLM.from_pretrained(_root() / "base", dtype=torch.float32)
+    torch.manual_seed(23)  # the adapter's init: peft's own, on both routes
+    model = get_peft_model(model, _lora())
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(
+            output_dir=out,
+            max_steps=1,
+            per_device_train_batch_size=2,
+            learning_rate=1e-2,
+            use_cpu=True,
+            report_to=[],
+            save_strategy="no",
+            logging_strategy="no",
+            seed=0,
+            data_seed=0,
+            fsdp=True,
+            fsdp_config={"version": 2},
+        )
+        callbacks = [HpFastloadCallback(_root() / "base")] if with_callback else []
+        trainer = Trainer(model=model, args=args, train_dataset=rows, callbacks=callbacks)
+        from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+        state = trainer.accelerator.state  # on CPU the Trainer's Accelerator would pick DDP: FSDP2, as asked
+        state.distributed_type = DistributedType.FSDP
+        state.fsdp_plugin = FullyShardedDataParallelPlugin(**trainer.args.fsdp_plugin_args)
+        trainer.is_fsdp_enabled = True
+        result = trainer.train()
+        stepped = {n: _local(p.detach()).clone() for n, p in trainer.model.named_parameters()}
+        return {"stepped": stepped, "loss": result.training_loss}
+
+
+def check_trainer_callback_peft(rank: int, world: int) -> dict[str, Any]:
+    theirs, ours = _trainer_step(with_callback=False), _trainer_step(with_callback=True)
+    return {
+        "differing": [n for n, t in theirs["stepped"].items() if not torch.equal(ours["stepped"][n], t)],
+        "names": sorted(theirs["stepped"]) == sorted(ours["stepped"]),
+        "losses": (ours["loss"], theirs["loss"]),
+    }
+
+
 CHECKS = [
     check_base_fsdp,
     check_base_tp,
@@ -511,7 +568,8 @@ CHECKS = [
     check_moe_fsdp,
     check_moe_ep,
     check_moe_from_pretrained_peft_config_ep,
-    check_accelerate_peft_config,  # last: it leaves accelerate's process-wide state set to FSDP2
+    check_accelerate_peft_config,  # last two: they leave accelerate's process-wide state set to FSDP2
+    check_trainer_callback_peft,
 ]
 
 
@@ -666,3 +724,9 @@ def test_refusals(tmp_path):
     with pytest.raises(hf.TargetError, match="no adapter 'other'"):
         hf.save(model, tmp_path / "out", adapter_only=True, adapter_name="other")
     assert not (tmp_path / "out").exists()
+
+
+def test_trainer_callback_with_a_peft_model(ranks):
+    for value in subcheck_values(ranks, "check_trainer_callback_peft"):
+        assert value["names"] and value["differing"] == []
+        assert value["losses"][0] == value["losses"][1]
