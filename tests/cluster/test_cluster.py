@@ -18,7 +18,11 @@ Only the link cut runs in ``make test`` (about 15 s); the others are ``slow`` (`
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -177,3 +181,30 @@ def test_save_losing_a_node_leaves_nothing(llama: Path, tmp_path: Path) -> None:
         assert o.at - cut <= SILENCE + 2 * BEAT + 2.0, f"{o}: {o.at - cut:.1f} s after the cut"
     assert "node 1 (ranks 2, 3)" in outcomes[0].message, outcomes[0].message
     assert not out.exists() and [p.name for p in tmp_path.iterdir() if "saved" in p.name] == []
+
+
+@pytest.mark.slow
+def test_bench_cluster_quick(tmp_path: Path) -> None:
+    """``benches/cluster_bench.py --quick`` end to end (HSDP on a tiny Llama, both link settings, none / job /
+    auto): every load exact, the storage link's bytes under job about the job's needs and under none about twice
+    them (two replicas), each node's received bytes about its ranks' needs. Numbers only loosely: tiny loads."""
+    out = tmp_path / "bench.json"
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        [sys.executable, "benches/cluster_bench.py", "--quick", "--json", str(out)],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(root / "python")},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 6 and all(r["exact"] for r in rows)
+    for r in rows:
+        assert r["predicted_seconds"] > 0 and r["seconds"] > 0
+        if r["share"] == "job":
+            assert 0.99 < r["storage_over_needs"] < 1.2, r
+        else:
+            assert 1.9 < r["storage_over_needs"] < 2.8, r
+        assert all(0.99 < x < 1.1 for x in r["node_rx_over_needs"]), r
