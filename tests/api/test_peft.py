@@ -730,3 +730,56 @@ def test_trainer_callback_with_a_peft_model(ranks):
     for value in subcheck_values(ranks, "check_trainer_callback_peft"):
         assert value["names"] and value["differing"] == []
         assert value["losses"][0] == value["losses"][1]
+
+
+def test_hub_adapter_repo_resolves_its_base(tmp_path, monkeypatch):
+    """An adapter-only Hub repo (offline, from a cache laid out as huggingface_hub lays it out):
+    ``from_pretrained(repo)`` reads the base named by ``base_model_name_or_path`` and then the adapter, as
+    ``PeftModel.from_pretrained(from_pretrained(base), repo)``; ``load_adapter(model, repo)`` reads it too."""
+    import hashlib
+    import json
+
+    from huggingface_hub import constants
+    from huggingface_hub.file_download import repo_folder_name
+    from peft import PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    import hp_fastload as hf
+
+    base, adapter = tmp_path / "base", tmp_path / "adapter"
+    torch.manual_seed(0)
+    randomized(AutoModelForCausalLM.from_config(tiny_config("llama")), 0.5).save_pretrained(base)
+    trained = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), _lora())
+    with torch.no_grad():
+        for name, param in trained.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn_like(param))
+    trained.save_pretrained(adapter)
+    assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == str(base)
+    repo_id, commit = "tiny-org/tiny-lora", "c" * 40
+    repo = tmp_path / "hub" / repo_folder_name(repo_id=repo_id, repo_type="model")
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (repo / "blobs").mkdir()
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        data = (adapter / name).read_bytes()
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        (snapshot / name).symlink_to(os.path.relpath(blob, snapshot))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+
+    model = hf.from_pretrained(repo_id, dtype=torch.float32)
+    reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapter)
+    ours, theirs = dict(model.named_parameters()), dict(reference.named_parameters())
+    assert sorted(ours) == sorted(theirs)
+    assert [n for n in theirs if not torch.equal(ours[n], theirs[n])] == []
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.zero_()
+    hf.load_adapter(model, repo_id)
+    assert [n for n in theirs if not torch.equal(ours[n], theirs[n])] == []
