@@ -36,7 +36,7 @@ from hp_fastload.model.regions import virtual_rank
 from hp_fastload.model.targets import build_targets
 from hp_fastload.model.wrappers import unwrapped
 from hp_fastload.planning.context import LoadContext
-from hp_fastload.planning.items import LoadPlan, LoadReport
+from hp_fastload.planning.items import PHASES, CriticalPath, LoadPlan, LoadReport
 from hp_fastload.planning.orchestrate import plan_load
 from hp_fastload.planning.replacement import Replacement
 from hp_fastload.runtime import dist_active, gc_paused, is_rank0
@@ -67,6 +67,45 @@ def resolve_hf_loader(loader: str | None = None) -> str:
 
 
 log = logging.getLogger("hp_fastload")
+
+
+class PhaseClock:
+    """Charges the wall time since the last lap to a phase of :class:`CriticalPath`: laps are contiguous, so
+    the phases add up to the time since the clock started."""
+
+    def __init__(self) -> None:
+        self.start = self.last = time.perf_counter()
+        self.spent = dict.fromkeys(PHASES, 0.0)
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.spent[phase] += now - self.last
+        self.last = now
+
+    def agreed(self, phase: str, stage: str, fn: Callable[[], Any]) -> Any:
+        """``agree(stage, fn)``: ``fn``'s own time charged to ``phase``; the rest of the agreement (the outcome
+        collective, in which this rank waits for its slowest peer) to ``waiting``."""
+
+        def step() -> Any:
+            self.lap("waiting")
+            try:
+                return fn()
+            finally:
+                self.lap(phase)
+
+        try:
+            return agree(stage, step)
+        finally:
+            self.lap("waiting")
+
+    def skip(self) -> None:
+        """Charge the time since the last lap to nothing (work that is not the load's, as a rehearsal's
+        allocation of the shards a model would already hold)."""
+        self.last = time.perf_counter()
+
+    def done(self) -> tuple[float, CriticalPath]:
+        """The seconds charged (since the start, less what was skipped) and the phases."""
+        return sum(self.spent.values()), CriticalPath(**self.spent)
 
 
 def _progress_bar(total: int, enabled: bool | None) -> tuple[Callable[[int], None] | None, Callable[[], None]]:
@@ -335,22 +374,30 @@ def load(
     owner = inner_model(peft_model) if peft_model is not None else model  # whose ties, buffers and rules
     name = resolve_hf_loader(loader)
     sharing = resolve_share(share, share_replicated)
-    start = time.perf_counter()
+    clock = PhaseClock()
     if threads is None:
         threads = threads_per_rank()
 
+    clock.lap("other")
     location = resolve_location_each(path, revision)
-    index = agree("Reading the checkpoint headers", lambda: CheckpointIndex.open(location))
+    clock.lap("index")
+    index = clock.agreed("index", "Reading the checkpoint headers", lambda: CheckpointIndex.open(location))
     agree_checkpoint(location, index)
-    retied: list[str] = agree("Tying the model's tied weights", lambda: retie(owner)) if finalize else []
+    clock.lap("agreement")
+    retied: list[str] = (
+        clock.agreed("finishing", "Tying the model's tied weights", lambda: retie(owner)) if finalize else []
+    )
     view: BaseView | None = None
     if peft_model is not None:  # the base tensors under the base checkpoint's names, the rules of the inner model
-        view = agree("Naming the PEFT model's base tensors", lambda: _peft_base(peft_model))
-        weights_mapping = agree(
-            "Resolving the base model's rules", lambda: resolve_mapping(owner, weights_mapping, key_mapping)
+        view = clock.agreed("planning", "Naming the PEFT model's base tensors", lambda: _peft_base(peft_model))
+        weights_mapping = clock.agreed(
+            "planning",
+            "Resolving the base model's rules",
+            lambda: resolve_mapping(owner, weights_mapping, key_mapping),
         )
         model, key_mapping = view.skeleton, None
-    planned_pair: tuple[LoadPlan, LoadContext] = agree(
+    planned_pair: tuple[LoadPlan, LoadContext] = clock.agreed(
+        "planning",
         "Planning the pretrained load",
         lambda: plan_at(
             model,
@@ -374,6 +421,7 @@ def load(
         from hp_fastload.dist.share import plan_replicas
 
         replicas = plan_replicas(map(context.target, load_plan.region_reads))
+    clock.lap("planning")
     job = None
     if sharing in ("job", "auto") and name == "dcp" and multi:  # docs/job-wide.md
         job = agree_job_plan(
@@ -391,8 +439,10 @@ def load(
             loader=name,
             state_dict_adapter=state_dict_adapter,
         )
+        clock.lap("agreement")
     total = load_plan.bytes_needed
     update, close = _progress_bar(total, progress)
+    clock.lap("other")
     try:
         stats: ExecStats | JobStats
         if job is not None:
@@ -406,8 +456,10 @@ def load(
                 backend=backend,
                 progress=update,
             )
+            clock.lap("reading")
         else:
-            stats = agree(
+            stats = clock.agreed(
+                "reading",
                 "Reading the pretrained checkpoint",
                 lambda: execute_plan(
                     load_plan,
@@ -423,20 +475,24 @@ def load(
         close()
         for file in context.index.files:  # a finished load keeps no page tables of the checkpoint mapped
             file.header.release_map()
+        clock.lap("finishing")
     if replicas is not None:  # every rank's reads succeeded (agreed above): safe to enter the broadcasts
         from hp_fastload.dist.share import broadcast_replicas
 
         stats.extra["bytes_received"] = broadcast_replicas(replicas)
+        clock.lap("reading")
     for target_name in load_plan.region_reads:
         context.target(target_name).tensor._is_hf_initialized = True  # type: ignore[attr-defined]
     for deferred in load_plan.deferred:
         for target_name in deferred.claims.values():
             context.target(target_name).tensor._is_hf_initialized = True  # type: ignore[attr-defined]
+    clock.lap("other")
     if view is not None and view.copies:
-        agree("Filling the modules_to_save copies", lambda: fill_copies(view))
+        clock.agreed("finishing", "Filling the modules_to_save copies", lambda: fill_copies(view))
     _record_used_rules(owner, context)
     unfilled = recreate_buffers(owner) if finalize else [name for name, _ in non_persistent_buffers(owner)]
-    seconds = time.perf_counter() - start
+    clock.lap("finishing")
+    seconds, critical_path = clock.done()
     # The plan's report (keys, checkpoint bytes, the loader) with what executing it measured.
     report = dataclasses.replace(
         load_plan.report,
@@ -452,6 +508,7 @@ def load(
         share="job" if job is not None else ("replicated" if replicas is not None else "none"),
         stragglers=tuple(stats.extra.get("stragglers", ())),
         adapter_keys=view.adapter_keys if view is not None else (),
+        critical_path=critical_path,
     )
     if report.unexpected_keys:
         log.warning(

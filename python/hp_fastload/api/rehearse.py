@@ -16,7 +16,6 @@ import math
 import os
 import resource
 import threading
-import time
 from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hp_fastload.api.load import as_rank, plan_at
+from hp_fastload.api.load import PhaseClock, as_rank, plan_at
 from hp_fastload.convert.rules import resolve_mapping
 from hp_fastload.errors import PlanError
 from hp_fastload.execute.read import execute_plan
@@ -32,7 +31,7 @@ from hp_fastload.execute.staging import DEFAULT_STAGING_BYTES
 from hp_fastload.execute.threads import threads_per_rank
 from hp_fastload.model.targets import Target, build_targets, model_tensors
 from hp_fastload.model.wrappers import unwrapped
-from hp_fastload.planning.items import LoadPlan
+from hp_fastload.planning.items import CriticalPath, LoadPlan
 from hp_fastload.planning.orchestrate import SharedPlanning, plan_load, share_planning
 from hp_fastload.runtime import gc_paused
 from hp_fastload.source.index import CheckpointIndex
@@ -80,6 +79,9 @@ class Rehearsal:
     ``peak_rss``: the process's peak resident set while reading (``VmHWM`` reset before the reads; mapped
     checkpoint pages included), ``rss_before`` the resident set when the reads started; ``peak_fds``: the most
     open descriptors seen while reading (sampled every 5 ms), ``fds_before`` the count before.
+    ``plan_seconds`` includes the index open (``critical_path.index``); ``critical_path`` is the rank's time to
+    loaded (index, planning, reading, finishing: unmapping the files), without the allocation of its shards
+    (a trainer's model holds them before its load).
     """
 
     rank: int
@@ -97,6 +99,7 @@ class Rehearsal:
     fds_before: int
     peak_fds: int
     staging_bytes: int = 0
+    critical_path: CriticalPath = dataclasses.field(default_factory=CriticalPath)
 
     @property
     def gbps(self) -> float:
@@ -122,6 +125,7 @@ class Rehearsal:
             f"{self.peak_rss / 2**30:.2f} GiB ({self.rss_over_local / 2**30:+.2f} GiB over the shards); open "
             f"descriptors {self.fds_before} -> peak {self.peak_fds}"
             + (f"; pinned staging {self.staging_bytes / 2**20:.0f} MiB" if self.staging_bytes else "")
+            + f"; time to loaded {self.critical_path.total:.3f} s: {self.critical_path.summary()}"
         )
 
 
@@ -261,8 +265,10 @@ def rehearse(
     device = torch.device(device)
     if threads is None:
         threads = threads_per_rank()
+    clock = PhaseClock()
     location = resolve_checkpoint_location(path, revision=revision)
-    t0 = time.perf_counter()
+    index = CheckpointIndex.open(location)
+    clock.lap("index")
     plan, context = plan_at(
         model,
         location,
@@ -273,8 +279,10 @@ def rehearse(
         external_target_fqns=external_target_fqns,
         claimed_source_keys=frozenset(),
         mesh_override=as_rank(rank),
+        index=index,
     )
-    plan_seconds = time.perf_counter() - t0
+    clock.lap("planning")
+    plan_seconds = clock.last - clock.start
     targets, shards, local_bytes = _materialize(plan, context.targets, device, rank)
     context = dataclasses.replace(context, targets=targets)
     if device.type == "cuda":
@@ -283,15 +291,17 @@ def rehearse(
     rss_before = _status_bytes("VmRSS")
     with _FdSampler() as fds:
         fds_before = fds.peak
-        t1 = time.perf_counter()
+        clock.skip()
         try:
             stats = execute_plan(plan, context, threads=threads, backend=backend, staging_bytes=staging_bytes)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            read_seconds = time.perf_counter() - t1
+            clock.lap("reading")
+            read_seconds = clock.spent["reading"]
         finally:
             for file in context.index.files:
                 file.header.release_map()
+            clock.lap("finishing")
     peak = _status_bytes("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     report = Rehearsal(
         rank=rank,
@@ -309,5 +319,6 @@ def rehearse(
         fds_before=fds_before,
         peak_fds=fds.peak,
         staging_bytes=int(stats.extra.get("staging_bytes", 0)),
+        critical_path=clock.done()[1],
     )
     return report, (shards if keep else {})

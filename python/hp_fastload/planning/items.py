@@ -19,6 +19,47 @@ import torch
 from hp_fastload.convert.quant import Dequant, source_nbytes
 from hp_fastload.errors import PlanError
 
+#: The phases of :class:`CriticalPath`, in the order a load runs them.
+PHASES = ("index", "planning", "agreement", "reading", "waiting", "finishing", "other")
+
+
+@dataclass(frozen=True)
+class CriticalPath:
+    """Where one rank's load spent its wall time, in seconds; every instant of it is charged to one phase, so
+    the phases add up to ``LoadReport.seconds``.
+
+    ``index``: resolving the location, opening the files and parsing their headers. ``planning``: targets,
+    rules, traces, claims, region intersection (and the replica plan of ``share_replicated``). ``agreement``:
+    what the ranks compare before reading (the checkpoint identity, ``share="job"``'s plan). ``reading``: the
+    engine (or, with sharing, the delivery rounds and broadcasts). ``waiting``: inside the agreement
+    collectives after this rank's own step was done, i.e. for the slowest peer. ``finishing``: tying tied
+    weights, unmapping the files, re-creating non-persistent buffers, PEFT copies. ``other``: argument checks
+    and bookkeeping between the phases.
+    """
+
+    index: float = 0.0
+    planning: float = 0.0
+    agreement: float = 0.0
+    reading: float = 0.0
+    waiting: float = 0.0
+    finishing: float = 0.0
+    other: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return sum(getattr(self, phase) for phase in PHASES)
+
+    def as_dict(self) -> dict[str, float]:
+        return {phase: getattr(self, phase) for phase in PHASES}
+
+    def summary(self) -> str:
+        total = self.total
+        return ", ".join(
+            f"{phase} {getattr(self, phase):.3f} s"
+            + (f" ({100 * getattr(self, phase) / total:.0f}%)" if total > 0 else "")
+            for phase in PHASES
+        )
+
 
 @dataclass(frozen=True)
 class LoadReport:
@@ -56,6 +97,9 @@ class LoadReport:
     #: ``share="job"``: the ranks whose reads were far slower per byte than the median reader's (a slow link or
     #: disk on their node), each as "rank r (node n): ...", the same on every rank
     stragglers: tuple[str, ...] = field(default=(), compare=False)
+    #: where ``seconds`` went on this rank (``CriticalPath``): header parse, planning, agreement, reading,
+    #: waiting for peers, finishing
+    critical_path: CriticalPath = field(default_factory=CriticalPath, compare=False)
 
     def summary(self) -> str:
         rate = self.bytes_read / self.seconds / 1e9 if self.seconds > 0 else 0.0
@@ -78,6 +122,8 @@ class LoadReport:
             )
         if self.stragglers:
             text += f"; stragglers: {'; '.join(self.stragglers)}"
+        if self.critical_path.total > 0:
+            text += f"; time: {self.critical_path.summary()}"
         if self.retied_keys:
             text += f"; re-tied {len(self.retied_keys)} ({', '.join(self.retied_keys[:3])})"
         if self.unfilled_buffers:
