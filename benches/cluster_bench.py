@@ -83,18 +83,20 @@ def bench_body(spec: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def predict(checkpoint: Path, layout: str, storage_mbit: float, node_mbit: float, total: bool) -> dict[str, Any]:
+def predict(
+    checkpoint: Path, layout: str, storage_mbit: float, node_mbit: float, total: bool, nodes: int = 2
+) -> dict[str, Any]:
     """``hp-fastload plan --all-ranks --share job`` at these rates (GB/s = Mbit/s / 8000): each node reads at
     the slower of its link and the storage's, all nodes together at the storage's (``total``; ``share="auto"``
     knows no aggregate cap: without ``total`` it is what auto weighs), the network at the node link."""
     s, n = storage_mbit / 8000, node_mbit / 8000
     args = [sys.executable, "-m", "hp_fastload.cli", "plan", str(checkpoint), "--all-ranks", "--share", "job"]
-    args += ["--layout", layout, "--world", "4", "--ranks-per-node", "2", "--json"]
+    args += ["--layout", layout, "--world", str(2 * nodes), "--ranks-per-node", "2", "--json"]
     args += ["--storage-gbps", f"{min(s, n)}", "--network-gbps", f"{n}"]
     if total:
         args += ["--storage-total-gbps", f"{s}"]
     if layout in ("hsdp", "tp+fsdp", "2d"):
-        args += ["--mesh", "2x2"]
+        args += ["--mesh", f"{nodes}x2"]
     env = dict(os.environ, PYTHONPATH=str(ROOT / "python"))
     proc = subprocess.run(args, capture_output=True, text=True, env=env, check=True, cwd=ROOT)
     return dict(json.loads(proc.stdout))
@@ -151,6 +153,7 @@ def evaluate(rows: list[dict[str, Any]], plans: dict[tuple[str, str], dict[str, 
     """The targets of issue 38, per row (see the module's docstring of docs/benchmarks.md's section)."""
     by = {(r["layout"], r["setting"], r["share_asked"]): r for r in rows}
     for row in rows:
+        nodes = len([k for k in row["links"] if k.startswith("node")])
         plan = plans[(row["layout"], row["setting"])]
         auto_plan = plans[(row["layout"], row["setting"] + "/auto")]
         needs = plan["job_needs_bytes"]
@@ -162,8 +165,8 @@ def evaluate(rows: list[dict[str, Any]], plans: dict[tuple[str, str], dict[str, 
                 a + b for a, b in zip(plan["per_node_storage_bytes"], plan["per_node_received_bytes"], strict=True)
             ]
         else:
-            node_need = [sum(plan["per_rank_needed_bytes"][2 * n : 2 * n + 2]) for n in range(2)]
-        row["node_rx_over_needs"] = [row["links"][f"node{n}"][0] / node_need[n] for n in range(2)]
+            node_need = [sum(plan["per_rank_needed_bytes"][2 * n : 2 * n + 2]) for n in range(nodes)]
+        row["node_rx_over_needs"] = [row["links"][f"node{n}"][0] / node_need[n] for n in range(nodes)]
         predicted = plan["predicted_seconds"].get(strategy)
         row["predicted_seconds"] = predicted
         row["model_error"] = predicted / row["seconds"] - 1 if predicted else None
@@ -180,19 +183,19 @@ def evaluate(rows: list[dict[str, Any]], plans: dict[tuple[str, str], dict[str, 
 def markdown(rows: list[dict[str, Any]], checkpoint_mb: dict[str, float]) -> str:
     head = (
         "| layout | setting (storage / node link, Mbit/s) | share | wall s (max rank) | ranks' s | storage tx MB "
-        "| storage / job needs | storage resent MB | node rx MB (0, 1) | node rx / needs | predicted s | model error "
+        "| storage / job needs | storage resent MB | node rx MB | node rx / needs | predicted s | model error "
         "| auto ran | measured fastest (none / job) | exact |\n" + "|---" * 15 + "|\n"
     )
     lines = []
     for r in rows:
         share = r["share"] if r["share_asked"] != "auto" else f"auto -> {r['share']}"
-        rx = [r["links"][f"node{n}"][0] / 1e6 for n in range(2)]
+        rx = [v[0] / 1e6 for k, v in sorted(r["links"].items()) if k.startswith("node")]
         err = f"{r['model_error']:+.0%}" if r.get("model_error") is not None else "-"
         lines.append(
             f"| {r['layout']} ({checkpoint_mb[r['layout']]:.0f} MB) | {r['setting']} ({r['storage_mbit']} / "
             f"{r['node_mbit']}) | {share} | {r['seconds']:.2f} | {', '.join(f'{s:.2f}' for s in r['rank_seconds'])} "
             f"| {r['links']['storage'][1] / 1e6:.1f} | {r['storage_over_needs']:.3f} | "
-            f"{r['retransmitted_segments']['storage'] * MSS / 1e6:.1f} | {rx[0]:.1f}, {rx[1]:.1f} | "
+            f"{r['retransmitted_segments']['storage'] * MSS / 1e6:.1f} | {', '.join(f'{x:.1f}' for x in rx)} | "
             f"{', '.join(f'{x:.3f}' for x in r['node_rx_over_needs'])} | "
             f"{r['predicted_seconds']:.2f} | {err} | {r.get('auto_ran', '-')} | "
             f"{r.get('fastest', '-')} ({r.get('none_over_job', 0):.2f}x) | "
@@ -207,6 +210,7 @@ def main() -> int:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--markdown", type=Path, default=None)
     parser.add_argument("--layouts", default=None, help="comma-separated subset of fsdp,hsdp,tp+fsdp,ep")
+    parser.add_argument("--nodes", type=int, default=2, help="nodes of 2 ranks (default 2)")
     args = parser.parse_args()
     from tools.cluster_work import write_model
 
@@ -217,7 +221,9 @@ def main() -> int:
     sizes = {} if args.quick else {"hidden": 512, "layers": 4, "vocab": 8192}
     checkpoints = {
         "llama": write_model(work, "llama", intermediate=1376 if sizes else 256, shard="16MB", **sizes),
-        "mixtral": write_model(work, "mixtral", intermediate=512 if sizes else 128, shard="16MB", **sizes),
+        "mixtral": write_model(
+            work, "mixtral", intermediate=512 if sizes else 128, shard="16MB", experts=2 * args.nodes, **sizes
+        ),
     }
     size_mb = {
         family: sum(p.stat().st_size for p in d.glob("*.safetensors")) / 1e6 for family, d in checkpoints.items()
@@ -226,9 +232,9 @@ def main() -> int:
     plans: dict[tuple[str, str], dict[str, Any]] = {}
     for layout, family in layouts:
         for setting, storage, node in SETTINGS:
-            plans[(layout, setting)] = predict(checkpoints[family], layout, storage, node, total=True)
-            plans[(layout, setting + "/auto")] = predict(checkpoints[family], layout, storage, node, total=False)
-    with Cluster(2, 2, node_link=Link(rate_mbit=400), storage_link=Link(rate_mbit=400), mtu=9000) as c:
+            plans[(layout, setting)] = predict(checkpoints[family], layout, storage, node, True, args.nodes)
+            plans[(layout, setting + "/auto")] = predict(checkpoints[family], layout, storage, node, False, args.nodes)
+    with Cluster(args.nodes, 2, node_link=Link(rate_mbit=400), storage_link=Link(rate_mbit=400), mtu=9000) as c:
         urls = {family: c.upload(d, family) for family, d in checkpoints.items()}
         for layout, family in layouts:
             t = time.perf_counter()

@@ -31,8 +31,9 @@ def write_model(
     vocab: int = 2048,
     seed: int = 0,
     shard: str = "512KB",
+    experts: int = 4,
 ) -> Path:
-    """A random bf16 Llama (or Mixtral: 4 experts, 2 a token) written by transformers' ``save_pretrained`` in
+    """A random bf16 Llama (or Mixtral: ``experts`` experts, 2 a token) written by transformers' ``save_pretrained`` in
     files of at most ``shard``; its directory."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
@@ -49,7 +50,7 @@ def write_model(
     }
     torch.manual_seed(seed)
     if family == "mixtral":
-        model: Any = MixtralForCausalLM(MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2))
+        model: Any = MixtralForCausalLM(MixtralConfig(**common, num_local_experts=experts, num_experts_per_tok=2))
     else:
         model = LlamaForCausalLM(LlamaConfig(**common))
     model = model.to(torch.bfloat16)
