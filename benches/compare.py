@@ -1008,6 +1008,7 @@ def main(argv: list[str] | None = None) -> int:
             loadavg=os.getloadavg(),
         ),
         versions=_versions(),
+        info=_info(),
         git=_git(),
         checkpoints={
             k: dict(
@@ -1069,6 +1070,13 @@ def merge(args: argparse.Namespace) -> int:
         shutil.copy(png, Path(args.docs) / ("benchmarks" + Path(png).suffix))
     print(md)
     return 0
+
+
+def _info() -> dict[str, Any]:
+    """The versions, the CPU and the kernels' SIMD level (``HP_FASTLOAD_SIMD``) the rows ran with."""
+    from hp_fastload.support import info
+
+    return info()
 
 
 def _git() -> str:

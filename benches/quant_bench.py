@@ -380,7 +380,11 @@ def main(argv: list[str] | None = None) -> int:
     table = _table(results, fp8)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "quant_bench.json").write_text(json.dumps({"config": c, "results": results}, indent=1))
+    from hp_fastload.support import describe, info
+
+    facts = info()  # the versions, the CPU and the kernels' SIMD level (HP_FASTLOAD_SIMD) these rows ran with
+    (out / "quant_bench.json").write_text(json.dumps({"config": c, "results": results, "info": facts}, indent=1))
+    table += "\n" + "\n".join(f"    {line}" for line in describe(facts).splitlines()[:3]) + "\n"
     (out / "quant_bench.md").write_text(table)
     print(table)
     return 0 if all("error" not in r for r in results) else 1

@@ -856,7 +856,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     fill = tuple(args.fill.split(",")) if args.fill else DEFAULT_FILL
-    result: dict[str, Any] = {"per_rank": [], "jobs": [], "generated": {}, "threads": args.threads}
+    from hp_fastload.support import info
+
+    result: dict[str, Any] = {"per_rank": [], "jobs": [], "generated": {}, "threads": args.threads, "info": info()}
     results_path = out / "scale.json"
     for name in args.models.split(","):
         spec = MODELS[name]

@@ -1,4 +1,5 @@
-"""transformers' module fusion (5.25 and newer: ``fusion_config``) and today's transformers, on 2 gloo ranks.
+"""transformers' module fusion (``fusion_config``, 5.23 and newer; 5.25 reworked it) and today's transformers, on 2
+gloo ranks.
 
 A model built with ``fusion_config={"patch_embeddings": True}`` replaces each Conv3d patch embedding by a fused
 class holding a flattened ``linear_proj`` (``[out, in * kt * kh * kw]``); its weight transforms
@@ -26,7 +27,7 @@ from tests.helpers.layouts import torch_fsdp
 
 transformers = pytest.importorskip("transformers")
 fusion_mapping = pytest.importorskip(
-    "transformers.fusion_mapping", reason="module fusion is new in transformers 5.25 (this run has an older one)"
+    "transformers.fusion_mapping", reason="module fusion is new in transformers 5.23 (this run has an older one)"
 )
 
 ROOT_ENV = "HPF_FUSION_ROOT"
@@ -66,7 +67,11 @@ def _meta_model(family: str) -> Any:
         if family == "llama":
             return cls(config)
         config.fusion_config = dict(FUSION)
-        with apply_patches(fusion_mapping.get_fusion_patch_mapping(cls, config, FUSION)):
+        if hasattr(fusion_mapping, "get_fusion_patch_mapping"):  # transformers >= 5.25: patches for this build
+            with apply_patches(fusion_mapping.get_fusion_patch_mapping(cls, config, FUSION)):
+                return cls(config)
+        fusion_mapping.register_fusion_patches(cls, config, FUSION)  # 5.23, 5.24: registered for the model type
+        with apply_patches():
             return cls(config)
 
 
@@ -215,10 +220,12 @@ def test_the_checkpoint_holds_the_original_conv3d_layout(tmp_path: Path) -> None
     """What the fused model loads from: the unfused 5-D weight, as transformers' save_pretrained writes it."""
     from safetensors import safe_open
 
-    model = _meta_model("qwen2_vl")
-    assert type(model.model.visual.patch_embed).__name__.startswith("Fused")
+    # saved before any fused model is built: transformers 5.23 and 5.24 register a fusion for the model type,
+    # process-wide, and their save_pretrained then applies its transforms to every model of the type
     plain = _class("qwen2_vl")(_config("qwen2_vl"))
     plain.save_pretrained(tmp_path)
+    model = _meta_model("qwen2_vl")
+    assert type(model.model.visual.patch_embed).__name__.startswith("Fused")
     with safe_open(tmp_path / "model.safetensors", "pt") as f:
         shape = f.get_slice("visual.patch_embed.proj.weight").get_shape()
     assert len(shape) == 5 and tuple(model.get_parameter(FUSED).shape) == (

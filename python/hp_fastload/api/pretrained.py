@@ -118,21 +118,26 @@ def _init_contexts(dtype: torch.dtype, cls: Any, config: Any) -> list[Any]:
     while the model is built, their weight transforms load and save the original checkpoint layout)."""
     from transformers import PreTrainedModel
 
-    contexts = list(PreTrainedModel.get_init_context(dtype, False, False, None))
     fusion = getattr(config, "fusion_config", None)
-    if fusion:
-        try:
-            from transformers.fusion_mapping import get_fusion_patch_mapping
-            from transformers.models.auto.auto_factory import _get_model_class
-            from transformers.monkey_patching import apply_patches
-        except ImportError as exc:
-            raise ValueError(
-                f"fusion_config={fusion!r} needs module fusion, which transformers "
-                f"{getattr(sys.modules.get('transformers'), '__version__', '?')} lacks (5.25 or newer has it)"
-            ) from exc
-        concrete = _get_model_class(config, cls._model_mapping) if hasattr(cls, "_model_mapping") else cls
-        contexts.append(apply_patches(get_fusion_patch_mapping(concrete, config, fusion)))
-    return contexts
+    if not fusion:
+        return list(PreTrainedModel.get_init_context(dtype, False, False, None))
+    try:
+        from transformers import fusion_mapping
+        from transformers.models.auto.auto_factory import _get_model_class
+        from transformers.monkey_patching import apply_patches
+    except ImportError as exc:
+        raise ValueError(
+            f"fusion_config={fusion!r} needs module fusion, which transformers "
+            f"{getattr(sys.modules.get('transformers'), '__version__', '?')} lacks (5.23 or newer has it)"
+        ) from exc
+    concrete = _get_model_class(config, cls._model_mapping) if hasattr(cls, "_model_mapping") else cls
+    if hasattr(fusion_mapping, "get_fusion_patch_mapping"):  # 5.25 and newer: the patches for this build only
+        patches = apply_patches(fusion_mapping.get_fusion_patch_mapping(concrete, config, fusion))
+        return [*PreTrainedModel.get_init_context(dtype, False, False, None), patches]
+    # 5.23 and 5.24 register the patches and the fused layout's transforms for the model type, process-wide, as
+    # their own from_pretrained does; get_init_context's apply_patches() then applies them
+    fusion_mapping.register_fusion_patches(concrete, config, fusion)
+    return list(PreTrainedModel.get_init_context(dtype, False, False, None))
 
 
 def _default_device(bound: Any) -> torch.device:
