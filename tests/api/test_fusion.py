@@ -245,6 +245,28 @@ def test_the_fused_projection_is_planned_as_region_reads(tmp_path: Path) -> None
     assert planned.report.deferred_targets == ()
 
 
+def test_a_fusion_transform_that_does_not_fit_the_checkpoint_is_a_typed_error_naming_it(tmp_path: Path) -> None:
+    """A patch weight of the wrong rank: ``Conv3dToLinear`` cannot run on it, so the load raises
+    ``ConversionError`` naming the target, the checkpoint key and the op, before any byte reaches the model."""
+    from safetensors.torch import load_file, save_file
+
+    import hp_fastload as hf
+
+    _class("qwen2_vl")(_config("qwen2_vl")).save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    w = tensors["visual.patch_embed.proj.weight"]
+    tensors["visual.patch_embed.proj.weight"] = w.reshape(*w.shape[:3], -1).contiguous()  # 4-D
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    model = _meta_model("qwen2_vl")
+    model.to_empty(device="cpu")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(hf.ConversionError) as raised:
+        hf.load(model, tmp_path)
+    message = str(raised.value)
+    assert FUSED in message and "visual.patch_embed.proj.weight" in message and "Conv3dToLinear" in message
+    assert all(torch.equal(v.view(torch.uint8), before[k].view(torch.uint8)) for k, v in model.state_dict().items())
+
+
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("case", CASES)
