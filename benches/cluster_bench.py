@@ -46,6 +46,18 @@ def bench_body(spec: dict[str, Any]) -> list[dict[str, Any]]:
     from tools.cluster_work import build, check_exact
 
     import hp_fastload
+    from hp_fastload.api import jobload
+
+    # the delivery's phases of each job-wide load (its DeliveryStats: where a rank's time went), for the profile
+    phases: list[dict[str, float]] = []
+    inner = jobload.deliver
+
+    def deliver(*args: Any, **kwargs: Any) -> Any:
+        stats = inner(*args, **kwargs)
+        phases.append({k: round(v, 3) for k, v in vars(stats).items() if k.startswith("seconds_") or k == "rounds"})
+        return stats
+
+    jobload.deliver = deliver  # type: ignore[assignment]
 
     rank = int(os.environ["RANK"])
     sync = Path(spec["sync"])
@@ -65,6 +77,7 @@ def bench_body(spec: dict[str, Any]) -> list[dict[str, Any]]:
     for i, step in enumerate(spec["steps"]):
         os.environ.update(step.get("env", {}))
         handshake(f"before{i}")
+        phases.clear()
         t0 = time.perf_counter()
         report = hp_fastload.load(model, spec["checkpoint"], share=step["share"], progress=False)
         seconds = time.perf_counter() - t0
@@ -77,6 +90,7 @@ def bench_body(spec: dict[str, Any]) -> list[dict[str, Any]]:
                 "bytes_received": report.bytes_received,
                 "bytes_sent": report.bytes_sent,
                 "stragglers": list(report.stragglers),
+                "phases": dict(phases[0]) if phases else {},
                 "mismatched": check_exact(model, spec["reference"]) if step.get("check", True) else [],
             }
         )
@@ -145,6 +159,7 @@ def run_layout(c: Cluster, layout: str, checkpoint: Path, url: str, shares: tupl
         row["bytes_read"] = [r["bytes_read"] for r in per_rank]
         row["bytes_received"] = [r["bytes_received"] for r in per_rank]
         row["stragglers"] = per_rank[0]["stragglers"]
+        row["phases"] = [r["phases"] for r in per_rank]
         row["exact"] = all(not r["mismatched"] for r in per_rank)
     return rows
 
