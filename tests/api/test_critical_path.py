@@ -101,7 +101,19 @@ def _two_ranks(rank: int, world_size: int, root: str) -> dict[str, float]:
         load_module.plan_at = _delayed(load_module.plan_at, 2 * DELAY)  # this child process only
     torch.distributed.barrier()
     model = tiny_model("llama", seed=1)
-    report = hf.load(model, root, progress=False)
+    gathered: list[object] = []  # object collectives during the load: the ranks' identities travel only to
+    real = torch.distributed.all_gather_object  # word a mismatch (equal checkpoints: one digest all-gather)
+
+    def recorded(out, obj, *args, **kwargs):
+        gathered.append(obj)
+        return real(out, obj, *args, **kwargs)
+
+    torch.distributed.all_gather_object = recorded
+    try:
+        report = hf.load(model, root, progress=False)
+    finally:
+        torch.distributed.all_gather_object = real
+    assert gathered == [], gathered
     reference = tiny_model("llama", seed=0).state_dict()
     assert all(torch.equal(t, reference[n]) for n, t in model.state_dict().items())
     _consistent(report.critical_path, report.seconds)

@@ -26,7 +26,7 @@ from hp_fastload.api.jobload import JobStats, agree_job_plan, resolve_share, run
 from hp_fastload.convert.adapter import check_adapter
 from hp_fastload.convert.rules import resolve_mapping
 from hp_fastload.dist.agree import agree, interrupts_between_steps, resolve_location_each
-from hp_fastload.dist.identity import agree_checkpoint
+from hp_fastload.dist.identity import agree_checkpoint, identity_of
 from hp_fastload.errors import HeaderError
 from hp_fastload.execute.read import ExecStats, execute_plan
 from hp_fastload.execute.threads import threads_per_rank
@@ -381,8 +381,10 @@ def load(
     clock.lap("other")
     location = resolve_location_each(path, revision)
     clock.lap("index")
-    index = clock.agreed("index", "Reading the checkpoint headers", lambda: CheckpointIndex.open(location))
-    agree_checkpoint(location, index)
+    # the identity the ranks compare is computed in the same step (one agreement fewer; its sample reads are
+    # charged to the index phase)
+    index, identity = clock.agreed("index", "Reading the checkpoint headers", lambda: _opened(location))
+    agree_checkpoint(location, index, identity)
     clock.lap("agreement")
     retied: list[str] = (
         clock.agreed("finishing", "Tying the model's tied weights", lambda: retie(owner)) if finalize else []
@@ -518,6 +520,11 @@ def load(
         )
     log.info(report.summary())
     return report
+
+
+def _opened(location: Location) -> tuple[CheckpointIndex, Any]:
+    index = CheckpointIndex.open(location)
+    return index, identity_of(location, index)
 
 
 def _peft_base(peft_model: nn.Module) -> BaseView:

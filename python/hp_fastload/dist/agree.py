@@ -465,6 +465,24 @@ def gather_floats(stage: str, values: list[float]) -> list[list[float]]:
     return [t.tolist() for t in out]
 
 
+def gather_digests(stage: str, digest: bytes) -> list[bytes]:
+    """Every rank's ``digest`` (the same length on every rank), in one all-gather of fixed-size tensors on the
+    device torch's object collectives use, polled as an agreement's statuses are (a peer that went silent raises
+    ``PeerLost``)."""
+    if not dist_active():
+        return [digest]
+    device = _status_device()
+    mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8).to(device)
+    out = [
+        torch.zeros(len(digest), dtype=torch.uint8, device=device) for _ in range(torch.distributed.get_world_size())
+    ]
+    with interrupts_deferred():  # a collective left half done would put this rank out of step for good
+        work = _waiting(stage, lambda: torch.distributed.all_gather(out, mine, async_op=True))
+    _poll(stage, lambda sleep: work.is_completed() or _slept(sleep), _sequence)
+    _waiting(stage, work.wait)
+    return [bytes(t.cpu().tolist()) for t in out]
+
+
 def agree_digest(stage: str, digest: str, hint: str) -> None:
     """Every rank compares ``digest`` (one all-gather of a short string): a ``PlanError`` on every rank naming
     the ranks whose value differs from rank 0's, followed by ``hint``."""

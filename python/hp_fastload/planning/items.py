@@ -30,7 +30,8 @@ class CriticalPath:
 
     ``index``: resolving the location, opening the files and parsing their headers. ``planning``: targets,
     rules, traces, claims, region intersection (and the replica plan of ``share_replicated``). ``agreement``:
-    what the ranks compare before reading (the checkpoint identity, ``share="job"``'s plan). ``reading``: the
+    what the ranks compare before reading (their checkpoint identities' digests, ``share="job"``'s plan; the
+    identity itself is computed with the index). ``reading``: the
     engine (or, with sharing, the delivery rounds and broadcasts). ``waiting``: inside the agreement
     collectives after this rank's own step was done, i.e. for the slowest peer. ``finishing``: tying tied
     weights, unmapping the files, re-creating non-persistent buffers, PEFT copies. ``other``: argument checks
