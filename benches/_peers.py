@@ -722,7 +722,11 @@ def _hp_load(loader: str) -> Callable[[str, Destinations, dict[str, Any]], dict[
 
         engine.clear_cache()
         report = hp_fastload.load(ctx["model"], ckpt, loader=loader, strict=True, progress=False)
-        return {"hp_bytes_read": report.bytes_read, "hp_bytes_needed": report.bytes_needed}
+        return {
+            "hp_bytes_read": report.bytes_read,
+            "hp_bytes_needed": report.bytes_needed,
+            "critical_path": report.critical_path.as_dict(),
+        }
 
     return run
 
@@ -892,6 +896,7 @@ def _e2e_body(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     for _ in range(cfg["repeats"]):
         model = None
         dests = None
+        phases: dict[str, float] = {}
         t_build = time.perf_counter()
         if loader != "transformers":
             mesh = init_device_mesh("cpu", (world,))
@@ -907,7 +912,8 @@ def _e2e_body(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             from hp_fastload.source import files as engine
 
             engine.clear_cache()
-            hp_fastload.load(model, ckpt, loader=loader.split("_")[1], strict=True, progress=False)
+            report = hp_fastload.load(model, ckpt, loader=loader.split("_")[1], strict=True, progress=False)
+            phases = report.critical_path.as_dict()
         elif loader.startswith("torch_dcp"):
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint import HuggingFaceStorageReader
@@ -947,6 +953,7 @@ def _e2e_body(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
                 cpu_seconds=cpu1 - cpu0,
                 anon_added_bytes=0,
                 gbps=needed / wall / 1e9 if needed else 0.0,
+                **({"critical_path": phases} if phases else {}),
             )
         )
         del model, dests
@@ -1058,9 +1065,11 @@ def run_e2e(cfg: dict[str, Any]) -> dict[str, Any]:
     for i in range(nrep):
         slowest = max(o["repeats"][i]["seconds"] for o in outs)
         total = sum(o["needed_bytes"] for o in outs)
+        slow_rank = max(outs, key=lambda o: o["repeats"][i]["seconds"])["repeats"][i]
         per_rep.append(
             dict(
                 seconds=slowest,
+                **({"critical_path": slow_rank["critical_path"]} if "critical_path" in slow_rank else {}),
                 gbps=total / slowest / 1e9,
                 storage_read_bytes=sum(o["repeats"][i]["storage_read_bytes"] for o in outs),
                 cpu_seconds=sum(o["repeats"][i]["cpu_seconds"] for o in outs),
