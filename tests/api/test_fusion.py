@@ -14,6 +14,8 @@ plain Llama (no fusion) runs the same checks. One spawn runs every case.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import os
 import traceback
 from pathlib import Path
@@ -26,14 +28,18 @@ from tests.helpers.dist import run_distributed, run_subchecks, subcheck_values
 from tests.helpers.layouts import torch_fsdp
 
 transformers = pytest.importorskip("transformers")
-fusion_mapping = pytest.importorskip(
-    "transformers.fusion_mapping", reason="module fusion is new in transformers 5.23 (this run has an older one)"
+#: transformers >= 5.25: fusions applied per build (``get_fusion_patch_mapping``). 5.23 and 5.24 register them
+#: process-wide and their own fused loads miss the fused weights, so hp_fastload refuses fusion there (tested below).
+FUSION_API = importlib.util.find_spec("transformers.fusion_mapping") is not None and hasattr(
+    importlib.import_module("transformers.fusion_mapping"), "get_fusion_patch_mapping"
 )
+NO_FUSION = "module fusion loads correctly from transformers 5.25 on; this run has an older release"
 
 ROOT_ENV = "HPF_FUSION_ROOT"
 FUSION = {"patch_embeddings": True}
 FUSED = "model.visual.patch_embed.linear_proj.weight"
-CASES = ("llama/fsdp", "llama/tp", "qwen2_vl/fsdp", "qwen2_vl/tp", "qwen2_vl/from_pretrained")
+FUSED_CASES = ("qwen2_vl/fsdp", "qwen2_vl/tp", "qwen2_vl/from_pretrained")
+CASES = ("llama/fsdp", "llama/tp", *(FUSED_CASES if FUSION_API else ()))
 
 
 def _config(family: str) -> Any:
@@ -66,12 +72,10 @@ def _meta_model(family: str) -> Any:
     with torch.device("meta"):
         if family == "llama":
             return cls(config)
+        from transformers.fusion_mapping import get_fusion_patch_mapping
+
         config.fusion_config = dict(FUSION)
-        if hasattr(fusion_mapping, "get_fusion_patch_mapping"):  # transformers >= 5.25: patches for this build
-            with apply_patches(fusion_mapping.get_fusion_patch_mapping(cls, config, FUSION)):
-                return cls(config)
-        fusion_mapping.register_fusion_patches(cls, config, FUSION)  # 5.23, 5.24: registered for the model type
-        with apply_patches():
+        with apply_patches(get_fusion_patch_mapping(cls, config, FUSION)):
             return cls(config)
 
 
@@ -183,9 +187,65 @@ def _case(case: str, root: Path) -> list[str]:
     return bad
 
 
+def _checkpoint_layout(root: Path) -> list[str]:
+    """What the fused model loads from: the unfused 5-D weight, as transformers' save_pretrained writes it."""
+    from safetensors import safe_open
+
+    model = _meta_model("qwen2_vl")
+    if not type(model.model.visual.patch_embed).__name__.startswith("Fused"):
+        return [f"the patch embedding is {type(model.model.visual.patch_embed).__name__}, not fused"]
+    with safe_open(root / "qwen2_vl" / "model.safetensors", "pt") as f:
+        shape = f.get_slice("visual.patch_embed.proj.weight").get_shape()
+    fused = tuple(model.get_parameter(FUSED).shape)
+    if len(shape) != 5 or fused != (shape[0], shape[1] * shape[2] * shape[3] * shape[4]):
+        return [f"checkpoint {shape}, fused {fused}"]
+    return []
+
+
+def _region_reads(root: Path) -> list[str]:
+    """The flattening is affine per row: the fused weight is read as regions, not through the deferred path."""
+    from hp_fastload import plan
+
+    planned = plan(_meta_model("qwen2_vl"), root / "qwen2_vl", strict=True)
+    bad = [] if FUSED in planned.region_reads else [f"{FUSED} has no region reads"]
+    bad += [f"deferred: {g.claims}" for g in planned.deferred if FUSED in g.claims.values()]
+    return bad + ([f"deferred targets {planned.report.deferred_targets}"] if planned.report.deferred_targets else [])
+
+
+def _typed_error(root: Path) -> list[str]:
+    """A patch weight of the wrong rank: ``Conv3dToLinear`` cannot run on it, so the load raises
+    ``ConversionError`` naming the target, the checkpoint key and the op, before any byte reaches the model."""
+    import hp_fastload as hf
+
+    model = _meta_model("qwen2_vl")
+    model.to_empty(device="cpu")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    try:
+        hf.load(model, root / "qwen2_vl_4d")
+    except hf.ConversionError as exc:
+        message = str(exc)
+        if not (FUSED in message and "visual.patch_embed.proj.weight" in message and "Conv3dToLinear" in message):
+            return [f"the error does not name the target, key and op: {message}"]
+    else:
+        return ["the 4-D patch weight loaded without an error"]
+    changed = [
+        k for k, v in model.state_dict().items() if not torch.equal(v.view(torch.uint8), before[k].view(torch.uint8))
+    ]
+    return [f"written before the error: {changed}"] if changed else []
+
+
+#: Checks of one process, run in the spawned ranks (pytest's own process builds no fused model).
+SINGLE = {"layout": _checkpoint_layout, "regions": _region_reads, "typed error": _typed_error} if FUSION_API else {}
+
+
 def check_fusion(rank: int, world: int) -> dict[str, Any]:
     root = Path(os.environ[ROOT_ENV])
     out: dict[str, Any] = {}
+    for name, check in SINGLE.items():
+        try:
+            out[name] = check(root)
+        except Exception as exc:
+            out[name] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-2000:]}"
     for case in CASES:
         try:
             out[case] = _case(case, root)
@@ -196,6 +256,8 @@ def check_fusion(rank: int, world: int) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def fusion_runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    from safetensors.torch import load_file, save_file
+
     root = tmp_path_factory.mktemp("fusion")
     for family in ("llama", "qwen2_vl"):
         torch.manual_seed(0)
@@ -204,6 +266,15 @@ def fusion_runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]
             for p in model.parameters():
                 p.copy_(torch.randn_like(p) * 0.1)
         model.save_pretrained(root / family)  # the original layout: a 5-D Conv3d patch weight
+    # the same checkpoint with a 4-D patch weight (safetensors' own save_file), which Conv3dToLinear refuses
+    (root / "qwen2_vl_4d").mkdir()
+    for name in ("config.json", "generation_config.json"):
+        if (root / "qwen2_vl" / name).exists():
+            (root / "qwen2_vl_4d" / name).write_bytes((root / "qwen2_vl" / name).read_bytes())
+    tensors = load_file(root / "qwen2_vl" / "model.safetensors")
+    w = tensors["visual.patch_embed.proj.weight"]
+    tensors["visual.patch_embed.proj.weight"] = w.reshape(*w.shape[:3], -1).contiguous()
+    save_file(tensors, root / "qwen2_vl_4d" / "model.safetensors", metadata={"format": "pt"})
     saved = os.environ.get(ROOT_ENV)
     os.environ[ROOT_ENV] = str(root)
     try:
@@ -216,55 +287,27 @@ def fusion_runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]
     return subcheck_values(per_rank, "check_fusion")
 
 
-def test_the_checkpoint_holds_the_original_conv3d_layout(tmp_path: Path) -> None:
-    """What the fused model loads from: the unfused 5-D weight, as transformers' save_pretrained writes it."""
-    from safetensors import safe_open
-
-    # saved before any fused model is built: transformers 5.23 and 5.24 register a fusion for the model type,
-    # process-wide, and their save_pretrained then applies its transforms to every model of the type
-    plain = _class("qwen2_vl")(_config("qwen2_vl"))
-    plain.save_pretrained(tmp_path)
-    model = _meta_model("qwen2_vl")
-    assert type(model.model.visual.patch_embed).__name__.startswith("Fused")
-    with safe_open(tmp_path / "model.safetensors", "pt") as f:
-        shape = f.get_slice("visual.patch_embed.proj.weight").get_shape()
-    assert len(shape) == 5 and tuple(model.get_parameter(FUSED).shape) == (
-        shape[0],
-        shape[1] * shape[2] * shape[3] * shape[4],
-    )
-
-
-def test_the_fused_projection_is_planned_as_region_reads(tmp_path: Path) -> None:
-    """The flattening is affine per row: the fused weight is read as regions, not through the deferred path."""
-    from hp_fastload import plan
-
-    _class("qwen2_vl")(_config("qwen2_vl")).save_pretrained(tmp_path)
-    planned = plan(_meta_model("qwen2_vl"), tmp_path, strict=True)
-    assert FUSED in planned.region_reads
-    assert not [g.claims for g in planned.deferred if FUSED in g.claims.values()]
-    assert planned.report.deferred_targets == ()
-
-
-def test_a_fusion_transform_that_does_not_fit_the_checkpoint_is_a_typed_error_naming_it(tmp_path: Path) -> None:
-    """A patch weight of the wrong rank: ``Conv3dToLinear`` cannot run on it, so the load raises
-    ``ConversionError`` naming the target, the checkpoint key and the op, before any byte reaches the model."""
-    from safetensors.torch import load_file, save_file
-
+def test_fusion_on_an_older_transformers_is_refused_with_the_release_it_needs(tmp_path: Path) -> None:
+    """Where transformers' own fused loads are wrong (5.23, 5.24), from_pretrained(fusion_config=...) refuses."""
     import hp_fastload as hf
 
+    if FUSION_API:
+        pytest.skip("this transformers has the 5.25 fusion API: the fused cases run instead")
     _class("qwen2_vl")(_config("qwen2_vl")).save_pretrained(tmp_path)
-    tensors = load_file(tmp_path / "model.safetensors")
-    w = tensors["visual.patch_embed.proj.weight"]
-    tensors["visual.patch_embed.proj.weight"] = w.reshape(*w.shape[:3], -1).contiguous()  # 4-D
-    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    model = _meta_model("qwen2_vl")
-    model.to_empty(device="cpu")
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(hf.ConversionError) as raised:
-        hf.load(model, tmp_path)
-    message = str(raised.value)
-    assert FUSED in message and "visual.patch_embed.proj.weight" in message and "Conv3dToLinear" in message
-    assert all(torch.equal(v.view(torch.uint8), before[k].view(torch.uint8)) for k, v in model.state_dict().items())
+    with pytest.raises(ValueError, match=r"transformers 5\.25"):
+        hf.from_pretrained(tmp_path, auto_class=_class("qwen2_vl"), device="cpu", fusion_config=dict(FUSION))
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(not FUSION_API, reason=NO_FUSION)
+@pytest.mark.parametrize("check", ["layout", "regions", "typed error"])
+def test_the_fused_layout_is_read_as_regions_and_a_misfit_is_a_typed_error(
+    fusion_runs: list[dict[str, Any]], check: str
+) -> None:
+    """The checkpoint holds the unfused 5-D layout; the fused projection is planned as region reads; a patch weight
+    of the wrong rank is a ConversionError naming the target, the key and the op, with nothing written."""
+    results = [per_rank[check] for per_rank in fusion_runs]
+    assert results == [[], []], f"{check}: {results}"
 
 
 @pytest.mark.distributed

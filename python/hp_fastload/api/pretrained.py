@@ -115,29 +115,28 @@ def _init_contexts(dtype: torch.dtype, cls: Any, config: Any) -> list[Any]:
     """transformers' own model-init contexts of ``from_pretrained``: meta device, ``dtype`` as the default, ties
     deferred until the weights are loaded (a tied lm_head would hide from the tp plan's parameter names), and the
     module fusions ``config.fusion_config`` asks for (transformers >= 5.25: fused modules replace their originals
-    while the model is built, their weight transforms load and save the original checkpoint layout)."""
+    while the model is built, their weight transforms load and save the original checkpoint layout; refused on
+    older releases, whose own fused loads are wrong)."""
     from transformers import PreTrainedModel
 
+    contexts = list(PreTrainedModel.get_init_context(dtype, False, False, None))
     fusion = getattr(config, "fusion_config", None)
     if not fusion:
-        return list(PreTrainedModel.get_init_context(dtype, False, False, None))
+        return contexts
+    version = getattr(sys.modules.get("transformers"), "__version__", "?")
     try:
-        from transformers import fusion_mapping
+        from transformers.fusion_mapping import get_fusion_patch_mapping
         from transformers.models.auto.auto_factory import _get_model_class
         from transformers.monkey_patching import apply_patches
     except ImportError as exc:
+        # 5.23 and 5.24 register fusions process-wide, and their own fused loads miss the fused weights (a
+        # Qwen2-VL's patch projection is left uninitialized): there is no correct reference to load against
         raise ValueError(
-            f"fusion_config={fusion!r} needs module fusion, which transformers "
-            f"{getattr(sys.modules.get('transformers'), '__version__', '?')} lacks (5.23 or newer has it)"
+            f"fusion_config={fusion!r}: module fusion loads correctly from transformers 5.25 on; transformers "
+            f"{version} is older (pip install 'transformers>=5.25'), or build the model without fusion_config"
         ) from exc
     concrete = _get_model_class(config, cls._model_mapping) if hasattr(cls, "_model_mapping") else cls
-    if hasattr(fusion_mapping, "get_fusion_patch_mapping"):  # 5.25 and newer: the patches for this build only
-        patches = apply_patches(fusion_mapping.get_fusion_patch_mapping(concrete, config, fusion))
-        return [*PreTrainedModel.get_init_context(dtype, False, False, None), patches]
-    # 5.23 and 5.24 register the patches and the fused layout's transforms for the model type, process-wide, as
-    # their own from_pretrained does; get_init_context's apply_patches() then applies them
-    fusion_mapping.register_fusion_patches(concrete, config, fusion)
-    return list(PreTrainedModel.get_init_context(dtype, False, False, None))
+    return [*contexts, apply_patches(get_fusion_patch_mapping(concrete, config, fusion))]
 
 
 def _default_device(bound: Any) -> torch.device:
@@ -186,7 +185,8 @@ def from_pretrained(
     ``initialize_weights()``, as transformers does; ``share`` and ``ranks_per_node`` as :func:`hp_fastload.load`
     takes them: ``share="job"`` reads each checkpoint byte once per job) → ``eval()``.
 
-    ``fusion_config`` (transformers >= 5.25, as its ``from_pretrained`` takes it; else ``config.fusion_config``):
+    ``fusion_config`` (transformers >= 5.25, as its ``from_pretrained`` takes it; else ``config.fusion_config``;
+    a ``ValueError`` on older releases):
     the module fusions the model is built with (``{"patch_embeddings": True}``: Conv3d patch embeddings as one
     flattened Linear); the checkpoint keeps the original layout, read through the fusions' weight transforms.
 
