@@ -18,7 +18,10 @@ crosses it.
 Ranks are forked from a ``multiprocessing`` fork server (torch imported once) and each enters its node's
 namespace (``setns``) before it joins the process group (``init_process_group("gloo")`` with ``env://``:
 ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``MASTER_ADDR`` (node 0),
-``MASTER_PORT``, ``GLOO_SOCKET_IFNAME=eth0``). Each rank's outcome is a file of the run's directory, so a
+``MASTER_PORT``, ``GLOO_SOCKET_IFNAME=eth0``). As under torchrun, the job's store is not rank 0's: this
+process hosts it on node 0's address (from a thread inside node 0's namespace; the server's threads are
+created there) and the ranks join it as clients (``TORCHELASTIC_USE_AGENT_STORE=True``), so it outlives any
+rank. Each rank's outcome is a file of the run's directory, so a
 rank killed with SIGKILL leaves just no file.
 
 :meth:`Cluster.close` kills every process the run started (ranks, the storage server, anything else still in
@@ -386,6 +389,7 @@ class Cluster:
         self.workdir = Path(tempfile.mkdtemp(prefix=f"{self.id}-", dir=workdir))
         self.weed: subprocess.Popen[bytes] | None = None
         self.runs: list[RankRun] = []
+        self._stores: list[Any] = []
         self._namespaces: list[str] = []
         self._closed = False
 
@@ -646,7 +650,19 @@ class Cluster:
         """Starts every rank: ``fn(*args)`` in its node's namespace, after ``init_process_group("gloo")``;
         ``env`` is added to this process's environment; the run is killed after ``timeout`` seconds."""
         import multiprocessing
+        from datetime import timedelta
 
+        import torch.distributed as dist
+
+        # the job's store on node 0, in this process (as torchrun's agent hosts it: it outlives the ranks)
+        port = MASTER_PORT + len(self.runs)
+        store = in_namespace(
+            self.node_ns(0),
+            lambda: dist.TCPStore(
+                self.node_ip(0), port, None, True, timedelta(seconds=timeout), wait_for_workers=False
+            ),
+        )
+        self._stores.append(store)
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload(list(preload))
         procs, outs = [], []
@@ -665,7 +681,8 @@ class Cluster:
                 ROLE_WORLD_SIZE=str(self.world),
                 GROUP_WORLD_SIZE=str(self.nodes),
                 MASTER_ADDR=self.node_ip(0),
-                MASTER_PORT=str(MASTER_PORT),
+                MASTER_PORT=str(port),
+                TORCHELASTIC_USE_AGENT_STORE="True",
                 GLOO_SOCKET_IFNAME="eth0",
                 OMP_NUM_THREADS="1",
                 TORCHELASTIC_RUN_ID=self.id,
@@ -691,6 +708,7 @@ class Cluster:
         for run in self.runs:
             with contextlib.suppress(Exception):
                 run.stop()
+        self._stores.clear()
         with contextlib.suppress(Exception):
             self.kill_storage()
         for ns in reversed(self._namespaces):

@@ -5,8 +5,8 @@ every local shard bit for bit against safetensors' own read of the checkpoint cu
 ``save_pretrained`` (:func:`write_llama`).
 
 Faults are placed by :func:`pause_at`: a rank pauses at a chosen read of the job-wide delivery (or write of a
-save) after leaving a marker file, so the parent acts (cuts a link, kills a node or the storage) while the
-load is in flight, at the same point in every run.
+save) after leaving a marker file, until the parent has acted (cut a link, killed a node or the storage) and
+says so with a second file, so the fault strikes at the same point in every run, however loaded the host.
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def check_exact(model: Any, checkpoint: str) -> list[str]:
 
 def pause_at(module: Any, attr: str, ranks: list[int], call: int, marker: str, seconds: float) -> None:
     """Wraps ``module.attr`` so that on the ranks in ``ranks``, its ``call``-th call (from 1) first writes
-    ``marker`` and sleeps ``seconds``."""
+    ``marker``, then waits until ``marker + ".go"`` exists (the parent struck) or ``seconds`` passed."""
     inner = getattr(module, attr)
     rank = int(os.environ["RANK"])
     if rank not in ranks:
@@ -122,7 +122,9 @@ def pause_at(module: Any, attr: str, ranks: list[int], call: int, marker: str, s
         count[0] += 1
         if count[0] == call:
             Path(marker).write_text(str(time.time()))
-            time.sleep(seconds)
+            go, end = Path(marker + ".go"), time.monotonic() + seconds
+            while not go.exists() and time.monotonic() < end:
+                time.sleep(0.01)
         return inner(*args, **kwargs)
 
     setattr(module, attr, wrapped)

@@ -131,17 +131,26 @@ class _Monitor:
             self.stop.wait(self.beat)
 
     def silent(self, seconds: float) -> tuple[list[int], bool]:
-        """(peers silent for ``seconds`` by reads that answered, whether the store itself was silent that long).
-        When one peer is, the others silent for all but two beats of that are named with it: the ranks of a
-        node that went away stop together, and their last beats differ by up to a beat."""
+        """(peers silent for ``seconds``, whether the store itself was silent that long). A peer's silence is
+        measured by reads that answered; once the store stops answering, a peer that had stopped beating well
+        before it did (4 beats, or half the silence) keeps aging: the store's host can leave right after naming
+        that peer lost, before this rank's reads saw the full silence. When one peer is silent, the others
+        silent for all but two beats of that are named with it: the ranks of a node that went away stop
+        together, and their last beats differ by up to a beat. The store is reported only when no peer is."""
         now = time.monotonic()
         with self.lock:
-            if now - self.answered > seconds and now - self.started > seconds:
-                return sorted(self.values), True
             quiet = {p: self.read_at - t for p, t in self.changed.items()}
-            if not any(q > seconds for q in quiet.values()):
-                return [], False
-            return sorted(p for p, q in quiet.items() if q > seconds - 2 * self.beat), False
+            store_quiet = now - self.answered
+            before = max(4 * self.beat, seconds / 2)  # clear of a live peer's jitter on a loaded host
+            if store_quiet > 2 * self.beat:
+                for p, t in self.changed.items():
+                    if self.answered - t > before:
+                        quiet[p] = now - t
+            if any(q > seconds for q in quiet.values()):
+                return sorted(p for p, q in quiet.items() if q > seconds - 2 * self.beat), False
+            if store_quiet > seconds and now - self.started > seconds:
+                return sorted(self.values), True
+            return [], False
 
 
 _monitor: _Monitor | None = None
@@ -237,10 +246,11 @@ def store_answering() -> bool:
 def _lost(m: _Monitor, peers: list[int], store_silent: bool, seconds: float, stage: str, cause: str) -> PeerLost:
     me = m.rank
     if store_silent:
+        where = os.environ.get("MASTER_ADDR", "")
         return PeerLost(
-            f"{stage}: rank {me} (node {node_of(me)}) has had no answer from the job's store (hosted by rank 0, "
-            f"node {node_of(0)}) for {seconds:g} s{cause}: node {node_of(0)}'s link or this node's link is down, "
-            "or rank 0's process is gone; every rank beyond this node is lost to it",
+            f"{stage}: rank {me} (node {node_of(me)}) has had no answer from the job's store (on node {node_of(0)}"
+            f"{', ' + where if where else ''}, with rank 0) for {seconds:g} s{cause}: node {node_of(0)}'s link or "
+            "this node's link is down, or the store's process is gone; every rank beyond this node is lost to it",
             [0],
             [node_of(0)],
         )
