@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.helpers.dist import run_distributed, run_subchecks, subcheck_values
+from tests.helpers.dist import child_environment, run_distributed, run_subchecks, subcheck_values
 from tests.helpers.layouts import torch_fsdp
 
 transformers = pytest.importorskip("transformers")
@@ -275,15 +275,8 @@ def fusion_runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]
     w = tensors["visual.patch_embed.proj.weight"]
     tensors["visual.patch_embed.proj.weight"] = w.reshape(*w.shape[:3], -1).contiguous()
     save_file(tensors, root / "qwen2_vl_4d" / "model.safetensors", metadata={"format": "pt"})
-    saved = os.environ.get(ROOT_ENV)
-    os.environ[ROOT_ENV] = str(root)
-    try:
+    with child_environment({ROOT_ENV: str(root)}):
         per_rank = run_distributed(run_subchecks, 2, checks=[check_fusion], timeout=500)
-    finally:
-        if saved is None:
-            os.environ.pop(ROOT_ENV, None)
-        else:
-            os.environ[ROOT_ENV] = saved
     return subcheck_values(per_rank, "check_fusion")
 
 

@@ -79,7 +79,7 @@ def find_free_port() -> int:
 
 
 @contextlib.contextmanager
-def _child_environment(values: Mapping[str, str]) -> Iterator[None]:
+def child_environment(values: Mapping[str, str]) -> Iterator[None]:
     """Set environment variables while children are started (spawned children inherit ``os.environ``)."""
     saved = {key: os.environ.get(key) for key in values}
     os.environ.update(values)
@@ -252,7 +252,7 @@ def _spawn_once(
         stack_files = [os.path.join(tmp, f"rank{rank}.stacks") for rank in range(world_size)]
         procs = []
         env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
-        with _child_environment(env):
+        with child_environment(env):
             for rank in range(world_size):
                 worker_args = (rank, world_size, port, backend, timeout, wall_deadline, stack_files[rank])
                 environ = dict(os.environ)

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests.helpers.bits import bits
-from tests.helpers.dist import run_distributed, run_subchecks, subcheck_values
+from tests.helpers.dist import child_environment, run_distributed, run_subchecks, subcheck_values
 from tests.helpers.tiny_models import ROOT_RULE_FAMILIES, root_rule_class, root_rule_config
 
 ROOT_ENV = "HPF_WRAPPED_ROOT"
@@ -78,15 +78,8 @@ def wrapped_runs(tmp_path_factory) -> list[dict[str, Any]]:
             for p in model.parameters():
                 p.copy_(torch.randn_like(p))
         model.save_pretrained(root / family)
-    saved = os.environ.get(ROOT_ENV)
-    os.environ[ROOT_ENV] = str(root)
-    try:
+    with child_environment({ROOT_ENV: str(root)}):
         per_rank = run_distributed(run_subchecks, 2, checks=[check_root_wrapped], timeout=500)
-    finally:
-        if saved is None:
-            os.environ.pop(ROOT_ENV, None)
-        else:
-            os.environ[ROOT_ENV] = saved
     return subcheck_values(per_rank, "check_root_wrapped")
 
 
