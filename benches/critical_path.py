@@ -34,12 +34,23 @@ sys.path.insert(0, str(HERE))
 import _peers  # noqa: E402
 
 RAW_ROWS = {
-    "moe-ep": ("moe-12x576", "ep"),
-    "dense-s0": ("dense-2.6gb", "s0"),
-    "dense-s1": ("dense-2.6gb", "s1"),
-    "dense-tp": ("dense-2.6gb", "tp"),
+    "moe-ep": ("moe", "ep"),
+    "dense-s0": ("dense", "s0"),
+    "dense-s1": ("dense", "s1"),
+    "dense-tp": ("dense", "tp"),
 }
 RAW_LOADERS = ("hp_dcp", "hp_read_many", "st_slice")
+
+
+def checkpoint(data: Path, kind: str) -> str:
+    """The folder of ``data`` holding compare.py's ``kind`` checkpoint (``dense-2.6gb``, ``moe-12x576``, ``dense-quick``
+    ...): the one written last when there are several."""
+    found = sorted(data.glob(f"{kind}-*/config.json"), key=lambda p: p.stat().st_mtime)
+    if not found:
+        raise FileNotFoundError(
+            f"no {kind}-* checkpoint under {data} (write one with benches/compare.py --data {data})"
+        )
+    return str(found[-1].parent)
 
 
 def _median_phases(paths: list[dict[str, float]]) -> dict[str, float]:
@@ -53,7 +64,7 @@ def e2e_row(data: Path, rounds: int, repeats: int) -> dict[str, Any]:
         for loader in seconds:
             cfg = dict(
                 workload="e2e-dense",
-                ckpt=str(data / "dense-2.6gb"),
+                ckpt=checkpoint(data, "dense"),
                 scenario="tp",
                 loader=loader,
                 world=2,
@@ -69,8 +80,8 @@ def e2e_row(data: Path, rounds: int, repeats: int) -> dict[str, Any]:
 
 
 def raw_row(name: str, data: Path, rounds: int) -> dict[str, Any]:
-    folder, scenario = RAW_ROWS[name]
-    ckpt = str(data / folder)
+    kind, scenario = RAW_ROWS[name]
+    ckpt = checkpoint(data, kind)
     entries = _peers.checkpoint_entries(ckpt)
     files = _peers.checkpoint_files(ckpt)
     dests = _peers.build_destinations(entries, scenario, 8, 3)

@@ -107,6 +107,25 @@ def test_compare_quick(tmp_path: Path) -> None:
     assert Path(doc["plot"]).is_file()
 
 
+def test_critical_path_rows_on_the_quick_checkpoints(tmp_path: Path) -> None:
+    """benches/critical_path.py on compare.py's quick checkpoints (written here): every row timed against its
+    peers, hp's phases present and adding up to no more than the load's median wall time."""
+    data = tmp_path / "data"
+    quick = ["--quick", "--out", str(tmp_path / "c"), "--data", str(data), "--loaders", "st_slice"]
+    _run([str(BENCHES / "compare.py"), *quick, "--workloads", "dense,moe"], timeout=300)
+    out = tmp_path / "critical_path.json"
+    once = ["--rounds", "1", "--e2e-rounds", "1", "--e2e-repeats", "1"]
+    _run([str(BENCHES / "critical_path.py"), "--data", str(data), *once, "--out", str(out)], timeout=300)
+    rows = {r["row"]: r for r in json.loads(out.read_text())}
+    assert set(rows) == {"e2e-tp", "moe-ep", "dense-s0", "dense-s1", "dense-tp"}
+    for name, row in rows.items():
+        phases = row["critical_path"]
+        assert set(phases) == {"index", "planning", "agreement", "reading", "waiting", "finishing", "other"}, name
+        assert phases["reading"] > 0 and row["seconds"]["hp_dcp"] > 0, (name, row)
+        assert "st_slice" in row["seconds"] and row["hp_speedup"]["st_slice"] > 0, (name, row)
+    assert rows["e2e-tp"]["critical_path"]["agreement"] > 0  # two ranks compared their checkpoints
+
+
 def test_gpu_check_cpu_path(tmp_path: Path) -> None:
     out = tmp_path / "gpu"
     _run(
