@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 
 help:
 	@echo "make demo          a generated Mixtral into 2 gloo ranks (FSDP2 + TP): shards, buffers, one training step"
-	@echo "make test          lint + cargo test + pytest (all but the slow benchmark-script smoke runs)"
+	@echo "make test          lint + cargo test + pytest (all but the slow runs) + the kernels at each lower SIMD level"
 	@echo "make test-slow     the benchmark scripts' smoke runs (CI runs them after make test)"
 	@echo "make test-latest   the support matrix's lane of today's releases (transformers, accelerate, peft, ...)"
 	@echo "make test-oldest   the support matrix's lane of pyproject.toml's lower bounds"
