@@ -20,10 +20,7 @@ methods read warm). Results: a table on stdout and ``<out>/accelerate_bench.json
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -33,39 +30,10 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _ranks import fsdp2_accelerator, model_config, run_ranks, shard_digest
 from _rss import PeakRss, rss
 
 METHODS = ["accelerate", "hp_fastload"]
-
-
-def model_config(quick: bool) -> dict[str, Any]:
-    if quick:
-        return dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
-    # 106M parameters: 424 MB fp32 (untied embedding and head)
-    return dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=12)
-
-
-def _accelerator(rank: int, world: int) -> Any:
-    from accelerate import Accelerator
-    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
-
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
-    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap")
-    accelerator = Accelerator(fsdp_plugin=plugin, cpu=True)
-    accelerator.state.distributed_type = DistributedType.FSDP
-    accelerator.state.fsdp_plugin = plugin
-    assert accelerator.is_fsdp2
-    return accelerator
-
-
-def _digest(model: Any) -> str:
-    import torch
-
-    digest = hashlib.blake2b(digest_size=16)
-    for name, p in sorted(model.named_parameters()):
-        digest.update(name.encode())
-        digest.update(p.to_local().detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
 
 
 def _rank_main(rank: int, world: int, port: int, path: str, method: str, q: Any) -> None:
@@ -81,7 +49,7 @@ def _rank_main(rank: int, world: int, port: int, path: str, method: str, q: Any)
 
         import hp_fastload.integrations
 
-        accelerator = _accelerator(rank, world)
+        accelerator = fsdp2_accelerator(rank, world)
         # Warm-up outside the timing, the same for both methods: transformers' lazy model modules and FSDP2.
         from accelerate.utils import fsdp_utils  # noqa: F401
         from torch.distributed.fsdp import fully_shard  # noqa: F401
@@ -101,7 +69,7 @@ def _rank_main(rank: int, world: int, port: int, path: str, method: str, q: Any)
                 )
             dist.barrier()
         seconds = time.perf_counter() - t0
-        q.put((rank, {"seconds": seconds, "rss_growth": peak.peak - rss0, "digest": _digest(model)}))
+        q.put((rank, {"seconds": seconds, "rss_growth": peak.peak - rss0, "digest": shard_digest(model)}))
         dist.destroy_process_group()
     except BaseException as exc:
         import traceback
@@ -110,31 +78,7 @@ def _rank_main(rank: int, world: int, port: int, path: str, method: str, q: Any)
 
 
 def run_one(path: str, method: str, world: int = 2) -> list[dict[str, Any]]:
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, path, method, q)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results: dict[int, dict[str, Any]] = {}
-    deadline = time.monotonic() + 900
-    while len(results) < world and time.monotonic() < deadline:
-        try:
-            rank, value = q.get(timeout=1)
-            results[rank] = value
-        except Exception:
-            if not any(p.is_alive() for p in procs) and q.empty():
-                break
-    for p in procs:
-        p.join(10)
-        if p.is_alive():
-            p.kill()
-    return [results.get(r, {"error": "no result (died or timed out)"}) for r in range(world)]
+    return run_ranks(_rank_main, world, path, method)
 
 
 def main(argv: list[str] | None = None) -> int:

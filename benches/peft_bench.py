@@ -22,10 +22,7 @@ cache. Results: a table on stdout and ``<out>/peft_bench.json``.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -35,41 +32,11 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _ranks import fsdp2_accelerator, model_config, run_ranks, shard_digest
 from _rss import PeakRss, rss
 
 METHODS = ["peft_accelerate", "hp_fastload"]
 LORA: dict[str, Any] = dict(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"])
-
-
-def model_config(quick: bool) -> dict[str, Any]:
-    if quick:
-        return dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
-    # 106M parameters: 424 MB fp32 (untied embedding and head)
-    return dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=12)
-
-
-def _accelerator(rank: int, world: int) -> Any:
-    from accelerate import Accelerator
-    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
-
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
-    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap")
-    accelerator = Accelerator(fsdp_plugin=plugin, cpu=True)
-    accelerator.state.distributed_type = DistributedType.FSDP  # on CPU accelerate would fall back to DDP
-    accelerator.state.fsdp_plugin = plugin
-    assert accelerator.is_fsdp2
-    return accelerator
-
-
-def _digest(model: Any) -> str:
-    import torch
-
-    digest = hashlib.blake2b(digest_size=16)
-    for name, p in sorted(model.named_parameters()):
-        digest.update(name.encode())
-        local = p.to_local() if hasattr(p, "to_local") else p
-        digest.update(local.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
 
 
 def _rank_main(rank: int, world: int, port: int, base: str, adapter: str, method: str, q: Any) -> None:
@@ -88,7 +55,7 @@ def _rank_main(rank: int, world: int, port: int, base: str, adapter: str, method
 
         import hp_fastload as hf
 
-        accelerator = _accelerator(rank, world) if method == "peft_accelerate" else None
+        accelerator = fsdp2_accelerator(rank, world) if method == "peft_accelerate" else None
         mesh = init_device_mesh("cpu", (world,))
 
         def parallelize(model: Any) -> None:
@@ -117,7 +84,7 @@ def _rank_main(rank: int, world: int, port: int, base: str, adapter: str, method
                 torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
             dist.barrier()
         seconds = time.perf_counter() - t0
-        q.put((rank, {"seconds": seconds, "rss_growth": peak.peak - rss0, "digest": _digest(model)}))
+        q.put((rank, {"seconds": seconds, "rss_growth": peak.peak - rss0, "digest": shard_digest(model)}))
         dist.destroy_process_group()
     except BaseException as exc:
         import traceback
@@ -126,31 +93,7 @@ def _rank_main(rank: int, world: int, port: int, base: str, adapter: str, method
 
 
 def run_one(base: str, adapter: str, method: str, world: int = 2) -> list[dict[str, Any]]:
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, base, adapter, method, q)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results: dict[int, dict[str, Any]] = {}
-    deadline = time.monotonic() + 900
-    while len(results) < world and time.monotonic() < deadline:
-        try:
-            rank, value = q.get(timeout=1)
-            results[rank] = value
-        except Exception:
-            if not any(p.is_alive() for p in procs) and q.empty():
-                break
-    for p in procs:
-        p.join(10)
-        if p.is_alive():
-            p.kill()
-    return [results.get(r, {"error": "no result (died or timed out)"}) for r in range(world)]
+    return run_ranks(_rank_main, world, base, adapter, method)
 
 
 def write_checkpoints(out: Path, quick: bool) -> tuple[Path, Path]:
