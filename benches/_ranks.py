@@ -1,5 +1,5 @@
-"""What the two-rank FSDP2 benchmark scripts share (``accelerate_bench.py``, ``peft_bench.py``): the model sizes,
-accelerate's FSDP2 on CPU, a digest of every rank's local shards, and the spawn of the ranks."""
+"""What the two-rank benchmark scripts share (``accelerate_bench.py``, ``peft_bench.py``, ``save_bench.py``): the
+model sizes, accelerate's FSDP2 on CPU, a digest of every rank's local shards, and the spawn of the ranks."""
 
 from __future__ import annotations
 
@@ -55,7 +55,6 @@ def run_ranks(target: Callable[..., None], world: int, *args: Any, timeout: floa
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     procs = [ctx.Process(target=target, args=(r, world, port, *args, q)) for r in range(world)]
     for p in procs:
         p.start()
@@ -65,8 +64,8 @@ def run_ranks(target: Callable[..., None], world: int, *args: Any, timeout: floa
         try:
             rank, value = q.get(timeout=1)
             results[rank] = value
-        except Exception:
-            if not any(p.is_alive() for p in procs) and q.empty():
+        except Exception:  # nothing yet: stop early where a rank died (a rank that raised put its error first)
+            if any(p.exitcode not in (None, 0) for p in procs) or (not any(p.is_alive() for p in procs) and q.empty()):
                 break
     for p in procs:
         p.join(10)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -78,6 +79,7 @@ def _rank_main(rank: int, world: int, port: int, path: str, method: str, q: Any)
 
 
 def run_one(path: str, method: str, world: int = 2) -> list[dict[str, Any]]:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     return run_ranks(_rank_main, world, path, method)
 
 

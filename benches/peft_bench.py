@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -93,6 +94,7 @@ def _rank_main(rank: int, world: int, port: int, base: str, adapter: str, method
 
 
 def run_one(base: str, adapter: str, method: str, world: int = 2) -> list[dict[str, Any]]:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     return run_ranks(_rank_main, world, base, adapter, method)
 
 

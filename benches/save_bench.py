@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _ranks import run_ranks
 from _rss import PeakRss, rss
 
 METHODS = ["hp_save", "dcp_hf", "gather_save_pretrained"]
@@ -170,32 +171,7 @@ def _rank_main(rank: int, world: int, port: int, config: dict[str, Any], method:
 def run_one(
     config: dict[str, Any], method: str, out: Path, world: int = 2, timeout: float = 1200
 ) -> list[dict[str, Any]]:
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, config, method, str(out), q)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results: dict[int, dict[str, Any]] = {}
-    deadline = time.monotonic() + timeout
-    while len(results) < world and time.monotonic() < deadline:
-        try:
-            rank, value = q.get(timeout=1.0)
-            results[rank] = value
-        except Exception:
-            if any(p.exitcode not in (None, 0) for p in procs):
-                break
-    for p in procs:
-        p.join(10)
-        if p.is_alive():
-            p.kill()
-    return [results.get(r, {"error": "no result (died or timed out)"}) for r in range(world)]
+    return run_ranks(_rank_main, world, config, method, str(out), timeout=timeout)
 
 
 def _tensors(root: Path) -> dict[str, Any]:
