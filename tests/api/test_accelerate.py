@@ -27,6 +27,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.helpers.accelerate_fsdp2 import fsdp2_accelerator
 from tests.helpers.dist import run_distributed, run_subchecks, subcheck_values
 from tests.helpers.docs import snippets
 from tests.helpers.tiny_models import TINY_DECODER, config_of, randomized
@@ -51,24 +52,6 @@ def readme_snippets() -> dict[str, str]:
 
 def _path(family: str) -> str:
     return str(Path(os.environ[ROOT_ENV]) / family)
-
-
-def _accelerator() -> Any:
-    """This process's Accelerator, set to FSDP2 for real (see the module's docstring)."""
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState
-    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
-
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
-    if AcceleratorState._shared_state.get("distributed_type") == DistributedType.FSDP:
-        return Accelerator()
-    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap")
-    accelerator = Accelerator(fsdp_plugin=plugin, cpu=True)
-    accelerator.state.distributed_type = DistributedType.FSDP
-    accelerator.state.fsdp_plugin = plugin
-    assert accelerator.is_fsdp2
-    return accelerator
 
 
 def _batch(family: str) -> torch.Tensor:
@@ -110,7 +93,7 @@ def _one_adamw_step(model: nn.Module, optimizer: Any, accelerator: Any, family: 
 def _accelerate_own(family: str) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
-    accelerator = _accelerator()
+    accelerator = fsdp2_accelerator()
     model = AutoModelForCausalLM.from_pretrained(_path(family), dtype=torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -120,7 +103,7 @@ def _accelerate_own(family: str) -> dict[str, Any]:
 def _readme_accelerate(family: str) -> dict[str, Any]:
     import hp_fastload
 
-    accelerator = _accelerator()
+    accelerator = fsdp2_accelerator()
     scope: dict[str, Any] = {"hp_fastload": hp_fastload, "torch": torch, "accelerator": accelerator}
     scope["path"] = _path(family)
     exec(readme_snippets()["accelerate"], scope)
@@ -147,7 +130,7 @@ def check_meta_prepare_binds_one_parameter(rank: int, world: int) -> tuple[int, 
     """Why the helper rebinds the optimizer: accelerate's FSDP2 prepare of a meta model, left alone."""
     from transformers import AutoModelForCausalLM
 
-    accelerator = _accelerator()
+    accelerator = fsdp2_accelerator()
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config_of("llama", **CONFIGS["llama"]))
     model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=LR))
@@ -163,7 +146,7 @@ def _trainer_run(family: str, with_callback: bool) -> dict[str, Any]:
 
     import hp_fastload
 
-    _accelerator()
+    fsdp2_accelerator()
     path = _path(family)
     rows = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (4, 9), generator=_seeded(5))]
     with tempfile.TemporaryDirectory() as out:
@@ -230,7 +213,7 @@ def check_distributed_config_qwen3_moe(rank: int, world: int) -> list[str]:
 
     import hp_fastload
 
-    _accelerator()  # the ranks' environment, as a launcher sets it
+    fsdp2_accelerator()  # the ranks' environment, as a launcher sets it
     scope: dict[str, Any] = {"hp_fastload": hp_fastload, "transformers": transformers, "path": _path("qwen3_moe")}
     exec(readme_snippets()["distributed_config"], scope)
     reference = AutoModelForCausalLM.from_pretrained(_path("qwen3_moe"), dtype=torch.float32).state_dict()
@@ -247,7 +230,7 @@ def check_cpu_ram_efficient_loading_is_refused(rank: int, world: int) -> list[st
     import hp_fastload
     from hp_fastload.integrations import prepare_pretrained
 
-    accelerator = _accelerator()
+    accelerator = fsdp2_accelerator()
     plugin = accelerator.state.fsdp_plugin
     plugin.cpu_ram_efficient_loading = True
     messages = []
@@ -274,7 +257,7 @@ def check_failure_inside_prepare_raises_everywhere(rank: int, world: int) -> tup
     from hp_fastload.api import pretrained
     from hp_fastload.dist.bounded import PEER_WAIT_ENV
 
-    accelerator = _accelerator()
+    accelerator = fsdp2_accelerator()
     plugin = accelerator.state.fsdp_plugin
     plugin.cpu_ram_efficient_loading = True
     os.environ[PEER_WAIT_ENV] = "2"

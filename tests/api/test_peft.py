@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.helpers.accelerate_fsdp2 import fsdp2_accelerator
 from tests.helpers.dist import run_distributed, run_subchecks, subcheck_values
 from tests.helpers.tiny_models import randomized, tiny_config
 
@@ -435,23 +436,6 @@ def check_save_merged_fsdp(rank: int, world: int) -> dict[str, Any]:
     return {"same": same, "unchanged": unchanged, "still_peft": type(model.base_model).__name__}
 
 
-def _accelerator() -> Any:
-    """This process's Accelerator, set to FSDP2 (on CPU accelerate would otherwise pick DDP)."""
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState
-    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
-
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
-    if AcceleratorState._shared_state.get("distributed_type") == DistributedType.FSDP:
-        return Accelerator()
-    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap")
-    accelerator = Accelerator(fsdp_plugin=plugin, cpu=True)
-    accelerator.state.distributed_type = DistributedType.FSDP
-    accelerator.state.fsdp_plugin = plugin
-    return accelerator
-
-
 def _adamw_step(model: nn.Module, optimizer: Any, accelerator: Any) -> dict[str, Any]:
     loaded = {n: _local(p.detach()).clone() for n, p in model.named_parameters()}
     model.train()
@@ -472,13 +456,13 @@ def check_accelerate_peft_config(rank: int, world: int) -> dict[str, Any]:
 
     import hp_fastload.integrations
 
-    accelerator = _accelerator()
+    accelerator = fsdp2_accelerator()
     torch.manual_seed(17)
     theirs = get_peft_model(AutoModelForCausalLM.from_pretrained(_root() / "base", dtype=torch.float32), _lora())
     optimizer = torch.optim.AdamW([p for p in theirs.parameters() if p.requires_grad], lr=1e-2)
     theirs, optimizer = accelerator.prepare(theirs, optimizer)
     expected = _adamw_step(theirs, optimizer, accelerator)
-    accelerator = _accelerator()  # accelerate's FSDP2 prepare of the PEFT model left its state at MULTI_CPU
+    accelerator = fsdp2_accelerator()  # accelerate's FSDP2 prepare of the PEFT model left its state at MULTI_CPU
     torch.manual_seed(17)
     ours, optimizer = hp_fastload.integrations.prepare_pretrained(
         accelerator,
