@@ -72,3 +72,31 @@ def run_ranks(target: Callable[..., None], world: int, *args: Any, timeout: floa
         if p.is_alive():
             p.kill()
     return [results.get(r, {"error": "no result (died or timed out)"}) for r in range(world)]
+
+
+def run_alternated(
+    methods: list[str], repeats: int, run: Callable[[str], list[dict[str, Any]]]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, dict[str, float]], bool]:
+    """Each method ``repeats`` times, the order flipped every repeat (drift on a shared host hits both alike):
+    ``(rows, the rows with a failed rank, per method the median slowest-rank seconds and peak RSS growth per rank,
+    whether every rank's shards were bit-equal across every run)``."""
+    import statistics
+    import sys
+
+    rows: list[dict[str, Any]] = []
+    for repeat in range(repeats):
+        for method in methods if repeat % 2 == 0 else methods[::-1]:
+            ranks = run(method)
+            rows.append({"method": method, "repeat": repeat, "ranks": ranks})
+            print(f"{method} repeat {repeat}: {ranks}", file=sys.stderr, flush=True)
+    errors = [r for r in rows for rank in r["ranks"] if "error" in rank]
+    medians: dict[str, dict[str, float]] = {}
+    for method in methods:
+        mine = [r for r in rows if r["method"] == method and all("error" not in x for x in r["ranks"])]
+        if mine:
+            medians[method] = {
+                "seconds_median": statistics.median(max(x["seconds"] for x in r["ranks"]) for r in mine),
+                "rss_growth_median_per_rank": statistics.median(max(x["rss_growth"] for x in r["ranks"]) for r in mine),
+            }
+    digests = {tuple(x.get("digest") for x in r["ranks"]) for r in rows}
+    return rows, errors, medians, not errors and len(digests) == 1

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -33,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _ranks import fsdp2_accelerator, model_config, run_ranks, shard_digest
+from _ranks import fsdp2_accelerator, model_config, run_alternated, run_ranks, shard_digest
 from _rss import PeakRss, rss
 
 METHODS = ["peft_accelerate", "hp_fastload"]
@@ -131,24 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     base, adapter = write_checkpoints(out, args.quick)
     sizes = {p.name: sum(f.stat().st_size for f in p.glob("*.safetensors")) for p in (base, adapter)}
 
-    rows: list[dict[str, Any]] = []
-    for repeat in range(repeats):
-        for method in METHODS if repeat % 2 == 0 else METHODS[::-1]:
-            ranks = run_one(str(base), str(adapter), method)
-            rows.append({"method": method, "repeat": repeat, "ranks": ranks})
-            print(f"{method} repeat {repeat}: {ranks}", file=sys.stderr, flush=True)
-    errors = [r for r in rows for rank in r["ranks"] if "error" in rank]
-    summary: dict[str, Any] = {"checkpoint_bytes": sizes, "methods": {}}
-    for method in METHODS:
-        mine = [r for r in rows if r["method"] == method and all("error" not in x for x in r["ranks"])]
-        if not mine:
-            continue
-        summary["methods"][method] = {
-            "seconds_median": statistics.median(max(x["seconds"] for x in r["ranks"]) for r in mine),
-            "rss_growth_median_per_rank": statistics.median(max(x["rss_growth"] for x in r["ranks"]) for r in mine),
-        }
-    digests = {tuple(x.get("digest") for x in r["ranks"]) for r in rows}
-    same = not errors and len(digests) == 1
+    rows, errors, medians, same = run_alternated(
+        METHODS, repeats, lambda method: run_one(str(base), str(adapter), method)
+    )
+    summary: dict[str, Any] = {"checkpoint_bytes": sizes, "methods": medians}
     summary["local_shards_equal"] = same
     (out / "peft_bench.json").write_text(json.dumps({"summary": summary, "rows": rows}, indent=1))
     base_mb, adapter_mb = sizes[base.name] / 1e6, sizes[adapter.name] / 1e6
