@@ -83,3 +83,16 @@ def interrupts_deferred() -> Iterator[None]:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     if held:
         raise KeyboardInterrupt
+
+
+def env_seconds(name: str, default: float) -> float:
+    """The environment variable ``name`` as a positive number of seconds, ``default`` where it is unset or empty;
+    a ``ValueError`` naming the variable otherwise."""
+    raw = os.environ.get(name, "")
+    try:
+        value = float(raw) if raw else default
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number of seconds") from None
+    if not value > 0:
+        raise ValueError(f"{name}={raw!r} must be a positive number of seconds")
+    return value

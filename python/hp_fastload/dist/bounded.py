@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import sys
 import threading
 import time
@@ -34,7 +33,7 @@ from typing import Any
 import torch
 
 from hp_fastload.dist.agree import raised_on
-from hp_fastload.runtime import dist_active
+from hp_fastload.runtime import dist_active, env_seconds
 
 __all__ = ["PEER_WAIT_ENV", "agree_bounded", "peer_wait_s"]
 
@@ -49,14 +48,7 @@ _CALLS = itertools.count()
 
 def peer_wait_s() -> float:
     """``HP_FASTLOAD_PEER_WAIT_S`` (seconds, > 0), default 10."""
-    raw = os.environ.get(PEER_WAIT_ENV, "")
-    try:
-        value = float(raw) if raw else 10.0
-    except ValueError:
-        raise ValueError(f"{PEER_WAIT_ENV}={raw!r} is not a number of seconds") from None
-    if not value > 0:
-        raise ValueError(f"{PEER_WAIT_ENV}={raw!r} must be a positive number of seconds")
-    return value
+    return env_seconds(PEER_WAIT_ENV, 10.0)
 
 
 def _group_timeout_s() -> float:

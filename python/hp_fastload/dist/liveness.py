@@ -42,7 +42,7 @@ from typing import Any, TypeVar, cast
 import torch
 
 from hp_fastload.errors import PeerLost
-from hp_fastload.runtime import node_of
+from hp_fastload.runtime import env_seconds, node_of
 
 __all__ = [
     "SILENCE_ENV",
@@ -63,14 +63,7 @@ _BEATS_AFTER_ERROR = 4
 
 def silence_s() -> float:
     """``HP_FASTLOAD_PEER_SILENCE_S`` (seconds, > 0), default 30."""
-    raw = os.environ.get(SILENCE_ENV, "")
-    try:
-        value = float(raw) if raw else 30.0
-    except ValueError:
-        raise ValueError(f"{SILENCE_ENV}={raw!r} is not a number of seconds") from None
-    if not value > 0:
-        raise ValueError(f"{SILENCE_ENV}={raw!r} must be a positive number of seconds")
-    return value
+    return env_seconds(SILENCE_ENV, 30.0)
 
 
 def beat_s() -> float:
