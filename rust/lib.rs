@@ -29,6 +29,8 @@
 //! - [`plan`]: validates items and turns them into runs.
 //! - [`exec`]: the executor ([`execute`], [`execute_scaled`], [`exec::execute_write`]): `exec/read.rs`,
 //!   `tasks.rs`, `scales.rs`, `write.rs`, `workers.rs`.
+//! - [`records`]: the packed item, scale and destination records that Python hands over, decoded
+//!   ([`Item::from_record`]).
 //! - `python` (feature `python`): the pyo3 extension module, the only user of pyo3.
 //!
 //! ```
@@ -72,6 +74,7 @@ mod overlap;
 pub mod plan;
 #[cfg(feature = "python")]
 mod python;
+pub mod records;
 pub mod simd;
 pub mod threads;
 pub mod types;

@@ -28,26 +28,8 @@ use crate::dtype::{Dtype, ALL_DTYPES};
 use crate::error::LoadError;
 use crate::exec::{execute_scaled as execute_batch, Backend, ExecOptions, Interrupt, Scale};
 use crate::header::Header;
+use crate::records;
 use crate::types::{Item, MAX_NDIM};
-
-// The packed item's int64 fields, exported to Python as `COL_*` (the one definition of the layout): file,
-// tensor, src_base, dest, dst_base, ndim, then lengths, source strides and destination strides, `MAX_NDIM`
-// each, then the scale (0: none, `k`: scales entry `k - 1`).
-const COL_FILE: usize = 0;
-const COL_TENSOR: usize = 1;
-const COL_SRC_BASE: usize = 2;
-const COL_DEST: usize = 3;
-const COL_DST_BASE: usize = 4;
-const COL_NDIM: usize = 5;
-const COL_LENGTHS: usize = 6;
-const COL_SRC_STRIDES: usize = COL_LENGTHS + MAX_NDIM;
-const COL_DST_STRIDES: usize = COL_SRC_STRIDES + MAX_NDIM;
-const COL_SCALE: usize = COL_DST_STRIDES + MAX_NDIM;
-/// int64 fields per packed item.
-const ITEM_WIDTH: usize = COL_SCALE + 1;
-/// int64 fields per packed scale: file, tensor, ndim, then the quantized tensor's shape and the block
-/// shape, `MAX_NDIM` each.
-const SCALE_WIDTH: usize = 3 + 2 * MAX_NDIM;
 
 fn raise(py: Python<'_>, class: &str, message: String) -> PyErr {
     let made = py
@@ -493,12 +475,6 @@ impl WeightMap {
     }
 }
 
-fn int64s(bytes: &[u8]) -> impl Iterator<Item = i64> + '_ {
-    bytes
-        .chunks_exact(8)
-        .map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes")))
-}
-
 fn plan_error(py: Python<'_>, message: String) -> PyErr {
     raise(py, "PlanError", message)
 }
@@ -536,109 +512,11 @@ fn execute<'py>(
             "the write direction writes local files; an object header cannot be written".into(),
         ));
     }
-    if !dests.len().is_multiple_of(24) {
-        return Err(plan_error(
-            py,
-            format!("dests has {} bytes, not a multiple of 24", dests.len()),
-        ));
-    }
-    let mut triples = Vec::with_capacity(dests.len() / 24);
-    let values: Vec<i64> = int64s(dests).collect();
-    for (i, t) in values.chunks_exact(3).enumerate() {
-        let dtype = Dtype::from_code(t[2]).ok_or_else(|| {
-            plan_error(py, format!("destination {i}: unknown dtype code {}", t[2]))
-        })?;
-        let (Ok(addr), Ok(nbytes)) = (usize::try_from(t[0]), usize::try_from(t[1])) else {
-            return Err(plan_error(
-                py,
-                format!(
-                    "destination {i}: address {} or size {} is negative",
-                    t[0], t[1]
-                ),
-            ));
-        };
-        if addr == 0 && nbytes > 0 {
-            return Err(plan_error(py, format!("destination {i}: null address")));
-        }
-        if addr.checked_add(nbytes).is_none() {
-            return Err(plan_error(
-                py,
-                format!("destination {i}: address range overflows"),
-            ));
-        }
-        triples.push((addr, nbytes, dtype));
-    }
-    if !items.len().is_multiple_of(ITEM_WIDTH * 8) {
-        return Err(plan_error(
-            py,
-            format!(
-                "items has {} bytes, not a multiple of {} ({ITEM_WIDTH} int64 each)",
-                items.len(),
-                ITEM_WIDTH * 8
-            ),
-        ));
-    }
-    let values: Vec<i64> = int64s(items).collect();
-    let items: Vec<Item> = values
-        .chunks_exact(ITEM_WIDTH)
-        .map(|v| {
-            let mut item = Item {
-                file: v[COL_FILE],
-                tensor: v[COL_TENSOR],
-                src_base: v[COL_SRC_BASE],
-                dest: v[COL_DEST],
-                dst_base: v[COL_DST_BASE],
-                ndim: v[COL_NDIM],
-                ..Item::default()
-            };
-            item.lengths
-                .copy_from_slice(&v[COL_LENGTHS..COL_LENGTHS + MAX_NDIM]);
-            item.src_strides
-                .copy_from_slice(&v[COL_SRC_STRIDES..COL_SRC_STRIDES + MAX_NDIM]);
-            item.dst_strides
-                .copy_from_slice(&v[COL_DST_STRIDES..COL_DST_STRIDES + MAX_NDIM]);
-            item.scale = v[COL_SCALE];
-            item
-        })
-        .collect();
-    let scales = scales.unwrap_or_default();
-    if !scales.len().is_multiple_of(SCALE_WIDTH * 8) {
-        return Err(plan_error(
-            py,
-            format!(
-                "scales has {} bytes, not a multiple of {} ({SCALE_WIDTH} int64 each)",
-                scales.len(),
-                SCALE_WIDTH * 8
-            ),
-        ));
-    }
-    let values: Vec<i64> = int64s(scales).collect();
-    let scales: Vec<Scale> = values
-        .chunks_exact(SCALE_WIDTH)
-        .map(|v| {
-            let mut scale = Scale {
-                file: v[0],
-                tensor: v[1],
-                ndim: v[2],
-                ..Scale::default()
-            };
-            scale.shape.copy_from_slice(&v[3..3 + MAX_NDIM]);
-            scale
-                .block
-                .copy_from_slice(&v[3 + MAX_NDIM..3 + 2 * MAX_NDIM]);
-            scale
-        })
-        .collect();
-    let threads = match threads {
-        None => None,
-        Some(n) if n >= 1 => Some(n as usize),
-        Some(n) => {
-            return Err(plan_error(
-                py,
-                format!("threads must be at least 1, got {n}"),
-            ))
-        }
-    };
+    // Decoded (and so checked) in this order: the first bad record names the error.
+    let triples = records::dests(dests).map_err(|e| to_py(py, e))?;
+    let items = records::items(items).map_err(|e| to_py(py, e))?;
+    let scales = records::scales(scales.unwrap_or_default()).map_err(|e| to_py(py, e))?;
+    let threads = records::threads(threads).map_err(|e| to_py(py, e))?;
     if write && (!scales.is_empty() || items.iter().any(|item| item.scale != 0)) {
         return Err(plan_error(
             py,
@@ -753,22 +631,11 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(simd_levels, m)?)?;
     add_object_functions(m)?;
     m.add("MAX_NDIM", MAX_NDIM)?;
-    m.add("ITEM_WIDTH", ITEM_WIDTH)?;
-    for (name, col) in [
-        ("COL_FILE", COL_FILE),
-        ("COL_TENSOR", COL_TENSOR),
-        ("COL_SRC_BASE", COL_SRC_BASE),
-        ("COL_DEST", COL_DEST),
-        ("COL_DST_BASE", COL_DST_BASE),
-        ("COL_NDIM", COL_NDIM),
-        ("COL_LENGTHS", COL_LENGTHS),
-        ("COL_SRC_STRIDES", COL_SRC_STRIDES),
-        ("COL_DST_STRIDES", COL_DST_STRIDES),
-        ("COL_SCALE", COL_SCALE),
-    ] {
+    m.add("ITEM_WIDTH", records::ITEM_WIDTH)?;
+    for (name, col) in records::ITEM_COLUMNS {
         m.add(name, col)?;
     }
-    m.add("SCALE_WIDTH", SCALE_WIDTH)?;
+    m.add("SCALE_WIDTH", records::SCALE_WIDTH)?;
     let floats: Vec<&str> = ALL_DTYPES
         .iter()
         .filter(|d| d.is_castable_float())
