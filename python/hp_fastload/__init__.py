@@ -17,22 +17,23 @@ from hp_fastload.api.pretrained import from_pretrained
 from hp_fastload.api.read import read_into, read_many
 from hp_fastload.api.rehearse import Rehearsal, as_rank, plan_each, rehearse
 from hp_fastload.api.save import SaveReport, save
-from hp_fastload.convert.quant import QuantizationError
+from hp_fastload.api.transfer import TransferReport, transfer
 from hp_fastload.errors import (
+    AdapterMismatchError,
     CheckpointMismatchError,
+    ConversionError,
     HeaderError,
     HpFastloadError,
     MissingKeysError,
     PeerInterrupted,
     PeerLost,
     PlanError,
+    QuantizationError,
     ReadError,
     TargetError,
 )
-from hp_fastload.model.peft import AdapterMismatchError
 from hp_fastload.planning.items import LoadPlan, LoadReport
 from hp_fastload.planning.replacement import Replacement
-from hp_fastload.planning.trace import ConversionError
 from hp_fastload.source.files import HeaderEntry, SafetensorsFile, clear_cache
 from hp_fastload.support import info
 
@@ -58,6 +59,7 @@ __all__ = [
     "SafetensorsFile",
     "SaveReport",
     "TargetError",
+    "TransferReport",
     "as_rank",
     "clear_cache",
     "from_pretrained",
@@ -72,6 +74,7 @@ __all__ = [
     "resolve_hf_loader",
     "rules",
     "save",
+    "transfer",
 ]
 
 

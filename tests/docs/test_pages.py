@@ -52,7 +52,7 @@ def test_every_snippet_is_run_by_a_test() -> None:
 
 
 def _exceptions() -> set[str]:
-    names = {n for n in errors.__all__ if isinstance(getattr(errors, n), type)}
+    names = {n for n in errors.__all__ if isinstance(c := getattr(errors, n), type) and issubclass(c, BaseException)}
     public = {n for n in hp_fastload.__all__ if isinstance(getattr(hp_fastload, n), type)}
     names |= {n for n in public if issubclass(getattr(hp_fastload, n), BaseException)}
     assert {"HpFastloadError", "MissingKeysError", "ObjectStoreError"} <= names

@@ -22,8 +22,8 @@ from torch import nn
 
 from hp_fastload.api.load import load
 from hp_fastload.dist.agree import agree, interrupts_between_steps
+from hp_fastload.errors import AdapterMismatchError
 from hp_fastload.model.peft import (
-    AdapterMismatchError,
     adapter_tensors,
     check_adapter_config,
     check_adapter_keys,

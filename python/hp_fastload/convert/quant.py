@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from hp_fastload.errors import PlanError
+from hp_fastload.errors import QuantizationError
 
 #: What a float target can receive from a quantized checkpoint.
 SUPPORTED = (
@@ -104,11 +104,6 @@ class Dequant(NamedTuple):
     scale: str
     shape: tuple[int, ...]
     block: tuple[int, ...]
-
-
-class QuantizationError(PlanError):
-    """A quantized checkpoint tensor would land in a target that cannot take it as stored (a float model
-    without a supported dequantization): refused at planning, before any byte is read."""
 
 
 BLOCK_FP8 = "block-scaled fp8 (weight_scale_inv)"

@@ -21,34 +21,9 @@ from typing import Any
 import torch
 
 from hp_fastload import errors
-from hp_fastload.convert.quant import QuantizationError
 from hp_fastload.dist import liveness
 from hp_fastload.runtime import dist_active, interrupts_deferred
 from hp_fastload.source.location import Location, resolve_checkpoint_location
-
-_REBUILDABLE: dict[str, type[BaseException]] = {
-    cls.__name__: cls
-    for cls in (
-        ValueError,
-        TypeError,
-        RuntimeError,
-        KeyError,
-        FileNotFoundError,
-        PermissionError,
-        OSError,
-        NotImplementedError,
-        errors.HpFastloadError,
-        errors.MissingKeysError,
-        errors.HeaderError,
-        errors.PlanError,
-        errors.ReadError,
-        errors.TargetError,
-        QuantizationError,
-        errors.CheckpointMismatchError,
-        errors.PeerLost,
-    )
-}
-
 
 #: A rank's outcome of a step, as the first, fixed-size gather carries it.
 _OK, _FAILED, _INTERRUPTED = 0, 1, 2
@@ -171,7 +146,8 @@ def _notice_within(sequence: int, seconds: float) -> str | None:
 
 
 def agree(stage: str, fn: Callable[[], Any], call: str = "hp_fastload.load (or from_pretrained)") -> Any:
-    """Run ``fn`` on every rank; if it fails on any rank, every rank raises (same type where possible).
+    """Run ``fn`` on every rank; if it fails on any rank, every rank raises: the failing rank its own exception,
+    the others the same class with the same message and fields, naming the failing rank (:func:`raised_on`).
     ``call``: the entry point every rank must be in, for the message when a peer is absent.
 
     The outcomes travel in two gathers: a fixed-size status per rank (polled, so this rank answers a signal
@@ -210,7 +186,7 @@ def agree(stage: str, fn: Callable[[], Any], call: str = "hp_fastload.load (or f
         )
     if _FAILED not in statuses:
         return result
-    payload = None if failure is None else (type(failure).__name__, str(failure))
+    payload = None if failure is None else errors.carried(failure)
     gathered: list[Any] = [None] * torch.distributed.get_world_size()
     with interrupts_deferred():
         _waiting(stage, lambda: torch.distributed.all_gather_object(gathered, payload), call)
@@ -218,12 +194,7 @@ def agree(stage: str, fn: Callable[[], Any], call: str = "hp_fastload.load (or f
         raise failure
     for rank, item in enumerate(gathered):
         if item is not None:
-            name, message = item
-            cls = _REBUILDABLE.get(name)
-            text = f"{stage} failed on rank {rank}: {name}: {message}"
-            if cls is not None and issubclass(cls, Exception):
-                raise cls(text)
-            raise RuntimeError(text)
+            raise raised_on(stage, rank, item)
     return result
 
 
@@ -513,11 +484,8 @@ def resolve_location_each(path: str | os.PathLike[str], revision: str | None) ->
     return resolved
 
 
-def raised_on(stage: str, rank: int, name: str, message: str) -> Exception:
-    """The exception every rank raises for a step that failed on ``rank`` with ``name: message`` (the same type
-    where it is one of the rebuildable types, else ``RuntimeError``)."""
-    cls = _REBUILDABLE.get(name)
-    text = f"{stage} failed on rank {rank}: {name}: {message}"
-    if cls is not None and issubclass(cls, Exception):
-        return cls(text)
-    return RuntimeError(text)
+def raised_on(stage: str, rank: int, failure: errors.Carried) -> Exception:
+    """The exception a rank raises for a step that failed on ``rank`` (``failure``, from ``errors.carried``): the
+    same class as there (one of ``errors.ERROR_TABLE``, else the nearest builtin class), with its fields and the
+    message ``"{stage} failed on rank {rank}: {its class}: {its message}"``."""
+    return errors.rebuilt(failure, f"{stage} failed on rank {rank}: {failure.name}: ")

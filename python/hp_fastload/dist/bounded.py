@@ -2,8 +2,8 @@
 travel through the process group's store, never through a collective, so a rank whose step failed is not left
 waiting in a collective while a peer waits in a different one inside the user's code.
 
-The protocol, every rank: run the step; post its outcome (ok, or the exception's type and message) under a key
-of this call in the default store; then
+The protocol, every rank: run the step; post its outcome (ok, or the exception as ``errors.carried`` gives it)
+under a key of this call in the default store; then
 
 - a rank whose step failed waits for the others' outcomes at most ``peer_wait_s()`` seconds (a few seconds,
   far below the process group's timeout), then raises: its own error, naming itself and the ranks that had not
@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from hp_fastload import errors
 from hp_fastload.dist.agree import raised_on
 from hp_fastload.runtime import dist_active, env_seconds
 
@@ -63,7 +64,7 @@ class _Watcher:
 
     def __init__(self, store: Any, keys: dict[int, str], stage: str, me: int) -> None:
         self.store, self.keys, self.stage, self.me = store, keys, stage, me
-        self.seen: dict[int, Any] = {}
+        self.seen: dict[int, errors.Carried | None] = {}
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._run, name="hp_fastload-agree-watch", daemon=True)
 
@@ -75,11 +76,13 @@ class _Watcher:
                 return
             failed = [rank for rank, item in self.seen.items() if item is not None]
             if failed:
-                name, message = self.seen[failed[0]]
+                failure = self.seen[failed[0]]
+                assert failure is not None
+                first_line = failure.message.split("\n", 1)[0]
                 print(
-                    f"hp_fastload: {self.stage.lower()} failed on rank {failed[0]} ({name}: {message}); rank "
-                    f"{self.me} is still inside that step, presumably waiting in a collective rank {failed[0]} will "
-                    "not join. It raises when the collective fails: when that rank's process exits, or at the "
+                    f"hp_fastload: {self.stage.lower()} failed on rank {failed[0]} ({failure.name}: {first_line}); "
+                    f"rank {self.me} is still inside that step, presumably waiting in a collective rank {failed[0]} "
+                    "will not join. It raises when the collective fails: when that rank's process exits, or at the "
                     "process group's timeout",
                     file=sys.stderr,
                     flush=True,
@@ -89,7 +92,8 @@ class _Watcher:
     def poll(self) -> None:
         for rank, key in self.keys.items():
             if rank not in self.seen and self.store.check([key]):
-                self.seen[rank] = json.loads(self.store.get(key).decode())
+                item = json.loads(self.store.get(key).decode())
+                self.seen[rank] = None if item is None else errors.Carried(*item)
 
 
 def agree_bounded(stage: str, fn: Callable[[], Any]) -> Any:
@@ -113,7 +117,7 @@ def agree_bounded(stage: str, fn: Callable[[], Any]) -> Any:
     finally:
         watcher.done.set()
         watcher.thread.join()
-    payload = None if failure is None else [type(failure).__name__, str(failure).splitlines()[0][:2000]]
+    payload = None if failure is None else errors.carried(failure)
     try:
         store.set(f"{prefix}/{me}", json.dumps(payload))
         _collect(watcher, failure is not None)
@@ -129,17 +133,18 @@ def agree_bounded(stage: str, fn: Callable[[], Any]) -> Any:
     if failure is not None:
         if peer is not None and _is_store_error(failure):
             # This rank's collective failed because a peer that had failed left it: the peer's error is the cause.
-            raise raised_on(stage, peer[0], *peer[1]) from failure
+            raise raised_on(stage, peer[0], peer[1]) from failure
         missing = sorted(rank for rank in keys if rank not in watcher.seen)
         if missing:
             note = (
                 f" (ranks {missing} had not finished this step {peer_wait_s():g} s later: they wait in a collective "
                 f"of this step that rank {me} will not join, and are released when this process exits)"
             )
-            raise raised_on(stage, me, type(failure).__name__, str(failure) + note) from failure
+            mine = errors.carried(failure)
+            raise raised_on(stage, me, mine._replace(message=mine.message + note)) from failure
         raise failure
     if peer is not None:
-        raise raised_on(stage, peer[0], *peer[1])
+        raise raised_on(stage, peer[0], peer[1])
     return result
 
 
@@ -164,9 +169,9 @@ def _collect(watcher: _Watcher, failed: bool) -> None:
         sleep = min(sleep * 2, _POLL_S)
 
 
-def _peer_failure(watcher: _Watcher) -> tuple[int, tuple[str, str]] | None:
-    failed = sorted(rank for rank, item in watcher.seen.items() if item is not None)
-    return (failed[0], tuple(watcher.seen[failed[0]])) if failed else None
+def _peer_failure(watcher: _Watcher) -> tuple[int, errors.Carried] | None:
+    failed = sorted((rank, item) for rank, item in watcher.seen.items() if item is not None)
+    return failed[0] if failed else None
 
 
 def _is_store_error(exc: BaseException) -> bool:

@@ -29,14 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from hp_fastload.errors import TargetError
+from hp_fastload.errors import AdapterMismatchError, TargetError
 from hp_fastload.model.wrappers import WRAPPED_CHILDREN, own_class
-
-
-class AdapterMismatchError(TargetError):
-    """A PEFT adapter checkpoint does not fit the adapter of the PEFT model it is loaded into: its
-    ``adapter_config.json`` disagrees (type, rank, alpha, target modules, ``modules_to_save``...) or its file holds
-    other tensors than the model's adapter has. Raised before any byte is read."""
 
 
 def _peft_class(module: str, name: str) -> Any:

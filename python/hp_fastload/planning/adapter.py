@@ -23,14 +23,10 @@ import torch
 from hp_fastload.convert.adapter import StateDictAdapter, loaded_regions, released_sources, released_tensors
 from hp_fastload.convert.structure import Mapped
 from hp_fastload.convert.symbolic import UnsupportedRegionOp
-from hp_fastload.errors import PlanError, shown_key
+from hp_fastload.errors import AdapterError, shown_key
 from hp_fastload.model.targets import Target
 from hp_fastload.planning.claims import Claims
 from hp_fastload.source.index import CheckpointIndex
-
-
-class AdapterError(PlanError, RuntimeError):
-    """A state-dict adapter (or a model hook) did something that cannot be planned as exact region reads."""
 
 
 @dataclass

@@ -16,10 +16,11 @@ import torch
 from hp_fastload.convert.groups import LoadGroup, rename_key
 from hp_fastload.convert.rules import is_converter, is_renaming
 from hp_fastload.convert.symbolic import RegionTensor, UnsupportedRegionOp
+from hp_fastload.errors import ConversionError
 from hp_fastload.model.targets import Target
 from hp_fastload.planning.claims import Claims
 from hp_fastload.planning.context import PendingGroup
-from hp_fastload.planning.trace import ConversionError, Traced, group_compute, run_converter
+from hp_fastload.planning.trace import Traced, group_compute, run_converter
 from hp_fastload.source.natural import natural_sort_key
 
 

@@ -15,14 +15,10 @@ import torch
 
 from hp_fastload.convert.groups import LoadGroup, masked_name
 from hp_fastload.convert.symbolic import Block, RegionTensor, UnsupportedRegionOp
-from hp_fastload.errors import PlanError, shown_key
+from hp_fastload.errors import ConversionError, shown_key
 from hp_fastload.source.index import CheckpointIndex
 
 log = logging.getLogger("hp_fastload")
-
-
-class ConversionError(PlanError, RuntimeError):
-    """A conversion op failed on the checkpoint's shapes (a rule that does not fit the checkpoint)."""
 
 
 def run_converter(transform: Any, target: str, inputs: Iterable[tuple[str, str, Any]], model: Any) -> dict[str, Any]:
