@@ -46,7 +46,7 @@ def bench_body(spec: dict[str, Any]) -> list[dict[str, Any]]:
     from tools.cluster_work import build, check_exact
 
     import hp_fastload
-    from hp_fastload.api import jobload
+    from hp_fastload.execute import job as jobload
 
     # the delivery's phases of each job-wide load (its DeliveryStats: where a rank's time went), for the profile
     phases: list[dict[str, float]] = []

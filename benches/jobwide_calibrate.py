@@ -144,8 +144,8 @@ def _load_rank(rank: int, world: int, root: str, layout: str, mesh: Any, share: 
     import torch
 
     import hp_fastload as hf
-    import hp_fastload.api.jobload as job_module
     import hp_fastload.api.load as load_module
+    import hp_fastload.execute.job as job_module
     from hp_fastload.api.ranks import meta_model
     from hp_fastload.model.layouts import apply_layout
     from hp_fastload.source.location import resolve_checkpoint_location

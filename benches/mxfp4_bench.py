@@ -97,19 +97,13 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
             report = hf.load(model, str(ckpt), strict=True, loader="legacy" if loader == "hp_torch" else "dcp")
             bytes_read = report.bytes_read
         else:  # one rank of a fake world: plan + execute, without the cross-rank agreement collectives
-            from hp_fastload.api.load import plan_at
+            from hp_fastload.api.request import plan_request
             from hp_fastload.execute.read import execute_plan
+            from hp_fastload.planning.front import plan as plan_rank
+            from hp_fastload.source.index import CheckpointIndex
 
-            plan, context = plan_at(
-                model,
-                ckpt,
-                "legacy" if loader == "hp_torch" else "dcp",
-                weights_mapping=None,
-                key_mapping=None,
-                strict=True,
-                external_target_fqns=frozenset(),
-                claimed_source_keys=frozenset(),
-            )
+            request = plan_request(model, loader="legacy" if loader == "hp_torch" else "dcp")
+            plan, context = plan_rank(model, CheckpointIndex.open(ckpt), request)
             bytes_read = execute_plan(plan, context, legacy=loader == "hp_torch").bytes_read
             report = plan.report
         times.append(time.perf_counter() - t0)

@@ -277,20 +277,13 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
 
                 hf.load(model, ckpt)
             else:  # one rank of a fake world: plan + execute, without the cross-rank agreement collectives
-                from hp_fastload.api.load import plan_at
+                from hp_fastload.api.request import plan_request
                 from hp_fastload.execute.read import execute_plan
+                from hp_fastload.planning.front import plan
+                from hp_fastload.source.index import CheckpointIndex
 
-                plan, context = plan_at(
-                    model,
-                    Path(ckpt),
-                    "dcp",
-                    weights_mapping=None,
-                    key_mapping=None,
-                    strict=True,
-                    external_target_fqns=frozenset(),
-                    claimed_source_keys=frozenset(),
-                )
-                execute_plan(plan, context)
+                planned, context = plan(model, CheckpointIndex.open(Path(ckpt)), plan_request(model, loader="dcp"))
+                execute_plan(planned, context)
             times.append(time.perf_counter() - t0)
             verify = _verify(ckpt, _from_model(model, world), world) if loader == "hp_load" else None
             del model

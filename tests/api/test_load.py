@@ -418,22 +418,16 @@ def test_failing_replacement_conversion_names_its_target(replacement_checkpoint)
 @pytest.mark.parametrize("staging_bytes", [64, 256, 1 << 20])
 def test_staging_path_double_buffers_exactly(checkpoint, staging_bytes):
     """The CUDA staging path (slabs, flips, oversize targets, post-ops before the copy), run on CPU targets."""
-    from hp_fastload.api.load import plan_at
+    from hp_fastload.api.request import plan_request
     from hp_fastload.execute.read import execute_plan
+    from hp_fastload.planning.front import plan
+    from hp_fastload.source.index import CheckpointIndex
 
     root, tensors = checkpoint
     model = Tiny()
     model.config = Cfg()  # type: ignore[assignment]
-    p, context = plan_at(
-        model,
-        root,
-        "dcp",
-        weights_mapping=mapping(),
-        key_mapping=None,
-        strict=False,
-        external_target_fqns=frozenset(),
-        claimed_source_keys=frozenset(),
-    )
+    request = plan_request(model, weights_mapping=mapping(), loader="dcp", strict=False)
+    p, context = plan(model, CheckpointIndex.open(root), request)
     stats = execute_plan(p, context, stage_all=True, staging_bytes=staging_bytes)
     assert stats.engine_calls >= (3 if staging_bytes < 256 else 1)
     state = model.state_dict()

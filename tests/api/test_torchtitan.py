@@ -535,6 +535,7 @@ def test_job_needs_through_the_adapter_equal_planning_each_rank(root: Path, name
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from hp_fastload.api.request import plan_request
     from hp_fastload.planning.jobneeds import StorageMap
     from hp_fastload.planning.jobranks import all_rank_needs, rank_needs_by_planning
     from hp_fastload.source.index import CheckpointIndex
@@ -547,16 +548,9 @@ def test_job_needs_through_the_adapter_equal_planning_each_rank(root: Path, name
         model = parallelize(model)
         index = CheckpointIndex.open(root / name)
         smap = StorageMap.of_index(index)
-        kwargs: dict[str, Any] = dict(
-            rules=[],
-            loader="dcp",
-            external_target_fqns=frozenset(),
-            claimed_source_keys=frozenset(),
-            replacement=None,
-            adapter=titan.adapter(name, cfg),
-        )
-        fast = all_rank_needs(model, index, smap, world, **kwargs)
-        reference = rank_needs_by_planning(model, index, smap, world, **kwargs)
+        request = plan_request(model, state_dict_adapter=titan.adapter(name, cfg), loader="dcp", strict=False)
+        fast = all_rank_needs(model, index, smap, world, request)
+        reference = rank_needs_by_planning(model, index, smap, world, request)
     finally:
         dist.destroy_process_group()
     sizes = [n.nbytes(smap) for n in reference]

@@ -21,8 +21,10 @@ import torch
 from safetensors.torch import save_file
 
 import hp_fastload as hf
-from hp_fastload.api.load import plan_at
+from hp_fastload.api.request import plan_request
 from hp_fastload.execute.read import execute_plan
+from hp_fastload.planning import front
+from hp_fastload.source.index import CheckpointIndex
 from tests.helpers import quant_checkpoints as qc
 from tests.helpers.tiny_models import model_class
 
@@ -279,16 +281,7 @@ def test_staged_reads_dequantize_in_row_blocks(tmp_path, fmt):
             quantization_config=FineGrainedFP8Config(weight_block_size=(4, 8), dequantize=True),
         )
     target = _zeroed(model)
-    plan, context = plan_at(
-        target,
-        tmp_path,
-        "dcp",
-        weights_mapping=None,
-        key_mapping=None,
-        strict=True,
-        external_target_fqns=frozenset(),
-        claimed_source_keys=frozenset(),
-    )
+    plan, context = front.plan(target, CheckpointIndex.open(tmp_path), plan_request(target, loader="dcp"))
     assert plan.dequant
     stats = execute_plan(plan, context, stage_all=True, staging_bytes=512)
     assert stats.engine_calls > 1

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from hp_fastload.convert.rules import resolve_mapping
+from hp_fastload.api.request import plan_request
 from hp_fastload.model.layouts import apply_layout
 from hp_fastload.planning.jobneeds import StorageMap
 from hp_fastload.planning.jobranks import all_rank_needs, rank_needs_by_planning
@@ -88,15 +88,9 @@ def test_needs_from_the_whole_plan_equal_planning_each_rank(
         apply_layout(model, layout, WORLD, (4, 2) if layout in ("tp+fsdp", "2d") else None)
     index = CheckpointIndex.open(path)
     smap = StorageMap.of_index(index)
-    kwargs: dict[str, Any] = dict(
-        rules=resolve_mapping(model, None, None),
-        loader="dcp",
-        external_target_fqns=frozenset(),
-        claimed_source_keys=frozenset(),
-        replacement=None,
-    )
-    fast = all_rank_needs(model, index, smap, WORLD, **kwargs)
-    reference = rank_needs_by_planning(model, index, smap, WORLD, **kwargs)
+    request = plan_request(model, loader="dcp", strict=False)
+    fast = all_rank_needs(model, index, smap, WORLD, request)
+    reference = rank_needs_by_planning(model, index, smap, WORLD, request)
     sizes = [n.nbytes(smap) for n in reference]
     assert min(sizes) < index.total_bytes, sizes  # some rank holds less than everything: the layout cuts
     for rank, (got, want) in enumerate(zip(fast, reference, strict=True)):

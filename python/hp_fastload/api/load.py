@@ -1,9 +1,10 @@
-"""The user-facing loaders: ``load``, ``plan``, ``HuggingFaceCheckpointer``, ``resolve_hf_loader``.
+"""The user-facing loaders: ``load``, ``plan``, ``as_rank``; the report's phase clock.
 
-Owns the seed's contract (hyper-parallel's ``HuggingFaceCheckpointer``): loader resolution, argument checks,
-the two loaders (``legacy``: whole tensors, converted on the host, sliced; ``dcp``: exact region reads),
-cross-rank agreement on failures (every rank raises when one fails, nobody hangs), the report, progress and
-the one summary log line. Planning lives in ``plan``, reading in ``execute``.
+Owns the seed's contract (hyper-parallel's ``HuggingFaceCheckpointer``): argument checks, the two loaders
+(``legacy``: whole tensors, converted on the host, sliced; ``dcp``: exact region reads), cross-rank agreement
+on failures (every rank raises when one fails, nobody hangs), the report, progress and the one summary log
+line. The arguments become one ``PlanRequest`` (``api.request``); planning is ``planning.front.plan``,
+reading ``execute``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import re
 import sys
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping
@@ -22,49 +22,28 @@ import torch
 from torch import nn
 
 from hp_fastload import errors
-from hp_fastload.api.jobload import JobStats, agree_job_plan, resolve_share, run_job
-from hp_fastload.convert.adapter import check_adapter
-from hp_fastload.convert.rules import resolve_mapping
+from hp_fastload.api.request import HF_LOADER_ENV, plan_request, resolve_hf_loader, resolve_share
 from hp_fastload.dist.agree import agree, interrupts_between_steps, resolve_location_each
 from hp_fastload.dist.identity import agree_checkpoint, identity_of
 from hp_fastload.errors import HeaderError
+from hp_fastload.execute.job import agree_job_plan, run_job
 from hp_fastload.execute.read import ExecStats, execute_plan
 from hp_fastload.execute.threads import threads_per_rank
-from hp_fastload.model.finalize import non_persistent_buffers, recreate_buffers, retie
+from hp_fastload.model.finalize import mark_loaded, non_persistent_buffers, recreate_buffers, retie
 from hp_fastload.model.peft import BaseView, base_view, fill_copies, inner_model, is_peft_model, refuse_quantized_base
 from hp_fastload.model.regions import virtual_rank
-from hp_fastload.model.targets import build_targets
 from hp_fastload.model.wrappers import unwrapped
+from hp_fastload.planning import front
 from hp_fastload.planning.context import LoadContext
 from hp_fastload.planning.items import PHASES, CriticalPath, LoadPlan, LoadReport
-from hp_fastload.planning.orchestrate import plan_load
 from hp_fastload.planning.replacement import Replacement
+from hp_fastload.planning.request import PlanRequest
 from hp_fastload.runtime import dist_active, gc_paused, is_rank0
 from hp_fastload.source.config import read_config_json
 from hp_fastload.source.index import CheckpointIndex
 from hp_fastload.source.location import Location, folder_of, resolve_checkpoint_location
 
-HF_LOADER_ENV = "HYPER_PARALLEL_HF_LOADER"
-
-# The loaders of the hyper-parallel seed, under the seed's names: "legacy" reads whole tensors and converts them
-# with torch; "dcp" is the region loader (conversions compiled into checkpoint coordinates, each rank reading only
-# its regions). Despite its name it is not torch DCP, which hp_fastload.dcp plugs into as a storage reader.
-LOADERS = ("legacy", "dcp")
-
-DEFAULT_LOADER = "dcp"
-
-
-def resolve_hf_loader(loader: str | None = None) -> str:
-    """The loader name: the argument, else ``$HYPER_PARALLEL_HF_LOADER``, else ``"dcp"`` (case-insensitive)."""
-    value = loader if loader is not None else os.environ.get(HF_LOADER_ENV) or DEFAULT_LOADER
-    name = str(value).strip().lower()
-    if name not in LOADERS:
-        raise ValueError(
-            f"Unknown pretrained loader {value!r}; expected one of {', '.join(LOADERS)} "
-            f"(set through the loader argument or {HF_LOADER_ENV})"
-        )
-    return name
-
+__all__ = ["HF_LOADER_ENV", "PhaseClock", "as_rank", "load", "plan", "planned", "resolve_hf_loader"]
 
 log = logging.getLogger("hp_fastload")
 
@@ -153,24 +132,25 @@ def plan(
     """
     mesh_override = _rank_override(model, mesh_override, rank)
     model = unwrapped(model)
+    owner = model  # whose rules
     if is_peft_model(model):  # the base checkpoint of a PEFT model, as load reads it
-        inner = inner_model(model)
-        weights_mapping, key_mapping = resolve_mapping(inner, weights_mapping, key_mapping), None
+        owner = inner_model(model)
         model = _peft_base(model).skeleton
-    plan_only, _ = plan_at(
-        model,
-        resolve_checkpoint_location(path, revision=revision),
-        resolve_hf_loader(loader),
+    request = plan_request(
+        owner,
         weights_mapping=weights_mapping,
         key_mapping=key_mapping,
+        state_dict_adapter=state_dict_adapter,
+        loader=loader,
         strict=strict,
         external_target_fqns=external_target_fqns,
         claimed_source_keys=claimed_source_keys,
-        mesh_override=mesh_override,
         replacement=replacement,
-        state_dict_adapter=state_dict_adapter,
         ignore_missing=ignore_missing,
+        view=mesh_override,
     )
+    location = resolve_checkpoint_location(path, revision=revision)
+    plan_only, _ = planned(model, location, CheckpointIndex.open(location), request)
     return plan_only
 
 
@@ -203,75 +183,18 @@ def _has_meta(model: nn.Module) -> bool:
     return False
 
 
-def plan_at(
-    model: nn.Module,
-    location: Location,
-    loader: str,
-    *,
-    weights_mapping: Iterable[Any] | None,
-    key_mapping: Mapping[str, str] | None,
-    strict: bool,
-    external_target_fqns: Collection[str],
-    claimed_source_keys: Collection[str],
-    mesh_override: Any = None,
-    replacement: Replacement | None = None,
-    index: CheckpointIndex | None = None,
-    state_dict_adapter: Any = None,
-    ignore_missing: Iterable[str] = (),
+def planned(
+    model: nn.Module, location: Location, index: CheckpointIndex, request: PlanRequest
 ) -> tuple[LoadPlan, LoadContext]:
-    """Headers, targets and rules of one (possibly virtual) rank, planned (the plan and its live side);
-    nothing is read. The cyclic GC is paused throughout (``runtime.gc_paused``; free when the caller, a public
-    entry point, already paused it)."""
-    with gc_paused():
-        if index is None:
-            index = CheckpointIndex.open(location)
-        targets = build_targets(
-            model, external_target_fqns=frozenset(external_target_fqns), mesh_override=mesh_override
-        )
-        adapter = _checked_adapter(state_dict_adapter, weights_mapping, key_mapping)
-        rules = [] if adapter is not None else resolve_mapping(model, weights_mapping, key_mapping)
+    """``planning.front.plan`` of ``request``, a strict miss told with where the checkpoint's ``config.json``
+    and the model's config disagree (architecture, depth, size) when they do."""
     try:
-        return plan_load(
-            model,
-            index,
-            targets,
-            rules,
-            strict=strict,
-            trace=loader == "dcp",
-            claimed_source_keys=frozenset(claimed_source_keys),
-            loader=loader,
-            replacement=replacement,
-            adapter=adapter,
-            ignore_missing=_checked_patterns(ignore_missing),
-        )
+        return front.plan(model, index, request)
     except errors.MissingKeysError as exc:
         hint = _config_mismatch(model, location)
         if not hint:
             raise
         raise errors.MissingKeysError(f"{exc} {hint}", exc.missing_keys, exc.unexpected_keys) from None
-
-
-def _checked_adapter(adapter: Any, weights_mapping: Any, key_mapping: Any) -> Any:
-    if adapter is None:
-        return None
-    if weights_mapping is not None or key_mapping:
-        raise ValueError(
-            "state_dict_adapter= converts the whole state dict; it cannot be combined with weights_mapping= or "
-            "key_mapping= (put the renames into the adapter)"
-        )
-    return check_adapter(adapter)
-
-
-def _checked_patterns(patterns: Iterable[str]) -> tuple[str, ...]:
-    if isinstance(patterns, str):
-        raise TypeError(f"ignore_missing takes a list of regexes, got the string {patterns!r}")
-    out = tuple(patterns)
-    for pattern in out:
-        try:
-            re.compile(pattern)
-        except re.error as exc:
-            raise ValueError(f"ignore_missing: {pattern!r} is not a valid regex: {exc}") from None
-    return out
 
 
 _COMPARED_CONFIG_FIELDS = ("model_type", "num_hidden_layers", "hidden_size", "vocab_size")
@@ -333,7 +256,7 @@ def load(
     tensors would stay missing; unexpected checkpoint keys are only logged. ``share_replicated=True`` (region
     loader, several ranks) has one replica of each replicated DTensor read it and broadcast it to the others
     (``dist.share``). ``share="job"`` reads every checkpoint byte once per job and sends each rank only the bytes
-    its shards need (``api.jobload``; ``ranks_per_node`` defaults to ``$LOCAL_WORLD_SIZE``,
+    its shards need (``execute.job``; ``ranks_per_node`` defaults to ``$LOCAL_WORLD_SIZE``,
     ``share_budget_bytes`` bounds each rank's staging and messages per round); ``"auto"`` picks ``"job"`` or
     ``"none"`` from the cost model; ``"none"`` (default) is every rank reading its own regions.
     ``threads`` defaults to this process's cores divided by the ranks on its node (``LOCAL_WORLD_SIZE``).
@@ -372,7 +295,7 @@ def load(
     if peft_model is not None and state_dict_adapter is not None:
         raise ValueError("state_dict_adapter= is for torchtitan models; a PEFT model's base follows transformers")
     owner = inner_model(peft_model) if peft_model is not None else model  # whose ties, buffers and rules
-    name = resolve_hf_loader(loader)
+    resolve_hf_loader(loader)  # an unknown loader is refused before anything is opened
     sharing = resolve_share(share, share_replicated)
     clock = PhaseClock()
     if threads is None:
@@ -392,68 +315,46 @@ def load(
     view: BaseView | None = None
     if peft_model is not None:  # the base tensors under the base checkpoint's names, the rules of the inner model
         view = clock.agreed("planning", "Naming the PEFT model's base tensors", lambda: _peft_base(peft_model))
-        weights_mapping = clock.agreed(
-            "planning",
-            "Resolving the base model's rules",
-            lambda: resolve_mapping(owner, weights_mapping, key_mapping),
-        )
-        model, key_mapping = view.skeleton, None
-    planned_pair: tuple[LoadPlan, LoadContext] = clock.agreed(
-        "planning",
-        "Planning the pretrained load",
-        lambda: plan_at(
-            model,
-            location,
-            name,
-            index=index,
+        model = view.skeleton
+
+    def planning() -> tuple[PlanRequest, LoadPlan, LoadContext]:
+        request = plan_request(
+            owner,
             weights_mapping=weights_mapping,
             key_mapping=key_mapping,
+            state_dict_adapter=state_dict_adapter,
+            loader=loader,
             strict=strict,
             external_target_fqns=external_target_fqns,
             claimed_source_keys=claimed_source_keys,
             replacement=replacement,
-            state_dict_adapter=state_dict_adapter,
             ignore_missing=ignore_missing,
-        ),
-    )
-    load_plan, context = planned_pair
+        )
+        return (request, *planned(model, location, index, request))
+
+    request, load_plan, context = clock.agreed("planning", "Planning the pretrained load", planning)
     replicas = None
     multi = dist_active() and torch.distributed.get_world_size() > 1
-    if sharing == "replicated" and name == "dcp" and multi:
+    if sharing == "replicated" and request.trace and multi:
         from hp_fastload.dist.share import plan_replicas
 
         replicas = plan_replicas(map(context.target, load_plan.region_reads))
     clock.lap("planning")
     job = None
-    if sharing in ("job", "auto") and name == "dcp" and multi:  # docs/job-wide.md
-        job = agree_job_plan(
-            model,
-            index,
-            load_plan,
-            sharing,
-            ranks_per_node,
-            share_budget_bytes,
-            weights_mapping=weights_mapping,
-            key_mapping=key_mapping,
-            external_target_fqns=external_target_fqns,
-            claimed_source_keys=claimed_source_keys,
-            replacement=replacement,
-            loader=name,
-            state_dict_adapter=state_dict_adapter,
-        )
+    if sharing in ("job", "auto") and request.trace and multi:  # docs/job-wide.md
+        job = agree_job_plan(model, index, load_plan, request, sharing, ranks_per_node, share_budget_bytes)
         clock.lap("agreement")
     total = load_plan.bytes_needed
     update, close = _progress_bar(total, progress)
     clock.lap("other")
     try:
-        stats: ExecStats | JobStats
+        stats: ExecStats
         if job is not None:
             stats = run_job(
                 job,
                 torch.distributed.get_rank(),
                 load_plan,
                 context,
-                agree=agree,
                 threads=threads,
                 backend=backend,
                 progress=update,
@@ -466,7 +367,7 @@ def load(
                 lambda: execute_plan(
                     load_plan,
                     context,
-                    legacy=name == "legacy",
+                    legacy=not request.trace,
                     threads=threads,
                     backend=backend,
                     progress=update,
@@ -475,19 +376,14 @@ def load(
             )
     finally:
         close()
-        for file in context.index.files:  # a finished load keeps no page tables of the checkpoint mapped
-            file.header.release_map()
+        context.index.release_maps()  # a finished load keeps no page tables of the checkpoint mapped
         clock.lap("finishing")
     if replicas is not None:  # every rank's reads succeeded (agreed above): safe to enter the broadcasts
         from hp_fastload.dist.share import broadcast_replicas
 
-        stats.extra["bytes_received"] = broadcast_replicas(replicas)
+        stats.bytes_received = broadcast_replicas(replicas)
         clock.lap("reading")
-    for target_name in load_plan.region_reads:
-        context.target(target_name).tensor._is_hf_initialized = True  # type: ignore[attr-defined]
-    for deferred in load_plan.deferred:
-        for target_name in deferred.claims.values():
-            context.target(target_name).tensor._is_hf_initialized = True  # type: ignore[attr-defined]
+    mark_loaded(context.target(n).tensor for n in load_plan.target_names())
     clock.lap("other")
     if view is not None and view.copies:
         clock.agreed("finishing", "Filling the modules_to_save copies", lambda: fill_copies(view))
@@ -503,10 +399,8 @@ def load(
         seconds=seconds,
         retied_keys=tuple(retied),
         unfilled_buffers=tuple(unfilled),
-        bytes_received=stats.bytes_received
-        if isinstance(stats, JobStats)
-        else int(stats.extra.get("bytes_received", 0)),
-        bytes_sent=stats.bytes_sent if isinstance(stats, JobStats) else 0,
+        bytes_received=stats.bytes_received,
+        bytes_sent=stats.bytes_sent,
         share="job" if job is not None else ("replicated" if replicas is not None else "none"),
         stragglers=tuple(stats.extra.get("stragglers", ())),
         adapter_keys=view.adapter_keys if view is not None else (),

@@ -173,9 +173,10 @@ def simulate(
     """The job-wide plan of ``layout`` over ``world`` ranks, planned in this process as one rank of the job
     would (headers only, under a ``fake`` process group), and its measures (``planning.simulate.measures``),
     with the seconds of each planning phase (``t4_plan_seconds``: T4 is their total)."""
-    from hp_fastload.convert.rules import resolve_mapping
+    from hp_fastload.api.request import plan_request
+    from hp_fastload.planning.front import whole_plan
     from hp_fastload.planning.jobneeds import StorageMap
-    from hp_fastload.planning.jobranks import needs_from_whole_plan, whole_plan
+    from hp_fastload.planning.jobranks import needs_from_whole_plan
     from hp_fastload.planning.jobwide import DEFAULT_BUDGET_BYTES, DEFAULT_CHUNK_BYTES, plan_job
     from hp_fastload.planning.simulate import measures
     from hp_fastload.source.index import CheckpointIndex
@@ -185,15 +186,7 @@ def simulate(
         index = CheckpointIndex.open(location)
         smap = StorageMap.of_index(index)
         marks.append((time.perf_counter(), time.process_time()))
-        whole, targets = whole_plan(
-            model,
-            index,
-            rules=resolve_mapping(model, None, None),
-            loader="dcp",
-            external_target_fqns=frozenset(),
-            claimed_source_keys=frozenset(),
-            replacement=None,
-        )
+        whole, targets = whole_plan(model, index, plan_request(model, loader="dcp", strict=False))
         marks.append((time.perf_counter(), time.process_time()))
         needs = needs_from_whole_plan(whole, targets, index, smap, world)
         marks.append((time.perf_counter(), time.process_time()))

@@ -10,7 +10,7 @@ import torch
 
 from hp_fastload.execute.requests import Request, pack_requests
 from hp_fastload.runtime import gc_paused
-from hp_fastload.source.files import PathOrFile
+from hp_fastload.source.files import PathOrFile, release_maps
 
 
 def read_many(
@@ -54,8 +54,7 @@ def read_many(
         return batch.execute(threads, backend, empty=True)  # type: ignore[return-value]
     finally:
         if not keep_maps:
-            for f in files:
-                f.header.release_map()
+            release_maps(files)
 
 
 def read_into(

@@ -23,16 +23,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from hp_fastload.api.load import PhaseClock, as_rank, plan_at
-from hp_fastload.convert.rules import resolve_mapping
+from hp_fastload.api.load import PhaseClock, as_rank
+from hp_fastload.api.request import plan_request
 from hp_fastload.errors import PlanError
 from hp_fastload.execute.read import execute_plan
 from hp_fastload.execute.staging import DEFAULT_STAGING_BYTES
 from hp_fastload.execute.threads import threads_per_rank
-from hp_fastload.model.targets import Target, build_targets, model_tensors
+from hp_fastload.model.targets import Target, model_tensors
 from hp_fastload.model.wrappers import unwrapped
+from hp_fastload.planning import front
+from hp_fastload.planning.front import Groundwork, groundwork, targets_of
 from hp_fastload.planning.items import CriticalPath, LoadPlan
-from hp_fastload.planning.orchestrate import SharedPlanning, plan_load, share_planning
 from hp_fastload.runtime import gc_paused
 from hp_fastload.source.index import CheckpointIndex
 from hp_fastload.source.location import resolve_checkpoint_location
@@ -52,22 +53,25 @@ def plan_each(
 ) -> Iterator[tuple[int, LoadPlan]]:
     """``(rank, plan)`` for each of ``ranks`` of ``model``'s layout (see :func:`as_rank`), equal to
     ``hp_fastload.plan(model, path, rank=rank)`` each. The checkpoint's headers are read once, and the groups,
-    their traces and the quantization scan are made once for all ranks (``plan.orchestrate.share_planning``):
+    their traces and the quantization scan are made once for all ranks (``planning.front.groundwork``):
     each rank only builds its targets, claims and intersects its regions."""
     model = unwrapped(model)
     location = resolve_checkpoint_location(path, revision=revision)
     with gc_paused():
         index = CheckpointIndex.open(location)
-        rules = resolve_mapping(model, weights_mapping, key_mapping)
+        request = plan_request(
+            model, weights_mapping=weights_mapping, key_mapping=key_mapping, loader="dcp", strict=strict
+        )
         tensors = model_tensors(model)
-    shared: SharedPlanning | None = None
+    work: Groundwork | None = None
     first = True
     for rank in ranks:
         with gc_paused():
-            targets = build_targets(model, mesh_override=as_rank(rank), tensors=tensors)
+            each = request.seen_as(as_rank(rank))
+            targets = targets_of(model, each, tensors)
             if first:
-                shared, first = share_planning(model, index, targets, rules), False
-            plan, _ = plan_load(model, index, targets, rules, strict=strict, shared=shared)
+                work, first = groundwork(model, index, each, targets), False
+            plan, _ = front.plan(model, index, each, targets=targets, groundwork=work)
         yield rank, plan
 
 
@@ -269,18 +273,16 @@ def rehearse(
     location = resolve_checkpoint_location(path, revision=revision)
     index = CheckpointIndex.open(location)
     clock.lap("index")
-    plan, context = plan_at(
+    request = plan_request(
         model,
-        location,
-        "dcp",
         weights_mapping=weights_mapping,
         key_mapping=key_mapping,
+        loader="dcp",
         strict=False,
         external_target_fqns=external_target_fqns,
-        claimed_source_keys=frozenset(),
-        mesh_override=as_rank(rank),
-        index=index,
+        view=as_rank(rank),
     )
+    plan, context = front.plan(model, index, request)
     clock.lap("planning")
     plan_seconds = clock.last - clock.start
     targets, shards, local_bytes = _materialize(plan, context.targets, device, rank)
@@ -299,8 +301,7 @@ def rehearse(
             clock.lap("reading")
             read_seconds = clock.spent["reading"]
         finally:
-            for file in context.index.files:
-                file.header.release_map()
+            context.index.release_maps()
             clock.lap("finishing")
     peak = _status_bytes("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     report = Rehearsal(

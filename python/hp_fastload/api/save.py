@@ -27,7 +27,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from hp_fastload.api.load import plan_at
+from hp_fastload.api.request import plan_request
 from hp_fastload.convert.adapter import check_adapter
 from hp_fastload.dist.agree import interrupts_between_steps
 from hp_fastload.dist.collectives import (
@@ -52,6 +52,7 @@ from hp_fastload.formats import INDEX_NAME
 from hp_fastload.model.peft import adapter_tensors, is_peft_model, merged, skeleton, write_adapter_config
 from hp_fastload.model.targets import Target, build_targets
 from hp_fastload.model.wrappers import unwrapped
+from hp_fastload.planning import front
 from hp_fastload.planning.adapter import AdapterError, released_layout
 from hp_fastload.planning.context import LoadContext
 from hp_fastload.planning.export import (
@@ -243,16 +244,11 @@ def save(
         agree_in_save("Finding the output files", lambda: check_visible(tmp, path, first_path))
         planned_pair: tuple[LoadPlan, LoadContext] = agree_in_save(
             "Planning the save",
-            lambda: plan_at(
+            # a load of the released layout, not strict (ties, the tensors to_hf does not map)
+            lambda: front.plan(
                 model,
-                tmp,
-                "dcp",
-                weights_mapping=rules,
-                key_mapping=None,
-                strict=False,
-                external_target_fqns=frozenset(),
-                claimed_source_keys=frozenset(),
-                state_dict_adapter=adapter,
+                CheckpointIndex.open(tmp),
+                plan_request(model, weights_mapping=rules, state_dict_adapter=adapter, loader="dcp", strict=False),
             ),
         )
         save_plan, context = planned_pair
@@ -273,8 +269,7 @@ def save(
             fallbacks = broadcast_object(_run_fallbacks(model, rules, context.index, groups, threads, stats))
             agree_in_save("Syncing the written files", lambda: sync_written(save_plan, stats.files, tmp))
         finally:
-            for file in context.index.files:
-                file.header.release_map()
+            context.index.release_maps()
         if peft_model is not None:
             agree_in_save(
                 "Writing the adapter's config",

@@ -26,15 +26,15 @@ import errno
 import math
 import time
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import numpy as np
 import torch
 
 from hp_fastload.convert.symbolic import apply_post
+from hp_fastload.dist.agree import agree, exchanging, wait_work
 from hp_fastload.errors import PeerInterrupted, PeerLost, ReadError
 from hp_fastload.execute.batch import Batch
 from hp_fastload.planning.items import LoadPlan, Reads
@@ -357,9 +357,6 @@ def deliver(
     backend: str | None = None,
     memory_rows: dict[str, np.ndarray] | None = None,
     skip: frozenset[int] = frozenset(),
-    agree: Callable[[str, Callable[[], Any]], Any] | None = None,
-    wait: Callable[[str, Any, int, float | None], None] | None = None,
-    exchange: Callable[[], AbstractContextManager[None]] | None = None,
     progress: Callable[[int], None] | None = None,
     group: Any = None,
 ) -> DeliveryStats:
@@ -368,11 +365,10 @@ def deliver(
     ``plan`` / ``context``: this rank's own plan (its items, unchanged); ``memory_rows``: per target, the rows of its
     items run here from memory (default: all but MXFP4 items, ``delivered_rows``); the others are the caller's.
     ``skip``: tensors (``smap`` ids) whose pieces this rank reads for itself alone and none of these rows use:
-    not read into staging nor placed. ``agree(stage, fn)`` runs ``fn`` and makes every rank raise
-    when it failed on any (``dist.agree.agree``); ``wait(stage, work, peer, timeout_s)`` waits for one message
-    (``dist.agree.wait_work``: interruptible, a peer's interrupt ends it; None: ``work.wait``); ``exchange()``
-    is entered around each round's messages (``dist.agree.exchanging``: a signal there raises and tells the
-    peers). ``group``: the process group of every rank that carries the messages (host tensors; None: the default
+    not read into staging nor placed. Each round's reads are agreed (``dist.agree.agree``: every rank raises
+    when one failed); its messages are exchanged inside ``dist.agree.exchanging`` (a signal there raises and
+    tells the peers) and each is waited for by ``dist.agree.wait_work`` (interruptible; a peer's interrupt ends
+    it). ``group``: the process group of every rank that carries the messages (host tensors; None: the default
     group; ``dist.groups.host_message_group``). Every rank of the default group calls it together.
     """
     import torch.distributed as dist
@@ -429,13 +425,11 @@ def deliver(
                 return _read_round(job, rank, rnd, index, threads, backend, stats, skipped)
 
             t_round = time.perf_counter()
-            outcome = _agree_or_local(
-                agree, f"Reading round {rnd + 1} of {job.rounds} of the job-wide plan", read_this_round
-            )
+            outcome = agree(f"Reading round {rnd + 1} of {job.rounds} of the job-wide plan", read_this_round)
             stats.seconds_agree += time.perf_counter() - t_round - stats.seconds_read + read_before
             staging, piece_lo, piece_hi, piece_off = outcome
             del piece_hi
-            with nullcontext() if exchange is None else exchange():
+            with exchanging():
                 works: list[tuple[int, Any]] = []
                 inbox: dict[int, torch.Tensor] = {}
                 for peer, rows in receives.items():
@@ -464,13 +458,8 @@ def deliver(
                 t0 = time.perf_counter()
                 for peer, work in works:
                     with _lost(rank, peer, rnd, job.rounds):
-                        if wait is not None:
-                            stage = f"Round {rnd + 1} of {job.rounds} of the job-wide delivery"
-                            wait(stage, work, peer, WAIT_TIMEOUT_S)
-                        elif WAIT_TIMEOUT_S is None:
-                            work.wait()
-                        else:
-                            work.wait(timedelta(seconds=WAIT_TIMEOUT_S))
+                        stage = f"Round {rnd + 1} of {job.rounds} of the job-wide delivery"
+                        wait_work(stage, work, peer, WAIT_TIMEOUT_S)
                 t1 = time.perf_counter()
                 stats.seconds_wait += t1 - t0
                 for peer, buf in inbox.items():
@@ -505,10 +494,6 @@ def _lost(rank: int, peer: int, rnd: int, rounds: int) -> Iterator[None]:
             [peer],
             [node_of(peer)],
         ) from exc
-
-
-def _agree_or_local(agree: Callable[[str, Callable[[], Any]], Any] | None, stage: str, fn: Callable[[], Any]) -> Any:
-    return fn() if agree is None else agree(stage, fn)
 
 
 def _pack(

@@ -1,62 +1,46 @@
-"""``load(..., share=...)``: choosing the sharing strategy and running the job-wide one.
+"""``load(..., share="job")`` on this rank: the job plan of a load, agreed, and run.
 
-Owns: resolving ``share`` (``"none"``, ``"job"``, ``"auto"``, and the older ``share_replicated=True``,
-which stays the replica broadcast of ``dist.share``), the number of ranks per node (``ranks_per_node``, else
-``$LOCAL_WORLD_SIZE`` as torchrun sets it, else the whole world is one node), the job plan of a load (every
-rank's needs from ``planning.jobranks``, this rank's own plan checked against the one computed for it, the
-plan's digest agreed by ``dist.agree.agree_digest``), and running it: MXFP4 items and deferred groups read by
-each rank itself, everything else delivered (``execute.deliver``).
+Owns the number of ranks per node (``ranks_per_node``, else ``$LOCAL_WORLD_SIZE`` as torchrun sets it, else the
+whole world is one node), the job plan of a load (every rank's needs from ``planning.jobranks`` for the load's
+own ``PlanRequest``, this rank's own plan checked against the one computed for it, the plan's digest agreed by
+``dist.agree.agree_digest``; ``share="auto"``'s choice through the cost model), and running it: MXFP4 items and
+deferred groups read by each rank itself, everything else delivered (``execute.deliver``).
 
-The checks and the report stay in ``api.load``.
+Choosing the strategy (``share=``) is the API's (``api.request.resolve_share``); the checks and the report
+stay in ``api.load``.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
-from hp_fastload.convert.rules import resolve_mapping
-from hp_fastload.dist.agree import agree, agree_digest, exchanging, gather_floats, wait_work
+from hp_fastload.dist.agree import agree, agree_digest, gather_floats
 from hp_fastload.dist.groups import host_message_group
 from hp_fastload.errors import PlanError
 from hp_fastload.execute.deliver import deliver
-from hp_fastload.execute.read import execute_plan
+from hp_fastload.execute.read import ExecStats, execute_plan
 from hp_fastload.planning.context import LoadContext
 from hp_fastload.planning.items import LoadPlan
 from hp_fastload.planning.jobcost import predict
 from hp_fastload.planning.jobneeds import StorageMap, delivered_rows, rank_needs
 from hp_fastload.planning.jobranks import all_rank_needs, packed_keys
 from hp_fastload.planning.jobwide import DEFAULT_BUDGET_BYTES, DEFAULT_CHUNK_BYTES, JobPlan, plan_job
-from hp_fastload.planning.replacement import Replacement
+from hp_fastload.planning.request import PlanRequest
 from hp_fastload.runtime import node_of
 from hp_fastload.source.index import CheckpointIndex
 
-__all__ = ["SHARES", "JobStats", "agree_job_plan", "ranks_per_node", "resolve_share", "run_job"]
+__all__ = ["agree_job_plan", "ranks_per_node", "run_job"]
 
-SHARES = ("none", "job", "auto", "replicated")
 #: Bandwidths ``share="auto"`` assumes (GB/s per node) unless the environment says otherwise.
 STORAGE_GBPS_ENV = "HP_FASTLOAD_STORAGE_GBPS"
 NETWORK_GBPS_ENV = "HP_FASTLOAD_NETWORK_GBPS"
 DEFAULT_STORAGE_GBPS = 2.0
 DEFAULT_NETWORK_GBPS = 12.5
-
-
-def resolve_share(share: str | None, share_replicated: bool) -> str:
-    """The strategy: ``share`` when given, ``"replicated"`` for the older ``share_replicated=True``, else
-    ``"none"``. ``ValueError`` for an unknown name or a contradiction."""
-    if share is None:
-        return "replicated" if share_replicated else "none"
-    name = str(share).strip().lower()
-    if name not in SHARES:
-        raise ValueError(f"Unknown share {share!r}; expected one of {', '.join(SHARES)}")
-    if share_replicated and name != "replicated":
-        raise ValueError(f"share={share!r} and share_replicated=True disagree: pass one of them")
-    return name
 
 
 def ranks_per_node(given: int | None, world: int) -> int:
@@ -69,49 +53,22 @@ def ranks_per_node(given: int | None, world: int) -> int:
     return min(given, world)
 
 
-@dataclass
-class JobStats:
-    """What a job-wide load did on this rank (``ExecStats``-shaped: ``bytes_read``, ``extra``)."""
-
-    bytes_read: int = 0
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
 def plan_for_load(
     model: Any,
     index: CheckpointIndex,
     own: LoadPlan,
+    request: PlanRequest,
     rank: int,
     world: int,
     *,
-    rules: Any,
-    loader: str,
-    external_target_fqns: Collection[str],
-    claimed_source_keys: Collection[str],
-    replacement: Replacement | None,
     per_node: int,
     budget_bytes: int,
     chunk_bytes: int,
-    adapter: Any = None,
 ) -> JobPlan:
     """The job plan on this rank; ``PlanError`` when this rank's own plan needs other bytes than the plan
-    computed for it (every rank must derive the same layouts). ``adapter``: the load's state-dict adapter
-    (``rules`` then empty), traced into the whole plan as into each rank's own."""
+    computed for it (every rank must derive the same layouts)."""
     smap = StorageMap.of_index(index)
-    needs = all_rank_needs(
-        model,
-        index,
-        smap,
-        world,
-        rules=rules,
-        loader=loader,
-        external_target_fqns=external_target_fqns,
-        claimed_source_keys=claimed_source_keys,
-        replacement=replacement,
-        adapter=adapter,
-    )
+    needs = all_rank_needs(model, index, smap, world, request)
     mine = rank_needs(own, smap, packed_keys(own, index))
     if mine != needs[rank]:
         raise PlanError(
@@ -135,12 +92,11 @@ def run_job(
     plan: LoadPlan,
     context: LoadContext,
     *,
-    agree: Callable[[str, Callable[[], Any]], Any],
     threads: int | None,
     backend: str | None,
     progress: Callable[[int], None] | None,
     legacy: bool = False,
-) -> JobStats:
+) -> ExecStats:
     """Run ``job`` on this rank: first what it reads straight into its shards (MXFP4 items, deferred groups, and
     the items whose tensors it reads for itself alone: ``JobPlan.self_read_keys``; agreed), then the delivery of
     the rest through memory."""
@@ -163,7 +119,7 @@ def run_job(
         through_memory[name] = np.asarray(rows, dtype=np.int64)
         if len(rows) != len(reads):
             local[name] = reads.take(np.setdiff1d(np.arange(len(reads)), np.asarray(rows, dtype=np.int64)))
-    stats = JobStats()
+    stats = ExecStats()
     # every rank enters this step (the agreement is a collective), with or without tensors of its own
     sub = LoadPlan(local, plan.deferred, plan.report, plan.files, plan.dequant, plan.scale_nbytes)
     done = agree(
@@ -187,9 +143,6 @@ def run_job(
         backend=backend,
         memory_rows=through_memory,
         skip=frozenset(smap.key_id[k] for k in alone - used),
-        agree=agree,
-        wait=wait_work,
-        exchange=exchanging,
         progress=progress,
         group=messages,
     )
@@ -230,21 +183,14 @@ def agree_job_plan(
     model: Any,
     index: CheckpointIndex,
     load_plan: LoadPlan,
+    request: PlanRequest,
     sharing: str,
     per_node: int | None,
     budget: int | None,
-    *,
-    weights_mapping: Any,
-    key_mapping: Any,
-    external_target_fqns: Collection[str],
-    claimed_source_keys: Collection[str],
-    replacement: Replacement | None,
-    loader: str,
-    state_dict_adapter: Any = None,
 ) -> JobPlan | None:
-    """The job-wide plan, computed on every rank and agreed by its digest (one all-gather of a hash); None
-    when ``share="auto"`` prefers every rank reading its own regions (the same choice on every rank).
-    ``state_dict_adapter`` (already checked by the load's own planning) replaces the rules."""
+    """The job-wide plan of ``request`` (the load's own), computed on every rank and agreed by its digest (one
+    all-gather of a hash); None when ``share="auto"`` prefers every rank reading its own regions (the same
+    choice on every rank)."""
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     budget_bytes = budget or DEFAULT_BUDGET_BYTES
     job: JobPlan = agree(
@@ -253,17 +199,12 @@ def agree_job_plan(
             model,
             index,
             load_plan,
+            request,
             rank,
             world,
-            rules=[] if state_dict_adapter is not None else resolve_mapping(model, weights_mapping, key_mapping),
-            loader=loader,
-            external_target_fqns=external_target_fqns,
-            claimed_source_keys=claimed_source_keys,
-            replacement=replacement,
             per_node=ranks_per_node(per_node, world),
             budget_bytes=budget_bytes,
             chunk_bytes=min(DEFAULT_CHUNK_BYTES, budget_bytes // 4),
-            adapter=state_dict_adapter,
         ),
     )
     agree_digest(

@@ -29,9 +29,14 @@ from hp_fastload.source.index import CheckpointIndex
 
 @dataclass
 class ExecStats:
+    """What executing a plan did on this rank: bytes its reads took from storage, engine calls, items; with
+    sharing (``execute.job``, ``dist.share``), the bytes it sent to and received from its peers."""
+
     bytes_read: int = 0
     engine_calls: int = 0
     items: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -116,6 +116,13 @@ def _fsdp_managed(model: nn.Module) -> bool:
 
 def _flagged(tensor: torch.Tensor) -> bool:
     return bool(getattr(tensor, _FLAG, False))
+
+
+def mark_loaded(tensors: Iterable[torch.Tensor]) -> None:
+    """Mark tensors a load filled as transformers marks what ``from_pretrained`` loaded (``_is_hf_initialized``),
+    so a later ``initialize_weights()`` of the user's leaves them as they are."""
+    for tensor in tensors:
+        setattr(tensor, _FLAG, True)
 
 
 @torch.no_grad()

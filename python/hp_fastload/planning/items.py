@@ -552,6 +552,12 @@ class LoadPlan:
             for name, reads in self.region_reads.items()
         }
 
+    def target_names(self) -> Iterator[str]:
+        """Every target the plan fills: the region reads' and the deferred groups' claimed ones."""
+        yield from self.region_reads
+        for deferred in self.deferred:
+            yield from deferred.claims.values()
+
     @property
     def bytes_needed(self) -> int:
         """Source bytes of the region reads plus the deferred groups' whole tensors."""

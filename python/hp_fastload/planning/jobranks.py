@@ -1,11 +1,11 @@
 """Every rank's needs, computed on one rank for the job-wide plan, without planning each rank.
 
-The model is planned once with every target's region made whole (``whole_mesh``: each DTensor's mesh seen as a mesh of
-size 1, so the trace and the claims run once and each item is a whole traced block, its destination in global
-coordinates). A rank's items are those blocks cut by its local boxes, exactly the intersection ``region_items``
-makes when that rank plans (``planning.intersect``): so each rank's needs follow from the whole plan and the
-rank's local region (``model.regions.local_region`` at its coordinate, ``mesh_coordinates``), by array
-arithmetic. Work is shared where the ranks' layouts differ only by offsets:
+The model is planned once with every target's region made whole (``planning.front.whole_plan``: each DTensor's
+mesh seen as of size 1, so the trace and the claims run once and each item is a whole traced block, its
+destination in global coordinates). A rank's items are those blocks cut by its local boxes, exactly the
+intersection ``region_items`` makes when that rank plans (``planning.intersect``): so each rank's needs follow
+from the whole plan and the rank's local region (``model.regions.local_region`` at its coordinate,
+``mesh_coordinates``), by array arithmetic. Work is shared where the ranks' layouts differ only by offsets:
 
 - a target's region depends only on the coordinates of the mesh dims that shard it: one ``local_region`` per
   distinct projection, not per rank;
@@ -13,14 +13,15 @@ arithmetic. Work is shared where the ranks' layouts differ only by offsets:
   the experts of every MoE layer) share one intersection, renamed per target;
 - one sort of the starts and one of the ends merge every rank's intervals (``jobneeds.merge_bounds_by_rank``).
 
-``rank_needs_by_planning`` is the reference it is tested against (and the per-rank way: one ``plan_load`` per
+``rank_needs_by_planning`` is the reference it is tested against (and the per-rank way: one plan per
 distinct layout). Pure: headers, the rules and the model's layout; nothing is read.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -29,7 +30,8 @@ from torch.distributed.tensor import Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from hp_fastload.model.regions import local_region, mesh_coordinates, virtual_rank
-from hp_fastload.model.targets import Target, build_targets
+from hp_fastload.model.targets import Target
+from hp_fastload.planning.front import plan, targets_of, whole_plan
 from hp_fastload.planning.items import LoadPlan, Reads
 from hp_fastload.planning.jobneeds import (
     AXIS_BITS,
@@ -44,8 +46,7 @@ from hp_fastload.planning.jobneeds import (
     rank_axis_bounds,
     rank_needs,
 )
-from hp_fastload.planning.orchestrate import plan_load
-from hp_fastload.planning.replacement import Replacement
+from hp_fastload.planning.request import PlanRequest
 from hp_fastload.source.index import CheckpointIndex
 
 __all__ = [
@@ -53,49 +54,12 @@ __all__ = [
     "needs_from_whole_plan",
     "packed_keys",
     "rank_needs_by_planning",
-    "whole_mesh",
-    "whole_plan",
 ]
-
-
-def whole_mesh(mesh: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """A ``mesh_override`` under which every rank holds every DTensor whole (each mesh dim of size 1)."""
-    return (1,) * mesh.ndim, (0,) * mesh.ndim
 
 
 def packed_keys(plan: LoadPlan, index: CheckpointIndex) -> frozenset[str]:
     """The MXFP4 keys a plan dequantizes (their items stay with each rank: ``jobneeds.delivered_rows``)."""
     return frozenset(k for k in plan.dequant if index.locate(k).dtype == torch.uint8)
-
-
-def whole_plan(
-    model: Any,
-    index: CheckpointIndex,
-    *,
-    rules: Any,
-    loader: str,
-    external_target_fqns: Collection[str],
-    claimed_source_keys: Collection[str],
-    replacement: Replacement | None,
-    adapter: Any = None,
-) -> tuple[LoadPlan, dict[str, Target]]:
-    """The plan of a rank holding every target whole, and the model's targets (their real layouts). ``adapter``
-    (a state-dict adapter, with ``rules`` empty) is planned as a rank's own load plans it: its trace depends only
-    on the global shapes, so each rank's items are the whole plan's cut by its boxes, as with rules."""
-    whole = build_targets(model, external_target_fqns=frozenset(external_target_fqns), mesh_override=whole_mesh)
-    plan, _ = plan_load(
-        model,
-        index,
-        whole,
-        rules,
-        strict=False,
-        trace=True,
-        claimed_source_keys=frozenset(claimed_source_keys),
-        loader=loader,
-        replacement=replacement,
-        adapter=adapter,
-    )
-    return plan, whole
 
 
 class _Layouts:
@@ -291,29 +255,11 @@ def _scale_rows(
 
 
 def all_rank_needs(
-    model: Any,
-    index: CheckpointIndex,
-    smap: StorageMap,
-    world: int,
-    *,
-    rules: Any,
-    loader: str,
-    external_target_fqns: Collection[str],
-    claimed_source_keys: Collection[str],
-    replacement: Replacement | None,
-    adapter: Any = None,
+    model: Any, index: CheckpointIndex, smap: StorageMap, world: int, request: PlanRequest
 ) -> list[Needs]:
-    """Every rank's needs (equal to ``rank_needs`` of each rank's own plan), from one whole plan."""
-    plan, targets = whole_plan(
-        model,
-        index,
-        rules=rules,
-        loader=loader,
-        external_target_fqns=external_target_fqns,
-        claimed_source_keys=claimed_source_keys,
-        replacement=replacement,
-        adapter=adapter,
-    )
+    """Every rank's needs (equal to ``rank_needs`` of each rank's own plan for ``request``), from one whole
+    plan (``planning.front.whole_plan``)."""
+    plan, targets = whole_plan(model, index, request)
     return needs_from_whole_plan(plan, targets, index, smap, world)
 
 
@@ -356,42 +302,21 @@ def needs_from_whole_plan(
 
 
 def rank_needs_by_planning(
-    model: Any,
-    index: CheckpointIndex,
-    smap: StorageMap,
-    world: int,
-    *,
-    rules: Any,
-    loader: str,
-    external_target_fqns: Collection[str],
-    claimed_source_keys: Collection[str],
-    replacement: Replacement | None,
-    adapter: Any = None,
+    model: Any, index: CheckpointIndex, smap: StorageMap, world: int, request: PlanRequest
 ) -> list[Needs]:
-    """Every rank's needs by planning each rank (``virtual_rank``), ranks whose targets all have the same
-    regions planned once: the reference ``all_rank_needs`` is tested against, and its cost at scale is one
-    full planning per distinct layout."""
+    """Every rank's needs by planning each rank (``virtual_rank``; traced, not strict), ranks whose targets all
+    have the same regions planned once: the reference ``all_rank_needs`` is tested against, and its cost at
+    scale is one full planning per distinct layout."""
     seen: dict[Any, Needs] = {}
     out: list[Needs] = []
+    base = dataclasses.replace(request, trace=True, strict=False)
     for r in range(world):
-        targets = build_targets(
-            model, external_target_fqns=frozenset(external_target_fqns), mesh_override=virtual_rank(r)
-        )
+        each = base.seen_as(virtual_rank(r))
+        targets = targets_of(model, each)
         signature = tuple((name, t.region if t.error is None else t.error) for name, t in targets.items())
         needs = seen.get(signature)
         if needs is None:
-            planned, _ = plan_load(
-                model,
-                index,
-                targets,
-                rules,
-                strict=False,
-                trace=True,
-                claimed_source_keys=frozenset(claimed_source_keys),
-                loader=loader,
-                replacement=replacement,
-                adapter=adapter,
-            )
+            planned, _ = plan(model, index, each, targets=targets)
             needs = seen[signature] = rank_needs(planned, smap, packed_keys(planned, index))
         out.append(needs)
     return out

@@ -1,13 +1,14 @@
-"""``plan_load``: one rank's plan from the checkpoint index, the model's targets and the rules: groups the
-keys, traces each group, claims the outputs (with the replacement stage when there is one), adds the
+"""``plan_load``: one rank's plan from the checkpoint index, the rank's targets and a ``PlanRequest``: groups
+the keys, traces each group, claims the outputs (with the replacement stage when there is one), adds the
 dequantization fallbacks, runs the strict check and builds the ``LoadPlan`` and its ``LoadReport``.
+``Groundwork``: what that is the same for every rank of one model. Callers come through ``planning.front``.
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,18 +24,18 @@ from hp_fastload.planning.context import LoadContext, PendingGroup
 from hp_fastload.planning.intersect import BlockCache, region_items
 from hp_fastload.planning.items import LoadPlan, LoadReport
 from hp_fastload.planning.replacement import (
-    Replacement,
     SourceModelView,
     plan_replacement_stage,
     replacement_of,
     replacement_routes,
 )
+from hp_fastload.planning.request import PlanRequest
 from hp_fastload.planning.trace import Traced, Tracer
 from hp_fastload.runtime import gc_paused
 from hp_fastload.source.index import CheckpointIndex
 from hp_fastload.source.natural import natural_sort_key
 
-__all__ = ["SharedPlanning", "plan_load", "share_planning"]
+__all__ = ["Groundwork", "groundwork_of", "plan_load"]
 
 log = logging.getLogger("hp_fastload")
 
@@ -50,12 +51,13 @@ def _missing_keys_error(missing: Sequence[str], unexpected: Sequence[str]) -> Mi
     return MissingKeysError(text, missing, unexpected)
 
 
-@dataclass
-class SharedPlanning:
+@dataclass(eq=False)
+class Groundwork:
     """What planning one model against one checkpoint does the same for every rank: the quantized tensors
     found, the load groups with their traces (global shapes only), the unexpected keys and the per-block caches.
-    Ranks of one laid-out model differ only in their targets' regions: ``plan_load(..., shared=...)`` then
-    claims and intersects, and nothing else (``share_planning`` makes it; ``hp_fastload.plan_each`` uses it).
+    Ranks of one laid-out model differ only in their targets' regions: ``plan_load(..., groundwork=...)`` then
+    claims and intersects, and nothing else (``groundwork_of`` makes it; ``hp_fastload.plan_each`` uses it).
+    The fields below the first six are memos the first rank planned with it fills for the next ones.
     """
 
     quant: QuantInfo
@@ -74,31 +76,36 @@ class SharedPlanning:
     hooked: list[str] | None = None
 
 
-@gc_paused()
-def share_planning(
-    model: Any,
-    index: CheckpointIndex,
-    targets: dict[str, Target],
-    rules: Sequence[Any],
-    *,
-    trace: bool = True,
-    claimed_source_keys: Collection[str] = frozenset(),
-    map_key: Callable[[str], str | None] | None = None,
-) -> SharedPlanning | None:
-    """The rank-independent part of :func:`plan_load` for ``targets`` (any rank's: names and global shapes are
-    what it uses); None when the model has a replacement stage (planned per rank from scratch)."""
-    replacement = replacement_of(model)
+def _replacement(model: Any, request: PlanRequest) -> Any:
+    """The request's replacement stage, else the model's own; None unless it has rules and source shapes."""
+    replacement = request.replacement if request.replacement is not None else replacement_of(model)
     if replacement is not None and replacement.rules and replacement.source_shapes:
+        return replacement
+    return None
+
+
+def _keys(index: CheckpointIndex, request: PlanRequest) -> list[str]:
+    claimed = request.claimed_source_keys
+    return [k for k in index if k not in claimed] if claimed else index.keys()
+
+
+@gc_paused()
+def groundwork_of(
+    model: Any, index: CheckpointIndex, targets: dict[str, Target], request: PlanRequest
+) -> Groundwork | None:
+    """The rank-independent part of :func:`plan_load` for ``targets`` (any rank's: names and global shapes are
+    what it uses); None when the model has a replacement stage or the request an adapter (planned per rank
+    from scratch)."""
+    if request.adapter is not None or _replacement(model, request) is not None:
         return None
-    keys = [k for k in index if k not in claimed_source_keys] if claimed_source_keys else index.keys()
     prefix = getattr(model, "base_model_prefix", None) or None
-    groups, unexpected = build_groups(keys, targets, rules, base_model_prefix=prefix, map_key=map_key)
-    tracer = Tracer(index, model, lambda n: targets[n].global_shape if n in targets else None, trace)
+    groups, unexpected = build_groups(_keys(index, request), targets, request.rules, base_model_prefix=prefix)
+    tracer = Tracer(index, model, lambda n: targets[n].global_shape if n in targets else None, request.trace)
     traced = [tracer.run(group) for group in groups]
-    return SharedPlanning(detect_in_index(index), groups, traced, list(unexpected), BlockCache(), trace)
+    return Groundwork(detect_in_index(index), groups, traced, list(unexpected), BlockCache(), request.trace)
 
 
-def _hooked(model: Any, targets: dict[str, Target], shared: SharedPlanning | None) -> list[str]:
+def _hooked(model: Any, targets: dict[str, Target], shared: Groundwork | None) -> list[str]:
     if shared is not None and shared.hooked is not None:
         return shared.hooked
     hooked = hook_renamed(model, {n: (tuple(t.global_shape), t.dtype) for n, t in targets.items()})
@@ -124,37 +131,31 @@ def plan_load(
     model: Any,
     index: CheckpointIndex,
     targets: dict[str, Target],
-    rules: Sequence[Any],
+    request: PlanRequest,
     *,
-    strict: bool = True,
-    trace: bool = True,
-    claimed_source_keys: Collection[str] = frozenset(),
-    map_key: Callable[[str], str | None] | None = None,
-    loader: str = "dcp",
-    replacement: Replacement | None = None,
-    shared: SharedPlanning | None = None,
-    adapter: Any = None,
-    ignore_missing: Sequence[str] = (),
+    groundwork: Groundwork | None = None,
 ) -> tuple[LoadPlan, LoadContext]:
-    """Plan one rank's load: the plain ``LoadPlan`` and the ``LoadContext`` that executes it. Raises (before
-    any byte is read) on strict misses and bad targets.
+    """Plan one rank's load (``targets``: the rank's) as ``request`` asks: the plain ``LoadPlan`` and the
+    ``LoadContext`` that executes it. Raises (before any byte is read) on strict misses and bad targets.
 
-    ``trace=False`` plans every group as deferred (the legacy loader). ``replacement`` (default:
-    ``replacement_of(model)``) adds the replacement modules' second stage. The cyclic garbage collector is
-    paused: planning a 100k-tensor checkpoint allocates a few hundred thousand small objects, which would
-    trigger several full collections of everything the process holds (a model, torch's modules) for nothing.
+    ``request.trace=False`` plans every group as deferred (the legacy loader). The replacement stage is the
+    request's, else the model's (``replacement_of``). The cyclic garbage collector is paused: planning a
+    100k-tensor checkpoint allocates a few hundred thousand small objects, which would trigger several full
+    collections of everything the process holds (a model, torch's modules) for nothing.
 
-    ``shared`` (:func:`share_planning` of the same model, checkpoint, rules and ``trace``; ``targets`` may be
+    ``groundwork`` (:func:`groundwork_of` of the same model, checkpoint and request; ``targets`` may be
     another rank's) skips the rank-independent work: groups, traces and quantization detection.
 
-    ``adapter`` (a state-dict adapter, ``convert.adapter``) replaces the rules: the model tensors are what its
-    ``from_hf`` and the model's load hooks trace to (``planning.adapter``); the tensors it does not map are
-    not missing. ``ignore_missing`` (regexes searched in model names) names more tensors no checkpoint holds.
-    Both kinds are listed in ``LoadReport.ignored_missing_keys``.
+    ``request.adapter`` (a state-dict adapter, ``convert.adapter``) replaces the rules: the model tensors are
+    what its ``from_hf`` and the model's load hooks trace to (``planning.adapter``); the tensors it does not map
+    are not missing. ``request.ignore_missing`` (regexes searched in model names) names more tensors no
+    checkpoint holds. Both kinds are listed in ``LoadReport.ignored_missing_keys``.
     """
-    if replacement is None:
-        replacement = replacement_of(model)
-    keys = [k for k in index if k not in claimed_source_keys] if claimed_source_keys else index.keys()
+    shared = groundwork
+    trace, strict, adapter = request.trace, request.strict, request.adapter
+    rules: Sequence[Any] = request.rules
+    replacement = _replacement(model, request)
+    keys = _keys(index, request)
     prefix = getattr(model, "base_model_prefix", None) or None
     quant = shared.quant.for_rank() if shared is not None else detect_in_index(index)
     claims = Claims(index, targets, quant)
@@ -167,7 +168,7 @@ def plan_load(
         rules = []
     elif shared is not None:
         if shared.trace != trace:
-            raise ValueError("plan_load: shared planning was made with another trace setting")
+            raise ValueError("plan_load: the groundwork was made with another trace setting")
         claims.blocks = shared.blocks
         claims.unexpected.extend(shared.unexpected)
         if shared.claimed is not None:
@@ -177,10 +178,10 @@ def plan_load(
             claims.direct(group, traced, model)
         if shared.claimed is None:
             shared.claimed = dict(quant.claimed)
-    elif replacement is not None and replacement.rules and replacement.source_shapes:
+    elif replacement is not None:
         base_rules = [r for r in rules if not any(r is x for x in replacement.rules)]
         view = SourceModelView(model, dict(replacement.source_shapes))
-        groups, unexpected = build_groups(keys, view.shapes, base_rules, base_model_prefix=prefix, map_key=map_key)
+        groups, unexpected = build_groups(keys, view.shapes, base_rules, base_model_prefix=prefix)
         claims.unexpected.extend(unexpected)
         routes = replacement_routes(view.shapes, targets, replacement.rules)
         tracer = Tracer(index, view, view.shapes.get, trace)
@@ -203,7 +204,7 @@ def plan_load(
             claims.direct(group, traced, view, direct)
         rules = base_rules
     else:
-        groups, unexpected = build_groups(keys, targets, rules, base_model_prefix=prefix, map_key=map_key)
+        groups, unexpected = build_groups(keys, targets, rules, base_model_prefix=prefix)
         claims.unexpected.extend(unexpected)
         tracer = Tracer(index, model, lambda n: targets[n].global_shape if n in targets else None, trace)
         for group in groups:
@@ -234,8 +235,8 @@ def plan_load(
             claims.add_deferred(pending)
     if adapter is None:
         _refuse_hooked(_hooked(model, targets, shared), claims.loaded)
-    if ignore_missing:
-        patterns = [re.compile(p) for p in ignore_missing]
+    if request.ignore_missing:
+        patterns = [re.compile(p) for p in request.ignore_missing]
         ignored.extend(n for n in set(targets) - claims.loaded if any(p.search(n) for p in patterns))
     ignored_set = set(ignored) - claims.loaded
     missing = sorted(set(targets) - claims.loaded - ignored_set, key=natural_sort_key)
@@ -267,7 +268,7 @@ def plan_load(
         checkpoint_bytes=index.total_bytes,
         region_targets=len(claims.region_reads),
         deferred_targets=tuple(n for d in claims.deferred for n in d.claims),
-        loader=loader,
+        loader=request.loader,
         ignored_missing_keys=tuple(sorted(ignored_set, key=natural_sort_key)),
     )
     used = [r for r in rules if getattr(r, "was_used", lambda: False)()]

@@ -31,7 +31,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import TypeAlias
 
 import torch
@@ -164,6 +164,13 @@ def clear_cache() -> None:
         _cache.clear()
     for opened in cached:
         opened.header.release_map()
+
+
+def release_maps(files: Iterable[SafetensorsFile]) -> None:
+    """Release the kept maps of ``files`` (a finished load, save or read keeps no page tables of them mapped;
+    the parsed headers stay cached)."""
+    for file in files:
+        file.header.release_map()
 
 
 def open_file(path_or_file: PathOrFile) -> SafetensorsFile:

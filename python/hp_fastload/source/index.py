@@ -23,7 +23,7 @@ import hp_fastload._core as _core
 from hp_fastload.errors import HeaderError, shown_key
 from hp_fastload.formats import INDEX_NAME, SAFETENSORS_TO_TORCH, SINGLE_NAME, SUB_BYTE_BITS
 from hp_fastload.source import objstore
-from hp_fastload.source.files import SafetensorsFile, open_file
+from hp_fastload.source.files import SafetensorsFile, open_file, release_maps
 from hp_fastload.source.natural import KeyOrder, dot_natural_key
 
 
@@ -215,6 +215,10 @@ class CheckpointIndex:
             return tuple(_core.SafetensorsHeader.facts([self._files[k].header], [k])[0] for k in keys)
         except KeyError as exc:
             raise KeyError(f"checkpoint key is not indexed: {shown_key(exc.args[0])}") from None
+
+    def release_maps(self) -> None:
+        """Release every file's kept map (``source.files.release_maps``): called when a load or save ends."""
+        release_maps(self.files)
 
     def paths_of(self, keys: Iterable[str]) -> dict[str, str]:
         """Each key's file path (``locate(k).file.path``), in bulk: taken from the index's key -> file map
