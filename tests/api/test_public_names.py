@@ -10,6 +10,7 @@ def test_public_names_are_attributes_of_the_package() -> None:
         "load",
         "plan",
         "save",
+        "transfer",
         "from_pretrained",
         "read_many",
         "read_into",
@@ -17,6 +18,7 @@ def test_public_names_are_attributes_of_the_package() -> None:
         "LoadReport",
         "LoadPlan",
         "SaveReport",
+        "TransferReport",
         "HpFastloadError",
         "rules",
     ):

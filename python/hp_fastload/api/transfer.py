@@ -1,0 +1,354 @@
+"""``transfer(src, dst)``: weights from a live model into another live model of any layout, through the checkpoint's
+names, with no storage in between.
+
+Owns the entry point every rank calls, the agreed steps around it (each rank's released layout of each side
+compared before any byte moves; the planning of both sides against an index of the released layout; the
+message plan; the rounds; the destination's finishing), and the report. The meeting point is the checkpoint:
+the source side is planned as ``save`` plans it (which checkpoint elements each local source shard holds, through
+the reverse of its conversions), the destination as ``load`` plans it (which elements each local destination
+shard needs, through the forward ones); ``planning.transfer`` intersects them and ``execute.transfer`` moves the
+bytes point to point.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from hp_fastload.dist.agree import agree, exchanging, interrupts_between_steps, wait_work
+from hp_fastload.dist.collectives import gather_objects
+from hp_fastload.errors import PlanError, TargetError
+from hp_fastload.execute.transfer import Side, TransferStats, axis_base, run_transfer
+from hp_fastload.model.finalize import recreate_buffers, retie
+from hp_fastload.model.wrappers import unwrapped
+from hp_fastload.planning.context import LoadContext
+from hp_fastload.planning.export import file_header, forward_rules, released_tensors
+from hp_fastload.planning.items import LoadPlan
+from hp_fastload.planning.transfer import LayoutFacts, Runs, TransferPlan, check_layouts, plan_transfer, runs_of_plan
+from hp_fastload.runtime import dist_active, gc_paused
+from hp_fastload.source.index import CheckpointIndex
+
+__all__ = ["DEFAULT_BUDGET_BYTES", "DIRECT_BYTES", "TransferReport", "layout_facts", "transfer"]
+
+#: Each rank's staged bytes per round (packed messages sent and received): the window of the plan.
+DEFAULT_BUDGET_BYTES = 256 << 20
+#: A piece of at least this many bytes (contiguous on both sides by construction) goes shard to shard, unstaged.
+DIRECT_BYTES = 1 << 20
+
+_CALL = "hp_fastload.transfer"
+
+
+@dataclass(frozen=True)
+class TransferReport:
+    """What ``transfer`` did. This rank's counts (``bytes_sent`` / ``bytes_received``: payload to and from other
+    ranks; ``bytes_copied``: from its own source shards into its own destination shards; ``bytes_needed``: what its
+    destination shards hold), every rank's (``*_by_rank``), the messages, rounds and staging window, and the
+    destination tensors that had no exact region form (``deferred``, moved whole)."""
+
+    tensors: int
+    bytes_needed: int
+    bytes_sent: int
+    bytes_received: int
+    bytes_copied: int
+    messages_sent: int
+    messages_received: int
+    direct_messages: int
+    rounds: int
+    window_bytes: int
+    peak_staging_bytes: int
+    needed_by_rank: tuple[int, ...]
+    sent_by_rank: tuple[int, ...]
+    received_by_rank: tuple[int, ...]
+    copied_by_rank: tuple[int, ...]
+    deferred: tuple[str, ...] = ()
+    seconds: float = 0.0
+    seconds_planning: float = 0.0
+    unfilled_buffers: tuple[str, ...] = field(default=(), compare=False)
+
+    @property
+    def moved_over_needed(self) -> float:
+        """Bytes that reached destination shards (received and copied, every rank) over the bytes the destination
+        shards hold: 1.0 when each destination byte came once and nothing else moved."""
+        needed = sum(self.needed_by_rank)
+        return (sum(self.received_by_rank) + sum(self.copied_by_rank)) / needed if needed else 1.0
+
+    def summary(self) -> str:
+        return (
+            f"transferred {self.tensors} tensors in {self.seconds:.3f} s (planning {self.seconds_planning:.3f} s): "
+            f"this rank sent {self.bytes_sent / 1e6:.1f} MB in {self.messages_sent} messages, received "
+            f"{self.bytes_received / 1e6:.1f} MB in {self.messages_received}, copied {self.bytes_copied / 1e6:.1f} MB "
+            f"of its own; {self.rounds} rounds, window {self.window_bytes / 1e6:.1f} MB; moved / needed "
+            f"{self.moved_over_needed:.2f}" + (f"; {len(self.deferred)} deferred" if self.deferred else "")
+        )
+
+
+def layout_facts(model: nn.Module, weights_mapping: Iterable[Any] | None = None) -> LayoutFacts:
+    """The released layout of ``model`` as plain data: ``(key, shape, dtype, bytes per element)`` per checkpoint
+    tensor, in ``save``'s order (ties removed, conversions reverted by transformers; no data moves)."""
+    released = released_tensors(model, weights_mapping)
+    return tuple(
+        (key, tuple(int(n) for n in meta.shape), str(meta.dtype).removeprefix("torch."), meta.element_size())
+        for key, meta in released.items()
+    )
+
+
+@contextlib.contextmanager
+def _layout_index(facts: LayoutFacts) -> Iterator[tuple[CheckpointIndex, Path]]:
+    """An index of the released layout with no data: one safetensors header in a file whose data is a hole
+    (nothing written, nothing read; the planner only reads headers). Removed on exit."""
+    parent = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    root = Path(tempfile.mkdtemp(prefix="hp_transfer-", dir=parent))
+    try:
+        metas = [
+            (key, torch.empty(shape, dtype=getattr(torch, dtype), device="meta")) for key, shape, dtype, _ in facts
+        ]
+        header, data, _ = file_header(metas)
+        with open(root / "model.safetensors", "wb") as f:
+            f.write(header)
+            f.truncate(len(header) + data)
+        index = CheckpointIndex.open(root)
+        try:
+            yield index, root
+        finally:
+            for file in index.files:
+                file.header.release_map()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _planned(
+    model: nn.Module, root: Path, index: CheckpointIndex, weights_mapping: Any
+) -> tuple[LoadPlan, LoadContext]:
+    """The one call into planning: ``model`` planned as a load of the released layout at ``root`` (its targets'
+    regions against the checkpoint's coordinates, through the model's forward conversions; not strict: the
+    transfer checks both sides' coverage itself)."""
+    try:
+        from hp_fastload.planning import front
+        from hp_fastload.planning.request import PlanRequest
+    except ImportError:  # before the planning front door: the loader's own entry
+        from hp_fastload.api.load import plan_at  # type: ignore[attr-defined,unused-ignore]
+
+        return plan_at(  # type: ignore[no-any-return,unused-ignore]
+            model,
+            root,
+            "dcp",
+            weights_mapping=weights_mapping,
+            key_mapping=None,
+            strict=False,
+            external_target_fqns=frozenset(),
+            claimed_source_keys=frozenset(),
+            index=index,
+        )
+    from hp_fastload.convert.rules import resolve_mapping
+
+    request = PlanRequest(rules=tuple(resolve_mapping(model, weights_mapping, None)), strict=False)
+    return front.plan(model, index, request)
+
+
+@dataclass
+class _PlannedSide:
+    runs: Runs
+    shards: list[torch.Tensor]
+    inexact: list[str]
+    used_rules: Any
+
+
+def _plan_side(
+    model: nn.Module, role: str, root: Path, index: CheckpointIndex, facts: LayoutFacts, mapping: Any
+) -> _PlannedSide:
+    plan, context = _planned(model, root, index, mapping)
+    report = plan.report
+    if role == "source" and report.unexpected_keys:
+        raise TargetError(
+            f"hf.transfer: {len(report.unexpected_keys)} checkpoint tensors are held by no source tensor (first: "
+            f"{', '.join(report.unexpected_keys[:3])}); the source's forward rules do not invert its reverse conversion"
+        )
+    if report.missing_keys:
+        raise TargetError(
+            f"hf.transfer: {len(report.missing_keys)} {role} tensors have no place in the checkpoint layout (first: "
+            f"{', '.join(report.missing_keys[:3])})"
+        )
+    key_id = {f[0]: i for i, f in enumerate(facts)}
+    shapes = {name: tuple(context.target(name).local().shape) for name in plan.region_reads}
+    runs, inexact = runs_of_plan(plan, key_id, shapes)
+    shards = [context.target(name).local() for name in runs.names]
+    return _PlannedSide(runs, shards, inexact, context.used_rules)
+
+
+def _device_of(*sides: _PlannedSide | None) -> torch.device:
+    devices = {s.device for side in sides if side is not None for s in side.shards}
+    if len({d.type for d in devices}) > 1:
+        raise TargetError(
+            f"hf.transfer: this rank's shards are on several kinds of device ({sorted(map(str, devices))})"
+        )
+    return next(iter(devices), torch.device("cpu"))
+
+
+@interrupts_between_steps()
+@gc_paused()
+def transfer(
+    src: nn.Module | None,
+    dst: nn.Module | None,
+    *,
+    src_weights_mapping: Iterable[Any] | None = None,
+    dst_weights_mapping: Iterable[Any] | None = None,
+    budget_bytes: int = DEFAULT_BUDGET_BYTES,
+    direct_bytes: int = DIRECT_BYTES,
+    finalize: bool = True,
+    timeout_s: float | None = None,
+) -> TransferReport:
+    """Fill ``dst`` (this rank's piece of the destination model, or None) from ``src`` (this rank's piece of a live
+    source model, or None), through the checkpoint's names. Every rank of the default process group calls it
+    together; the two models may be of different classes and layouts (FSDP2, TP, EP, 2-D meshes; on the same
+    ranks or on disjoint ones) as long as they save to the same checkpoint layout (names, shapes, dtypes).
+
+    The result is what ``save(src)`` then ``load(dst, that)`` gives, bit for bit, without storage: each destination
+    byte is sent once, from one rank holding it (replicas take turns; a rank holding a byte it needs copies it
+    itself), straight from the source shard into the destination shard where the piece is large
+    (``direct_bytes``), else packed per sender, receiver and round, each rank's packed messages within
+    ``budget_bytes`` per round. Host tensors travel over the group's backend as they are (gloo); device tensors in
+    ``batch_isend_irecv`` batches (NCCL), with no host copy.
+
+    Layouts that disagree raise ``TargetError`` (naming the tensor and the dimension or dtype) on every rank
+    before any byte moves; a failure or an interrupt on any rank raises on every rank (``PeerInterrupted`` on
+    the others for an interrupt). ``src_weights_mapping`` / ``dst_weights_mapping``: the sides' conversion rules
+    as ``save`` / ``load`` take them (default: what each model was loaded with, else its transformers mapping).
+    ``finalize``: the destination's tied weights tied again first, its non-persistent buffers recomputed after
+    (as ``load`` does). Returns a :class:`TransferReport`.
+    """
+    for name, model in (("src", src), ("dst", dst)):
+        if model is not None and not isinstance(model, nn.Module):
+            raise TypeError(f"transfer: {name} must be an nn.Module or None, got {type(model).__name__}")
+    if budget_bytes < 1 or direct_bytes < 1:
+        raise ValueError(f"transfer: budget_bytes and direct_bytes must be positive ({budget_bytes}, {direct_bytes})")
+    start = time.perf_counter()
+    src = unwrapped(src) if src is not None else None
+    dst = unwrapped(dst) if dst is not None else None
+    rank = torch.distributed.get_rank() if dist_active() else 0
+
+    def agreed(stage: str, fn: Callable[[], Any]) -> Any:
+        return agree(stage, fn, _CALL)
+
+    src_rules = forward_rules(src, src_weights_mapping) if src is not None else None
+    dst_rules = forward_rules(dst, dst_weights_mapping) if dst is not None else None
+    if finalize and dst is not None:
+        agreed("Tying the destination's tied weights", lambda: retie(dst))
+    else:
+        agreed("Tying the destination's tied weights", lambda: None)
+    mine = agreed(
+        "Naming the checkpoint tensors of both models",
+        lambda: (
+            layout_facts(src, src_rules) if src is not None else None,
+            layout_facts(dst, dst_rules) if dst is not None else None,
+        ),
+    )
+    every = gather_objects(mine)
+    facts: LayoutFacts = agreed(
+        "Comparing the two models' checkpoint layouts",
+        lambda: check_layouts([e[0] for e in every], [e[1] for e in every]),
+    )
+    nbytes = np.array([int(np.prod(shape, dtype=np.int64)) * size for _, shape, _, size in facts], dtype=np.int64)
+    itemsize = np.array([size for *_, size in facts], dtype=np.int64)
+    with _layout_index(facts) as (index, root):
+        src_side: _PlannedSide | None = agreed(
+            "Planning the transfer's source",
+            lambda: _plan_side(src, "source", root, index, facts, src_rules) if src is not None else None,
+        )
+        dst_side: _PlannedSide | None = agreed(
+            "Planning the transfer's destination",
+            lambda: _plan_side(dst, "destination", root, index, facts, dst_rules) if dst is not None else None,
+        )
+    spans = gather_objects(
+        (
+            src_side.runs.spans if src_side is not None else None,
+            dst_side.runs.spans if dst_side is not None else None,
+            (src_side.inexact if src_side is not None else []) + (dst_side.inexact if dst_side is not None else []),
+        )
+    )
+    keys = [f[0] for f in facts]
+
+    def plan_messages() -> TransferPlan:
+        inexact = sorted({name for _, _, names in spans for name in names})
+        if inexact:
+            raise PlanError(
+                f"hf.transfer: {len(inexact)} tensors convert without an exact region form (first: "
+                f"{', '.join(inexact[:3])}); transfer moves exact regions only: save and load these models instead"
+            )
+        return plan_transfer(
+            nbytes,
+            itemsize,
+            [s[0] for s in spans],
+            [s[1] for s in spans],
+            budget_bytes=budget_bytes,
+            direct_bytes=direct_bytes,
+            keys=keys,
+        )
+
+    plan: TransferPlan = agreed("Planning the transfer's messages", plan_messages)
+    device = agreed("Finding the shards' device", lambda: _device_of(src_side, dst_side))
+    planned_at = time.perf_counter()
+    base = axis_base(nbytes)
+    sides = [
+        Side(side.runs, side.shards, base, itemsize) if side is not None else None for side in (src_side, dst_side)
+    ]
+    stats: TransferStats = run_transfer(
+        plan,
+        rank,
+        base,
+        sides[0],
+        sides[1],
+        device=device,
+        agree=agreed,
+        wait=wait_work,
+        exchange=exchanging,
+        timeout_s=timeout_s,
+    )
+    unfilled: list[str] = []
+    if dst is not None and dst_side is not None:
+        _record_rules(dst, dst_side.used_rules)
+    if finalize:
+        unfilled = agreed(
+            "Recomputing the destination's buffers", lambda: recreate_buffers(dst) if dst is not None else []
+        )
+    seconds = time.perf_counter() - start
+    return TransferReport(
+        tensors=len(facts),
+        bytes_needed=int(plan.needed_by_rank[rank]),
+        bytes_sent=stats.bytes_sent,
+        bytes_received=stats.bytes_received,
+        bytes_copied=stats.bytes_copied,
+        messages_sent=stats.messages_sent,
+        messages_received=stats.messages_received,
+        direct_messages=stats.direct_sent + stats.direct_received,
+        rounds=plan.rounds,
+        window_bytes=plan.window_bytes,
+        peak_staging_bytes=stats.peak_staging_bytes,
+        needed_by_rank=_ints(plan.needed_by_rank),
+        sent_by_rank=_ints(plan.sent_by_rank()),
+        received_by_rank=_ints(plan.received_by_rank()),
+        copied_by_rank=_ints(plan.copied_by_rank()),
+        seconds=seconds,
+        seconds_planning=planned_at - start,
+        unfilled_buffers=tuple(unfilled),
+    )
+
+
+def _ints(values: Sequence[int] | np.ndarray) -> tuple[int, ...]:
+    return tuple(int(v) for v in values)
+
+
+def _record_rules(model: nn.Module, rules: Any) -> None:
+    """``model._weight_conversions`` as ``load`` records it (a later ``save`` of the destination reverts them)."""
+    with contextlib.suppress(AttributeError, TypeError):
+        model._weight_conversions = rules
