@@ -26,12 +26,14 @@ import numpy as np
 import torch
 from torch import nn
 
+from hp_fastload.api.request import plan_request
 from hp_fastload.dist.agree import agree, exchanging, interrupts_between_steps, wait_work
 from hp_fastload.dist.collectives import gather_objects
 from hp_fastload.errors import PlanError, TargetError
 from hp_fastload.execute.transfer import Side, TransferStats, axis_base, run_transfer
 from hp_fastload.model.finalize import recreate_buffers, retie
 from hp_fastload.model.wrappers import unwrapped
+from hp_fastload.planning import front
 from hp_fastload.planning.context import LoadContext
 from hp_fastload.planning.export import file_header, forward_rules, released_tensors
 from hp_fastload.planning.items import LoadPlan
@@ -104,7 +106,7 @@ def layout_facts(model: nn.Module, weights_mapping: Iterable[Any] | None = None)
 
 
 @contextlib.contextmanager
-def _layout_index(facts: LayoutFacts) -> Iterator[tuple[CheckpointIndex, Path]]:
+def _layout_index(facts: LayoutFacts) -> Iterator[CheckpointIndex]:
     """An index of the released layout with no data: one safetensors header in a file whose data is a hole
     (nothing written, nothing read; the planner only reads headers). Removed on exit."""
     parent = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
@@ -119,7 +121,7 @@ def _layout_index(facts: LayoutFacts) -> Iterator[tuple[CheckpointIndex, Path]]:
             f.truncate(len(header) + data)
         index = CheckpointIndex.open(root)
         try:
-            yield index, root
+            yield index
         finally:
             for file in index.files:
                 file.header.release_map()
@@ -127,33 +129,11 @@ def _layout_index(facts: LayoutFacts) -> Iterator[tuple[CheckpointIndex, Path]]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def _planned(
-    model: nn.Module, root: Path, index: CheckpointIndex, weights_mapping: Any
-) -> tuple[LoadPlan, LoadContext]:
-    """The one call into planning: ``model`` planned as a load of the released layout at ``root`` (its targets'
-    regions against the checkpoint's coordinates, through the model's forward conversions; not strict: the
-    transfer checks both sides' coverage itself)."""
-    try:
-        from hp_fastload.planning import front
-        from hp_fastload.planning.request import PlanRequest
-    except ImportError:  # before the planning front door: the loader's own entry
-        from hp_fastload.api.load import plan_at  # type: ignore[attr-defined,unused-ignore]
-
-        return plan_at(  # type: ignore[no-any-return,unused-ignore]
-            model,
-            root,
-            "dcp",
-            weights_mapping=weights_mapping,
-            key_mapping=None,
-            strict=False,
-            external_target_fqns=frozenset(),
-            claimed_source_keys=frozenset(),
-            index=index,
-        )
-    from hp_fastload.convert.rules import resolve_mapping
-
-    request = PlanRequest(rules=tuple(resolve_mapping(model, weights_mapping, None)), strict=False)
-    return front.plan(model, index, request)
+def _planned(model: nn.Module, index: CheckpointIndex, weights_mapping: Any) -> tuple[LoadPlan, LoadContext]:
+    """The one call into planning: ``model`` planned as a load of the released layout ``index`` (its targets'
+    regions in the checkpoint's coordinates, through the model's forward conversions; not strict: the transfer
+    checks both sides' coverage itself)."""
+    return front.plan(model, index, plan_request(model, weights_mapping=weights_mapping, strict=False))
 
 
 @dataclass
@@ -164,10 +144,8 @@ class _PlannedSide:
     used_rules: Any
 
 
-def _plan_side(
-    model: nn.Module, role: str, root: Path, index: CheckpointIndex, facts: LayoutFacts, mapping: Any
-) -> _PlannedSide:
-    plan, context = _planned(model, root, index, mapping)
+def _plan_side(model: nn.Module, role: str, index: CheckpointIndex, facts: LayoutFacts, mapping: Any) -> _PlannedSide:
+    plan, context = _planned(model, index, mapping)
     report = plan.report
     if role == "source" and report.unexpected_keys:
         raise TargetError(
@@ -260,14 +238,14 @@ def transfer(
     )
     nbytes = np.array([int(np.prod(shape, dtype=np.int64)) * size for _, shape, _, size in facts], dtype=np.int64)
     itemsize = np.array([size for *_, size in facts], dtype=np.int64)
-    with _layout_index(facts) as (index, root):
+    with _layout_index(facts) as index:
         src_side: _PlannedSide | None = agreed(
             "Planning the transfer's source",
-            lambda: _plan_side(src, "source", root, index, facts, src_rules) if src is not None else None,
+            lambda: _plan_side(src, "source", index, facts, src_rules) if src is not None else None,
         )
         dst_side: _PlannedSide | None = agreed(
             "Planning the transfer's destination",
-            lambda: _plan_side(dst, "destination", root, index, facts, dst_rules) if dst is not None else None,
+            lambda: _plan_side(dst, "destination", index, facts, dst_rules) if dst is not None else None,
         )
     spans = gather_objects(
         (
