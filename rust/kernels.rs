@@ -1,6 +1,6 @@
 //! The element conversions the engine fuses into a copy: scalar conversions between bit patterns, the cast
-//! kernels (strided and dense), and the dequantizing kernels (8-bit floats and MXFP4 nibbles times their
-//! block scales, `ScaleMap`, scale decoding).
+//! kernels (strided and dense), and the 8-bit float dequantizing kernels with their block scales (`ScaleMap`,
+//! scale decoding). MXFP4's kernels, scalar and vectorized, are in [`crate::dest::mxfp4`], on the codecs here.
 //!
 //! Casts between floating types reproduce torch's CPU conversions bit for bit on every non-NaN value: a
 //! conversion to a 16-bit or 8-bit float goes through `f32` first (c10's types convert from `float`, so an
@@ -214,7 +214,7 @@ pub(crate) trait ElemSink {
 }
 
 /// A floating type the kernels can convert from and to.
-trait FloatCodec {
+pub(crate) trait FloatCodec {
     const SIZE: usize;
     fn to_f32(b: &[u8]) -> f32;
     fn to_f64(b: &[u8]) -> f64 {
@@ -236,10 +236,10 @@ fn le2(b: &[u8]) -> u16 {
     u16::from_le_bytes([b[0], b[1]])
 }
 
-struct CF16;
-struct CBF16;
-struct CF32;
-struct CF64;
+pub(crate) struct CF16;
+pub(crate) struct CBF16;
+pub(crate) struct CF32;
+pub(crate) struct CF64;
 struct CE4M3;
 struct CE5M2;
 struct CE8M0;
@@ -412,17 +412,6 @@ impl Scales for &[f32] {
     }
 }
 
-/// MXFP4 e8m0 bytes as [`Scales`].
-#[derive(Clone, Copy)]
-pub(crate) struct E8m0Scales<'a>(pub &'a [u8]);
-
-impl Scales for E8m0Scales<'_> {
-    #[inline(always)]
-    fn scale(self, i: usize) -> f32 {
-        mxfp4_scale_to_f32(self.0[i])
-    }
-}
-
 /// The part of a scale grid whose values a [`ScaleMap`] holds: grid rows `row0..` (a grid row: one cell of
 /// every dim but the last, `gcols` cells of the last) and, of each, the `width` cells of the last dim from
 /// `col0`, stored row after row. A window as wide as the grid (`col0 = 0`, `width = gcols`) is a contiguous
@@ -556,59 +545,6 @@ impl ScaleMap<'_> {
     }
 }
 
-/// MXFP4 nibbles whose scales step by whole grid rows (see [`ScaleMap::row_steps`]): element `i` is the
-/// low or high nibble of `src[i * src_stride]` times `values[cell0 + i * cell_step]`, into `dst` (dense).
-#[inline(always)]
-fn nibble_rows<const HIGH: bool, D: FloatCodec, V: Scales>(
-    src: &[u8],
-    src_stride: usize,
-    values: V,
-    (cell0, cell_step): (usize, usize),
-    dst: &mut [u8],
-) {
-    for (i, o) in dst.chunks_exact_mut(D::SIZE).enumerate() {
-        let v = CE2M1::<HIGH>::to_f32(&src[i * src_stride..]);
-        D::store_f32(mxfp4_scaled(v, values.scale(cell0 + i * cell_step)), o);
-    }
-}
-
-/// The dense-destination case of [`cast_scaled_nibbles`] when [`ScaleMap::row_steps`] holds (transformers'
-/// transposed gpt-oss layout: each element of a run is the next row): no grid arithmetic per element.
-pub(crate) fn nibble_rows_dense(
-    (high, dd): (bool, Dtype),
-    src: &[u8],
-    src_stride: usize,
-    values: ScaleValues<'_>,
-    cells: (usize, usize),
-    dst: &mut [u8],
-) {
-    macro_rules! go {
-        ($d:ty) => {
-            match (high, values) {
-                (false, ScaleValues::F32(v)) => {
-                    nibble_rows::<false, $d, _>(src, src_stride, v, cells, dst)
-                }
-                (true, ScaleValues::F32(v)) => {
-                    nibble_rows::<true, $d, _>(src, src_stride, v, cells, dst)
-                }
-                (false, ScaleValues::E8m0(b)) => {
-                    nibble_rows::<false, $d, _>(src, src_stride, E8m0Scales(b), cells, dst)
-                }
-                (true, ScaleValues::E8m0(b)) => {
-                    nibble_rows::<true, $d, _>(src, src_stride, E8m0Scales(b), cells, dst)
-                }
-            }
-        };
-    }
-    match dd {
-        Dtype::BF16 => go!(CBF16),
-        Dtype::F16 => go!(CF16),
-        Dtype::F32 => go!(CF32),
-        Dtype::F64 => go!(CF64),
-        _ => unreachable!("dequantized items are validated before any copy"),
-    }
-}
-
 #[inline(always)]
 fn scaled_kernel<S: FloatCodec, D: FloatCodec, W: ElemSink>(
     src: &[u8],
@@ -634,7 +570,7 @@ fn scaled_kernel<S: FloatCodec, D: FloatCodec, W: ElemSink>(
     }
 }
 
-fn scaled_with_dst<S: FloatCodec, W: ElemSink>(
+pub(crate) fn scaled_with_dst<S: FloatCodec, W: ElemSink>(
     dd: Dtype,
     src: &[u8],
     ss: usize,
@@ -657,102 +593,6 @@ fn scaled_with_dst<S: FloatCodec, W: ElemSink>(
 pub(crate) fn can_dequantize(sd: Dtype, dd: Dtype) -> bool {
     matches!(sd, Dtype::F8_E4M3 | Dtype::F8_E5M2 | Dtype::U8)
         && matches!(dd, Dtype::F16 | Dtype::BF16 | Dtype::F32 | Dtype::F64)
-}
-
-/// The value of each 4-bit e2m1 code (OCP MX spec: sign, 2 exponent bits, 1 mantissa bit), exact in `f32`.
-pub const E2M1_VALUES: [f32; 16] = [
-    0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
-];
-
-/// The bfloat16 bits of each e2m1 value ([`E2M1_VALUES`], all exact in bf16): the lookup table of the
-/// vectorized MXFP4 kernel (`crate::dest`).
-#[cfg(any(test, target_arch = "x86_64"))]
-pub(crate) const E2M1_BF16_BITS: [u16; 16] = [
-    0x0000, 0x3f00, 0x3f80, 0x3fc0, 0x4000, 0x4040, 0x4080, 0x40c0, 0x8000, 0xbf00, 0xbf80, 0xbfc0,
-    0xc000, 0xc040, 0xc080, 0xc0c0,
-];
-
-/// The exponent step `(e - 127) << 7` of an MXFP4 scale as the e8m0 byte `e` gives it ([`mxfp4_scale_to_f32`]):
-/// `2^(e - 127)` for `e` 1..=254, byte 0's `2^-127` (an `f32` subnormal) and byte 255's `2^128` (an infinite
-/// `f32`, `e` = 255); `None` for any other `f32` (not a power of two, negative, NaN, or a power of two no e8m0
-/// byte gives), which only the Rust API can pass. The step multiplies a non-zero e2m1 value by its scale: for
-/// bytes 2..=252 ([`NARROW_STEPS`]) every product (`±0.5..=±6`, exponents -1..=2, one mantissa bit) is a
-/// normal, finite bf16 (biased exponent `e - 1..=e + 2` within 1..=254), so the exact product, which
-/// `f32_to_bf16` of the `f32` product is, is the value's bits with the step added to the exponent field; for
-/// the other bytes some products are subnormal (bytes 0 and 1) or overflow to infinity (253..=255), which
-/// the vectorized kernel's wide decode handles (`mxfp4_wide_bits`, its scalar model in the tests). Zero codes
-/// stay zero (the caller masks them).
-#[cfg(any(test, target_arch = "x86_64"))]
-#[inline(always)]
-pub(crate) fn mxfp4_exponent_step(scale: f32) -> Option<i16> {
-    let bits = scale.to_bits();
-    let e = bits >> 23; // the sign bit lands at bit 8: a negative scale is out of range
-    match bits {
-        0x0040_0000 => Some(-127 << 7), // byte 0: 2^-127
-        0x7f80_0000 => Some(128 << 7),  // byte 255: 2^128
-        _ if bits & 0x007f_ffff == 0 && (1..=254).contains(&e) => Some((e as i16 - 127) << 7),
-        _ => None,
-    }
-}
-
-/// The steps ([`mxfp4_exponent_step`]) of scale bytes 2..=252, whose products are the step added to the
-/// value's bits.
-#[cfg(any(test, target_arch = "x86_64"))]
-pub(crate) const NARROW_STEPS: std::ops::RangeInclusive<i16> = (-125 << 7)..=(125 << 7);
-
-/// The bf16 bits of a non-zero e2m1 value of bf16 bits `bits` times the scale of exponent step `step`
-/// ([`mxfp4_exponent_step`]), for every step an e8m0 byte gives: exactly what the scalar kernel computes
-/// (`f32_to_bf16(mxfp4_scaled(e2m1, scale))`). The scalar model of the vectorized kernel's wide decode
-/// (`crate::dest`, lane by lane the same operations): on the magnitude, the step added with signed
-/// saturation (`E' << 7 | f << 6`, `E'` the product's biased exponent, `f` its mantissa bit); `E' >= 255`
-/// is infinity (`min` with `0x7f80`); `E' <= 0` (0 or -1: the smallest value times `2^-127`) is the subnormal
-/// `(2 + f) << (5 + E')`; then the sign.
-#[cfg(test)]
-pub(crate) fn mxfp4_wide_bits(bits: u16, step: i16) -> u16 {
-    let (sign, mag) = (bits & 0x8000, (bits & 0x7fff) as i16);
-    let e = mag.saturating_add(step);
-    let normal = e.min(0x7f80);
-    let t = ((e & 0x40) >> 1) | 0x40;
-    let sub = if e < 0 { t >> 1 } else { t };
-    (if e < 0x80 { sub } else { normal }) as u16 | sign
-}
-
-/// The low (`HIGH = false`) or high nibble of a byte as an e2m1 value: a source of the dequantizing
-/// kernels only (never a destination).
-struct CE2M1<const HIGH: bool>;
-
-impl<const HIGH: bool> FloatCodec for CE2M1<HIGH> {
-    const SIZE: usize = 1;
-    #[inline(always)]
-    fn to_f32(b: &[u8]) -> f32 {
-        let code = if HIGH { b[0] >> 4 } else { b[0] & 0x0f };
-        E2M1_VALUES[usize::from(code)]
-    }
-    #[inline(always)]
-    fn scaled(x: f32, scale: f32) -> f32 {
-        mxfp4_scaled(x, scale)
-    }
-    fn store_f32(_: f32, _: &mut [u8]) {
-        unreachable!("e2m1 is never a destination")
-    }
-}
-
-/// [`cast_scaled`] for MXFP4: element `i` is the low (`high = false`) or high nibble of byte
-/// `i * src_stride` of `src`, decoded as e2m1 and multiplied by its scale; `at = (flat0, step)` in 4-bit
-/// elements of the quantized tensor.
-pub(crate) fn cast_scaled_nibbles<W: ElemSink>(
-    (high, dd): (bool, Dtype),
-    src: &[u8],
-    src_stride: usize,
-    count: usize,
-    map: &ScaleMap<'_>,
-    at: (u64, u64),
-    sink: &mut W,
-) {
-    match high {
-        false => scaled_with_dst::<CE2M1<false>, W>(dd, src, src_stride, count, map, at, sink),
-        true => scaled_with_dst::<CE2M1<true>, W>(dd, src, src_stride, count, map, at, sink),
-    }
 }
 
 /// Like [`cast_strided`], each element multiplied (in `f32`) by its scale before the one rounding into
@@ -1066,53 +906,6 @@ pub(crate) fn cast_dense(sd: Dtype, dd: Dtype, src: &[u8], dst: &mut [u8]) {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// The bf16 table is the e2m1 values rounded by the scalar conversion; every MXFP4 scale byte has an
-    /// exponent step, and for every byte and code the wide decode (the vectorized kernel's, lane by lane) gives
-    /// exactly what the scalar kernel computes (`f32_to_bf16(mxfp4_scaled(e2m1, scale))`: subnormal products
-    /// of bytes 0 and 1, byte 255's 2^128 with ±0.5 finite and larger codes infinite), as does adding the step
-    /// for the narrow bytes 2..=252; a scale that is not a power of two an e8m0 byte gives has no step.
-    #[test]
-    fn e2m1_exponent_steps_equal_the_scalar_product() {
-        assert_eq!(E2M1_BF16_BITS, E2M1_VALUES.map(f32_to_bf16));
-        for s in 0..=255u8 {
-            let scale = mxfp4_scale_to_f32(s);
-            let step = mxfp4_exponent_step(scale).unwrap_or_else(|| panic!("scale byte {s}"));
-            assert_eq!(
-                NARROW_STEPS.contains(&step),
-                (2..=252).contains(&s),
-                "scale byte {s}"
-            );
-            for (c, &bits) in E2M1_BF16_BITS.iter().enumerate() {
-                let want = f32_to_bf16(mxfp4_scaled(E2M1_VALUES[c], scale));
-                if c & 7 == 0 {
-                    assert_eq!(bits, want, "zero code {c} scale byte {s}");
-                    continue;
-                }
-                assert_eq!(mxfp4_wide_bits(bits, step), want, "code {c} scale byte {s}");
-                if NARROW_STEPS.contains(&step) {
-                    assert_eq!(
-                        bits.wrapping_add(step as u16),
-                        want,
-                        "code {c} scale byte {s}"
-                    );
-                }
-            }
-        }
-        for bad in [
-            3.0f32,
-            -1.0,
-            -0.0,
-            0.0,
-            0.75,
-            -f32::INFINITY,
-            f32::NAN,
-            f32::from_bits(1),
-            f32::from_bits(0x0020_0000), // 2^-128: a power of two, but no e8m0 byte's
-        ] {
-            assert_eq!(mxfp4_exponent_step(bad), None, "{bad}");
-        }
-    }
 
     #[test]
     fn half_round_trips_every_pattern() {

@@ -19,13 +19,13 @@
 //! - [`error`]: [`LoadError`], the one error type. [`dtype`]: [`Dtype`], codes, names, sizes, cast table.
 //!   [`threads`]: the default thread count. [`simd`]: the SIMD level the kernels run at (CPU, `HP_FASTLOAD_SIMD`).
 //! - [`types`]: plain data: [`Item`] (a read request), [`types::Run`] (a planned strided copy), [`MAX_NDIM`].
-//! - [`kernels`]: scalar conversions, cast kernels, dequantizing kernels (fp8 and MXFP4 with block scales).
+//! - [`kernels`]: scalar conversions, cast kernels, 8-bit float dequantizing kernels with block scales.
 //! - `lookup` (x86-64 only): 8-bit float block dequantization by per-block tables (AVX-512 VBMI; `unsafe`,
 //!   fenced).
 //! - `mmap`: maps, page residency, positioned reads (`unsafe`, fenced). [`header`]: strict safetensors
 //!   headers ([`Header`]), weight maps, natural order. [`keys`]: key templates.
 //! - [`dest`]: destination buffers ([`DestBuf`]) and the only writes through raw destination pointers
-//!   (`unsafe`, fenced). `overlap`: the exact destination-overlap check on runs.
+//!   (`unsafe`, fenced); [`dest::mxfp4`]: every MXFP4 kernel (scalar reference, AVX2 / AVX-512 tiles). `overlap`: the exact destination-overlap check on runs.
 //! - [`plan`]: validates items and turns them into runs.
 //! - [`exec`]: the executor ([`execute`], [`execute_scaled`], [`exec::execute_write`]): `exec/read.rs`,
 //!   `tasks.rs`, `scales.rs`, `write.rs`, `workers.rs`.

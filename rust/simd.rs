@@ -1,6 +1,7 @@
 //! The SIMD level the kernels run at: the widest this CPU supports, capped by `HP_FASTLOAD_SIMD`.
 //!
-//! The dequantizing kernels (`crate::dest`, `crate::lookup`) come in builds for several instruction sets.
+//! The dequantizing kernels (`crate::dest` and its `mxfp4`, `crate::lookup`) come in builds for several
+//! instruction sets.
 //! Every dispatch asks [`level`] (never the CPU directly), so that one switch forces a lower level on any host
 //! and every fallback can be checked bit for bit against the top level on the same machine:
 //!
