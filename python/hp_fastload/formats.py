@@ -1,6 +1,6 @@
-"""Format constants in one place: safetensors dtype names and their torch dtypes, sub-byte dtypes, checkpoint file
-names, and the engine's item record layout (``MAX_NDIM``, ``ITEM_WIDTH``, the ``COL_*`` columns), exported by
-``_core``.
+"""Format constants in one place: safetensors dtype names and their torch dtypes, the float dtypes' names, the order
+safetensors writes dtypes in, sub-byte dtypes, checkpoint file names, and the engine's item record layout
+(``MAX_NDIM``, ``ITEM_WIDTH``, the ``COL_*`` columns), exported by ``_core``.
 """
 
 from __future__ import annotations
@@ -86,6 +86,41 @@ TORCH_TO_SAFETENSORS: dict[torch.dtype, str] = {
 
 #: safetensors dtype name -> torch dtype (sub-byte dtypes are absent: see the module docstring).
 SAFETENSORS_TO_TORCH: dict[str, torch.dtype] = {name: dt for dt, name in TORCH_TO_SAFETENSORS.items()}
+
+
+#: The float dtypes' safetensors names (what a quantized checkpoint's float tensors are stored as:
+#: ``CheckpointIndex.keys_not_stored_as``).
+FLOAT_NAMES: dict[torch.dtype, str] = {
+    dtype: TORCH_TO_SAFETENSORS[dtype] for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+}
+
+
+#: safetensors writes tensor data sorted by dtype, largest enum value first (then by name); this is its enum order
+#: (safetensors' ``Dtype``), checked against safetensors' own files in tests/api/test_save.py.
+SAFETENSORS_DTYPE_ORDER = (
+    "BOOL",
+    "F4",
+    "F6_E2M3",
+    "F6_E3M2",
+    "U8",
+    "I8",
+    "F8_E5M2",
+    "F8_E4M3",
+    "F8_E8M0",
+    "F8_E4M3FNUZ",
+    "F8_E5M2FNUZ",
+    "I16",
+    "U16",
+    "F16",
+    "BF16",
+    "I32",
+    "U32",
+    "F32",
+    "C64",
+    "F64",
+    "I64",
+    "U64",
+)
 
 
 def safetensors_dtype_name(dtype: torch.dtype) -> str:

@@ -332,6 +332,47 @@ def test_from_pretrained_dtype_is_transformers_auto(tmp_path, field):
         assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
 
 
+def _sharded_bf16_without_config_dtype(path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers.tiny_models import TINY_DECODER, config_of
+
+    torch.manual_seed(0)
+    model = randomized(AutoModelForCausalLM.from_config(config_of("llama", **TINY_DECODER))).to(torch.bfloat16)
+    model.save_pretrained(path, max_shard_size="4KB")
+    config = json.loads((path / "config.json").read_text())
+    config.pop("dtype", None)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def test_from_pretrained_dtype_from_the_index_metadata_is_transformers_auto(tmp_path):
+    """A config that names no dtype, an index whose ``metadata.dtype`` does: transformers takes that one."""
+    from transformers import AutoModelForCausalLM
+
+    _sharded_bf16_without_config_dtype(tmp_path)
+    index_path = tmp_path / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["metadata"]["dtype"] = "float16"
+    index_path.write_text(json.dumps(index))
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path)
+    model = hf.from_pretrained(tmp_path)
+    assert reference.dtype == model.dtype == torch.float16
+    expected, got = reference.state_dict(), model.state_dict()
+    assert sorted(got) == sorted(expected)
+    for key, value in expected.items():
+        assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
+
+
+def test_from_pretrained_with_a_bad_index_names_it(tmp_path):
+    """An index that is not JSON: a ``HeaderError`` naming it (transformers' own read raises ``JSONDecodeError``)."""
+    _sharded_bf16_without_config_dtype(tmp_path)
+    index_path = tmp_path / "model.safetensors.index.json"
+    index_path.write_text(index_path.read_text()[:-5])
+    with pytest.raises(hf.HeaderError, match="failed to read safetensors index") as raised:
+        hf.from_pretrained(tmp_path)
+    assert str(index_path) in str(raised.value)
+
+
 def test_symlinks_inside_a_checkpoint_are_followed_to_regular_files_only(tmp_path):
     """The documented rule (design notes): a shard reached through a symlinked directory loads; a name that
     leads to a device through a link is refused unopened (it would read forever)."""

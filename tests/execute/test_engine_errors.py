@@ -276,6 +276,25 @@ def test_bad_index(tmp_path, text, needle):
         CheckpointIndex.open(tmp_path)
 
 
+@pytest.mark.parametrize(("text", "needle"), [c[1:] for c in INDEX_CASES[:5]], ids=[c[0] for c in INDEX_CASES[:5]])
+def test_bad_index_metadata(tmp_path, text, needle):
+    """``from_pretrained``'s read of the index's ``metadata`` parses it as the index does: the same typed error,
+    naming the file; no index, or no metadata object, is empty."""
+    from hp_fastload.source.index import index_metadata
+
+    _sharded(tmp_path)
+    assert index_metadata(tmp_path) == {}
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(HeaderError, match=needle) as raised:
+        index_metadata(tmp_path)
+    assert str(index) in str(raised.value)
+    index.write_text(json.dumps({"metadata": {"dtype": "float16", "total_size": 36}, "weight_map": _sharded(tmp_path)}))
+    assert index_metadata(tmp_path) == {"dtype": "float16", "total_size": 36}
+    index.write_text(json.dumps({"metadata": [1], "weight_map": _sharded(tmp_path)}))
+    assert index_metadata(tmp_path) == {}
+
+
 def test_index_missing_shard(tmp_path):
     from hp_fastload.source.index import CheckpointIndex
 

@@ -19,7 +19,6 @@ import contextlib
 import copy
 import dataclasses
 import hashlib
-import json
 import os
 import sys
 from collections.abc import Callable, Mapping
@@ -76,9 +75,9 @@ def _dtype(dtype: Any, config: Any, location: Location) -> torch.dtype:
 def _checkpoint_dtype(location: Location) -> torch.dtype:
     """transformers' choice for a config without a dtype: the index's ``metadata.dtype``, else the first
     floating dtype (float8/float4 skipped) among the tensors of the first shard in name order (in key order),
-    else that shard's first tensor's dtype; float32 for an empty checkpoint. Headers only."""
-    from hp_fastload.formats import INDEX_NAME
-    from hp_fastload.source.index import CheckpointIndex
+    else that shard's first tensor's dtype; float32 for an empty checkpoint. Headers only (and the index: a
+    bad one is a ``HeaderError`` naming it)."""
+    from hp_fastload.source.index import CheckpointIndex, index_metadata
 
     if isinstance(location, ObjectLocation):
         index = CheckpointIndex.open(location)
@@ -87,13 +86,11 @@ def _checkpoint_dtype(location: Location) -> torch.dtype:
         first = min(index.files, key=lambda f: location.relative(f.path))
         return _first_dtype(first)
     folder = location if location.is_dir() else location.parent
-    index_path = folder / INDEX_NAME
-    if location.is_dir() and index_path.is_file():
-        with contextlib.suppress(OSError, ValueError, AttributeError):
-            named = json.loads(index_path.read_bytes()).get("metadata", {}).get("dtype")
-            value = getattr(torch, str(named).removeprefix("torch."), None) if named else None
-            if isinstance(value, torch.dtype):
-                return value
+    if location.is_dir():
+        named = index_metadata(folder).get("dtype")
+        value = getattr(torch, str(named).removeprefix("torch."), None) if named else None
+        if isinstance(value, torch.dtype):
+            return value
     index = CheckpointIndex.open(location)
     if not index.files:
         return torch.float32

@@ -23,7 +23,6 @@ import torch
 from hp_fastload.convert.quant import (
     BLOCK_FP8,
     DEFAULT_BLOCK,
-    FLOAT_NAMES,
     FLOATS,
     FP8,
     MXFP4_FORMAT,
@@ -31,6 +30,7 @@ from hp_fastload.convert.quant import (
     Dequant,
 )
 from hp_fastload.convert.quant_info import SCALE_INV, BlockScales, FoundQuant, QuantInfo, QuantTensors, new_found
+from hp_fastload.formats import FLOAT_NAMES
 from hp_fastload.source.config import read_quant_config
 
 

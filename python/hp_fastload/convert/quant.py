@@ -1,7 +1,7 @@
 """Quantized sources as records: what a dequantizing read item carries (``Dequant``: the scale tensor, its
 block shape and format), the bytes a quantized source occupies (``source_nbytes``), the MXFP4 layout as a
-symbolic region and its torch reference (``mxfp4_region`` / ``mxfp4_dequantize``), the supported formats and
-``QuantizationError``.
+symbolic region and its torch reference (``mxfp4_region`` / ``mxfp4_dequantize``) and the supported formats
+(``errors.QuantizationError`` refuses the others; the float dtypes' safetensors names are ``formats.FLOAT_NAMES``).
 
 Detection (which checkpoint tensors are quantized, in what format) is ``convert.detect``; its results are the
 types of ``convert.quant_info``. Nothing quantized is ever plain-cast into a float target.
@@ -27,10 +27,6 @@ SUPPORTED = (
 
 
 FLOATS = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
-
-
-#: their safetensors dtype names (``CheckpointIndex.keys_not_stored_as``)
-FLOAT_NAMES = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32", torch.float64: "F64"}
 
 
 FP8 = frozenset((torch.float8_e4m3fn, torch.float8_e5m2))

@@ -17,15 +17,15 @@ import torch
 import hp_fastload._core as _core
 from hp_fastload.convert.quant import (
     BLOCK_FP8,
-    FLOAT_NAMES,
     FLOATS,
     MXFP4_FORMAT,
     SUPPORTED,
     Dequant,
-    QuantizationError,
     mxfp4_group,
     mxfp4_region,
 )
+from hp_fastload.errors import QuantizationError
+from hp_fastload.formats import FLOAT_NAMES
 
 
 @dataclass(frozen=True)

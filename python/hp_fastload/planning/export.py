@@ -15,41 +15,14 @@ import torch
 from torch import nn
 
 from hp_fastload.errors import PlanError, TargetError
-from hp_fastload.formats import TORCH_TO_SAFETENSORS
+from hp_fastload.formats import SAFETENSORS_DTYPE_ORDER, TORCH_TO_SAFETENSORS
 from hp_fastload.model.targets import Target
 from hp_fastload.planning.context import LoadContext
 from hp_fastload.planning.items import LoadPlan
 from hp_fastload.runtime import is_rank0
 
-# safetensors writes tensor data sorted by dtype, largest enum value first (then by name); this is its enum
-# order (safetensors' ``Dtype``), checked against safetensors' own files in tests/test_save.py.
-_SAFETENSORS_DTYPE_ORDER = (
-    "BOOL",
-    "F4",
-    "F6_E2M3",
-    "F6_E3M2",
-    "U8",
-    "I8",
-    "F8_E5M2",
-    "F8_E4M3",
-    "F8_E8M0",
-    "F8_E4M3FNUZ",
-    "F8_E5M2FNUZ",
-    "I16",
-    "U16",
-    "F16",
-    "BF16",
-    "I32",
-    "U32",
-    "F32",
-    "C64",
-    "F64",
-    "I64",
-    "U64",
-)
-
-
-_DTYPE_RANK = {name: i for i, name in enumerate(_SAFETENSORS_DTYPE_ORDER)}
+# where safetensors writes each dtype's data (its enum order, largest first)
+_DTYPE_RANK = {name: i for i, name in enumerate(SAFETENSORS_DTYPE_ORDER)}
 
 
 # every dtype the engine knows a safetensors name for (unsigned, complex and fnuz float8 included)

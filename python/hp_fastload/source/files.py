@@ -27,18 +27,19 @@ byte boundaries.
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 import torch
 
 import hp_fastload._core as _core
 from hp_fastload._core import HeaderEntry
-from hp_fastload.errors import PlanError, shown_key
+from hp_fastload.errors import HeaderError, PlanError, shown_key
 from hp_fastload.formats import SAFETENSORS_TO_TORCH, SUB_BYTE_BITS
 
 PathOrFile: TypeAlias = "str | os.PathLike[str] | SafetensorsFile"
@@ -205,3 +206,17 @@ def open_file(path_or_file: PathOrFile) -> SafetensorsFile:
         while len(_cache) > _CACHE_SIZE:
             _cache.popitem(last=False)
     return opened
+
+
+def parse_index(where: object, text: bytes) -> dict[str, Any]:
+    """A checkpoint index (``model.safetensors.index.json``, read from ``where``: its path or URL) as its JSON
+    object, whose ``weight_map`` is a non-empty object; else a ``HeaderError`` naming ``where``. Both the local
+    and the object-storage index, and ``from_pretrained``'s read of its ``metadata``, parse it here."""
+    try:
+        index = json.loads(text.decode())
+    except ValueError as exc:  # invalid JSON or UTF-8
+        raise HeaderError(f"failed to read safetensors index {where}: {exc}") from exc
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise HeaderError(f"safetensors index has no non-empty weight_map: {where}")
+    return index

@@ -23,7 +23,7 @@ import hp_fastload._core as _core
 from hp_fastload.errors import HeaderError, shown_key
 from hp_fastload.formats import INDEX_NAME, SAFETENSORS_TO_TORCH, SINGLE_NAME, SUB_BYTE_BITS
 from hp_fastload.source import objstore
-from hp_fastload.source.files import SafetensorsFile, open_file, release_maps
+from hp_fastload.source.files import SafetensorsFile, open_file, parse_index, release_maps
 from hp_fastload.source.natural import KeyOrder, dot_natural_key
 
 
@@ -119,10 +119,7 @@ class CheckpointIndex:
 
     @classmethod
     def _from_index_json(cls, root: Path, index_path: Path) -> CheckpointIndex:
-        try:
-            text = index_path.read_bytes()
-        except OSError as exc:
-            raise HeaderError(f"failed to read safetensors index {index_path}: {exc}") from exc
+        text = _read_index(index_path)
         # The usual layout is parsed and checked against the headers in Rust (json.loads of a 90k-tensor
         # index, and comparing it with the headers in Python, was a quarter of indexing it).
         fast = _core.WeightMap.parse(text)
@@ -285,14 +282,26 @@ def _check_shard_name(index_path: Path, name: object, text: bytes) -> None:
 
 def _weight_map(index_path: Path, text: bytes) -> dict[Any, Any]:
     """The ``weight_map`` of an index, parsed by Python's ``json`` (the route that names what is wrong)."""
-    try:
-        index = json.loads(text.decode())
-    except ValueError as exc:
-        raise HeaderError(f"failed to read safetensors index {index_path}: {exc}") from exc
-    weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(weight_map, dict) or not weight_map:
-        raise HeaderError(f"safetensors index has no non-empty weight_map: {index_path}")
+    weight_map: dict[Any, Any] = parse_index(index_path, text)["weight_map"]
     return weight_map
+
+
+def _read_index(index_path: Path) -> bytes:
+    try:
+        return index_path.read_bytes()
+    except OSError as exc:
+        raise HeaderError(f"failed to read safetensors index {index_path}: {exc}") from exc
+
+
+def index_metadata(folder: Path) -> dict[str, Any]:
+    """The ``metadata`` object of the index in the checkpoint directory ``folder`` (``total_size``, a ``dtype``
+    that transformers' ``from_pretrained`` takes when the config names none); empty without an index or without
+    that object. A bad index: ``HeaderError`` naming it."""
+    index_path = folder / INDEX_NAME
+    if not index_path.is_file():
+        return {}
+    metadata = parse_index(index_path, _read_index(index_path)).get("metadata")
+    return metadata if isinstance(metadata, dict) else {}
 
 
 #: Header bytes (all shards together) above which ``_open_all`` parses in threads: below it, starting a pool

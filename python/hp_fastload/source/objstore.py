@@ -17,7 +17,6 @@ key is not in the environment, from the shared credentials/config files (``AWS_P
 from __future__ import annotations
 
 import configparser
-import json
 import os
 import threading
 from collections import OrderedDict
@@ -27,7 +26,7 @@ from pathlib import Path
 import hp_fastload._core as _core
 from hp_fastload.errors import HeaderError, ObjectStoreError, shown_key
 from hp_fastload.formats import INDEX_NAME, SINGLE_NAME
-from hp_fastload.source.files import SafetensorsFile
+from hp_fastload.source.files import SafetensorsFile, parse_index
 
 __all__ = [
     "ObjectLocation",
@@ -217,12 +216,7 @@ def open_index(location: ObjectLocation) -> tuple[list[SafetensorsFile], dict[st
     index_url = location.child(INDEX_NAME)
     text = read_side_object(index_url)
     if text is not None:
-        try:
-            weight_map = json.loads(text.decode()).get("weight_map")
-        except (ValueError, AttributeError) as exc:
-            raise HeaderError(f"failed to read safetensors index {index_url}: {exc}") from exc
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise HeaderError(f"safetensors index has no non-empty weight_map: {index_url}")
+        weight_map = parse_index(index_url, text)["weight_map"]
         names = sorted({_check_shard_name(index_url, n) for n in weight_map.values()})
         files = open_objects([location.child(n) for n in names])
         by_name = dict(zip(names, files, strict=True))
