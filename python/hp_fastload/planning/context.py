@@ -34,7 +34,7 @@ class PendingGroup:
     def plain(self, index: CheckpointIndex) -> DeferredGroup:
         claims = {n: t.names[0] for n, t in self.claims.items()}
         nbytes = [index.locate(k).nbytes for k in self.keys]
-        return DeferredGroup(self.label, list(self.keys), claims, self.reason, nbytes)
+        return DeferredGroup(self.label, tuple(self.keys), claims, self.reason, tuple(nbytes))
 
 
 @dataclass(eq=False)

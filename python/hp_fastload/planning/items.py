@@ -474,27 +474,28 @@ def scale_read_nbytes(spec: Dequant, rows: tuple[int, int], scale_nbytes: int) -
     return (rows[1] - rows[0] + 1) * (scale_nbytes // _grid_rows(spec))
 
 
-@dataclass
+@dataclass(frozen=True)
 class DeferredGroup:
     """Work done on whole tensors on this rank: read ``keys`` whole, convert them with torch (the compute is
     the ``LoadContext``'s, at the same position), and copy each claimed output's local part into its target
     (``claims``: output name -> target name). ``nbytes``: each key's whole-tensor bytes."""
 
     label: str
-    keys: list[str]
+    keys: tuple[str, ...]
     claims: dict[str, str] = field(default_factory=dict)
     reason: str = ""
-    nbytes: list[int] = field(default_factory=list)
+    nbytes: tuple[int, ...] = ()
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoadPlan:
     """This rank's plan, as plain data: the reads of each region target (by target name), the deferred
     groups, the report, the dequantized keys, and the file of every checkpoint tensor it reads.
 
     It holds no model, target, open file or closure: it prints (``summary``), pickles and compares (``==``:
     two plannings of the same model and checkpoint are equal). What executing it needs live is in the
-    ``LoadContext`` that ``plan_load`` returns with it.
+    ``LoadContext`` that ``plan_load`` returns with it. Frozen: a part of it is a new plan
+    (``dataclasses.replace``).
     """
 
     region_reads: dict[str, Reads]
@@ -505,6 +506,8 @@ class LoadPlan:
     #: the scale tensors of the region reads' dequantized keys (key -> bytes of the whole tensor); the engine
     #: reads the grid rows the items touch (``touched_scale_rows``)
     scale_nbytes: dict[str, int] = field(default_factory=dict)
+    #: each region target's touched scale rows (``_touched``), made on first ask: a memo, not part of the plan
+    _memo: dict[str, dict[str, ScaleRows]] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def _scale_bytes(self, rows: ScaleRows) -> Iterator[tuple[str, int]]:
         for spec, touched in rows.items():
@@ -513,10 +516,11 @@ class LoadPlan:
     def _touched(self) -> dict[str, ScaleRows]:
         """Each region target's touched scale rows, computed once per plan (reports ask for them several times;
         an all-ranks report of a block-fp8 checkpoint spent most of its time here)."""
-        cached: dict[str, ScaleRows] | None = self.__dict__.get("_touched_rows")
+        cached = self._memo.get("touched")
         if cached is None:
-            cached = {name: touched_scale_rows(reads) for name, reads in self.region_reads.items()}
-            self.__dict__["_touched_rows"] = cached
+            cached = self._memo["touched"] = {
+                name: touched_scale_rows(reads) for name, reads in self.region_reads.items()
+            }
         return cached
 
     def read_bytes_by_file(self) -> dict[str, int]:

@@ -49,7 +49,7 @@ HOLDER_RUN_BYTES = 4 << 20
 DEFAULT_BUDGET_BYTES = 512 << 20
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, frozen=True)
 class JobPlan:
     """The job-wide plan (see the module docstring). Per chunk ``c``: its axis range ``[chunk_lo, chunk_hi)``,
     its reader, its round. ``pieces_*``: what the reader reads, the union of every rank's needs within each
@@ -79,12 +79,15 @@ class JobPlan:
     budget_bytes: int
     chunk_bytes: int
     digest: str = ""
-    split: list[tuple[Int64s, Int64s, Int64s, Int64s]] = field(default_factory=list)
-    _sends: dict[int, tuple[Int64s, Int64s, Int64s]] = field(default_factory=dict, repr=False)
+    split: list[tuple[Int64s, Int64s, Int64s, Int64s]] = field(init=False, repr=False, compare=False)
+    #: each rank's sends, made on first ask (``messages``): a memo, not part of the plan
+    _sends: dict[int, tuple[Int64s, Int64s, Int64s]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         b = self.rank_bounds.tolist()
-        self.split = [
+        split = [
             (
                 self.rows_chunk[b[r] : b[r + 1]],
                 self.rows_key[b[r] : b[r + 1]],
@@ -93,6 +96,7 @@ class JobPlan:
             )
             for r in range(self.world)
         ]
+        object.__setattr__(self, "split", split)
 
     def node_of(self, rank: int) -> int:
         return rank // self.ranks_per_node
@@ -550,7 +554,13 @@ def plan_job(
         last_piece = np.searchsorted(pc, np.arange(nchunks), "right") - 1
         hi = smap.g0[pk[last_piece]] + pe[last_piece] * smap.itemsize[pk[last_piece]]
     chunk_round = _rounds(reader, sizes, pair_chunk, pair_rank, pair_bytes, world, budget_bytes)
-    plan = JobPlan(
+    h = hashlib.blake2b(digest_size=16)
+    h.update(smap.digest().encode())
+    h.update(f"{world}/{ranks_per_node}/{chunk_bytes}/{budget_bytes}".encode())
+    hashed = (bounds, reader, chunk_round, pc, pk, ps, pe, as_int64(counts), key, start, end)
+    for array in hashed:
+        h.update(as_int64(array).data)  # the bytes of ``tobytes()``, without a copy
+    return JobPlan(
         world=world,
         ranks_per_node=ranks_per_node,
         smap=smap,
@@ -572,12 +582,5 @@ def plan_job(
         rank_bounds=as_int64(np.searchsorted(rr, np.arange(world + 1))),
         budget_bytes=budget_bytes,
         chunk_bytes=chunk_bytes,
+        digest=h.hexdigest(),
     )
-    h = hashlib.blake2b(digest_size=16)
-    h.update(smap.digest().encode())
-    h.update(f"{world}/{ranks_per_node}/{chunk_bytes}/{budget_bytes}".encode())
-    hashed = (plan.chunk_lo, plan.chunk_reader, plan.chunk_round, pc, pk, ps, pe, as_int64(counts), key, start, end)
-    for array in hashed:
-        h.update(as_int64(array).data)  # the bytes of ``tobytes()``, without a copy
-    plan.digest = h.hexdigest()
-    return plan
