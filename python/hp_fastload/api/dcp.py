@@ -24,7 +24,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.planner import LoadPlan as DcpLoadPlan
+from torch.distributed.checkpoint.planner import LoadPlanner
 from torch.futures import Future
 
 from hp_fastload.convert.detect import detect
@@ -166,7 +167,7 @@ class HuggingFaceStorageReader(FileSystemReader):
         if self.storage_data is None:
             raise HeaderError("checkpoint metadata has no storage data")
 
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+    def read_data(self, plan: DcpLoadPlan, planner: LoadPlanner) -> Future[None]:
         batch = self._batch()
         commits: list[tuple[Any, torch.Tensor]] = []
         quant = self._quant if self._quant is not None else self._detect_quant()
