@@ -1,6 +1,23 @@
 """Format constants in one place: safetensors dtype names and their torch dtypes, the float dtypes' names, the order
 safetensors writes dtypes in, sub-byte dtypes, checkpoint file names, and the engine's item record layout
 (``MAX_NDIM``, ``ITEM_WIDTH``, the ``COL_*`` columns), exported by ``_core``.
+
+Item array layout (``int64``, shape ``[n, ITEM_WIDTH]``; all numbers in elements), as ``execute.requests`` and
+``execute.batch`` pack it::
+
+    COL_FILE       index into the call's list of files
+    COL_TENSOR     index of the tensor in that file's header (``SafetensorsFile.tensor_index``)
+    COL_SRC_BASE   element index in the tensor of the box's first element
+    COL_DEST       index into the call's list of destinations (address, nbytes, dtype code)
+    COL_DST_BASE   element index in the destination buffer (destination dtype) of the first element
+    COL_NDIM       number of dims used (0..MAX_NDIM)
+    COL_LENGTHS .. +MAX_NDIM       box extent per dim
+    COL_SRC_STRIDES .. +MAX_NDIM   source stride per dim
+    COL_DST_STRIDES .. +MAX_NDIM   destination stride per dim (unused slots 0)
+    COL_SCALE      0: a plain copy; k: dequantize with the call's scale record k-1 (``execute.batch``)
+
+Sub-byte dtypes (``F4``, ``F6_E2M3``, ``F6_E3M2``, :data:`SUB_BYTE_BITS`) have no torch dtype: they are read into
+``torch.uint8`` tensors holding the box's bytes.
 """
 
 from __future__ import annotations

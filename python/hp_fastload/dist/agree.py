@@ -469,7 +469,7 @@ def agree_digest(stage: str, digest: str, hint: str) -> None:
 def resolve_location_each(path: str | os.PathLike[str], revision: str | None) -> Location:
     """Every rank resolves its own ``path`` (a relative path against its own working directory): rank 0
     first, then the others, a Hub id from the cache rank 0 has just filled when they share it. A failure on
-    any rank makes every rank raise. The ranks' checkpoints are compared later (``_agree_checkpoint``)."""
+    any rank makes every rank raise. The ranks' checkpoints are compared later (``dist.identity.agree_checkpoint``)."""
     if not dist_active() or torch.distributed.get_world_size() == 1:
         return resolve_checkpoint_location(path, revision=revision)
     first = torch.distributed.get_rank() == 0

@@ -1,11 +1,12 @@
-"""One engine call's worth of work, for every caller of ``_core.execute``: ``Batch`` packs ``plan.Reads``
+"""One engine call's worth of work, for every caller of ``_core.execute``: ``Batch`` packs ``planning.items.Reads``
 (the one read type) into the engine's item records with numpy — headers, destinations and the scale records
 of items with a second source (a dequantized weight's scale) — and runs them in either direction. Also the
 pieces both directions' stagers share: ``Slabs`` (two reusable host slabs and a side stream) and
 ``staging_chunks`` (a target cut into row blocks that fit a slab, its reads clipped to them).
 
-Users: ``execute`` (a plan's region reads and whole-tensor reads), ``dcp`` (torch DCP read requests),
-``save`` (the same reads executed dest -> storage).
+Users: ``execute.read`` (a plan's region reads and whole-tensor reads), ``execute.deliver`` (a job-wide
+delivery's reader ranks), ``execute.write`` (``save``: the same reads executed dest -> storage), ``api.dcp``
+(torch DCP read requests), ``api.read`` (``read_many`` / ``read_into``).
 """
 
 from __future__ import annotations
@@ -238,7 +239,7 @@ class Batch:
     def add_records(
         self, files: Sequence[SafetensorsFile], dests: Sequence[tuple[int, int, int]], records: Int64s
     ) -> None:
-        """Item records packed and validated elsewhere (``engine.read_many``'s requests, one destination per
+        """Item records packed and validated elsewhere (``api.read.read_many``'s requests, one destination per
         request: user input, checked request by request), whose ``COL_FILE`` / ``COL_DEST`` index ``files`` /
         ``dests``; they join this batch's tables."""
         if not len(records):
@@ -273,7 +274,7 @@ class Batch:
         )
 
     def run(self, threads: int | None, backend: str | None, stats: Any) -> None:
-        """Reads the batch (``stats``: an ``execute.ExecStats``), then runs the ``after`` work."""
+        """Reads the batch (``stats``: an ``execute.read.ExecStats``), then runs the ``after`` work."""
         if self.execute(threads, backend) is not None:
             stats.engine_calls += 1
             stats.items += self.count

@@ -1,11 +1,11 @@
-"""Named parallel layouts of a transformers model, and planning them for any rank on one machine.
+"""Named parallel layouts of a transformers model, applied to a model on the meta device.
 
 Owns ``hp-fastload plan``'s layouts (``fsdp``, ``tp``, ``tp+fsdp``, ``ep``, ``2d``, ``hsdp``), each built with
-torch's own APIs (``fully_shard``, ``parallelize_module``, ``distribute_tensor``) on a model that lives on the meta
-device, and :func:`plan_ranks`: the model built once from the checkpoint's config under torch's ``fake`` process group
-of the full world size (no peers, no tensor bytes), then planned for each requested rank through
-``targets.virtual_rank``. The same layout functions run on real ranks give the same plans (tests compare them
-with ``hp_fastload.plan`` on gloo ranks).
+torch's own APIs (``fully_shard``, ``parallelize_module``, ``distribute_tensor``): :func:`apply_layout` and
+:func:`mesh_shape_for`. Planning them for any rank on one machine is ``api.ranks.plan_ranks`` (the model built once
+under torch's ``fake`` process group of the full world size, each rank planned as ``model.regions.virtual_rank``)
+and the transfer's dry run (``api.transfer_dry``). The same layout functions run on real ranks give the same plans
+(tests compare them with ``hp_fastload.plan`` on gloo ranks).
 
 Layouts (``world`` ranks; ``mesh`` is ``(dp, inner)`` for the 2-D ones, default ``(world // 2, 2)``):
 

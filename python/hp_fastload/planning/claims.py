@@ -1,6 +1,6 @@
 """Claiming converted outputs for model targets: first claim of a physical tensor wins, tied aliases
 load with it, shapes are checked, quantized sources are refused where they cannot be read; region outputs
-become read items (``regions.region_items``) and the rest joins deferred groups.
+become read items (``planning.intersect.region_items``) and the rest joins deferred groups.
 """
 
 from __future__ import annotations

@@ -1,24 +1,9 @@
-"""Engine-level API: safetensors headers and batched box reads into CPU tensors.
-
-This module owns the bridge between torch tensors and the Rust engine (``hp_fastload._core``): dtype names,
-the :class:`SafetensorsFile` header view, and the validation and packing of read requests into the engine's
-int64 item records (run through ``batch.Batch``, which makes every caller's engine call). It does not plan
-anything (which boxes a rank needs is the loader's business) and it never touches tensor bytes itself: one
-:func:`read_many` call is one Rust call, with the GIL released while it reads.
-
-Item array layout (``int64``, shape ``[n, ITEM_WIDTH]``; all numbers in elements; the ``COL_*`` offsets and
-``ITEM_WIDTH`` are the engine's own, exported by ``_core``)::
-
-    COL_FILE       index into the ``files`` list
-    COL_TENSOR     index of the tensor in that file's header (``SafetensorsFile.tensor_index``)
-    COL_SRC_BASE   element index in the tensor of the box's first element
-    COL_DEST       index into the ``dests`` list of (address, nbytes, dtype code)
-    COL_DST_BASE   element index in the destination buffer (destination dtype) of the first element
-    COL_NDIM       number of dims used (0..MAX_NDIM)
-    COL_LENGTHS .. +MAX_NDIM       box extent per dim
-    COL_SRC_STRIDES .. +MAX_NDIM   source stride per dim
-    COL_DST_STRIDES .. +MAX_NDIM   destination stride per dim (unused slots 0)
-    COL_SCALE      0: a plain copy; k: dequantize with entry k-1 of the call's scales (``quant.pack_scale``)
+"""Safetensors files as the engine sees them: :class:`SafetensorsFile` (one header, parsed and validated by the
+Rust engine: keys, dtypes, shapes, byte ranges, the ``__metadata__`` strings), the process-wide cache of opened
+files (``open_file``, checked against the file's identity on every hit; ``clear_cache``, ``release_maps``), and
+the parse of a checkpoint index's JSON (``parse_index``). Headers only: which boxes a rank needs is planning's,
+packing read requests into the engine's item records is ``execute.requests`` / ``execute.batch`` (the record
+layout: ``formats``), and no tensor byte passes through here.
 
 Sub-byte dtypes (``F4``, ``F6_E2M3``, ``F6_E3M2``) have no torch dtype here: they are read only into a
 contiguous ``torch.uint8`` tensor holding exactly the box's bytes, and only boxes whose rows start and end on
