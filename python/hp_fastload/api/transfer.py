@@ -41,7 +41,7 @@ from hp_fastload.planning.transfer import LayoutFacts, Runs, TransferPlan, check
 from hp_fastload.runtime import dist_active, gc_paused
 from hp_fastload.source.index import CheckpointIndex
 
-__all__ = ["DEFAULT_BUDGET_BYTES", "DIRECT_BYTES", "TransferReport", "layout_facts", "transfer"]
+__all__ = ["DEFAULT_BUDGET_BYTES", "DIRECT_BYTES", "TransferReport", "layout_facts", "layout_index", "transfer"]
 
 #: Each rank's staged bytes per round (packed messages sent and received): the window of the plan.
 DEFAULT_BUDGET_BYTES = 256 << 20
@@ -106,7 +106,7 @@ def layout_facts(model: nn.Module, weights_mapping: Iterable[Any] | None = None)
 
 
 @contextlib.contextmanager
-def _layout_index(facts: LayoutFacts) -> Iterator[CheckpointIndex]:
+def layout_index(facts: LayoutFacts) -> Iterator[CheckpointIndex]:
     """An index of the released layout with no data: one safetensors header in a file whose data is a hole
     (nothing written, nothing read; the planner only reads headers). Removed on exit."""
     parent = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
@@ -238,7 +238,7 @@ def transfer(
     )
     nbytes = np.array([int(np.prod(shape, dtype=np.int64)) * size for _, shape, _, size in facts], dtype=np.int64)
     itemsize = np.array([size for *_, size in facts], dtype=np.int64)
-    with _layout_index(facts) as index:
+    with layout_index(facts) as index:
         src_side: _PlannedSide | None = agreed(
             "Planning the transfer's source",
             lambda: _plan_side(src, "source", index, facts, src_rules) if src is not None else None,

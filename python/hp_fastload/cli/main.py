@@ -222,6 +222,8 @@ def _simulate(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     from hp_fastload.api.ranks import plan_ranks
 
+    if args.transfer_to is not None:
+        return _transfer_plan(args)
     if args.execute:
         if args.all_ranks:
             raise ValueError("--execute rehearses one rank (--rank); it cannot be combined with --all-ranks")
@@ -264,6 +266,42 @@ def _plan(args: argparse.Namespace) -> int:
     print(f"total storage traffic of the job: {total:,} bytes over {args.world} ranks")
     wall, cpu = sum(p.seconds for p in plans), sum(p.cpu_seconds for p in plans)
     print(f"planned {len(plans)} ranks in {wall:.2f} s ({cpu:.2f} s CPU) after the model's build ({build_s:.2f} s)")
+    return 0
+
+
+def _transfer_plan(args: argparse.Namespace) -> int:
+    from hp_fastload.api.transfer_dry import dry_run
+
+    run = dry_run(
+        args.checkpoint,
+        args.layout,
+        args.transfer_to,
+        args.world,
+        source_mesh=args.mesh,
+        destination_mesh=args.transfer_mesh,
+        auto_class=args.auto_class,
+        budget_bytes=args.budget_mib << 20,
+    )
+    if args.json:
+        plan = run.plan
+        json.dump(
+            {
+                "source": run.source,
+                "destination": run.destination,
+                "rounds": plan.rounds,
+                "messages": len(plan.msg_src),
+                "needed_by_rank": plan.needed_by_rank.tolist(),
+                "sent_by_rank": plan.sent_by_rank().tolist(),
+                "received_by_rank": plan.received_by_rank().tolist(),
+                "copied_by_rank": plan.copied_by_rank().tolist(),
+                "inexact": run.inexact,
+            },
+            sys.stdout,
+            indent=2,
+        )
+        sys.stdout.write("\n")
+        return 0
+    print(run.text())
     return 0
 
 
@@ -345,6 +383,14 @@ def _register_plan(subparsers: Any) -> None:
         "--round-latency-ms", type=float, default=0.0, help="one round's agreement and message latency, ms (0)"
     )
     p.add_argument("--budget-mib", type=int, default=512, help="staging + messages per rank per round (MiB)")
+    p.add_argument(
+        "--transfer-to",
+        choices=list(LAYOUTS),
+        default=None,
+        help="the message table of hf.transfer from --layout to this layout on the same --world ranks (pieces, "
+        "messages, rounds, bytes moved per sender and receiver); --budget-mib is the transfer's window",
+    )
+    p.add_argument("--transfer-mesh", type=_mesh, default=None, help="the 2-D mesh of --transfer-to, as --mesh")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=_plan)
 
