@@ -460,10 +460,10 @@ def test_memoized_trace_equals_the_unshared_trace(name: str) -> None:
         model = cfg.build()
     tensors = {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
     released = released_regions(model, titan.adapter(name, cfg), tensors)
-    assert released == released_regions(model, titan.adapter(name, cfg), tensors, share=False)
+    assert released == released_regions(model, titan.adapter(name, cfg), tensors, memo=False)
     hf_keys = {k: (v.shape, v.dtype) for k, v in released.items()}
     loaded = loaded_regions(model, titan.adapter(name, cfg), hf_keys)
-    assert loaded == loaded_regions(model, titan.adapter(name, cfg), hf_keys, share=False)
+    assert loaded == loaded_regions(model, titan.adapter(name, cfg), hf_keys, memo=False)
     assert len(loaded) > 3 * 4 and all(len(v.blocks) > 0 for v in loaded.values())
 
 
@@ -479,7 +479,7 @@ def test_released_sources_are_the_regions_input_keys(name: str) -> None:
     with torch.device("meta"):
         model = cfg.build()
     tensors = {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
-    regions = released_regions(model, titan.adapter(name, cfg), tensors, share=False)
+    regions = released_regions(model, titan.adapter(name, cfg), tensors, memo=False)
     sources = released_sources(model, titan.adapter(name, cfg), tensors)
     assert list(sources) == list(regions)
     assert {k: set(v) for k, v in sources.items()} == {k: v.input_keys() for k, v in regions.items()}

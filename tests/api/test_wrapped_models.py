@@ -1,4 +1,4 @@
-"""Review of the training prologue and the hardening (issues 15 and 16): the cases that slipped through.
+"""Loading into wrapped models, ``from_pretrained``'s choices, and what a hostile checkpoint directory gets.
 
 - ``load`` into a model wrapped by ``torch.compile`` (``_orig_mod.``) or ``DistributedDataParallel``
   (``module.``): the wrapped module's names and default rules (gpt_neox's ``embed_out`` -> ``lm_head``), values
@@ -7,13 +7,15 @@
   target names without ``_checkpoint_wrapped_module`` / ``_orig_mod``, values and buffers equal to
   ``from_pretrained``'s, on one process and on 2 gloo ranks.
 - ``from_pretrained`` on 2 gloo ranks: a rank whose directory has no ``config.json`` makes every rank raise
-  ``FileNotFoundError`` naming it (before, the other rank waited in ``load``'s first collective); ranks whose
-  ``config.json`` differ (same safetensors) all raise ``CheckpointMismatchError``.
-- ``from_pretrained``'s default dtype is transformers' ``"auto"`` (a config without one: the weights'), and with
-  ``strict=False`` what the checkpoint lacks is initialized as transformers does, not left as ``to_empty``'s bytes.
+  ``FileNotFoundError`` naming it; ranks whose ``config.json`` differ (same safetensors) all raise
+  ``CheckpointMismatchError``.
+- ``from_pretrained``'s default dtype is transformers' ``"auto"`` (a config without one: the index's
+  ``metadata.dtype``, else the weights'), a bad index is a ``HeaderError`` naming it, and with ``strict=False``
+  what the checkpoint lacks is initialized as transformers does, not left as ``to_empty``'s bytes.
 - ``hp-fastload plan`` with a FIFO ``config.json`` or a config transformers rejects (with its own exception
   types) ends with one error line; a checkpoint path that is a FIFO is refused as such, not looked up on the
-  Hub; terminal escapes in a missing shard's name or a file name are escaped in the error and the CLI's line.
+  Hub; terminal escapes in a missing shard's name or a file name are escaped in the error and the CLI's line; a
+  huge shard name is cut in the error.
 - Symlinks inside a checkpoint: a symlinked shard directory loads, a link to ``/dev/zero`` is refused unopened.
 """
 

@@ -76,7 +76,7 @@ def test_shared_trace_is_every_layers_own(conversion: Any) -> None:
     run on real tensors (so a layer converted differently is not given another layer's trace)."""
     inputs = _inputs()
     shared = trace_by_structure(conversion, inputs)
-    alone = trace_by_structure(conversion, inputs, share=False)
+    alone = trace_by_structure(conversion, inputs, memo=False)
     assert shared.keys() == alone.keys() and len(alone) == 1 + 2 * LAYERS
     real = _real()
     expected = conversion(dict(real))

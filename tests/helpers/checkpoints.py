@@ -1,4 +1,7 @@
-"""TODO module doc"""
+"""Small checkpoints and runners shared by the tests: ``TinyModule`` (one ``Linear``) with its tensors
+(``tiny_tensors``, written by safetensors' ``save_file``), ``write_sharded_pair`` (a two-shard checkpoint whose index
+can point a tensor at the wrong shard), ``load_file_tensors`` (a checkpoint loaded into a ``TinyModule``) and
+``run_child`` (code in a fresh interpreter, with a timeout that fails the test instead of hanging)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,8 @@
-"""TODO module doc"""
+"""Parallel layouts the tests apply with torch's own APIs, for comparing hp_fastload against torch on real ranks:
+``torch_fsdp`` (``fully_shard`` per block list entry, then the root), ``torch_tp`` (``parallelize_module`` with
+colwise/rowwise ``Linear`` plans by name, stacked 3-D experts ``Shard(1)``), ``torch_demo`` (the CLI demo's
+layout), and ``block_lists`` (a model's decoder block lists). Call them inside a spawned rank (``tests.helpers.dist``)
+on a model built on the meta device or on CPU."""
 
 from __future__ import annotations
 

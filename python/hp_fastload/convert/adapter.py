@@ -133,17 +133,17 @@ def run_load_hooks(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
 
 
 def released_regions(
-    model: nn.Module, adapter: StateDictAdapter, tensors: Mapping[str, ShapeDtype], *, share: bool = True
+    model: nn.Module, adapter: StateDictAdapter, tensors: Mapping[str, ShapeDtype], *, memo: bool = True
 ) -> dict[str, Any]:
     """Hugging Face key -> the region of model tensors it is made of (a :class:`Mapped` whose sources are model
     names; any other value is what the adapter gave where it could not be traced), through the model's
-    ``state_dict`` post-hooks and ``to_hf``. ``tensors``: model name -> (global shape, dtype). ``share``: the
+    ``state_dict`` post-hooks and ``to_hf``. ``tensors``: model name -> (global shape, dtype). ``memo``: the
     block arithmetic once per layer structure (``convert.structure``)."""
 
     def convert(state: dict[str, RegionTensor]) -> Mapping[str, Any]:
         return private_copy(adapter).to_hf(run_save_hooks(model, dict(state)))
 
-    return trace_by_structure(convert, tensors, share=share)
+    return trace_by_structure(convert, tensors, memo=memo)
 
 
 def released_sources(model: nn.Module, adapter: StateDictAdapter, tensors: Mapping[str, ShapeDtype]) -> dict[str, Any]:
@@ -166,7 +166,7 @@ def released_tensors(model: nn.Module, adapter: StateDictAdapter, tensors: Mappi
 
 
 def loaded_regions(
-    model: nn.Module, adapter: StateDictAdapter, leaves: Mapping[str, ShapeDtype], *, share: bool = True
+    model: nn.Module, adapter: StateDictAdapter, leaves: Mapping[str, ShapeDtype], *, memo: bool = True
 ) -> dict[str, Any]:
     """Model name -> its value from the checkpoint tensors ``leaves`` (Hugging Face key -> (shape, dtype)): a
     :class:`Mapped` over checkpoint keys (or what the adapter gave where it could not be traced), through
@@ -175,7 +175,7 @@ def loaded_regions(
     def convert(state: dict[str, RegionTensor]) -> Mapping[str, Any]:
         return run_load_hooks(model, dict(private_copy(adapter).from_hf(dict(state))))
 
-    return trace_by_structure(convert, leaves, share=share)
+    return trace_by_structure(convert, leaves, memo=memo)
 
 
 def hook_renamed(model: nn.Module, tensors: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> list[str]:

@@ -63,12 +63,13 @@ def trace_by_structure(
     convert: Callable[[dict[str, RegionTensor]], Mapping[str, Any]],
     inputs: Mapping[str, ShapeDtype],
     *,
-    share: bool = True,
+    memo: bool = True,
 ) -> dict[str, Any]:
     """Every output of ``convert`` over symbolic leaves of ``inputs`` (key -> (shape, dtype)), as
-    :class:`Mapped` (any value that is not a traced region as it is). With ``share``, under the op memo."""
+    :class:`Mapped` (any value that is not a traced region as it is). With ``memo``, under the op memo (the
+    block arithmetic once per layer structure); without, every op computed (what tests compare it with)."""
     leaves = {key: RegionTensor.leaf(key, *shape_dtype) for key, shape_dtype in inputs.items()}
-    if not share:
+    if not memo:
         return mapped(convert(leaves))
     layers: dict[str, tuple[str, Any]] = {}
     for key in inputs:
