@@ -170,7 +170,7 @@ pub fn e8m0_to_f32(v: u8) -> f32 {
 
 /// An MXFP4 scale byte to `f32` as the exponent transformers' `convert_moe_packed_tensors` applies
 /// (`ldexp(value, v - 127)`): 2^(v-127), and 0xff, whose 2^128 no `f32` holds, as infinity, which
-/// [`mxfp4_scaled`] reads as 2^128 (not the NaN of the e8m0 dtype, [`e8m0_to_f32`]).
+/// `mxfp4_scaled` reads as 2^128 (not the NaN of the e8m0 dtype, [`e8m0_to_f32`]).
 pub fn mxfp4_scale_to_f32(v: u8) -> f32 {
     match v {
         0xff => f32::INFINITY,

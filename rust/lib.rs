@@ -23,7 +23,7 @@
 //! - `lookup` (x86-64 only): 8-bit float block dequantization by per-block tables (AVX-512 VBMI; `unsafe`,
 //!   fenced).
 //! - `mmap`: maps, page residency, positioned reads (`unsafe`, fenced). [`header`]: strict safetensors
-//!   headers ([`Header`]), weight maps, natural order. [`keys`]: key templates.
+//!   headers ([`Header`]); `header/`: its JSON, name tables, [`header::WeightMap`], natural order. [`keys`]: key templates.
 //! - [`dest`]: destination buffers ([`DestBuf`]) and the only writes through raw destination pointers
 //!   (`unsafe`, fenced); [`dest::mxfp4`]: every MXFP4 kernel (scalar reference, AVX2 / AVX-512 tiles). `overlap`: the exact destination-overlap check on runs.
 //! - [`plan`]: validates items and turns them into runs.

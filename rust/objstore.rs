@@ -7,7 +7,7 @@
 //! items need (coalesced across gaps that add at most 1/32 of the bytes, cut at the multiples of
 //! [`Settings::piece`] bytes, [`Settings::concurrency`] requests in flight). The bytes of plain copies (same
 //! dtype, adjacent elements, no scale) go straight into their destinations as they arrive
-//! ([`Settings::direct`]); the others (casts, dequantization, scale rows) into [`Staging`] memory at their
+//! ([`Settings::direct`]); the others (casts, dequantization, scale rows) into `Staging` memory at their
 //! file offsets, copied once every request has succeeded with the executor's mapped path
 //! (`crate::exec::execute_staged`). With `HP_FASTLOAD_S3_DIRECT=0` every byte is staged, and a failed fetch
 //! leaves every destination untouched.

@@ -323,7 +323,7 @@ impl SafetensorsHeader {
 
     /// The natural order of every tensor of `headers` (several shards): positions into their names taken in
     /// order (each header's in file order), sorted, plus the positions of names whose order is Python's to
-    /// decide (see [`crate::header::natural_order_key`]); merged from the order each header computed when it
+    /// decide (see [`crate::header::natural_order`]); merged from the order each header computed when it
     /// was parsed ([`crate::header::natural_order_of`]). Positions rather than names, so the caller orders
     /// the very string objects it already holds.
     #[staticmethod]
