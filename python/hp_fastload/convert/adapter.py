@@ -14,7 +14,7 @@ tensors:
   ``load_state_dict`` pre-hooks: every model tensor as a region of checkpoint tensors.
 
 Hooks of torch's own wrappers (activation checkpointing, FSDP, DDP, ``torch.compile``) are not run: the names
-here are already the canonical ones (``wrappers.WRAPPED_CHILDREN`` dropped). The user's adapter is never
+here are already the canonical ones (``model.wrappers.WRAPPED_CHILDREN`` dropped). The user's adapter is never
 mutated: each run uses a private copy.
 
 It does not own: reading, claiming outputs for targets, or deciding what is missing (see ``planning.adapter``).

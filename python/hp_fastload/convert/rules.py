@@ -12,7 +12,7 @@ alphanumeric gets a name-boundary guard (``weight`` does not match ``weight_scal
 is replaced by the first target pattern (``\1`` filled from the one capture group); a ``scope_prefix``
 limits a rule to keys under that module. Renamings chain in order, then at most one converter applies.
 
-It does not read tensors or decide regions: see ``groups`` and ``plan``.
+It does not read tensors or decide regions: see ``convert.groups`` and ``planning``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Load groups built once per key template instead of once per key.
 
-Owns the template side of :func:`hp_fastload.groups.build_groups`: a checkpoint's keys collapsed to templates
+Owns the template side of :func:`hp_fastload.convert.groups.build_groups`: a checkpoint's keys collapsed to templates
 (``rust/keys.rs``: every numeric dotted component — a layer or an expert number — taken out as ``#``), each rule
 applied once per template, the renamed names checked against the model's targets once per distinct name, and
 the groups assembled with numpy. A 90k-tensor DeepSeek-V3 header has 37 templates; renaming and grouping its

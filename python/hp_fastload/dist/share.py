@@ -3,9 +3,9 @@
 Owns the choice, per region target, of the replica group that shares it (the first mesh dim on which the
 DTensor is ``Replicate``, of size > 1), the reader in each group (its first rank), and the batched broadcast
 after the read phase: every target of a group is packed into byte buffers of at most ``bucket_bytes`` and each
-buffer is one ``broadcast`` (no collective per tensor). Off by default (``load(..., share_replicated=True)``):
-on one node the replicas share the page cache and a local copy beats a broadcast (docs/perf-notes.md); it pays
-when replicas sit on different nodes and storage, not memory, is the bottleneck.
+buffer is one ``broadcast`` (no collective per tensor). Off by default (``load(..., share="replicated")``, or the
+older ``share_replicated=True``): on one node the replicas share the page cache and a local copy beats a broadcast
+(docs/perf-notes.md); it pays when replicas sit on different nodes and storage, not memory, is the bottleneck.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ also carries its layout (global shape, mesh shape, this rank's mesh coordinate, 
 :class:`LocalRegion` it implies: per tensor dimension, the global index intervals this rank holds, in the
 order they appear in the local tensor.
 
-Regions are computed by :func:`local_region` without any process group, from the mesh shape and a mesh
+Regions are computed by ``model.regions.local_region`` without any process group, from the mesh shape and a mesh
 coordinate, so a planner can answer "what does rank r of N read" on one machine ("virtual ranks"). The chunk
 rules are torch's own: each Shard-like placement's ``_split_tensor`` is applied to an index list (exactly as
 ``_StridedShard.local_shard_size_and_offset`` does in torch), and the chunk at this rank's coordinate is

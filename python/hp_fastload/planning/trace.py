@@ -1,4 +1,4 @@
-"""Running load groups symbolically: ``region.RegionTensor`` leaves through the real rule objects, the
+"""Running load groups symbolically: ``convert.symbolic.RegionTensor`` leaves through the real rule objects, the
 trace cache (groups that differ only in layer or expert numbers share one trace, its sources named by
 placeholder), the meta-tensor run that validates an untraceable group, and the torch compute of deferred
 groups. Produces traced blocks; claiming and read items are elsewhere.

@@ -1,10 +1,11 @@
-"""Checkpoint resolution: where the tensors of a Hugging Face checkpoint live.
+"""The checkpoint index: where each tensor of a Hugging Face checkpoint lives.
 
-Owns: turning a user's ``path`` (a ``.safetensors`` file of any name, a directory with
-``model.safetensors.index.json`` or ``model.safetensors``, a directory of shards without an index, or a Hub
-repo id resolved through huggingface_hub's cache) into a ``CheckpointIndex``, whose one lookup
-``locate(key)`` gives a :class:`TensorEntry` (file, header position, dtypes, shape, bytes). Only headers are
-read. It does not plan or read tensor bytes; key order is ``natural``'s.
+Owns: turning a resolved location (``source.location``: a ``.safetensors`` file of any name, a directory with
+``model.safetensors.index.json`` or ``model.safetensors``, a directory of shards without an index; an object
+checkpoint through ``source.objstore.open_index``) into a ``CheckpointIndex``, whose one lookup ``locate(key)``
+gives a :class:`TensorEntry` (file, header position, dtypes, shape, bytes), and the index's ``metadata``
+(``index_metadata``). Only headers and the index are read. It does not plan or read tensor bytes; key order is
+``natural``'s.
 """
 
 from __future__ import annotations
