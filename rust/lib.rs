@@ -26,7 +26,7 @@
 //!   headers ([`Header`]); `header/`: its JSON, name tables, [`header::WeightMap`], natural order. [`keys`]: key templates.
 //! - [`dest`]: destination buffers ([`DestBuf`]) and the only writes through raw destination pointers
 //!   (`unsafe`, fenced); [`dest::mxfp4`]: every MXFP4 kernel (scalar reference, AVX2 / AVX-512 tiles). `overlap`: the exact destination-overlap check on runs.
-//! - [`plan`]: validates items and turns them into runs.
+//! - [`runs`]: validates items and turns them into runs (the planner).
 //! - [`exec`]: the executor ([`execute`], [`execute_scaled`], [`exec::execute_write`]): `exec/read.rs`,
 //!   `tasks.rs`, `scales.rs`, `write.rs`, `workers.rs`.
 //! - [`records`]: the packed item, scale and destination records that Python hands over, decoded
@@ -71,7 +71,7 @@ mod mmap;
 #[cfg(feature = "s3")]
 pub mod objstore;
 mod overlap;
-pub mod plan;
+pub mod runs;
 #[cfg(feature = "python")]
 mod python;
 pub mod records;

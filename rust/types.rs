@@ -1,6 +1,6 @@
 //! Plain data shared by the planner, the overlap check, the destination writer and the executor: a read
 //! request ([`Item`]), a planned strided copy ([`Run`], with its byte geometry) and [`MAX_NDIM`]. It builds
-//! nothing and checks nothing (the planner, `crate::plan`, does); its only dependency is [`Dtype`].
+//! nothing and checks nothing (the planner, `crate::runs`, does); its only dependency is [`Dtype`].
 //!
 //! ```
 //! use hp_fastload::{Item, MAX_NDIM};
@@ -48,7 +48,7 @@ pub struct Item {
 /// A 1-d strided copy, repeated: for `r` in `0..reps`, `count` elements from the file at
 /// `src_off + r * rep_src_stride + i * src_stride` to `dst_addr + r * rep_dst_stride + i * dst_stride`
 /// (bytes). One repetition is a "1-d run"; a column slice of a row-major matrix is one `Run` with one
-/// repetition per row. Built only by [`crate::plan::plan`] (and split by the executor), which checked the bytes of every
+/// repetition per row. Built only by [`crate::runs::plan`] (and split by the executor), which checked the bytes of every
 /// repetition; `crate::dest` relies on that.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Run {
@@ -78,7 +78,7 @@ pub struct Run {
     pub dst_dtype: Dtype,
     /// 0 for every run but the packed 4-bit runs of a dequantized MXFP4 item: 1 (2) when each element is
     /// the low (high) nibble of the byte at `src_off + i * src_stride` (strides in bytes, as for byte-sized
-    /// elements of one byte; see [`crate::plan::plan`]).
+    /// elements of one byte; see [`crate::runs::plan`]).
     pub src_nibble: u8,
 }
 

@@ -3,7 +3,7 @@
 //! A [`DestBuf`] names caller memory: either a borrowed `&mut [u8]` (safe) or a raw address range
 //! ([`DestBuf::from_raw_parts`], `unsafe`: the caller promises the memory stays valid and untouched for
 //! the duration of [`crate::execute`]). Every write goes through a [`Run`] produced by
-//! [`crate::plan::plan`], which checked that the run's bytes lie inside its destination buffer and that
+//! [`crate::runs::plan`], which checked that the run's bytes lie inside its destination buffer and that
 //! no two runs write the same byte; that check is what makes the writes below sound, also when several
 //! threads write disjoint runs of one buffer at once.
 //!
@@ -106,7 +106,7 @@ fn with_dense_rep<R>(run: &Run, rep: u64, f: impl FnOnce(&mut [u8]) -> R) -> R {
         "dense destination expected"
     );
     let addr = run.dst_addr + rep as usize * run.rep_dst_stride;
-    // SAFETY: plan::plan checked that the bytes of every repetition `rep < reps` lie inside one DestBuf
+    // SAFETY: runs::plan checked that the bytes of every repetition `rep < reps` lie inside one DestBuf
     // (valid for writes by its constructor's contract) and that no other run, nor another repetition of
     // this one, covers any of them.
     let out = unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, run.dst_bytes()) };
@@ -154,7 +154,7 @@ impl ElemSink for StridedSink {
     #[inline(always)]
     fn put(&mut self, i: usize, bytes: &[u8]) {
         let at = (self.addr + i * self.stride) as *mut u8;
-        // SAFETY: plan::plan checked that every element `i < count` of every repetition of this run lies
+        // SAFETY: runs::plan checked that every element `i < count` of every repetition of this run lies
         // inside its DestBuf and is written by no other run or repetition; `addr` is the start of one
         // repetition (`write_run` builds it from `rep < reps`); `bytes.len()` is the destination element
         // size.
@@ -473,7 +473,7 @@ pub(crate) fn with_contiguous_reps<R>(
         return None;
     }
     let base = run.dst_addr + reps.start as usize * run.rep_dst_stride;
-    // SAFETY: plan::plan_file_major checked that the `count` adjacent elements of every repetition lie
+    // SAFETY: runs::plan_file_major checked that the `count` adjacent elements of every repetition lie
     // inside one DestBuf, valid for reads by its constructor's contract; with repetitions back to back
     // (`rep_dst_stride == dst_bytes`), repetitions `reps` are the one range `base..base + n * dst_bytes`.
     let bytes = unsafe { std::slice::from_raw_parts(base as *const u8, n * run.dst_bytes()) };
@@ -482,7 +482,7 @@ pub(crate) fn with_contiguous_reps<R>(
 
 /// The write direction's read of memory: appends the bytes of repetitions `reps` of a same-dtype,
 /// byte-sized run to `out`, each repetition's elements in order (adjacent, as the file holds them). The
-/// run's "destination" side is the memory being saved: `plan::plan_file_major` checked that every
+/// run's "destination" side is the memory being saved: `runs::plan_file_major` checked that every
 /// element of every repetition lies inside its `DestBuf`.
 pub(crate) fn gather_reps(run: &Run, reps: std::ops::Range<u64>, out: &mut Vec<u8>) {
     let size = run.dst_elem_size();
@@ -493,7 +493,7 @@ pub(crate) fn gather_reps(run: &Run, reps: std::ops::Range<u64>, out: &mut Vec<u
     for r in reps {
         let base = run.dst_addr + r as usize * run.rep_dst_stride;
         if run.dst_is_dense() {
-            // SAFETY: plan::plan_file_major checked that the `count` adjacent elements of repetition
+            // SAFETY: runs::plan_file_major checked that the `count` adjacent elements of repetition
             // `r < reps` lie inside one DestBuf, valid for reads by its constructor's contract (memory the
             // caller keeps alive and does not write during the call); reading it from several threads is
             // sound.

@@ -1,6 +1,6 @@
 //! The batch executor: validated runs → sorted, coalesced tasks → scoped worker threads.
 //!
-//! [`execute`] validates the whole batch ([`crate::plan::plan`]) before any thread starts, opens and
+//! [`execute`] validates the whole batch ([`crate::runs::plan`]) before any thread starts, opens and
 //! `fstat`s each file it needs (a file shorter than its header says is [`LoadError::Truncated`]; a
 //! replaced or rewritten one is [`LoadError::Changed`]), picks a backend per file, splits large runs so
 //! every thread gets work (a repeated run into groups of repetitions; `make_pieces` says when repetitions

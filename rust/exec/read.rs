@@ -19,7 +19,7 @@ use crate::dest::{with_dense_dst, DestBuf};
 use crate::error::LoadError;
 use crate::header::{FileIdentity, Header};
 use crate::mmap::{open_regular, prefetch, read_cached_at, read_exact_at, Mapping};
-use crate::plan::plan;
+use crate::runs::plan;
 use crate::threads::{default_threads, MAX_DEFAULT_THREADS};
 use crate::types::{Item, Run};
 

@@ -252,7 +252,7 @@ pub(super) fn scale_cells(
     for (it, s) in items.iter().zip(per_item) {
         let Some((s, _)) = *s else { continue };
         let sc = &scales[s];
-        let ndim = it.ndim as usize; // validated by `plan::plan`, like every length and stride below
+        let ndim = it.ndim as usize; // validated by `runs::plan`, like every length and stride below
         let (lens, strides) = (&it.lengths[..ndim], &it.src_strides[..ndim]);
         if lens.contains(&0) {
             continue;
@@ -553,7 +553,7 @@ pub(super) fn item_scales(
         });
         let d = usize::try_from(it.dest).ok().and_then(|d| dests.get(d));
         let (Some(h), Some(t), Some(d)) = (h, t, d) else {
-            continue; // plan::plan names the bad index
+            continue; // runs::plan names the bad index
         };
         if !can_dequantize(t.dtype, d.dtype()) {
             return Err(bad(format!(

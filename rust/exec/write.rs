@@ -21,7 +21,7 @@ const WRITE_CHUNK: u64 = 8 * 1024 * 1024;
 /// positioned writes from `threads` scoped threads. The files must exist at their final size (at least the
 /// header's `file_len`) with the header already written; they are opened for writing, never truncated or
 /// created. Source and file dtypes must be equal (no cast on the way out). All items are validated first
-/// ([`crate::plan::plan_file_major`]); on an I/O error some regions may have been written.
+/// ([`crate::runs::plan_file_major`]); on an I/O error some regions may have been written.
 /// `stats.bytes_copied` counts bytes written; `bytes_read_from_files` stays 0.
 pub fn execute_write(
     files: &[Arc<Header>],
@@ -31,7 +31,7 @@ pub fn execute_write(
 ) -> Result<ExecStats, LoadError> {
     use std::os::unix::fs::FileExt;
 
-    let runs = crate::plan::plan_file_major(files, bufs, items)?;
+    let runs = crate::runs::plan_file_major(files, bufs, items)?;
     if let Some(r) = runs
         .iter()
         .find(|r| r.src_dtype != r.dst_dtype || r.src_dtype.is_sub_byte())

@@ -150,7 +150,7 @@ pub(super) unsafe fn nibble_tiles_avx2(
                     // destination is dense with its first row and row pitch multiples of 64 bytes, and `y0`
                     // is a multiple of 32 (only whole pairs of tile heights advance it before this point):
                     // each column's 64 bytes from element `y0` are one aligned line inside the run's
-                    // destination row (`y0 + 32 <= count`), which plan::plan gave to this run alone.
+                    // destination row (`y0 + 32 <= count`), which runs::plan gave to this run alone.
                     unsafe { pass(rows, stride, high, st, dst, run.rep_dst_stride) };
                     streamed = true;
                     y0 += 2 * T;
