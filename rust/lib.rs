@@ -71,10 +71,10 @@ mod mmap;
 #[cfg(feature = "s3")]
 pub mod objstore;
 mod overlap;
-pub mod runs;
 #[cfg(feature = "python")]
 mod python;
 pub mod records;
+pub mod runs;
 pub mod simd;
 pub mod threads;
 pub mod types;
