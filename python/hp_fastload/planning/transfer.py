@@ -47,12 +47,13 @@ def _i64(values: Any) -> Int64s:
 
 
 def check_layouts(sources: Sequence[LayoutFacts | None], destinations: Sequence[LayoutFacts | None]) -> LayoutFacts:
-    """The one released layout both sides share, from every rank's view of its source and destination models
-    (None where a rank holds none). ``TargetError`` naming the tensor and the dimension (or the dtype) where two
-    ranks' sources, two ranks' destinations, or the sources and the destinations disagree; where one side has a
-    tensor the other lacks; where a side has no rank at all."""
-    src = [(r, f) for r, f in enumerate(sources) if f is not None]
-    dst = [(r, f) for r, f in enumerate(destinations) if f is not None]
+    """The one released layout both sides share (sorted by key: the order a model lists its tensors in does not
+    matter), from every rank's view of its source and destination models (None where a rank holds none).
+    ``TargetError`` naming the tensor and the dimension (or the dtype) where two ranks' sources, two ranks'
+    destinations, or the sources and the destinations disagree; where one side has a tensor the other lacks;
+    where a side has no rank at all."""
+    src = [(r, tuple(sorted(f))) for r, f in enumerate(sources) if f is not None]
+    dst = [(r, tuple(sorted(f))) for r, f in enumerate(destinations) if f is not None]
     if not src or not dst:
         raise TargetError(
             "hf.transfer needs a source model on some rank and a destination model on some rank "
@@ -98,9 +99,7 @@ def _compare(a: LayoutFacts, b: LayoutFacts, a_name: str, b_name: str) -> None:
                 f"hf.transfer: tensor {shown_key(key)} is {dtype_a} in {a_name} and {dtype_b} in {b_name}; cast "
                 "one model first (the transfer copies bytes, it does not convert dtypes)"
             )
-    raise TargetError(
-        f"hf.transfer: the models' checkpoint layouts list their tensors in another order ({a_name}, {b_name})"
-    )
+    raise TargetError(f"hf.transfer: the models' checkpoint layouts differ in their element sizes ({a_name}, {b_name})")
 
 
 @dataclass(frozen=True, eq=False)
