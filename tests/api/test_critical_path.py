@@ -62,8 +62,8 @@ def test_phases_add_up_to_the_wall_time_and_the_values_are_loaded(llama):
     ("phase", "owner", "attribute"),
     [
         ("index", CheckpointIndex, "open"),
-        ("planning", load_module, "planned"),
-        ("reading", load_module, "execute_plan"),
+        ("planning", load_module.front, "streamed"),
+        ("reading", load_module, "execute_stream"),
         ("finishing", load_module, "recreate_buffers"),
     ],
 )
@@ -98,7 +98,7 @@ def test_rehearsal_reports_its_time_to_loaded(llama):
 
 def _two_ranks(rank: int, world_size: int, root: str) -> dict[str, float]:
     if rank == 1:
-        load_module.planned = _delayed(load_module.planned, 2 * DELAY)  # this child process only
+        load_module.front.streamed = _delayed(load_module.front.streamed, 2 * DELAY)  # this child process only
     torch.distributed.barrier()
     model = tiny_model("llama", seed=1)
     gathered: list[object] = []  # object collectives during the load: the ranks' identities travel only to

@@ -15,7 +15,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -27,7 +27,7 @@ from hp_fastload.dist.agree import agree, interrupts_between_steps, resolve_loca
 from hp_fastload.dist.identity import agree_checkpoint, identity_of
 from hp_fastload.errors import HeaderError
 from hp_fastload.execute.job import agree_job_plan, run_job
-from hp_fastload.execute.read import ExecStats, execute_plan
+from hp_fastload.execute.read import ExecStats, Overlap, execute_stream
 from hp_fastload.execute.threads import threads_per_rank
 from hp_fastload.model.finalize import mark_loaded, non_persistent_buffers, recreate_buffers, retie
 from hp_fastload.model.peft import BaseView, base_view, fill_copies, inner_model, is_peft_model, refuse_quantized_base
@@ -35,6 +35,7 @@ from hp_fastload.model.regions import virtual_rank
 from hp_fastload.model.wrappers import unwrapped
 from hp_fastload.planning import front
 from hp_fastload.planning.context import LoadContext
+from hp_fastload.planning.front import PlanStream
 from hp_fastload.planning.items import PHASES, CriticalPath, LoadPlan, LoadReport
 from hp_fastload.planning.replacement import Replacement
 from hp_fastload.planning.request import PlanRequest
@@ -77,6 +78,12 @@ class PhaseClock:
         finally:
             self.lap("waiting")
 
+    def moved(self, source: str, phase: str, seconds: float) -> None:
+        """Re-charge ``seconds`` of ``source``'s time to ``phase`` (work measured inside another phase)."""
+        seconds = min(seconds, self.spent[source])
+        self.spent[source] -= seconds
+        self.spent[phase] += seconds
+
     def skip(self) -> None:
         """Charge the time since the last lap to nothing (work that is not the load's, as a rehearsal's
         allocation of the shards a model would already hold)."""
@@ -85,6 +92,11 @@ class PhaseClock:
     def done(self) -> tuple[float, CriticalPath]:
         """The seconds charged (since the start, less what was skipped) and the phases."""
         return sum(self.spent.values()), CriticalPath(**self.spent)
+
+
+def _progress_wanted(enabled: bool | None) -> bool:
+    """Whether ``_progress_bar`` would show a bar (it needs the plan's total before reading)."""
+    return enabled is not False and is_rank0() and (enabled is True or sys.stderr.isatty())
 
 
 def _progress_bar(total: int, enabled: bool | None) -> tuple[Callable[[int], None] | None, Callable[[], None]]:
@@ -188,8 +200,15 @@ def planned(
 ) -> tuple[LoadPlan, LoadContext]:
     """``planning.front.plan`` of ``request``, a strict miss told with where the checkpoint's ``config.json``
     and the model's config disagree (architecture, depth, size) when they do."""
-    try:
+    with _hinted(model, location):
         return front.plan(model, index, request)
+
+
+@contextlib.contextmanager
+def _hinted(model: nn.Module, location: Location) -> Iterator[None]:
+    """A strict miss raised inside told with where the checkpoint's and the model's configs disagree."""
+    try:
+        yield
     except errors.MissingKeysError as exc:
         hint = _config_mismatch(model, location)
         if not hint:
@@ -317,7 +336,7 @@ def load(
         view = clock.agreed("planning", "Naming the PEFT model's base tensors", lambda: _peft_base(peft_model))
         model = view.skeleton
 
-    def planning() -> tuple[PlanRequest, LoadPlan, LoadContext]:
+    def planning() -> tuple[PlanRequest, PlanStream]:
         request = plan_request(
             owner,
             weights_mapping=weights_mapping,
@@ -330,26 +349,58 @@ def load(
             replacement=replacement,
             ignore_missing=ignore_missing,
         )
-        return (request, *planned(model, location, index, request))
+        with _hinted(model, location):
+            return request, front.streamed(model, index, request)
 
-    request, load_plan, context = clock.agreed("planning", "Planning the pretrained load", planning)
-    replicas = None
+    # The key-level plan (every claim, name and shape; the strict check), agreed before any byte is read; the
+    # region reads are made while the engine reads the first ones (execute_stream), unless a sharing strategy
+    # needs the whole plan first.
+    request, stream = clock.agreed("planning", "Planning the pretrained load", planning)
+    context = stream.context
     multi = dist_active() and torch.distributed.get_world_size() > 1
-    if sharing == "replicated" and request.trace and multi:
+    replicated = sharing == "replicated" and request.trace and multi
+    job_wide = sharing in ("job", "auto") and request.trace and multi
+    load_plan: LoadPlan | None = None
+    if replicated or job_wide:
+        load_plan = clock.agreed("planning", "Planning the pretrained load's regions", stream.plan)
+    replicas = None
+    if replicated:
         from hp_fastload.dist.share import plan_replicas
 
+        assert load_plan is not None
         replicas = plan_replicas(map(context.target, load_plan.region_reads))
     clock.lap("planning")
     job = None
-    if sharing in ("job", "auto") and request.trace and multi:  # docs/job-wide.md
+    if job_wide:  # docs/job-wide.md
+        assert load_plan is not None
         job = agree_job_plan(model, index, load_plan, request, sharing, ranks_per_node, share_budget_bytes)
         clock.lap("agreement")
-    total = load_plan.bytes_needed
-    update, close = _progress_bar(total, progress)
+    update, close = _progress_bar(load_plan.bytes_needed if load_plan is not None else 0, progress)
+    overlap = Overlap()
+
+    def reading() -> ExecStats:
+        nonlocal update, close, load_plan
+        if load_plan is None and _progress_wanted(progress):  # (rank 0, inside the agreed step) its total first
+            load_plan = stream.plan()
+            update, close = _progress_bar(load_plan.bytes_needed, progress)
+        return execute_stream(
+            load_plan.region_reads.items() if load_plan is not None else stream.regions(),
+            stream.deferred,
+            context,
+            dequant=stream.dequant,
+            legacy=not request.trace,
+            threads=threads,
+            backend=backend,
+            progress=update,
+            skip=replicas.skip if replicas is not None else frozenset(),
+            overlap=overlap,
+        )
+
     clock.lap("other")
     try:
         stats: ExecStats
         if job is not None:
+            assert load_plan is not None
             stats = run_job(
                 job,
                 torch.distributed.get_rank(),
@@ -364,20 +415,18 @@ def load(
             stats = clock.agreed(
                 "reading",
                 "Reading the pretrained checkpoint",
-                lambda: execute_plan(
-                    load_plan,
-                    context,
-                    legacy=not request.trace,
-                    threads=threads,
-                    backend=backend,
-                    progress=update,
-                    skip=replicas.skip if replicas is not None else frozenset(),
-                ),
+                reading,
             )
     finally:
         close()
         context.index.release_maps()  # a finished load keeps no page tables of the checkpoint mapped
         clock.lap("finishing")
+    # the region planning done while reading: what no engine call covered was on the critical path
+    clock.moved("reading", "planning", overlap.exposed)
+    if load_plan is None:
+        load_plan = stream.plan()  # (every region made: the plan's totals)
+        clock.lap("planning")
+    total = load_plan.bytes_needed
     if replicas is not None:  # every rank's reads succeeded (agreed above): safe to enter the broadcasts
         from hp_fastload.dist.share import broadcast_replicas
 

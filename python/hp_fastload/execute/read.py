@@ -9,7 +9,9 @@ the legacy loader, cut with ``distribute_tensor``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping, Sequence
+import time
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Any
@@ -164,6 +166,92 @@ def _run_deferred(
             _copy_local_from_full(context.target(target_name), outputs[name], legacy)
 
 
+#: a batch this large is handed to an idle engine without waiting for ``batch_bytes`` (``execute_stream``):
+#: the engine starts on the first targets while the next are planned and packed
+OVERLAP_BYTES = 16 << 20
+
+
+@dataclass
+class Overlap:
+    """Where ``execute_stream`` spent the time of its plan iterator (the region intersections made while
+    reading): ``exposed`` with no engine call running (on the critical path), ``hidden`` while one ran."""
+
+    exposed: float = 0.0
+    hidden: float = 0.0
+
+
+class _Engine:
+    """One engine call at a time: in flight on a worker thread while the caller plans and packs the next
+    batch (the engine releases the GIL), or inline once ``sync()`` (device staging reuses its slabs batch by
+    batch). ``wait()`` is the call's end: its error raised, its progress told, in the caller's thread."""
+
+    def __init__(
+        self, threads: int | None, backend: str | None, stats: ExecStats, progress: Callable[[int], None] | None
+    ) -> None:
+        self.threads, self.backend, self.stats, self.progress = threads, backend, stats, progress
+        self.pool: ThreadPoolExecutor | None = ThreadPoolExecutor(1, thread_name_prefix="hp-fastload-read")
+        self.future: Future[int] | None = None
+        self.done_at = 0.0
+
+    def _run(self, batch: Batch) -> int:
+        with torch.no_grad():
+            batch.run(self.threads, self.backend, self.stats)
+        self.done_at = time.perf_counter()
+        return batch.nbytes
+
+    def busy(self) -> bool:
+        return self.future is not None and not self.future.done()
+
+    def submit(self, batch: Batch) -> None:
+        self.wait()
+        if self.pool is None:
+            self._told(self._run(batch))
+        else:
+            self.future = self.pool.submit(self._run, batch)
+
+    def _told(self, nbytes: int) -> None:
+        if self.progress and nbytes:
+            self.progress(nbytes)
+
+    def wait(self) -> None:
+        future, self.future = self.future, None
+        if future is not None:
+            self._told(future.result())
+
+    def sync(self) -> None:
+        self.wait()
+        self.close()
+
+    def close(self) -> None:
+        """Waits for the call in flight (its outcome dropped: the caller is raising, or waited already) and
+        ends the worker: nothing runs on the checkpoint's maps after this."""
+        future, self.future = self.future, None
+        if future is not None:
+            wait([future])
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+            self.pool = None
+
+    def timed(self, regions: Iterable[tuple[str, Reads]], overlap: Overlap) -> Iterator[tuple[str, Reads]]:
+        """``regions``, each step's time charged to ``overlap``: hidden for as long as a call ran during it."""
+        it = iter(regions)
+        while True:
+            start, future = time.perf_counter(), self.future
+            try:
+                item = next(it)
+            except StopIteration:
+                return
+            finally:
+                end = time.perf_counter()
+                hidden = 0.0
+                if future is not None:
+                    busy_until = self.done_at if future.done() else end
+                    hidden = max(0.0, min(end, busy_until) - start)
+                overlap.hidden += hidden
+                overlap.exposed += end - start - hidden
+            yield item
+
+
 def execute_plan(
     plan: LoadPlan,
     context: LoadContext,
@@ -184,49 +272,96 @@ def execute_plan(
     CUDA targets go through the double-buffered ``LoadStager`` (``staging_bytes`` in all); ``stage_all`` sends
     CPU targets through it too (tests exercise the staging path on machines without a GPU).
     """
+    return execute_stream(
+        plan.region_reads.items(),
+        plan.deferred,
+        context,
+        dequant=plan.dequant,
+        legacy=legacy,
+        threads=threads,
+        backend=backend,
+        batch_bytes=batch_bytes,
+        staging_bytes=staging_bytes,
+        progress=progress,
+        skip=skip,
+        stage_all=stage_all,
+    )
+
+
+def execute_stream(
+    regions: Iterable[tuple[str, Reads]],
+    deferred: Sequence[DeferredGroup],
+    context: LoadContext,
+    *,
+    dequant: Mapping[str, Dequant] | None = None,
+    legacy: bool = False,
+    threads: int | None = None,
+    backend: str | None = None,
+    batch_bytes: int = DEFAULT_BATCH_BYTES,
+    staging_bytes: int = DEFAULT_STAGING_BYTES,
+    progress: Callable[[int], None] | None = None,
+    skip: Collection[str] = frozenset(),
+    stage_all: bool = False,
+    overlap: Overlap | None = None,
+) -> ExecStats:
+    """``execute_plan`` of region reads that may still be in the making: ``regions`` yields ``(target name,
+    reads)`` (``planning.orchestrate.PlanStream.regions``: each target intersected as it is asked for) and the
+    engine reads each batch on a worker thread while the next targets are planned and packed; a batch goes to
+    an idle engine once it holds ``OVERLAP_BYTES``, to a busy one at ``batch_bytes``. ``overlap`` receives
+    the iterator's time, hidden behind reads or not. CUDA targets (and all with ``stage_all``) go through the
+    staging slabs, one call at a time from the first of them on. Any failure (a target that fails to plan, a
+    read) waits for the call in flight before it propagates: nothing reads the maps afterwards.
+    """
     stats = ExecStats()
     index = context.index
-    targets = {name: context.target(name) for name in plan.region_reads}
-    with torch.no_grad():
-        staged = stage_all or any(t.local().device.type == "cuda" for t in targets.values())
-    stager = LoadStager(staging_bytes) if staged else None
+    engine = _Engine(threads, backend, stats, progress)
+    stager: LoadStager | None = None
     batch = Batch(index.locate)
+    timing = overlap if overlap is not None else Overlap()
 
     def flush() -> None:
         nonlocal batch
-        done = batch.nbytes
-        batch.run(threads, backend, stats)
+        if batch.count or batch.after:
+            engine.submit(batch)
         if stager is not None:
             stager.flip()
-        if progress and done:
-            progress(done)
         batch = Batch(index.locate)
 
-    with torch.no_grad():
-        for name, items in plan.region_reads.items():
-            if not items or name in skip:
-                continue
-            target = targets[name]
-            stage = stager is not None and (stage_all or target.local().device.type == "cuda")
-            if not stage or stager is None:
-                add_target_items(batch, target, items, stager)
-                if batch.nbytes >= batch_bytes:
-                    flush()
-                continue
-            for rows, row_items in staging_chunks(target.local(), items, stager.slab_bytes):
-                if not stager.fits(rows):
-                    flush()
-                add_target_items(batch, target, row_items, stager, True, rows)
-                if batch.nbytes >= batch_bytes:
-                    flush()
-        flush()
+    try:
+        with torch.no_grad():
+            for name, items in engine.timed(regions, timing):
+                if not items or name in skip:
+                    continue
+                target = context.target(name)
+                local = target.local()
+                stage = stage_all or local.device.type == "cuda"
+                if stage and stager is None:  # the slabs are reused batch by batch: one call at a time
+                    engine.sync()
+                    stager = LoadStager(staging_bytes)
+                if not stage or stager is None:
+                    add_target_items(batch, target, items, stager, local=local)
+                    if batch.nbytes >= batch_bytes or (
+                        engine.pool is not None and batch.nbytes >= OVERLAP_BYTES and not engine.busy()
+                    ):
+                        flush()
+                    continue
+                for rows, row_items in staging_chunks(local, items, stager.slab_bytes):
+                    if not stager.fits(rows):
+                        flush()
+                    add_target_items(batch, target, row_items, stager, True, rows)
+                    if batch.nbytes >= batch_bytes:
+                        flush()
+            flush()
+            engine.sync()
+            if stager is not None:
+                stats.extra["staging_bytes"] = stager.allocated
+            for group, compute in zip(deferred, context.computes, strict=True):
+                before = stats.bytes_read
+                _run_deferred(group, compute, context, legacy, threads, backend, stats, dequant)
+                if progress:
+                    progress(stats.bytes_read - before)
         if stager is not None:
-            stats.extra["staging_bytes"] = stager.allocated
-        for deferred, compute in zip(plan.deferred, context.computes, strict=True):
-            before = stats.bytes_read
-            _run_deferred(deferred, compute, context, legacy, threads, backend, stats, plan.dequant)
-            if progress:
-                progress(stats.bytes_read - before)
-    if stager is not None:
-        stager.finish()
+            stager.finish()
+    finally:
+        engine.close()
     return stats

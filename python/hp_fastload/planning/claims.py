@@ -5,7 +5,7 @@ become read items (``planning.intersect.region_items``) and the rest joins defer
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from hp_fastload.convert.groups import LoadGroup
@@ -48,6 +48,14 @@ class Claims:
         #: True when another rank's planning of the same model already checked the quantized claims (shared
         #: planning: ``quant.claimed`` then comes filled, and the checks, rank-independent, are skipped)
         self.quant_checked = False
+        #: claimed region outputs whose reads are not made yet (``region`` queues them; ``intersected`` makes
+        #: them): claiming decides names and shapes, the intersection with this rank's region can come later
+        self.queued: list[tuple[Target, Sequence[Block], dict[str, str] | None]] = []
+
+    @property
+    def region_count(self) -> int:
+        """The region targets claimed, their reads made or queued."""
+        return len(self.region_reads) + len(self.queued)
 
     def claim(self, name: str, shape: Sequence[int]) -> Target | None:
         target = self.targets.get(name)
@@ -68,10 +76,22 @@ class Claims:
             self._check_quant(name, [sources[s] for s in srcs] if sources is not None else srcs)
         target = self.claim(name, shape)
         if target is not None:
-            items = region_items(target, blocks, self.index, sources, self.blocks, self.intersections)
-            if self.quant and self.quant.claimed:  # the layouts of the quantized keys this rank reads
-                self.quant.read(items.keys)
+            self.queued.append((target, blocks, sources))
+
+    def intersected(self) -> Iterator[tuple[Target, Reads]]:
+        """The queued region outputs' reads, in claim order (each also recorded in ``region_reads``): the
+        region intersection and the layout checks of the quantized keys they read (``QuantInfo.read``)."""
+        queued, self.queued = self.queued, []
+        for i, (target, blocks, sources) in enumerate(queued):
+            try:
+                items = region_items(target, blocks, self.index, sources, self.blocks, self.intersections)
+                if self.quant and self.quant.claimed:  # the layouts of the quantized keys this rank reads
+                    self.quant.read(items.keys)
+            except BaseException:
+                self.queued = queued[i:] + self.queued
+                raise
             self.region_reads[target.names[0]] = (target, items)
+            yield target, items
 
     def defer(self, name: str, shape: Sequence[int], pending: PendingGroup) -> None:
         if self.quant and not self.quant_checked:

@@ -17,12 +17,22 @@ from typing import Any
 from hp_fastload.model.targets import Target, build_targets
 from hp_fastload.planning.context import LoadContext
 from hp_fastload.planning.items import LoadPlan
-from hp_fastload.planning.orchestrate import Groundwork, groundwork_of, plan_load
+from hp_fastload.planning.orchestrate import Groundwork, PlanStream, groundwork_of, plan_load, plan_stream
 from hp_fastload.planning.request import PlanRequest
 from hp_fastload.runtime import gc_paused
 from hp_fastload.source.index import CheckpointIndex
 
-__all__ = ["Groundwork", "PlanRequest", "groundwork", "plan", "targets_of", "whole_mesh", "whole_plan"]
+__all__ = [
+    "Groundwork",
+    "PlanRequest",
+    "PlanStream",
+    "groundwork",
+    "plan",
+    "streamed",
+    "targets_of",
+    "whole_mesh",
+    "whole_plan",
+]
 
 
 def targets_of(model: Any, request: PlanRequest, tensors: Any = None) -> dict[str, Target]:
@@ -51,6 +61,15 @@ def plan(
     if targets is None:
         targets = targets_of(model, request)
     return plan_load(model, index, targets, request, groundwork=groundwork)
+
+
+@gc_paused()
+def streamed(model: Any, index: CheckpointIndex, request: PlanRequest) -> PlanStream:
+    """:func:`plan` whose key-level part only is done (every claim, name and shape checked, the strict check
+    passed, the report final; it raises where ``plan`` raises before any byte is read): the region reads are
+    made as ``PlanStream.regions`` is iterated, so a load reads the first targets while the rest are
+    intersected; ``PlanStream.plan()`` is ``plan``'s ``LoadPlan``."""
+    return plan_stream(model, index, targets_of(model, request), request)
 
 
 @gc_paused()

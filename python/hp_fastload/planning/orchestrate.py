@@ -8,21 +8,22 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from hp_fastload.convert.adapter import hook_renamed
 from hp_fastload.convert.detect import detect_in_index
 from hp_fastload.convert.groups import LoadGroup, build_groups
+from hp_fastload.convert.quant import Dequant
 from hp_fastload.convert.quant_info import QuantInfo
 from hp_fastload.errors import MissingKeysError, PlanError
 from hp_fastload.model.targets import Target
 from hp_fastload.planning.adapter import plan_adapter
 from hp_fastload.planning.claims import Claims
 from hp_fastload.planning.context import LoadContext, PendingGroup
-from hp_fastload.planning.intersect import BlockCache, region_items
-from hp_fastload.planning.items import LoadPlan, LoadReport
+from hp_fastload.planning.intersect import BlockCache
+from hp_fastload.planning.items import DeferredGroup, LoadPlan, LoadReport, Reads
 from hp_fastload.planning.replacement import (
     SourceModelView,
     plan_replacement_stage,
@@ -35,7 +36,7 @@ from hp_fastload.runtime import gc_paused
 from hp_fastload.source.index import CheckpointIndex
 from hp_fastload.source.natural import natural_sort_key
 
-__all__ = ["Groundwork", "groundwork_of", "plan_load"]
+__all__ = ["Groundwork", "PlanStream", "groundwork_of", "plan_load", "plan_stream"]
 
 log = logging.getLogger("hp_fastload")
 
@@ -135,8 +136,22 @@ def plan_load(
     *,
     groundwork: Groundwork | None = None,
 ) -> tuple[LoadPlan, LoadContext]:
+    """:func:`plan_stream`'s whole plan (every region intersected) and its context."""
+    stream = plan_stream(model, index, targets, request, groundwork=groundwork)
+    return stream.plan(), stream.context
+
+
+def plan_stream(
+    model: Any,
+    index: CheckpointIndex,
+    targets: dict[str, Target],
+    request: PlanRequest,
+    *,
+    groundwork: Groundwork | None = None,
+) -> PlanStream:
     """Plan one rank's load (``targets``: the rank's) as ``request`` asks: the plain ``LoadPlan`` and the
-    ``LoadContext`` that executes it. Raises (before any byte is read) on strict misses and bad targets.
+    ``LoadContext`` that executes it (a :class:`PlanStream`: the region intersections are made as its reads
+    are asked for). Raises (before any byte is read) on strict misses and bad targets.
 
     ``request.trace=False`` plans every group as deferred (the legacy loader). The replacement stage is the
     request's, else the model's (``replacement_of``). The cyclic garbage collector is paused: planning a
@@ -220,8 +235,7 @@ def plan_load(
         ):
             target = claims.claim(name, tuple(packed.shape))
             if target is not None:
-                reads = region_items(target, packed.blocks, index, None, claims.blocks)
-                claims.region_reads[target.names[0]] = (target, reads)
+                claims.queued.append((target, packed.blocks, None))
     if quant:  # the legacy loader: MXFP4 dequantized with torch on whole tensors, deferred groups of their own
         unloaded = set(targets) - claims.loaded
         fallbacks = quant.fallbacks(
@@ -266,31 +280,12 @@ def plan_load(
         missing_keys=tuple(missing),
         unexpected_keys=tuple(unexpected),
         checkpoint_bytes=index.total_bytes,
-        region_targets=len(claims.region_reads),
+        region_targets=claims.region_count,
         deferred_targets=tuple(n for d in claims.deferred for n in d.claims),
         loader=request.loader,
         ignored_missing_keys=tuple(sorted(ignored_set, key=natural_sort_key)),
     )
     used = [r for r in rules if getattr(r, "was_used", lambda: False)()]
-    specs = quant.dequantized  # built for the keys this rank reads (QuantInfo.read), not every claimed one
-    region_reads = {}
-    for name, (_, reads) in claims.region_reads.items():
-        if specs and any(k in specs for k in reads.keys):  # a dequantized weight's scale: a second source
-            reads = reads.with_second([specs.get(k) for k in reads.keys])
-        region_reads[name] = reads
-    read_keys = {k for reads in region_reads.values() for k in reads.keys}
-    read_keys.update(k for d in claims.deferred for k in d.keys)
-    dequant = {k: spec for k, spec in specs.items() if k in read_keys}
-    scales = {s.scale for reads in region_reads.values() for s in reads.second or () if s is not None}
-    read_keys.update(scales)
-    plan = LoadPlan(
-        region_reads,
-        [d.plain(index) for d in claims.deferred],
-        report,
-        index.paths_of(read_keys),
-        dequant,
-        {s: index.locate(s).nbytes for s in sorted(scales)},
-    )
     context = LoadContext(
         model,
         index,
@@ -302,8 +297,64 @@ def plan_load(
     )
     log.debug(
         "planned %d model tensors as region reads and %d through %d deferred conversions",
-        len(claims.region_reads),
+        claims.region_count,
         sum(len(d.claims) for d in claims.deferred),
         len(claims.deferred),
     )
-    return plan, context
+    return PlanStream(report, context, claims, quant)
+
+
+@dataclass(eq=False)
+class PlanStream:
+    """A rank's plan whose key-level part is decided (every claim, name and shape checked, the strict check
+    passed: ``report`` is final) and whose region reads are made as they are asked for (``regions``), so that
+    reading the first targets can start while the rest are intersected (``execute.read.execute_stream``).
+    ``plan()`` is the whole ``LoadPlan``, equal to ``plan_load``'s (the rest of the regions made first)."""
+
+    report: LoadReport
+    context: LoadContext
+    claims: Claims
+    quant: QuantInfo
+    #: the region reads made so far, in claim order
+    made: dict[str, Reads] = field(default_factory=dict)
+
+    @property
+    def deferred(self) -> list[DeferredGroup]:
+        """The deferred groups (decided with the claims), as the plan lists them."""
+        return [d.plain(self.context.index) for d in self.claims.deferred]
+
+    @property
+    def dequant(self) -> dict[str, Dequant]:
+        """The dequantized keys' layouts (those of the deferred groups all there; the regions' as made)."""
+        return self.quant.dequantized
+
+    def regions(self) -> Iterator[tuple[str, Reads]]:
+        """Each region target's reads (its scales attached where its keys are dequantized), in claim order;
+        a target whose reads fail to plan raises here, from the iteration."""
+        specs = self.quant.dequantized  # built for the keys this rank reads (QuantInfo.read), not every claimed
+        for target, reads in self.claims.intersected():
+            if specs and any(k in specs for k in reads.keys):  # a dequantized weight's scale: a second source
+                reads = reads.with_second([specs.get(k) for k in reads.keys])
+            name = target.names[0]
+            self.made[name] = reads
+            yield name, reads
+
+    def plan(self) -> LoadPlan:
+        """The whole plan: the regions not asked for yet are made now."""
+        for _ in self.regions():
+            pass
+        claims, index, specs = self.claims, self.context.index, self.quant.dequantized
+        region_reads = dict(self.made)
+        read_keys = {k for reads in region_reads.values() for k in reads.keys}
+        read_keys.update(k for d in claims.deferred for k in d.keys)
+        dequant = {k: spec for k, spec in specs.items() if k in read_keys}
+        scales = {s.scale for reads in region_reads.values() for s in reads.second or () if s is not None}
+        read_keys.update(scales)
+        return LoadPlan(
+            region_reads,
+            [d.plain(index) for d in claims.deferred],
+            self.report,
+            index.paths_of(read_keys),
+            dequant,
+            {s: index.locate(s).nbytes for s in sorted(scales)},
+        )
