@@ -220,33 +220,28 @@ def transfer(
 
     src_rules = forward_rules(src, src_weights_mapping) if src is not None else None
     dst_rules = forward_rules(dst, dst_weights_mapping) if dst is not None else None
-    if finalize and dst is not None:
-        agreed("Tying the destination's tied weights", lambda: retie(dst))
-    else:
-        agreed("Tying the destination's tied weights", lambda: None)
-    mine = agreed(
-        "Naming the checkpoint tensors of both models",
-        lambda: (
+
+    def name_tensors() -> tuple[LayoutFacts | None, LayoutFacts | None]:
+        if finalize and dst is not None:
+            retie(dst)
+        return (
             layout_facts(src, src_rules) if src is not None else None,
             layout_facts(dst, dst_rules) if dst is not None else None,
-        ),
-    )
-    every = gather_objects(mine)
-    facts: LayoutFacts = agreed(
-        "Comparing the two models' checkpoint layouts",
-        lambda: check_layouts([e[0] for e in every], [e[1] for e in every]),
-    )
+        )
+
+    every = gather_objects(agreed("Naming the checkpoint tensors of both models", name_tensors))
+    # the same gathered lists on every rank: every rank raises here, or none (no agreement needed)
+    facts = check_layouts([e[0] for e in every], [e[1] for e in every])
     nbytes = np.array([int(np.prod(shape, dtype=np.int64)) * size for _, shape, _, size in facts], dtype=np.int64)
     itemsize = np.array([size for *_, size in facts], dtype=np.int64)
-    with layout_index(facts) as index:
-        src_side: _PlannedSide | None = agreed(
-            "Planning the transfer's source",
-            lambda: _plan_side(src, "source", index, facts, src_rules) if src is not None else None,
-        )
-        dst_side: _PlannedSide | None = agreed(
-            "Planning the transfer's destination",
-            lambda: _plan_side(dst, "destination", index, facts, dst_rules) if dst is not None else None,
-        )
+
+    def plan_sides() -> tuple[_PlannedSide | None, _PlannedSide | None, torch.device]:
+        with layout_index(facts) as index:
+            source = _plan_side(src, "source", index, facts, src_rules) if src is not None else None
+            destination = _plan_side(dst, "destination", index, facts, dst_rules) if dst is not None else None
+        return source, destination, _device_of(source, destination)
+
+    src_side, dst_side, device = agreed("Planning both sides of the transfer", plan_sides)
     spans = gather_objects(
         (
             src_side.runs.spans if src_side is not None else None,
@@ -273,8 +268,7 @@ def transfer(
             keys=keys,
         )
 
-    plan: TransferPlan = agreed("Planning the transfer's messages", plan_messages)
-    device = agreed("Finding the shards' device", lambda: _device_of(src_side, dst_side))
+    plan = plan_messages()  # from the gathered runs alone: every rank raises here, or none
     planned_at = time.perf_counter()
     base = axis_base(nbytes)
     sides = [
