@@ -1,7 +1,9 @@
-"""The transfer examples run on four gloo ranks (one spawn): ``examples/rl_weight_sync.py`` on the same ranks and on
-disjoint ranks (the generator must equal the trainer bit for bit after every optimizer step, and run a forward
-pass), and ``examples/elastic_replica.py`` (the new replica must equal the live one, each new rank receiving
-exactly its own shards)."""
+"""The transfer examples and the transfer guide's snippet run on four gloo ranks (one spawn):
+``examples/rl_weight_sync.py`` on the same ranks and on disjoint ranks (the generator must equal the trainer bit
+for bit after every optimizer step, and run a forward pass), ``examples/elastic_replica.py`` (the new replica
+must equal the live one, each new rank receiving exactly its own shards), and ``docs/guides/transfer.md``'s
+``transfer`` snippet as written, between the RL example's FSDP2 trainer and TP generator (the generator must
+then equal the trainer)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from typing import Any
 import pytest
 
 from tests.helpers.dist import run_distributed, run_subchecks, subcheck_values
+from tests.helpers.docs import run_snippet, snippet
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
@@ -43,11 +46,33 @@ def check_elastic(rank: int, world: int) -> Any:
     return _example("elastic_replica").run(rank, world, steps=1)
 
 
+GUIDE = "docs/guides/transfer.md"
+
+
+def check_guide_snippet(rank: int, world: int) -> Any:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    example = _example("rl_weight_sync")
+    config = example.tiny_llama_config()
+    mesh = init_device_mesh("cpu", (world,))
+    trainer = example.build_trainer(config, mesh, "cpu", seed=3)
+    generator = example.build_generator(config, mesh, "cpu")
+    namespace = run_snippet(snippet(GUIDE, "transfer"), {"trainer": trainer, "generator": generator})
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, (example.digests(trainer), example.digests(generator)))
+    return {"printed": namespace["__stdout__"], "equal": all(t == g for t, g in gathered)}
+
+
 @pytest.fixture(scope="module")
 def ranks() -> list[dict[str, Any]]:
-    return run_distributed(
-        run_subchecks, 4, checks=[check_rl_same_ranks, check_rl_disjoint, check_elastic], timeout=240
-    )
+    checks = [check_rl_same_ranks, check_rl_disjoint, check_elastic, check_guide_snippet]
+    return run_distributed(run_subchecks, 4, checks=checks, timeout=240)
+
+
+def test_the_guide_snippet_runs_as_written(ranks: list[dict[str, Any]]) -> None:
+    for rank, got in enumerate(subcheck_values(ranks, "check_guide_snippet")):
+        assert got["equal"] and got["printed"].strip() == "moved / needed: 1.00", (rank, got)
 
 
 @pytest.mark.parametrize("check", ["check_rl_same_ranks", "check_rl_disjoint"])
