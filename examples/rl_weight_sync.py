@@ -141,6 +141,7 @@ def run(rank: int, world: int, disjoint: bool = False, steps: int = 2, device: s
                 "differing": sorted(k for k in trained if trained[k] != generated.get(k)),
                 "finite": finite,
                 "moved_over_needed": report.moved_over_needed,
+                "planned": report.planned,
                 "bytes_sent": report.bytes_sent,
                 "bytes_received": report.bytes_received,
                 "seconds": report.seconds,

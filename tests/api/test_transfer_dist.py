@@ -249,6 +249,28 @@ def check_disjoint_mixtral_fsdp_to_tp(rank: int, world: int) -> dict[str, Any]:
     return _disjoint("mixtral", fsdp, tp, rank)
 
 
+def check_plan_reused(rank: int, world: int) -> dict[str, Any]:
+    """A second call with the same models runs the first call's plan (the source changed in place meanwhile);
+    a new destination model is planned again."""
+    import hp_fastload as hf
+
+    mesh = _flat_mesh()
+    src = build("llama", fsdp, mesh)
+    fill_from(src, tiny_model("llama", seed=1))
+    dst = build("llama", tp, mesh)
+    first = hf.transfer(src, dst)
+    later = tiny_model("llama", seed=2)
+    fill_from(src, later)  # a training step: the same tensors, new values
+    second = hf.transfer(src, dst)
+    fresh = build("llama", tp, mesh)
+    third = hf.transfer(src, fresh)
+    return {
+        "planned": [first.planned, second.planned, third.planned],
+        "second": mismatches_against_torch(dst, later),
+        "third": mismatches_against_torch(fresh, later),
+    }
+
+
 # ------------------------------------------------------------------------------------------ refusals and faults
 def _outcome(call: Callable[[], Any]) -> str:
     try:
@@ -361,6 +383,7 @@ CHECKS = [
     check_disjoint_llama_fsdp_to_tp,
     check_disjoint_llama_tp_to_fsdp,
     check_disjoint_mixtral_fsdp_to_tp,
+    check_plan_reused,
     check_mismatch,
     check_fault_in_packing,
     check_fault_in_placing,
@@ -417,6 +440,12 @@ def test_disjoint_ranks_bit_exact_and_each_byte_once(ranks: list[dict[str, Any]]
             assert got["received"] == got["copied"] == got["needed"] == 0 and got["sent"] > 0, (rank, got)
         else:
             assert got["sent"] == 0 and got["received"] == got["needed"] > 0, (rank, got)
+
+
+def test_a_second_call_with_the_same_models_runs_the_same_plan(ranks: list[dict[str, Any]]) -> None:
+    for rank, got in enumerate(subcheck_values(ranks, "check_plan_reused")):
+        assert got["planned"] == [True, False, True], (rank, got)
+        assert got["second"] == [] and got["third"] == [], (rank, got)
 
 
 def test_a_layout_mismatch_raises_on_every_rank_before_any_byte_moves(ranks: list[dict[str, Any]]) -> None:

@@ -79,6 +79,8 @@ def test_the_guide_snippet_runs_as_written(ranks: list[dict[str, Any]]) -> None:
 def test_rl_weight_sync_makes_the_generator_the_trainer(ranks: list[dict[str, Any]], check: str) -> None:
     for rank, records in enumerate(subcheck_values(ranks, check)):
         assert len(records) == 2, (rank, records)
+        # the first sync plans, the next one runs the same plan (same models, same tensors)
+        assert [r["planned"] for r in records] == [True, False], (rank, records)
         for record in records:
             assert record["equal"] and record["differing"] == [], (rank, record)
             assert record["finite"] and record["moved_over_needed"] == 1.0, (rank, record)

@@ -13,6 +13,8 @@ bytes point to point.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import itertools
 import os
 import shutil
 import tempfile
@@ -76,6 +78,8 @@ class TransferReport:
     deferred: tuple[str, ...] = ()
     seconds: float = 0.0
     seconds_planning: float = 0.0
+    #: False when the plan of an earlier call with the same models (same tensors) and options was run again
+    planned: bool = True
     unfilled_buffers: tuple[str, ...] = field(default=(), compare=False)
 
     @property
@@ -103,6 +107,28 @@ def layout_facts(model: nn.Module, weights_mapping: Iterable[Any] | None = None)
         (key, tuple(int(n) for n in meta.shape), str(meta.dtype).removeprefix("torch."), meta.element_size())
         for key, meta in released.items()
     )
+
+
+def _layout_of(model: nn.Module, rules: list[Any] | None) -> LayoutFacts:
+    """``layout_facts`` of ``model``, remembered on the model while its tensors (names, shapes, dtypes) and its
+    rules (the same rule objects) stay the same: a sync every training step asks the same question each time,
+    and transformers' reverse conversion is most of the naming's cost."""
+    tensors = itertools.chain(
+        model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False)
+    )
+    signature = (
+        None if rules is None else tuple(map(id, rules)),
+        tuple((name, tuple(t.shape), t.dtype) for name, t in tensors),
+    )
+    cached = model.__dict__.get(_LAYOUT_MEMO)
+    if cached is not None and cached[0] == signature:
+        return cached[1]
+    facts = layout_facts(model, rules)
+    model.__dict__[_LAYOUT_MEMO] = (signature, facts)
+    return facts
+
+
+_LAYOUT_MEMO = "_hp_transfer_layout"
 
 
 @contextlib.contextmanager
@@ -220,75 +246,41 @@ def transfer(
 
     src_rules = forward_rules(src, src_weights_mapping) if src is not None else None
     dst_rules = forward_rules(dst, dst_weights_mapping) if dst is not None else None
+    options = (budget_bytes, direct_bytes, _rules_id(src_rules), _rules_id(dst_rules))
 
-    def name_tensors() -> tuple[LayoutFacts | None, LayoutFacts | None]:
+    def name_tensors() -> tuple[str | None, LayoutFacts | None, LayoutFacts | None]:
         if finalize and dst is not None:
             retie(dst)
+        reusable = _reusable(src, dst, options)
         return (
-            layout_facts(src, src_rules) if src is not None else None,
-            layout_facts(dst, dst_rules) if dst is not None else None,
+            reusable.token if reusable is not None else None,
+            _layout_of(src, src_rules) if src is not None else None,
+            _layout_of(dst, dst_rules) if dst is not None else None,
         )
 
     every = gather_objects(agreed("Naming the checkpoint tensors of both models", name_tensors))
-    # the same gathered lists on every rank: every rank raises here, or none (no agreement needed)
-    facts = check_layouts([e[0] for e in every], [e[1] for e in every])
-    nbytes = np.array([int(np.prod(shape, dtype=np.int64)) * size for _, shape, _, size in facts], dtype=np.int64)
-    itemsize = np.array([size for *_, size in facts], dtype=np.int64)
-
-    def plan_sides() -> tuple[_PlannedSide | None, _PlannedSide | None, torch.device]:
-        with layout_index(facts) as index:
-            source = _plan_side(src, "source", index, facts, src_rules) if src is not None else None
-            destination = _plan_side(dst, "destination", index, facts, dst_rules) if dst is not None else None
-        return source, destination, _device_of(source, destination)
-
-    src_side, dst_side, device = agreed("Planning both sides of the transfer", plan_sides)
-    spans = gather_objects(
-        (
-            src_side.runs.spans if src_side is not None else None,
-            dst_side.runs.spans if dst_side is not None else None,
-            (src_side.inexact if src_side is not None else []) + (dst_side.inexact if dst_side is not None else []),
-        )
-    )
-    keys = [f[0] for f in facts]
-
-    def plan_messages() -> TransferPlan:
-        inexact = sorted({name for _, _, names in spans for name in names})
-        if inexact:
-            raise PlanError(
-                f"hf.transfer: {len(inexact)} tensors convert without an exact region form (first: "
-                f"{', '.join(inexact[:3])}); transfer moves exact regions only: save and load these models instead"
-            )
-        return plan_transfer(
-            nbytes,
-            itemsize,
-            [s[0] for s in spans],
-            [s[1] for s in spans],
-            budget_bytes=budget_bytes,
-            direct_bytes=direct_bytes,
-            keys=keys,
-        )
-
-    plan = plan_messages()  # from the gathered runs alone: every rank raises here, or none
+    tokens = {e[0] for e in every}
+    prepared = _reusable(src, dst, options) if len(tokens) == 1 and None not in tokens else None
+    if prepared is None:  # some rank's models or options changed since the last call: plan again, every rank
+        prepared = _prepare(src, dst, every, src_rules, dst_rules, options, agreed)
+    plan = prepared.plan
     planned_at = time.perf_counter()
-    base = axis_base(nbytes)
-    sides = [
-        Side(side.runs, side.shards, base, itemsize) if side is not None else None for side in (src_side, dst_side)
-    ]
     stats: TransferStats = run_transfer(
         plan,
         rank,
-        base,
-        sides[0],
-        sides[1],
-        device=device,
+        prepared.base,
+        prepared.sides[0],
+        prepared.sides[1],
+        device=prepared.device,
         agree=agreed,
         wait=wait_work,
         exchange=exchanging,
         timeout_s=timeout_s,
     )
+    facts = prepared.facts
     unfilled: list[str] = []
-    if dst is not None and dst_side is not None:
-        _record_rules(dst, dst_side.used_rules)
+    if dst is not None:
+        _record_rules(dst, prepared.used_rules)
     if finalize:
         unfilled = agreed(
             "Recomputing the destination's buffers", lambda: recreate_buffers(dst) if dst is not None else []
@@ -312,8 +304,131 @@ def transfer(
         copied_by_rank=_ints(plan.copied_by_rank()),
         seconds=seconds,
         seconds_planning=planned_at - start,
+        planned=prepared.fresh,
         unfilled_buffers=tuple(unfilled),
     )
+
+
+@dataclass(eq=False)
+class _Prepared:
+    """A transfer planned on this rank, kept on its models for the next call with the same models and options:
+    ``token`` (the same on every rank: a digest of the whole plan), the signatures of this rank's models (their
+    tensors' identities, storages, shapes and dtypes), the plan and this rank's sides."""
+
+    token: str
+    signatures: tuple[Any, Any]
+    options: tuple[Any, ...]
+    facts: LayoutFacts
+    plan: TransferPlan
+    sides: list[Side | None]
+    base: np.ndarray
+    device: torch.device
+    used_rules: Any
+    fresh: bool = True
+
+
+_PREPARED_MEMO = "_hp_transfer_prepared"
+
+
+def _rules_id(rules: list[Any] | None) -> tuple[int, ...] | None:
+    return None if rules is None else tuple(map(id, rules))
+
+
+def _signature(model: nn.Module | None) -> Any:
+    """What a prepared transfer depends on in ``model``: each tensor's name, object, storage, shape and dtype."""
+    if model is None:
+        return None
+    out = []
+    for name, t in itertools.chain(
+        model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False)
+    ):
+        local = t.to_local() if hasattr(t, "to_local") else t
+        out.append((name, id(t), local.data_ptr(), tuple(local.shape), t.dtype))
+    return tuple(out)
+
+
+def _reusable(src: nn.Module | None, dst: nn.Module | None, options: tuple[Any, ...]) -> _Prepared | None:
+    """The transfer this rank prepared for the same models and options, if nothing they depend on changed."""
+    entries = [m.__dict__.get(_PREPARED_MEMO) for m in (src, dst) if m is not None]
+    if not entries or entries[0] is None or any(e is not entries[0] for e in entries):
+        return None
+    prepared: _Prepared = entries[0]
+    if prepared.options != options or prepared.signatures != (_signature(src), _signature(dst)):
+        return None
+    if (prepared.sides[0] is None) != (src is None) or (prepared.sides[1] is None) != (dst is None):
+        return None
+    prepared.fresh = False
+    return prepared
+
+
+def _prepare(
+    src: nn.Module | None,
+    dst: nn.Module | None,
+    every: list[Any],
+    src_rules: list[Any] | None,
+    dst_rules: list[Any] | None,
+    options: tuple[Any, ...],
+    agreed: Callable[[str, Callable[[], Any]], Any],
+) -> _Prepared:
+    """Plans the transfer on every rank (each rank's sides, then the message plan from every rank's runs) and
+    keeps it on this rank's models."""
+    budget_bytes, direct_bytes = options[0], options[1]
+    # the same gathered lists on every rank: every rank raises here, or none (no agreement needed)
+    facts = check_layouts([e[1] for e in every], [e[2] for e in every])
+    nbytes = np.array([int(np.prod(shape, dtype=np.int64)) * size for _, shape, _, size in facts], dtype=np.int64)
+    itemsize = np.array([size for *_, size in facts], dtype=np.int64)
+
+    def plan_sides() -> tuple[_PlannedSide | None, _PlannedSide | None, torch.device]:
+        with layout_index(facts) as index:
+            source = _plan_side(src, "source", index, facts, src_rules) if src is not None else None
+            destination = _plan_side(dst, "destination", index, facts, dst_rules) if dst is not None else None
+        return source, destination, _device_of(source, destination)
+
+    src_side, dst_side, device = agreed("Planning both sides of the transfer", plan_sides)
+    spans = gather_objects(
+        (
+            src_side.runs.spans if src_side is not None else None,
+            dst_side.runs.spans if dst_side is not None else None,
+            (src_side.inexact if src_side is not None else []) + (dst_side.inexact if dst_side is not None else []),
+        )
+    )
+    inexact = sorted({name for _, _, names in spans for name in names})
+    if inexact:  # from the gathered runs alone: every rank raises here, or none
+        raise PlanError(
+            f"hf.transfer: {len(inexact)} tensors convert without an exact region form (first: "
+            f"{', '.join(inexact[:3])}); transfer moves exact regions only: save and load these models instead"
+        )
+    plan = plan_transfer(
+        nbytes,
+        itemsize,
+        [s[0] for s in spans],
+        [s[1] for s in spans],
+        budget_bytes=budget_bytes,
+        direct_bytes=direct_bytes,
+        keys=[f[0] for f in facts],
+    )
+    base = axis_base(nbytes)
+    sides = [
+        Side(side.runs, side.shards, base, itemsize) if side is not None else None for side in (src_side, dst_side)
+    ]
+    digest = hashlib.blake2b(repr((facts, options[:2], plan.rounds, plan.window_bytes)).encode(), digest_size=16)
+    for column in (plan.src, plan.dst, plan.key, plan.start, plan.length, plan.msg, plan.offset):
+        digest.update(column.tobytes())
+    prepared = _Prepared(
+        token=digest.hexdigest(),
+        signatures=(_signature(src), _signature(dst)),
+        options=options,
+        facts=facts,
+        plan=plan,
+        sides=sides,
+        base=base,
+        device=device,
+        used_rules=dst_side.used_rules if dst_side is not None else None,
+    )
+    for model in (src, dst):
+        if model is not None:
+            model.__dict__[_PREPARED_MEMO] = prepared
+    return prepared
 
 
 def _ints(values: Sequence[int] | np.ndarray) -> tuple[int, ...]:

@@ -109,8 +109,25 @@ def _groups(targets: np.ndarray) -> list[tuple[int, int]]:
     return list(itertools.pairwise(edges))
 
 
+def _strided(flat: torch.Tensor, local: np.ndarray, length: np.ndarray) -> torch.Tensor | None:
+    """The runs ``[local, local + length)`` of ``flat`` as one 2-D view when they are evenly spaced and of one
+    length (the rows of a column block: a row-wise TP shard, a column-split expert), else None."""
+    count = len(local)
+    if count < 2:
+        return None
+    run = int(length[0])
+    step = int(local[1] - local[0])
+    if step < run or not (length == run).all() or not (np.diff(local) == step).all():
+        return None
+    return flat.as_strided((count, run), (step, 1), flat.storage_offset() + int(local[0]))
+
+
 def _gather(out: torch.Tensor, flat: torch.Tensor, local: np.ndarray, length: np.ndarray) -> None:
     """``out`` (typed, contiguous) := the runs ``[local, local + length)`` of ``flat``, in order."""
+    view = _strided(flat, local, length)
+    if view is not None:
+        out.view(view.shape).copy_(view)
+        return
     if len(local) <= FEW_RUNS:
         at = 0
         for s, n in zip(local.tolist(), length.tolist(), strict=True):
@@ -122,6 +139,10 @@ def _gather(out: torch.Tensor, flat: torch.Tensor, local: np.ndarray, length: np
 
 def _scatter(flat: torch.Tensor, data: torch.Tensor, local: np.ndarray, length: np.ndarray) -> None:
     """The runs ``[local, local + length)`` of ``flat`` := ``data``, in order."""
+    view = _strided(flat, local, length)
+    if view is not None:
+        view.copy_(data.view(view.shape))
+        return
     if len(local) <= FEW_RUNS:
         at = 0
         for s, n in zip(local.tolist(), length.tolist(), strict=True):
@@ -191,7 +212,11 @@ def copy_local(plan: TransferPlan, base: np.ndarray, rows: np.ndarray, src: Side
     for a, b in _groups(pair):
         s_flat = src.flats[int(s_target[a])]
         d_flat = dst.flats[int(d_target[a])]
-        if b - a <= FEW_RUNS:
+        s_view = _strided(s_flat, s_local[a:b], length[a:b])
+        d_view = _strided(d_flat, d_local[a:b], length[a:b])
+        if s_view is not None and d_view is not None:
+            d_view.copy_(s_view)
+        elif b - a <= FEW_RUNS:
             for s, d, n in zip(s_local[a:b].tolist(), d_local[a:b].tolist(), length[a:b].tolist(), strict=True):
                 d_flat[d : d + n].copy_(s_flat[s : s + n])
         else:
