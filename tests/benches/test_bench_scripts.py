@@ -431,3 +431,24 @@ def test_compare_copies_the_plot_to_docs_only_for_a_full_run() -> None:
     assert compare._full_run(full)
     for change in ({"workloads": ["dense", "e2e"]}, {"loaders": ["hp_dcp"]}, {"quick": True}, {"warm": True}):
         assert not compare._full_run(argparse.Namespace(**{**vars(full), **change})), change
+
+
+@pytest.mark.slow
+def test_transfer_bench_quick(tmp_path: Path) -> None:
+    """``benches/transfer_bench.py --quick`` on 2 ranks, the same-ranks and the disjoint pair: every method's
+    destination shards equal the transfer's (the script's own check), the transfer moves each destination byte
+    once, runs its kept plan in the loop and plans on the first call, and the peers report their numbers."""
+    _run(
+        [str(BENCHES / "transfer_bench.py"), "--quick", "--out", str(tmp_path), "--pairs", "fsdp_tp", "disjoint"],
+        timeout=500,
+    )
+    results = json.loads((tmp_path / "transfer_bench.json").read_text())["results"]
+    assert [r["pair"] for r in results] == ["fsdp_tp", "disjoint"]
+    for result in results:
+        assert result["digests_equal"], result
+        methods = result["methods"]
+        assert methods["hp_transfer"]["moved_over_needed"] == 1.0
+        assert methods["hp_transfer"]["planned"] == [False] and methods["hp_transfer_first"]["planned"] == [True]
+        assert methods["gather_distribute"]["moved_over_needed"] > 1.0  # full tensors, not shards
+        assert all(row["seconds_median"] > 0 for row in methods.values())
+    assert "save_load_shm" in results[0]["methods"] and "save_load_shm" not in results[1]["methods"]

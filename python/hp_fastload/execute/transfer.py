@@ -16,6 +16,7 @@ It decides nothing: who sends what is the plan's (``planning.transfer``).
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -272,8 +273,6 @@ def run_transfer(
                     else:
                         assert src is not None
                         out.append((m, pack_message(plan, base, m, src, device)))
-                if src is not None and dst is not None:
-                    stats.bytes_copied += copy_local(plan, base, plan.local_pieces(rank, rnd), src, dst)
                 return out
 
             t0 = time.perf_counter()
@@ -290,31 +289,39 @@ def run_transfer(
             stats.peak_staging_bytes = max(stats.peak_staging_bytes, staged)
             t1 = time.perf_counter()
             stats.seconds_pack += t1 - t0
-            with nullcontext() if exchange is None else exchange():
-                works: list[tuple[int, Any]] = []
-                tag = int
-                if on_device:
-                    ops = [
-                        dist.P2POp(dist.irecv, b, int(plan.msg_src[m]), group, tag(m % (1 << 30))) for m, b, _ in inbox
-                    ]
-                    ops += [
-                        dist.P2POp(dist.isend, b, int(plan.msg_dst[m]), group, tag(m % (1 << 30))) for m, b in outbox
-                    ]
-                    if ops:
-                        for work in dist.batch_isend_irecv(ops):
-                            works.append((-1, work))
-                else:
-                    for m, b, _ in inbox:
-                        peer = int(plan.msg_src[m])
-                        works.append((peer, dist.irecv(b, src=peer, tag=m % (1 << 30), group=group)))
-                    for m, b in outbox:
-                        peer = int(plan.msg_dst[m])
-                        works.append((peer, dist.isend(b, dst=peer, tag=m % (1 << 30), group=group)))
-                for peer, work in works:
-                    if wait is not None:
-                        wait(f"{stage}: exchanging", work, peer, timeout_s)
+            copies = _LocalCopies(plan, base, plan.local_pieces(rank, rnd), src, dst)
+            try:
+                with nullcontext() if exchange is None else exchange():
+                    works: list[tuple[int, Any]] = []
+                    tag = int
+                    if on_device:
+                        ops = [
+                            dist.P2POp(dist.irecv, b, int(plan.msg_src[m]), group, tag(m % (1 << 30)))
+                            for m, b, _ in inbox
+                        ]
+                        ops += [
+                            dist.P2POp(dist.isend, b, int(plan.msg_dst[m]), group, tag(m % (1 << 30)))
+                            for m, b in outbox
+                        ]
+                        if ops:
+                            for work in dist.batch_isend_irecv(ops):
+                                works.append((-1, work))
                     else:
-                        work.wait()
+                        for m, b, _ in inbox:
+                            peer = int(plan.msg_src[m])
+                            works.append((peer, dist.irecv(b, src=peer, tag=m % (1 << 30), group=group)))
+                        for m, b in outbox:
+                            peer = int(plan.msg_dst[m])
+                            works.append((peer, dist.isend(b, dst=peer, tag=m % (1 << 30), group=group)))
+                    copies.start()  # this rank's own pieces, copied while the messages travel
+                    for peer, work in works:
+                        if wait is not None:
+                            wait(f"{stage}: exchanging", work, peer, timeout_s)
+                        else:
+                            work.wait()
+            except BaseException:
+                copies.settle()  # no copy left running into the shards once this call has raised
+                raise
             for m, b in outbox:
                 stats.bytes_sent += b.numel() * b.element_size() if plan.msg_direct[m] else _payload(plan, m)
                 stats.messages_sent += 1
@@ -323,7 +330,8 @@ def run_transfer(
             t2 = time.perf_counter()
             stats.seconds_wait += t2 - t1
 
-            def place(inbox: list[tuple[int, torch.Tensor, bool]] = inbox) -> None:
+            def place(inbox: list[tuple[int, torch.Tensor, bool]] = inbox, copies: _LocalCopies = copies) -> None:
+                stats.bytes_copied += copies.join()  # its failure raises here, inside the agreement
                 for m, b, direct in inbox:
                     if not direct:
                         assert dst is not None
@@ -338,6 +346,43 @@ def run_transfer(
     if dst is not None:
         dst.finish()
     return stats
+
+
+class _LocalCopies:
+    """The pieces a rank holds for itself, copied on a helper thread while the round's messages travel (torch
+    copies release the GIL); a failure is kept and raised by :meth:`join`, which the caller runs inside the
+    round's placing agreement, so that every rank raises in the same step."""
+
+    def __init__(self, plan: TransferPlan, base: np.ndarray, rows: np.ndarray, src: Side | None, dst: Side | None):
+        self._args = (plan, base, rows, src, dst)
+        self._thread: threading.Thread | None = None
+        self._copied = 0
+        self._failure: BaseException | None = None
+
+    def _run(self) -> None:
+        plan, base, rows, src, dst = self._args
+        try:
+            with torch.no_grad():
+                self._copied = copy_local(plan, base, rows, src, dst) if src is not None and dst is not None else 0
+        except BaseException as exc:  # raised by join, in the agreement
+            self._failure = exc
+
+    def start(self) -> None:
+        if len(self._args[2]):
+            self._thread = threading.Thread(target=self._run, name="hp_fastload-transfer-copy", daemon=True)
+            self._thread.start()
+
+    def settle(self) -> None:
+        """Waits for the copies to stop, keeping their outcome to itself (the call is raising already)."""
+        if self._thread is not None:
+            self._thread.join()
+
+    def join(self) -> int:
+        if self._thread is not None:
+            self._thread.join()
+        if self._failure is not None:
+            raise self._failure
+        return self._copied
 
 
 def _payload(plan: TransferPlan, msg: int) -> int:
