@@ -374,8 +374,8 @@ def plan_transfer(
     destination rank (replicas share the sending). Pieces are cut into rounds at multiples of the window (the
     budget divided by the most receivers one rank sends to, so that neither a sender's packed messages nor a
     receiver's exceed ``budget_bytes`` in a round); pieces of ``direct_bytes`` or more go as messages of their
-    own (shard to shard, not staged, not cut). ``PlanError`` naming the tensor when a destination needs bytes
-    that no source holds."""
+    own (shard to shard, not staged, not cut) in the first round, with every rank's copies of its own pieces.
+    ``PlanError`` naming the tensor when a destination needs bytes that no source holds."""
     world = len(sources)
     if len(destinations) != world:
         raise ValueError(f"{len(sources)} source sides and {len(destinations)} destination sides")
@@ -462,7 +462,10 @@ def plan_transfer(
             p_lo = _i64(np.concatenate([p_lo[keep], new_lo]))
             p_hi = _i64(np.concatenate([p_hi[keep], new_hi]))
             direct = flags
+    # rounds are the staged pieces' windows; direct pieces and a rank's own copies stage nothing: the first round
+    staged = (p_src != p_dst) & ~direct
     window_id = p_lo // window
+    window_id[~staged] = int(window_id[staged].min()) if staged.any() else 0
     _, rnd = np.unique(window_id, return_inverse=True)
     rnd = _i64(rnd.reshape(-1))
     rounds = int(rnd.max()) + 1 if len(rnd) else 0
