@@ -164,6 +164,12 @@ impl Dtype {
         (!self.is_sub_byte()).then(|| (self.bits() / 8) as usize)
     }
 
+    /// The names of the castable floats ([`Dtype::is_castable_float`]), in code order.
+    pub fn castable_float_names() -> Vec<&'static str> {
+        let floats = ALL_DTYPES.into_iter().filter(|d| d.is_castable_float());
+        floats.map(Dtype::name).collect()
+    }
+
     /// Whether the engine casts this dtype to and from the other castable floats.
     pub fn is_castable_float(self) -> bool {
         matches!(

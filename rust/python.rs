@@ -22,14 +22,14 @@ use pyo3::exceptions::{
 };
 use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedStr;
-use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
+use pyo3::types::{IntoPyDict, PyBytes, PyDict, PyList, PyString, PyTuple};
 
 use crate::dtype::{Dtype, ALL_DTYPES};
 use crate::error::LoadError;
-use crate::exec::{execute_scaled as execute_batch, Backend, ExecOptions, Interrupt, Scale};
+use crate::exec::{Backend, ExecOptions, Interrupt};
 use crate::header::Header;
 use crate::records;
-use crate::types::{Item, MAX_NDIM};
+use crate::types::MAX_NDIM;
 
 fn raise(py: Python<'_>, class: &str, message: String) -> PyErr {
     let made = py
@@ -164,11 +164,7 @@ fn object_identity(py: Python<'_>, url: String) -> PyResult<(Option<String>, u64
 #[pyfunction]
 #[pyo3(signature = (reset=false))]
 fn object_counters(reset: bool) -> (u64, u64, u64) {
-    let c = crate::objstore::counters();
-    if reset {
-        crate::objstore::reset_counters();
-    }
-    c
+    crate::objstore::counters_then(reset)
 }
 
 #[cfg(feature = "s3")]
@@ -186,21 +182,20 @@ fn add_object_functions(m: &Bound<'_, PyModule>) -> PyResult<()> {
 }
 
 /// Runs a read batch, through object storage when some header came from an object.
-#[allow(clippy::too_many_arguments)]
+#[cfg(feature = "s3")]
+use crate::objstore::execute_any as execute_read;
+
+/// Runs a read batch (no object storage in this build: every file is local).
+#[cfg(not(feature = "s3"))]
 fn execute_read(
     files: &[Arc<Header>],
-    objects: &[Option<Object>],
+    _: &[Option<Object>],
     dests: &[crate::dest::DestBuf<'_>],
-    items: &[Item],
-    scales: &[Scale],
+    items: &[crate::types::Item],
+    scales: &[crate::exec::Scale],
     opts: &ExecOptions,
 ) -> Result<crate::exec::ExecStats, LoadError> {
-    #[cfg(feature = "s3")]
-    if objects.iter().any(Option::is_some) {
-        return crate::objstore::execute(files, objects, dests, items, scales, opts);
-    }
-    let _ = objects;
-    execute_batch(files, dests, items, scales, opts)
+    crate::exec::execute_scaled(files, dests, items, scales, opts)
 }
 // ---- end of object storage ----
 
@@ -266,14 +261,9 @@ impl SafetensorsHeader {
     }
 
     fn metadata<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
-        let Some(meta) = &self.inner.metadata else {
-            return Ok(None);
-        };
-        let dict = PyDict::new(py);
-        for (k, v) in meta {
-            dict.set_item(k, v)?;
-        }
-        Ok(Some(dict))
+        let meta = self.inner.metadata.as_deref();
+        meta.map(|m| m.iter().map(|(k, v)| (k, v)).into_py_dict(py))
+            .transpose()
     }
 
     fn __len__(&self) -> usize {
@@ -475,10 +465,6 @@ impl WeightMap {
     }
 }
 
-fn plan_error(py: Python<'_>, message: String) -> PyErr {
-    raise(py, "PlanError", message)
-}
-
 /// Reads a batch of strided boxes into caller memory, or (`direction="write"`) writes them from caller
 /// memory into the files; see `_core.pyi`.
 #[pyfunction]
@@ -494,49 +480,26 @@ fn execute<'py>(
     scales: Option<&[u8]>,
     direction: &str,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let write = match direction {
-        "read" => false,
-        "write" => true,
-        _ => {
-            return Err(plan_error(
-                py,
-                format!("unknown direction '{direction}' (expected read or write)"),
-            ))
-        }
-    };
     let files = shared(&headers);
     let objects: Vec<Option<Object>> = headers.iter().map(|h| h.object.clone()).collect();
-    if write && objects.iter().any(Option::is_some) {
-        return Err(plan_error(
-            py,
-            "the write direction writes local files; an object header cannot be written".into(),
-        ));
-    }
-    // Decoded (and so checked) in this order: the first bad record names the error.
-    let triples = records::dests(dests).map_err(|e| to_py(py, e))?;
-    let items = records::items(items).map_err(|e| to_py(py, e))?;
-    let scales = records::scales(scales.unwrap_or_default()).map_err(|e| to_py(py, e))?;
-    let threads = records::threads(threads).map_err(|e| to_py(py, e))?;
-    if write && (!scales.is_empty() || items.iter().any(|item| item.scale != 0)) {
-        return Err(plan_error(
-            py,
-            "the write direction stores bytes as they are: items that dequantize (a scale) only read".into(),
-        ));
-    }
+    let from_objects = objects.iter().any(Option::is_some);
+    let scales = scales.unwrap_or_default();
+    let batch = records::batch(direction, from_objects, dests, items, scales, threads)
+        .map_err(|e| to_py(py, e))?;
     let backend: Backend = backend.parse().map_err(|e| to_py(py, e))?;
     let raised = Arc::new(Mutex::new(None));
     let opts = ExecOptions {
-        threads,
+        threads: batch.threads,
         backend,
         interrupt: Some(signal_interrupt(Arc::clone(&raised))),
         ..ExecOptions::default()
     };
     let stats = py
         .detach(move || {
-            let dests = crate::dest::from_python(&triples);
-            match write {
-                false => execute_read(&files, &objects, &dests, &items, &scales, &opts),
-                true => crate::exec::execute_write(&files, &dests, &items, &opts),
+            let (dests, items) = (crate::dest::from_python(&batch.dests), &batch.items);
+            match batch.write {
+                false => execute_read(&files, &objects, &dests, items, &batch.scales, &opts),
+                true => crate::exec::execute_write(&files, &dests, items, &opts),
             }
         })
         .map_err(|e| {
@@ -556,6 +519,12 @@ fn execute<'py>(
     Ok(out)
 }
 
+/// The items of `names`, each a `str` (`TypeError` for the first that is not).
+fn str_list<'py>(names: &Bound<'py, PyList>) -> PyResult<Vec<Bound<'py, PyString>>> {
+    let cast = |n: Bound<'py, PyAny>| n.cast_into::<PyString>().map_err(PyErr::from);
+    names.iter().map(cast).collect()
+}
+
 /// The templates of `names` (see [`crate::keys`]): `(templates, ids, numbers, width)` with `ids` the
 /// little-endian `u32` template index of each name and `numbers` its `width` numbers as little-endian `i64`
 /// (-1 padded); None when a name contains the marker.
@@ -565,10 +534,7 @@ fn key_templates<'py>(
     py: Python<'py>,
     names: &Bound<'py, PyList>,
 ) -> PyResult<Option<(Vec<String>, Bound<'py, PyBytes>, Bound<'py, PyBytes>, usize)>> {
-    let owned: Vec<Bound<'py, PyString>> = names
-        .iter()
-        .map(|n| n.cast_into::<PyString>().map_err(PyErr::from))
-        .collect::<PyResult<_>>()?;
+    let owned = str_list(names)?;
     let strs: Vec<&str> = owned.iter().map(|s| s.to_str()).collect::<PyResult<_>>()?;
     let Some(t) = py.detach(|| crate::keys::key_templates(&strs)) else {
         return Ok(None);
@@ -587,10 +553,7 @@ fn key_templates<'py>(
 /// [`crate::keys::suffix_stems`].
 #[pyfunction]
 fn suffix_stems(names: &Bound<'_, PyList>, suffix: &str) -> PyResult<(Vec<usize>, Vec<i64>)> {
-    let owned: Vec<Bound<'_, PyString>> = names
-        .iter()
-        .map(|n| n.cast_into::<PyString>().map_err(PyErr::from))
-        .collect::<PyResult<_>>()?;
+    let owned = str_list(names)?;
     let strs: Vec<&str> = owned.iter().map(|s| s.to_str()).collect::<PyResult<_>>()?;
     Ok(names
         .py()
@@ -601,22 +564,7 @@ fn suffix_stems(names: &Bound<'_, PyList>, suffix: &str) -> PyResult<(Vec<usize>
 /// [`crate::simd`]); `ValueError` when `HP_FASTLOAD_SIMD` names no level.
 #[pyfunction]
 fn simd_levels() -> PyResult<(&'static str, &'static str, Option<&'static str>)> {
-    use crate::simd::{self, Level};
-    match simd::configured() {
-        Ok(cap) => Ok((
-            simd::level().name(),
-            simd::detected().name(),
-            cap.map(Level::name),
-        )),
-        Err(value) => {
-            let names: Vec<&str> = Level::ALL.iter().map(|l| l.name()).collect();
-            Err(pyo3::exceptions::PyValueError::new_err(format!(
-                "{}={value:?} names no SIMD level: use one of {} (or unset it, or 'auto', for the CPU's own)",
-                simd::ENV,
-                names.join(", ")
-            )))
-        }
-    }
+    crate::simd::levels().map_err(pyo3::exceptions::PyValueError::new_err)
 }
 
 /// The `hp_fastload._core` module.
@@ -636,12 +584,10 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
         m.add(name, col)?;
     }
     m.add("SCALE_WIDTH", records::SCALE_WIDTH)?;
-    let floats: Vec<&str> = ALL_DTYPES
-        .iter()
-        .filter(|d| d.is_castable_float())
-        .map(|d| d.name())
-        .collect();
-    m.add("CAST_FLOATS", PyTuple::new(m.py(), floats)?)?;
+    m.add(
+        "CAST_FLOATS",
+        PyTuple::new(m.py(), Dtype::castable_float_names())?,
+    )?;
     let codes = PyDict::new(m.py());
     for d in ALL_DTYPES {
         codes.set_item(d.name(), d.code())?;

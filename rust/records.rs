@@ -181,6 +181,62 @@ pub fn dests(bytes: &[u8]) -> Result<Vec<DestTriple>, LoadError> {
     Ok(triples)
 }
 
+/// A batch as `_core.execute` receives it, decoded and checked: the direction, the destinations, items and
+/// scales, the thread count.
+#[derive(Debug)]
+pub struct Batch {
+    /// Whether the batch writes caller memory into the files (`direction="write"`) rather than reading.
+    pub write: bool,
+    /// The destinations ([`dests`]).
+    pub dests: Vec<DestTriple>,
+    /// The items ([`items`]).
+    pub items: Vec<Item>,
+    /// The scales ([`scales`]).
+    pub scales: Vec<Scale>,
+    /// The thread count ([`threads`]).
+    pub threads: Option<usize>,
+}
+
+/// Decodes a batch, checked in this order (the first problem is the error): the direction (`read` or
+/// `write`), no write to object storage (`from_objects`: some file came from an object), the destinations,
+/// items and scales, the thread count, and no scale in a write (writes store bytes as they are).
+pub fn batch(
+    direction: &str,
+    from_objects: bool,
+    dests_bytes: &[u8],
+    items_bytes: &[u8],
+    scales_bytes: &[u8],
+    thread_count: Option<i64>,
+) -> Result<Batch, LoadError> {
+    let write = match direction {
+        "read" => false,
+        "write" => true,
+        _ => {
+            return Err(LoadError::request(format!(
+                "unknown direction '{direction}' (expected read or write)"
+            )))
+        }
+    };
+    if write && from_objects {
+        return Err(LoadError::request(
+            "the write direction writes local files; an object header cannot be written",
+        ));
+    }
+    let batch = Batch {
+        write,
+        dests: dests(dests_bytes)?,
+        items: items(items_bytes)?,
+        scales: scales(scales_bytes)?,
+        threads: threads(thread_count)?,
+    };
+    if write && (!batch.scales.is_empty() || batch.items.iter().any(|item| item.scale != 0)) {
+        return Err(LoadError::request(
+            "the write direction stores bytes as they are: items that dequantize (a scale) only read",
+        ));
+    }
+    Ok(batch)
+}
+
 /// A thread count as Python passes it: None for the default, else at least 1.
 pub fn threads(threads: Option<i64>) -> Result<Option<usize>, LoadError> {
     match threads {
@@ -264,6 +320,30 @@ mod tests {
             .contains("at least 1"));
         assert_eq!(threads(Some(3)).unwrap(), Some(3));
         assert_eq!(threads(None).unwrap(), None);
+    }
+
+    #[test]
+    fn a_batch_is_checked_in_order() {
+        let says = |r: Result<Batch, LoadError>| r.unwrap_err().to_string();
+        let item = pack(&[0; ITEM_WIDTH]);
+        let mut scaled = [0; ITEM_WIDTH];
+        scaled[COL_SCALE] = 1;
+        let scaled = pack(&scaled);
+        assert!(says(batch("sideways", false, &[], &item, &[], None)).contains("unknown direction"));
+        // the direction's checks come before any record is decoded
+        assert!(says(batch("write", true, &[1], &item, &[], None)).contains("an object header"));
+        assert!(says(batch("read", false, &[1], &item, &[], None)).contains("dests has 1 bytes"));
+        assert!(says(batch("read", false, &[], &item, &[], Some(0))).contains("at least 1"));
+        assert!(says(batch("write", false, &[], &scaled, &[], None)).contains("dequantize"));
+        let scale = pack(&[0; SCALE_WIDTH]);
+        assert!(says(batch("write", false, &[], &item, &scale, None)).contains("dequantize"));
+        let read = batch("read", true, &[], &scaled, &scale, Some(2)).unwrap();
+        assert!(!read.write);
+        assert_eq!(
+            (read.items.len(), read.scales.len(), read.threads),
+            (1, 1, Some(2))
+        );
+        assert!(batch("write", false, &[], &item, &[], None).unwrap().write);
     }
 
     #[test]

@@ -99,6 +99,25 @@ pub fn configured() -> Result<Option<Level>, String> {
         .clone()
 }
 
+/// `(level in use, level this CPU supports, level `HP_FASTLOAD_SIMD` asks for or None)` by name; `Err` with
+/// the message saying which values it takes when `HP_FASTLOAD_SIMD` names no level.
+pub fn levels() -> Result<(&'static str, &'static str, Option<&'static str>), String> {
+    match configured() {
+        Ok(cap) => Ok((level().name(), detected().name(), cap.map(Level::name))),
+        Err(value) => {
+            let names: Vec<&str> = Level::ALL.iter().map(|l| l.name()).collect();
+            Err(unknown_level(&value, &names))
+        }
+    }
+}
+
+fn unknown_level(value: &str, names: &[&str]) -> String {
+    format!(
+        "{ENV}={value:?} names no SIMD level: use one of {} (or unset it, or 'auto', for the CPU's own)",
+        names.join(", ")
+    )
+}
+
 /// The level the kernels run at: [`detected`], capped by `HP_FASTLOAD_SIMD` (never above [`detected`], so a
 /// dispatch that checks `level() >= L` may run code built for `L`).
 pub fn level() -> Level {
@@ -145,6 +164,19 @@ mod tests {
         }
         assert_eq!(Level::parse("avx3"), None);
         assert!(Level::ALL.windows(2).all(|w| w[0] < w[1]));
+    }
+
+    #[test]
+    fn an_unknown_level_names_the_variable_and_the_levels() {
+        let m = unknown_level("avx3", &["scalar", "avx2"]);
+        assert_eq!(
+            m,
+            "HP_FASTLOAD_SIMD=\"avx3\" names no SIMD level: use one of scalar, avx2 (or unset it, or 'auto', \
+             for the CPU's own)"
+        );
+        // in this process the variable is unset or valid (the SIMD lanes set a valid one)
+        let (now, cpu, _) = levels().unwrap();
+        assert!(Level::parse(now) <= Level::parse(cpu));
     }
 
     /// The detection agrees with what the kernel says of this CPU (`/proc/cpuinfo`'s flags), so that a
