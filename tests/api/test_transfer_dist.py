@@ -271,6 +271,31 @@ def check_plan_reused(rank: int, world: int) -> dict[str, Any]:
     }
 
 
+def _plain_layout(model: nn.Module, mesh: Any) -> None:
+    """No layout: every tensor whole on its rank."""
+
+
+def check_plain_destination_and_a_bystander(rank: int, world: int) -> dict[str, Any]:
+    """FSDP2 on ranks 0-1 into a whole (plain) model on rank 2; rank 3 holds neither and only takes part. Twice:
+    the second call runs the first call's plan on every rank, the bystander's included."""
+    import hp_fastload as hf
+
+    sub = _grid(("side", "x"))["x"]
+    plain = tiny_model("llama")
+    src = dst = None
+    if rank < 2:
+        src = build("llama", fsdp, sub)
+        fill_from(src, plain)
+    elif rank == 2:
+        dst = build("llama", _plain_layout, None)
+    reports = [hf.transfer(src, dst), hf.transfer(src, dst)]
+    return {
+        "planned": [r.planned for r in reports],
+        "vs_torch": mismatches_against_torch(dst, plain) if dst is not None else [],
+        **_delivery(reports[1], dst),
+    }
+
+
 # ------------------------------------------------------------------------------------------ refusals and faults
 def _outcome(call: Callable[[], Any]) -> str:
     try:
@@ -384,6 +409,7 @@ CHECKS = [
     check_disjoint_llama_tp_to_fsdp,
     check_disjoint_mixtral_fsdp_to_tp,
     check_plan_reused,
+    check_plain_destination_and_a_bystander,
     check_mismatch,
     check_fault_in_packing,
     check_fault_in_placing,
@@ -446,6 +472,16 @@ def test_a_second_call_with_the_same_models_runs_the_same_plan(ranks: list[dict[
     for rank, got in enumerate(subcheck_values(ranks, "check_plan_reused")):
         assert got["planned"] == [True, False, True], (rank, got)
         assert got["second"] == [] and got["third"] == [], (rank, got)
+
+
+def test_a_whole_destination_on_one_rank_with_a_bystander(ranks: list[dict[str, Any]]) -> None:
+    values = subcheck_values(ranks, "check_plain_destination_and_a_bystander")
+    for rank, got in enumerate(values):
+        assert got["planned"] == [True, False], (rank, got)
+        assert got["vs_torch"] == [] and got["ratio"] == 1.0, (rank, got)
+    assert values[2]["received"] == values[2]["needed"] == values[2]["dst_bytes"] > 0
+    assert values[3]["received"] == values[3]["sent"] == values[3]["needed"] == 0
+    assert values[0]["sent"] + values[1]["sent"] == values[2]["received"]
 
 
 def test_a_layout_mismatch_raises_on_every_rank_before_any_byte_moves(ranks: list[dict[str, Any]]) -> None:

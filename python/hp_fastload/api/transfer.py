@@ -328,6 +328,8 @@ class _Prepared:
 
 
 _PREPARED_MEMO = "_hp_transfer_prepared"
+#: the last plan of this process as a rank holding neither model (kept here: it has no model to keep it on)
+_bystander: list[_Prepared | None] = [None]
 
 
 def _rules_id(rules: list[Any] | None) -> tuple[int, ...] | None:
@@ -350,7 +352,9 @@ def _signature(model: nn.Module | None) -> Any:
 def _reusable(src: nn.Module | None, dst: nn.Module | None, options: tuple[Any, ...]) -> _Prepared | None:
     """The transfer this rank prepared for the same models and options, if nothing they depend on changed."""
     entries = [m.__dict__.get(_PREPARED_MEMO) for m in (src, dst) if m is not None]
-    if not entries or entries[0] is None or any(e is not entries[0] for e in entries):
+    if not entries:  # a rank of the group with neither model: what it planned last time (no shards of its own)
+        entries = [_bystander[0]]
+    if entries[0] is None or any(e is not entries[0] for e in entries):
         return None
     prepared: _Prepared = entries[0]
     if prepared.options != options or prepared.signatures != (_signature(src), _signature(dst)):
@@ -428,6 +432,8 @@ def _prepare(
     for model in (src, dst):
         if model is not None:
             model.__dict__[_PREPARED_MEMO] = prepared
+    if src is None and dst is None:
+        _bystander[0] = prepared
     return prepared
 
 
