@@ -23,6 +23,7 @@ from torch import nn
 from hp_fastload.api.load import load
 from hp_fastload.dist.agree import agree, interrupts_between_steps
 from hp_fastload.errors import AdapterMismatchError
+from hp_fastload.formats import CONFIG_NAME
 from hp_fastload.model.peft import (
     adapter_tensors,
     check_adapter_config,
@@ -134,7 +135,7 @@ def load_adapter(
 def adapter_only_repo(location: Any, path: str | os.PathLike[str], revision: str | None) -> Path | None:
     """The adapter directory when ``path`` (resolved to ``location``) holds a PEFT adapter and no model: no
     ``config.json`` but an ``adapter_config.json`` (fetched from the Hub for a repo id), else None."""
-    if not isinstance(location, Path) or not location.is_dir() or (location / "config.json").exists():
+    if not isinstance(location, Path) or not location.is_dir() or (location / CONFIG_NAME).exists():
         return None
     if (location / ADAPTER_CONFIG_NAME).is_file():
         return location
