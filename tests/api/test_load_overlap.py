@@ -4,8 +4,9 @@ before any byte is read, then intersects the regions while the engine reads the 
 a file truncated under the load) still raises on every rank and leaves nothing open (no descriptor or map of
 the checkpoint, no reader thread); a key-level failure reads nothing.
 
-One run of 2 gloo ranks holds every scenario. ``OVERLAP_BYTES`` is set to one byte in the children, so every
-target goes to an idle engine as soon as it is packed: the late failures come after real engine calls.
+One run of 2 gloo ranks holds every scenario. ``OVERLAP_BYTES`` / ``OVERLAP_SECONDS`` are set to one byte and no
+wait in the children, so every target goes to an idle engine as soon as it is packed: the late failures come
+after real engine calls.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ def _late_file(root: str) -> str:
 
 
 def _body(rank: int, world_size: int, base: str) -> dict[str, Any]:
-    read_module.OVERLAP_BYTES = 1  # every target to an idle engine at once (this child only)
+    read_module.OVERLAP_BYTES, read_module.OVERLAP_SECONDS = 1, 0.0  # every target to an idle engine at once
     root = f"{base}/rank{rank}"
     out: dict[str, Any] = {}
 

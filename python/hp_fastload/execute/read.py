@@ -166,9 +166,11 @@ def _run_deferred(
             _copy_local_from_full(context.target(target_name), outputs[name], legacy)
 
 
-#: a batch this large is handed to an idle engine without waiting for ``batch_bytes`` (``execute_stream``):
-#: the engine starts on the first targets while the next are planned and packed
-OVERLAP_BYTES = 16 << 20
+#: a batch this large that has waited ``OVERLAP_SECONDS`` for more targets is handed to an idle engine without
+#: waiting for ``batch_bytes`` (``execute_stream``): the engine reads the first targets while the next are
+#: planned and packed. A plan made faster than that (a dense model's) stays one call.
+OVERLAP_BYTES = 1 << 20
+OVERLAP_SECONDS = 0.002
 
 
 @dataclass
@@ -203,6 +205,8 @@ class _Engine:
         return self.future is not None and not self.future.done()
 
     def submit(self, batch: Batch) -> None:
+        # (every call gets all its threads, the ones made while planning goes on too: with one thread fewer the
+        # calls cut short by the end of planning read at half speed; docs/perf-notes.md, session 19)
         self.wait()
         if self.pool is None:
             self._told(self._run(batch))
@@ -307,7 +311,8 @@ def execute_stream(
     """``execute_plan`` of region reads that may still be in the making: ``regions`` yields ``(target name,
     reads)`` (``planning.orchestrate.PlanStream.regions``: each target intersected as it is asked for) and the
     engine reads each batch on a worker thread while the next targets are planned and packed; a batch goes to
-    an idle engine once it holds ``OVERLAP_BYTES``, to a busy one at ``batch_bytes``. ``overlap`` receives
+    an idle engine once it holds ``OVERLAP_BYTES`` and was begun ``OVERLAP_SECONDS`` ago, else at
+    ``batch_bytes``. ``overlap`` receives
     the iterator's time, hidden behind reads or not. CUDA targets (and all with ``stage_all``) go through the
     staging slabs, one call at a time from the first of them on. Any failure (a target that fails to plan, a
     read) waits for the call in flight before it propagates: nothing reads the maps afterwards.
@@ -318,14 +323,15 @@ def execute_stream(
     stager: LoadStager | None = None
     batch = Batch(index.locate)
     timing = overlap if overlap is not None else Overlap()
+    started = time.perf_counter()  # when the batch being packed was begun
 
     def flush() -> None:
-        nonlocal batch
+        nonlocal batch, started
         if batch.count or batch.after:
             engine.submit(batch)
         if stager is not None:
             stager.flip()
-        batch = Batch(index.locate)
+        batch, started = Batch(index.locate), time.perf_counter()
 
     try:
         with torch.no_grad():
@@ -341,7 +347,10 @@ def execute_stream(
                 if not stage or stager is None:
                     add_target_items(batch, target, items, stager, local=local)
                     if batch.nbytes >= batch_bytes or (
-                        engine.pool is not None and batch.nbytes >= OVERLAP_BYTES and not engine.busy()
+                        engine.pool is not None
+                        and batch.nbytes >= OVERLAP_BYTES
+                        and time.perf_counter() - started >= OVERLAP_SECONDS
+                        and not engine.busy()
                     ):
                         flush()
                     continue
