@@ -722,10 +722,11 @@ def _hp_load(loader: str) -> Callable[[str, Destinations, dict[str, Any]], dict[
 
         engine.clear_cache()
         report = hp_fastload.load(ctx["model"], ckpt, loader=loader, strict=True, progress=False)
+        path = report.critical_path
         return {
             "hp_bytes_read": report.bytes_read,
             "hp_bytes_needed": report.bytes_needed,
-            "critical_path": report.critical_path.as_dict(),
+            "critical_path": {**path.as_dict(), "planning_hidden": path.planning_hidden},
         }
 
     return run
@@ -913,7 +914,7 @@ def _e2e_body(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
 
             engine.clear_cache()
             report = hp_fastload.load(model, ckpt, loader=loader.split("_")[1], strict=True, progress=False)
-            phases = report.critical_path.as_dict()
+            phases = {**report.critical_path.as_dict(), "planning_hidden": report.critical_path.planning_hidden}
         elif loader.startswith("torch_dcp"):
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint import HuggingFaceStorageReader

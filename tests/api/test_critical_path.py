@@ -127,3 +127,24 @@ def test_a_rank_waiting_for_a_slower_peer_reports_the_wait(llama):
     # start skew allowed for: both left a barrier just before the load)
     assert fast["waiting"] >= DELAY, fast
     assert fast["agreement"] > 0.0 and slow["agreement"] > 0.0  # the checkpoint identity was compared
+
+
+def test_planning_done_while_the_engine_reads_is_reported_hidden(llama, monkeypatch):
+    """Each region intersection made slow, each engine call slower, every target to an idle engine at once:
+    the intersections made while a call runs are ``planning_hidden``, not ``planning`` (one process)."""
+    from hp_fastload.execute import read as read_module
+    from hp_fastload.execute.batch import Batch
+    from hp_fastload.planning import claims as claims_module
+
+    monkeypatch.setattr(read_module, "OVERLAP_BYTES", 1)
+    monkeypatch.setattr(read_module, "OVERLAP_SECONDS", 0.0)
+    monkeypatch.setattr(claims_module, "region_items", _delayed(claims_module.region_items, 0.01))
+    monkeypatch.setattr(Batch, "execute", _delayed(Batch.execute, DELAY / 3))
+    model = tiny_model("llama", seed=1)
+    report = hf.load(model, llama, progress=False)
+    path = report.critical_path
+    _consistent(path, report.seconds)
+    assert path.planning_hidden >= 0.05, path
+    assert "planning hidden behind reads" in report.summary()
+    reference = tiny_model("llama", seed=0).state_dict()
+    assert all(torch.equal(t, reference[n]) for n, t in model.state_dict().items())

@@ -440,6 +440,7 @@ def load(
     unfilled = recreate_buffers(owner) if finalize else [name for name, _ in non_persistent_buffers(owner)]
     clock.lap("finishing")
     seconds, critical_path = clock.done()
+    critical_path = dataclasses.replace(critical_path, planning_hidden=overlap.hidden)
     # The plan's report (keys, checkpoint bytes, the loader) with what executing it measured.
     report = dataclasses.replace(
         load_plan.report,

@@ -36,6 +36,10 @@ class CriticalPath:
     collectives after this rank's own step was done, i.e. for the slowest peer. ``finishing``: tying tied
     weights, unmapping the files, re-creating non-persistent buffers, PEFT copies. ``other``: argument checks
     and bookkeeping between the phases.
+
+    ``planning_hidden`` is not a phase: the planning done while the engine was reading (the region
+    intersections ``load`` makes as it reads, ``execute.read.execute_stream``), inside ``reading``; the part of
+    it no read covered is in ``planning``. ``planning + planning_hidden`` is all the planning.
     """
 
     index: float = 0.0
@@ -45,6 +49,7 @@ class CriticalPath:
     waiting: float = 0.0
     finishing: float = 0.0
     other: float = 0.0
+    planning_hidden: float = 0.0
 
     @property
     def total(self) -> float:
@@ -55,11 +60,14 @@ class CriticalPath:
 
     def summary(self) -> str:
         total = self.total
-        return ", ".join(
+        text = ", ".join(
             f"{phase} {getattr(self, phase):.3f} s"
             + (f" ({100 * getattr(self, phase) / total:.0f}%)" if total > 0 else "")
             for phase in PHASES
         )
+        if self.planning_hidden > 0:
+            text += f"; planning hidden behind reads {self.planning_hidden:.3f} s"
+        return text
 
 
 @dataclass(frozen=True)
