@@ -271,6 +271,34 @@ def check_plan_reused(rank: int, world: int) -> dict[str, Any]:
     }
 
 
+def check_deferred_conversion(rank: int, world: int) -> dict[str, Any]:
+    """A source loaded through a value-changing conversion of ``model.norm.weight`` (times 4: no exact region
+    form) into a TP destination with the plain rules: that tensor goes the deferred path (gathered whole,
+    reverted by transformers, loaded by ``load``'s plan), the rest as regions; the destination must equal
+    ``save(src, weights_mapping=...)`` then ``load``, bit for bit."""
+    import hp_fastload as hf
+    from tests.helpers.tiny_models import scale_mapping
+
+    mesh = _flat_mesh()
+    plain = tiny_model("llama")
+    src = build("llama", fsdp, mesh)
+    fill_from(src, plain)
+    mapping = scale_mapping(["model.norm.weight"])
+    dst = build("llama", tp, mesh)
+    report = hf.transfer(src, dst, src_weights_mapping=mapping)
+    again = hf.transfer(src, dst, src_weights_mapping=mapping)
+    path = Path(os.environ[ROOT_ENV]) / "deferred"
+    hf.save(src, path, overwrite=True, weights_mapping=mapping)
+    reference = build("llama", tp, mesh)
+    hf.load(reference, path)
+    return {
+        "deferred": list(report.deferred),
+        "planned": [report.planned, again.planned],
+        "vs_save_load": mismatches(dst, reference),
+        "norm_changed": not _bit_equal(_local(dst.model.norm.weight), _local(src.model.norm.weight)),
+    }
+
+
 def _plain_layout(model: nn.Module, mesh: Any) -> None:
     """No layout: every tensor whole on its rank."""
 
@@ -409,6 +437,7 @@ CHECKS = [
     check_disjoint_llama_tp_to_fsdp,
     check_disjoint_mixtral_fsdp_to_tp,
     check_plan_reused,
+    check_deferred_conversion,
     check_plain_destination_and_a_bystander,
     check_mismatch,
     check_fault_in_packing,
@@ -472,6 +501,13 @@ def test_a_second_call_with_the_same_models_runs_the_same_plan(ranks: list[dict[
     for rank, got in enumerate(subcheck_values(ranks, "check_plan_reused")):
         assert got["planned"] == [True, False, True], (rank, got)
         assert got["second"] == [] and got["third"] == [], (rank, got)
+
+
+def test_a_conversion_without_a_region_form_goes_whole(ranks: list[dict[str, Any]]) -> None:
+    for rank, got in enumerate(subcheck_values(ranks, "check_deferred_conversion")):
+        assert got["deferred"] == ["model.norm.weight"], (rank, got)
+        assert got["vs_save_load"] == [] and got["norm_changed"], (rank, got)
+        assert got["planned"] == [True, False], (rank, got)
 
 
 def test_a_whole_destination_on_one_rank_with_a_bystander(ranks: list[dict[str, Any]]) -> None:

@@ -13,6 +13,7 @@ bytes point to point.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import itertools
 import os
@@ -22,7 +23,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -32,15 +33,17 @@ from hp_fastload.api.request import plan_request
 from hp_fastload.dist.agree import agree, exchanging, interrupts_between_steps, wait_work
 from hp_fastload.dist.collectives import gather_objects
 from hp_fastload.errors import PlanError, TargetError
+from hp_fastload.execute.read import execute_stream
 from hp_fastload.execute.transfer import Side, TransferStats, axis_base, run_transfer
 from hp_fastload.model.finalize import recreate_buffers, retie
+from hp_fastload.model.targets import Target
 from hp_fastload.model.wrappers import unwrapped
 from hp_fastload.planning import front
 from hp_fastload.planning.context import LoadContext
-from hp_fastload.planning.export import file_header, forward_rules, released_tensors
+from hp_fastload.planning.export import conversions, file_header, forward_rules, released_tensors
 from hp_fastload.planning.items import LoadPlan
 from hp_fastload.planning.transfer import LayoutFacts, Runs, TransferPlan, check_layouts, plan_transfer, runs_of_plan
-from hp_fastload.runtime import dist_active, gc_paused
+from hp_fastload.runtime import dist_active, gc_paused, interrupts_deferred
 from hp_fastload.source.index import CheckpointIndex
 
 __all__ = ["DEFAULT_BUDGET_BYTES", "DIRECT_BYTES", "TransferReport", "layout_facts", "layout_index", "transfer"]
@@ -132,19 +135,28 @@ _LAYOUT_MEMO = "_hp_transfer_layout"
 
 
 @contextlib.contextmanager
-def layout_index(facts: LayoutFacts) -> Iterator[CheckpointIndex]:
+def layout_index(facts: LayoutFacts, data: dict[str, torch.Tensor] | None = None) -> Iterator[CheckpointIndex]:
     """An index of the released layout with no data: one safetensors header in a file whose data is a hole
-    (nothing written, nothing read; the planner only reads headers). Removed on exit."""
+    (nothing written, nothing read; the planner only reads headers). ``data``: tensors whose bytes are written
+    at their places (the deferred path's whole tensors); the rest stays a hole. Removed on exit."""
     parent = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
     root = Path(tempfile.mkdtemp(prefix="hp_transfer-", dir=parent))
     try:
         metas = [
             (key, torch.empty(shape, dtype=getattr(torch, dtype), device="meta")) for key, shape, dtype, _ in facts
         ]
-        header, data, _ = file_header(metas)
+        header, size, order = file_header(metas)
         with open(root / "model.safetensors", "wb") as f:
             f.write(header)
-            f.truncate(len(header) + data)
+            f.truncate(len(header) + size)
+            if data:
+                nbytes = {key: meta.numel() * meta.element_size() for key, meta in metas}
+                offset = len(header)
+                for key in order:
+                    if key in data:
+                        f.seek(offset)
+                        f.write(data[key].detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+                    offset += nbytes[key]
         index = CheckpointIndex.open(root)
         try:
             yield index
@@ -168,6 +180,13 @@ class _PlannedSide:
     shards: list[torch.Tensor]
     inexact: list[str]
     used_rules: Any
+    #: each target's checkpoint keys (its region reads' and its deferred groups')
+    target_keys: dict[str, set[str]]
+    targets: dict[str, Target]
+
+    @property
+    def inexact_keys(self) -> set[str]:
+        return {key for name in self.inexact for key in self.target_keys.get(name, ())}
 
 
 def _plan_side(model: nn.Module, role: str, index: CheckpointIndex, facts: LayoutFacts, mapping: Any) -> _PlannedSide:
@@ -187,7 +206,12 @@ def _plan_side(model: nn.Module, role: str, index: CheckpointIndex, facts: Layou
     shapes = {name: tuple(context.target(name).local().shape) for name in plan.region_reads}
     runs, inexact = runs_of_plan(plan, key_id, shapes)
     shards = [context.target(name).local() for name in runs.names]
-    return _PlannedSide(runs, shards, inexact, context.used_rules)
+    target_keys: dict[str, set[str]] = {name: set(reads.keys) for name, reads in plan.region_reads.items()}
+    for group in plan.deferred:
+        for name in group.claims.values():
+            target_keys.setdefault(name, set()).update(group.keys)
+    targets = {name: context.target(name) for name in target_keys}
+    return _PlannedSide(runs, shards, inexact, context.used_rules, target_keys, targets)
 
 
 def _device_of(*sides: _PlannedSide | None) -> torch.device:
@@ -223,6 +247,10 @@ def transfer(
     (``direct_bytes``), else packed per sender, receiver and round, each rank's packed messages within
     ``budget_bytes`` per round. Host tensors travel over the group's backend as they are (gloo); device tensors in
     ``batch_isend_irecv`` batches (NCCL), with no host copy.
+
+    A checkpoint tensor touched by a conversion without an exact region form (an elementwise op) goes whole:
+    gathered on the source ranks and reverted by transformers as ``save`` falls back, then loaded into the
+    destination by ``load``'s own plan (``TransferReport.deferred`` lists them).
 
     Layouts that disagree raise ``TargetError`` (naming the tensor and the dimension or dtype) on every rank
     before any byte moves; a failure or an interrupt on any rank raises on every rank (``PeerInterrupted`` on
@@ -277,6 +305,8 @@ def transfer(
         exchange=exchanging,
         timeout_s=timeout_s,
     )
+    if prepared.deferred:
+        _run_deferred(prepared, src, dst, src_rules, dst_rules, rank, agreed)
     facts = prepared.facts
     unfilled: list[str] = []
     if dst is not None:
@@ -305,6 +335,7 @@ def transfer(
         seconds=seconds,
         seconds_planning=planned_at - start,
         planned=prepared.fresh,
+        deferred=prepared.deferred,
         unfilled_buffers=tuple(unfilled),
     )
 
@@ -324,6 +355,13 @@ class _Prepared:
     base: np.ndarray
     device: torch.device
     used_rules: Any
+    #: checkpoint keys moved whole (a conversion of some target touching them has no exact region form)
+    deferred: tuple[str, ...] = ()
+    #: this rank's source targets touching them (gathered whole, reverted by transformers on the first source rank)
+    deferred_sources: list[Target] = field(default_factory=list)
+    #: this rank's destination targets touching them (loaded from the whole tensors by ``load``'s own plan)
+    deferred_destinations: frozenset[str] = frozenset()
+    first_source: int = 0
     fresh: bool = True
 
 
@@ -393,15 +431,17 @@ def _prepare(
         (
             src_side.runs.spans if src_side is not None else None,
             dst_side.runs.spans if dst_side is not None else None,
-            (src_side.inexact if src_side is not None else []) + (dst_side.inexact if dst_side is not None else []),
+            sorted(set().union(*(side.inexact_keys for side in (src_side, dst_side) if side is not None))),
         )
     )
-    inexact = sorted({name for _, _, names in spans for name in names})
-    if inexact:  # from the gathered runs alone: every rank raises here, or none
-        raise PlanError(
-            f"hf.transfer: {len(inexact)} tensors convert without an exact region form (first: "
-            f"{', '.join(inexact[:3])}); transfer moves exact regions only: save and load these models instead"
-        )
+    # the same gathered lists on every rank from here on: every rank decides alike, or raises alike
+    key_id = {f[0]: i for i, f in enumerate(facts)}
+    deferred = sorted({key for _, _, keys in spans for key in keys})
+    holders = [rank for rank, (held, _, _) in enumerate(spans) if held is not None]
+    deferred_ids = np.array([key_id[k] for k in deferred], dtype=np.int64)
+    if len(deferred_ids):  # those tensors go whole (the deferred path), on every side, for every rank
+        spans = [(_without(a, deferred_ids), _without(b, deferred_ids), c) for a, b, c in spans]
+        src_side, dst_side = (_side_without(side, deferred_ids) for side in (src_side, dst_side))
     plan = plan_transfer(
         nbytes,
         itemsize,
@@ -415,7 +455,9 @@ def _prepare(
     sides = [
         Side(side.runs, side.shards, base, itemsize) if side is not None else None for side in (src_side, dst_side)
     ]
-    digest = hashlib.blake2b(repr((facts, options[:2], plan.rounds, plan.window_bytes)).encode(), digest_size=16)
+    digest = hashlib.blake2b(
+        repr((facts, options[:2], plan.rounds, plan.window_bytes, deferred)).encode(), digest_size=16
+    )
     for column in (plan.src, plan.dst, plan.key, plan.start, plan.length, plan.msg, plan.offset):
         digest.update(column.tobytes())
     prepared = _Prepared(
@@ -428,6 +470,10 @@ def _prepare(
         base=base,
         device=device,
         used_rules=dst_side.used_rules if dst_side is not None else None,
+        deferred=tuple(deferred),
+        deferred_sources=_touching(src_side, deferred),
+        deferred_destinations=frozenset(t.name for t in _touching(dst_side, deferred)),
+        first_source=holders[0] if holders else 0,
     )
     for model in (src, dst):
         if model is not None:
@@ -435,6 +481,81 @@ def _prepare(
     if src is None and dst is None:
         _bystander[0] = prepared
     return prepared
+
+
+def _without(spans: Any, keys: np.ndarray) -> Any:
+    """``spans`` without the rows of checkpoint tensors ``keys``."""
+    if spans is None:
+        return None
+    keep = ~np.isin(spans[0], keys)
+    return tuple(column[keep] for column in spans)
+
+
+def _side_without(side: _PlannedSide | None, keys: np.ndarray) -> _PlannedSide | None:
+    if side is None:
+        return None
+    runs = side.runs
+    keep = ~np.isin(runs.key, keys)
+    trimmed = Runs(runs.key[keep], runs.start[keep], runs.length[keep], runs.target[keep], runs.local[keep], runs.names)
+    return dataclasses.replace(side, runs=trimmed)
+
+
+def _touching(side: _PlannedSide | None, keys: Sequence[str]) -> list[Target]:
+    """The side's targets whose checkpoint keys meet ``keys``, by name (the same order on every rank)."""
+    if side is None or not keys:
+        return []
+    wanted = set(keys)
+    return [side.targets[name] for name in sorted(side.target_keys) if side.target_keys[name] & wanted]
+
+
+def _run_deferred(
+    prepared: _Prepared,
+    src: nn.Module | None,
+    dst: nn.Module | None,
+    src_rules: list[Any] | None,
+    dst_rules: list[Any] | None,
+    rank: int,
+    agreed: Callable[[str, Callable[[], Any]], Any],
+) -> None:
+    """The deferred path: the source targets touching the deferred keys gathered whole on the source ranks and
+    reverted into those checkpoint tensors by transformers on the first source rank (as ``save`` falls back),
+    sent to every rank, and the destination targets touching them loaded from them by ``load``'s own plan and
+    engine (their bytes alone written into the layout's file, in memory under ``/dev/shm``)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    keys = list(prepared.deferred)
+
+    def convert() -> dict[str, torch.Tensor] | None:
+        with torch.no_grad():  # every collective first (the targets' meshes), then the local work that may fail
+            full = [t.tensor.full_tensor() if t.is_dtensor else t.tensor.detach() for t in prepared.deferred_sources]  # type: ignore[attr-defined]
+        if rank != prepared.first_source:
+            return None
+        assert src is not None
+        state = {alias: f.cpu() for t, f in zip(prepared.deferred_sources, full, strict=True) for alias in t.names}
+        with conversions(src, src_rules):
+            reverted = revert_weight_conversion(cast(Any, src), state)
+        missing = [key for key in keys if key not in reverted]
+        if missing:
+            raise PlanError(f"hf.transfer: the source's reverse conversion did not give {missing[:5]}")
+        return {key: reverted[key].contiguous() for key in keys}
+
+    whole = agreed("Converting the deferred tensors on the source", convert)
+    box = [whole]
+    with interrupts_deferred():
+        torch.distributed.broadcast_object_list(box, src=prepared.first_source)
+    tensors: dict[str, torch.Tensor] = box[0]
+
+    def load_them() -> None:
+        if dst is None or not prepared.deferred_destinations:
+            return
+        names = prepared.deferred_destinations
+        with layout_index(prepared.facts, tensors) as index:
+            plan, context = _planned(dst, index, dst_rules)
+            reads = [(name, r) for name, r in plan.region_reads.items() if name in names]
+            groups = [g for g in plan.deferred if set(g.claims.values()) & names]
+            execute_stream(reads, groups, context, dequant=plan.dequant)
+
+    agreed("Loading the deferred tensors into the destination", load_them)
 
 
 def _ints(values: Sequence[int] | np.ndarray) -> tuple[int, ...]:
