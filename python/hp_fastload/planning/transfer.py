@@ -387,17 +387,23 @@ def plan_transfer(
     edges = np.unique(np.concatenate([np.concatenate(b) for b in src_bounds.values()] or [_i64([])]))
     edges = _i64(edges)
     segments = max(len(edges) - 1, 0)
-    column = {r: c for c, r in enumerate(src_ranks)}
-    cover = np.zeros((segments, len(src_ranks)), dtype=bool)
+    # who holds each segment, as sorted (segment, rank) pairs: a rank's run covers the segments between its ends
+    pair_seg, pair_rank = [], []
     for r, (lo, hi) in src_bounds.items():
         if not len(lo) or not segments:
             continue
-        i = np.searchsorted(lo, edges[:-1], "right") - 1
-        ok = i >= 0
-        ic = np.clip(i, 0, None)
-        cover[:, column[r]] = ok & (hi[ic] >= edges[1:]) & (lo[ic] <= edges[:-1])
-    holders = cover.sum(axis=1)
-    cumulative = np.cumsum(cover, axis=1)
+        first_seg, end_seg = np.searchsorted(edges, lo), np.searchsorted(edges, hi)
+        count = end_seg - first_seg
+        starts = np.concatenate([[0], np.cumsum(count)[:-1]])
+        pair_seg.append(np.repeat(first_seg - starts, count) + np.arange(int(count.sum()), dtype=np.int64))
+        pair_rank.append(np.full(int(count.sum()), r, dtype=np.int64))
+    seg_all = _i64(np.concatenate(pair_seg) if pair_seg else [])
+    rank_all = _i64(np.concatenate(pair_rank) if pair_rank else [])
+    order = np.lexsort((rank_all, seg_all))
+    seg_all, rank_all = seg_all[order], rank_all[order]
+    first_holder = _i64(np.searchsorted(seg_all, np.arange(segments + 1)))
+    holders = np.diff(first_holder)
+    codes = seg_all * world + rank_all  # sorted: by segment, then rank
     cols_src, cols_dst, cols_lo, cols_hi = [], [], [], []
     needed = np.zeros(world, dtype=np.int64)
     for d, spans in enumerate(destinations):
@@ -421,10 +427,11 @@ def plan_transfer(
                 f"{(at - int(base[k])) // int(size[k])}) that no source rank holds"
             )
         turn = (seg + d) % holders[seg]
-        holder_col = np.argmax(cumulative[seg] > turn[:, None], axis=1)
-        holder = _i64(np.asarray(src_ranks, dtype=np.int64)[holder_col])
-        if d in column:
-            holder = np.where(cover[seg, column[d]], d, holder)
+        holder = rank_all[first_holder[seg] + turn]
+        if d in src_bounds:  # the destination rank holds the piece itself: a copy, not a message
+            mine = seg * world + d
+            found = np.clip(np.searchsorted(codes, mine), 0, max(len(codes) - 1, 0))
+            holder = np.where(codes[found] == mine, d, holder)
         cols_src.append(holder)
         cols_dst.append(np.full(len(plo), d, dtype=np.int64))
         cols_lo.append(plo)
