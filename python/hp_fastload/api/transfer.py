@@ -61,7 +61,7 @@ class TransferReport:
     """What ``transfer`` did. This rank's counts (``bytes_sent`` / ``bytes_received``: payload to and from other
     ranks; ``bytes_copied``: from its own source shards into its own destination shards; ``bytes_needed``: what its
     destination shards hold), every rank's (``*_by_rank``), the messages, rounds and staging window, and the
-    destination tensors that had no exact region form (``deferred``, moved whole)."""
+    checkpoint tensors touched by a conversion without an exact region form (``deferred``, moved whole)."""
 
     tensors: int
     bytes_needed: int
