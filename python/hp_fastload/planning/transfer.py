@@ -372,8 +372,8 @@ def plan_transfer(
     Each destination run is split at the source holdings' boundaries; each piece is taken from the destination
     rank itself when it holds it, else from one of its holders, chosen by rotation over the piece's segment and the
     destination rank (replicas share the sending). Pieces are cut into rounds at multiples of the window (the
-    budget divided by the most receivers one rank sends to, so that neither a sender's packed messages nor a
-    receiver's exceed ``budget_bytes`` in a round); pieces of ``direct_bytes`` or more go as messages of their
+    widest, halved from the budget, in which no rank's staged bytes of a round, sent and received, pass
+    ``budget_bytes``); pieces of ``direct_bytes`` or more go as messages of their
     own (shard to shard, not staged, not cut) in the first round, with every rank's copies of its own pieces.
     ``PlanError`` naming the tensor when a destination needs bytes that no source holds."""
     world = len(sources)
@@ -383,7 +383,6 @@ def plan_transfer(
     size = _i64(itemsize)
     base = _axis(nb)
     src_bounds = {r: _bounds(s, base, size) for r, s in enumerate(sources) if s is not None}
-    src_ranks = list(src_bounds)
     edges = np.unique(np.concatenate([np.concatenate(b) for b in src_bounds.values()] or [_i64([])]))
     edges = _i64(edges)
     segments = max(len(edges) - 1, 0)
@@ -441,34 +440,16 @@ def plan_transfer(
     else:
         p_src = p_dst = p_lo = p_hi = _i64([])
     remote = p_src != p_dst
-    fanout = max(
-        (len(np.unique(p_dst[remote & (p_src == r)])) for r in src_ranks),
-        default=1,
-    )
-    window = max(ALIGN, (int(budget_bytes) // max(fanout, 1)) // ALIGN * ALIGN)
     direct = remote & (p_hi - p_lo >= direct_bytes)
-    staged = remote & ~direct
-    # staged pieces cut at the window's multiples (every cut is on an element boundary: tensors start on ALIGN)
-    s_idx = np.flatnonzero(staged)
-    if len(s_idx):
-        lo, hi = p_lo[s_idx], p_hi[s_idx]
-        first_w, last_w = lo // window, (hi - 1) // window
-        cuts_needed = last_w > first_w
-        if cuts_needed.any():
-            counts = last_w - first_w + 1
-            row = np.repeat(np.arange(len(lo)), counts)
-            first = np.concatenate([[0], np.cumsum(counts)[:-1]])
-            pos = np.arange(len(row)) - np.repeat(first, counts)
-            w = first_w[row] + pos
-            new_lo = np.maximum(lo[row], w * window)
-            new_hi = np.minimum(hi[row], (w + 1) * window)
-            keep = np.flatnonzero(~staged)
-            p_src = _i64(np.concatenate([p_src[keep], p_src[s_idx][row]]))
-            p_dst = _i64(np.concatenate([p_dst[keep], p_dst[s_idx][row]]))
-            flags = np.concatenate([direct[keep], np.zeros(len(row), dtype=bool)])
-            p_lo = _i64(np.concatenate([p_lo[keep], new_lo]))
-            p_hi = _i64(np.concatenate([p_hi[keep], new_hi]))
-            direct = flags
+    # the widest window (halved from the budget) in which no rank's staged bytes of one round, sent and received,
+    # pass the budget; staged pieces are cut at its multiples (on element boundaries: tensors start on ALIGN)
+    window = max(ALIGN, int(budget_bytes) // ALIGN * ALIGN)
+    while True:
+        cut = _cut_at_windows(p_src, p_dst, p_lo, p_hi, direct, window)
+        if window <= ALIGN or _round_load(*cut, window, world) <= budget_bytes:
+            break
+        window = max(ALIGN, window // 2 // ALIGN * ALIGN)
+    p_src, p_dst, p_lo, p_hi, direct = cut
     # rounds are the staged pieces' windows; direct pieces and a rank's own copies stage nothing: the first round
     staged = (p_src != p_dst) & ~direct
     window_id = p_lo // window
@@ -507,6 +488,43 @@ def plan_transfer(
         world=world,
         needed_by_rank=_i64(needed),
     )
+
+
+def _cut_at_windows(
+    p_src: Int64s, p_dst: Int64s, p_lo: Int64s, p_hi: Int64s, direct: Any, window: int
+) -> tuple[Int64s, Int64s, Int64s, Int64s, Any]:
+    """The staged pieces (remote, not direct) cut at multiples of ``window``; the others as they are."""
+    staged = (p_src != p_dst) & ~direct
+    s_idx = np.flatnonzero(staged)
+    if not len(s_idx):
+        return p_src, p_dst, p_lo, p_hi, direct
+    lo, hi = p_lo[s_idx], p_hi[s_idx]
+    first_w, last_w = lo // window, (hi - 1) // window
+    if not (last_w > first_w).any():
+        return p_src, p_dst, p_lo, p_hi, direct
+    counts = last_w - first_w + 1
+    row = np.repeat(np.arange(len(lo)), counts)
+    first = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    w = first_w[row] + np.arange(len(row)) - np.repeat(first, counts)
+    keep = np.flatnonzero(~staged)
+    return (
+        _i64(np.concatenate([p_src[keep], p_src[s_idx][row]])),
+        _i64(np.concatenate([p_dst[keep], p_dst[s_idx][row]])),
+        _i64(np.concatenate([p_lo[keep], np.maximum(lo[row], w * window)])),
+        _i64(np.concatenate([p_hi[keep], np.minimum(hi[row], (w + 1) * window)])),
+        np.concatenate([direct[keep], np.zeros(len(row), dtype=bool)]),
+    )
+
+
+def _round_load(p_src: Int64s, p_dst: Int64s, p_lo: Int64s, p_hi: Int64s, direct: Any, window: int, world: int) -> int:
+    """The most staged bytes one rank sends and receives in one window."""
+    staged = (p_src != p_dst) & ~direct
+    if not staged.any():
+        return 0
+    w = p_lo[staged] // window
+    nbytes = (p_hi - p_lo)[staged]
+    _, slot = np.unique(np.concatenate([w * world + p_src[staged], w * world + p_dst[staged]]), return_inverse=True)
+    return int(np.bincount(slot.reshape(-1), np.concatenate([nbytes, nbytes])).max())
 
 
 def _messages(
