@@ -14,7 +14,7 @@ Sending and receiving is ``execute.transfer``.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -243,6 +243,8 @@ class TransferPlan:
     window_bytes: int
     world: int
     needed_by_rank: Int64s
+    #: the pieces ordered by message, made on first use (``_by_message``)
+    _memo: dict[str, tuple[Int64s, Int64s]] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def piece_bytes(self) -> Int64s:
         return self.length * self.itemsize[self.key]
@@ -283,12 +285,12 @@ class TransferPlan:
     def _by_message(self) -> tuple[Int64s, Int64s]:
         """Pieces ordered by message (copies within a rank first, as message -1) and each message's bounds in that
         order: message ``m``'s pieces are ``order[bounds[m + 1] : bounds[m + 2]]``."""
-        cached: tuple[Int64s, Int64s] | None = self.__dict__.get("_message_index")
+        cached = self._memo.get("by_message")
         if cached is None:
             order = _i64(np.argsort(self.msg, kind="stable"))
             bounds = _i64(np.searchsorted(self.msg[order], np.arange(-1, len(self.msg_src) + 1), "left"))
             cached = (order, bounds)
-            self.__dict__["_message_index"] = cached
+            self._memo["by_message"] = cached
         return cached
 
     def staging_by_rank(self) -> Int64s:
