@@ -502,7 +502,7 @@ class LoadPlan:
 
     It holds no model, target, open file or closure: it prints (``summary``), pickles and compares (``==``:
     two plannings of the same model and checkpoint are equal). What executing it needs live is in the
-    ``LoadContext`` that ``plan_load`` returns with it. Frozen: a part of it is a new plan
+    ``LoadContext`` that ``planning.front.plan`` returns with it. Frozen: a part of it is a new plan
     (``dataclasses.replace``).
     """
 

@@ -9,7 +9,7 @@ round the messages ``reader -> receiver`` (the receiver's intervals within the r
 order). Deterministic: every rank computes the same plan from the same needs, and ``JobPlan.digest`` is the one
 value the ranks compare. Pure: no process group, no bytes.
 
-What it does not own: planning a rank (``plan_load``), the cost model (``jobcost``), moving bytes
+What it does not own: planning a rank (``planning.front.plan``), the cost model (``jobcost``), moving bytes
 (``execute.deliver``).
 """
 
