@@ -2,7 +2,7 @@
 before any byte is read, then intersects the regions while the engine reads the first ones
 (``execute.read.execute_stream``). A failure after reading started (a late target that fails to plan, a read of
 a file truncated under the load) still raises on every rank and leaves nothing open (no descriptor or map of
-the checkpoint, no reader thread); a key-level failure reads nothing.
+the checkpoint, no planner thread); a key-level failure reads nothing.
 
 One run of 2 gloo ranks holds every scenario. ``OVERLAP_BYTES`` / ``OVERLAP_SECONDS`` are set to one byte and no
 wait in the children, so every target goes to an idle engine as soon as it is packed: the late failures come
@@ -34,7 +34,7 @@ LAST_LAYER = "model.layers.1."  # the tiny llama has two layers
 
 
 def _open_in(root: str) -> dict[str, list[str]]:
-    """This process's descriptors and maps of files under ``root``, and its reader threads."""
+    """This process's descriptors and maps of files under ``root``, and its planner threads."""
     fds = []
     for fd in os.listdir("/proc/self/fd"):
         try:
@@ -45,7 +45,7 @@ def _open_in(root: str) -> dict[str, list[str]]:
             fds.append(target)
     with open("/proc/self/maps") as maps:
         mapped = sorted({line.split()[-1] for line in maps if root in line})
-    readers = [t.name for t in threading.enumerate() if t.name.startswith("hp-fastload-read")]
+    readers = [t.name for t in threading.enumerate() if t.name.startswith("hp-fastload-plan")]
     return {"fds": fds, "maps": mapped, "readers": readers}
 
 

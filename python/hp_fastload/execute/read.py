@@ -9,9 +9,10 @@ the legacy loader, cut with ``distribute_tensor``).
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Any
@@ -181,79 +182,28 @@ class Overlap:
     exposed: float = 0.0
     hidden: float = 0.0
 
+    def add(self, steps: Sequence[tuple[float, float]], calls: Sequence[tuple[float, float]]) -> None:
+        """Charges each step ``(start, end)`` of the iterator: hidden for as long as an engine call ``(start,
+        end)`` ran (both lists in time order, the calls disjoint), exposed for the rest."""
+        j = 0
+        for a, b in steps:
+            while j < len(calls) and calls[j][1] <= a:
+                j += 1
+            covered = 0.0
+            k = j
+            while k < len(calls) and calls[k][0] < b:
+                covered += max(0.0, min(b, calls[k][1]) - max(a, calls[k][0]))
+                k += 1
+            self.hidden += covered
+            self.exposed += b - a - covered
 
-class _Engine:
-    """One engine call at a time: in flight on a worker thread while the caller plans and packs the next
-    batch (the engine releases the GIL), or inline once ``sync()`` (device staging reuses its slabs batch by
-    batch). ``wait()`` is the call's end: its error raised, its progress told, in the caller's thread."""
 
-    def __init__(
-        self, threads: int | None, backend: str | None, stats: ExecStats, progress: Callable[[int], None] | None
-    ) -> None:
-        self.threads, self.backend, self.stats, self.progress = threads, backend, stats, progress
-        self.pool: ThreadPoolExecutor | None = ThreadPoolExecutor(1, thread_name_prefix="hp-fastload-read")
-        self.future: Future[int] | None = None
-        self.done_at = 0.0
+@dataclass
+class _Failed:
+    error: BaseException
 
-    def _run(self, batch: Batch) -> int:
-        with torch.no_grad():
-            batch.run(self.threads, self.backend, self.stats)
-        self.done_at = time.perf_counter()
-        return batch.nbytes
 
-    def busy(self) -> bool:
-        return self.future is not None and not self.future.done()
-
-    def submit(self, batch: Batch) -> None:
-        # (every call gets all its threads, the ones made while planning goes on too: with one thread fewer the
-        # calls cut short by the end of planning read at half speed; docs/perf-notes.md, session 19)
-        self.wait()
-        if self.pool is None:
-            self._told(self._run(batch))
-        else:
-            self.future = self.pool.submit(self._run, batch)
-
-    def _told(self, nbytes: int) -> None:
-        if self.progress and nbytes:
-            self.progress(nbytes)
-
-    def wait(self) -> None:
-        future, self.future = self.future, None
-        if future is not None:
-            self._told(future.result())
-
-    def sync(self) -> None:
-        self.wait()
-        self.close()
-
-    def close(self) -> None:
-        """Waits for the call in flight (its outcome dropped: the caller is raising, or waited already) and
-        ends the worker: nothing runs on the checkpoint's maps after this."""
-        future, self.future = self.future, None
-        if future is not None:
-            wait([future])
-        if self.pool is not None:
-            self.pool.shutdown(wait=True)
-            self.pool = None
-
-    def timed(self, regions: Iterable[tuple[str, Reads]], overlap: Overlap) -> Iterator[tuple[str, Reads]]:
-        """``regions``, each step's time charged to ``overlap``: hidden for as long as a call ran during it."""
-        it = iter(regions)
-        while True:
-            start, future = time.perf_counter(), self.future
-            try:
-                item = next(it)
-            except StopIteration:
-                return
-            finally:
-                end = time.perf_counter()
-                hidden = 0.0
-                if future is not None:
-                    busy_until = self.done_at if future.done() else end
-                    hidden = max(0.0, min(end, busy_until) - start)
-                overlap.hidden += hidden
-                overlap.exposed += end - start - hidden
-            yield item
+_DONE = object()
 
 
 def execute_plan(
@@ -309,68 +259,164 @@ def execute_stream(
     overlap: Overlap | None = None,
 ) -> ExecStats:
     """``execute_plan`` of region reads that may still be in the making: ``regions`` yields ``(target name,
-    reads)`` (``planning.orchestrate.PlanStream.regions``: each target intersected as it is asked for) and the
-    engine reads each batch on a worker thread while the next targets are planned and packed; a batch goes to
-    an idle engine once it holds ``OVERLAP_BYTES`` and was begun ``OVERLAP_SECONDS`` ago, else at
-    ``batch_bytes``. ``overlap`` receives
-    the iterator's time, hidden behind reads or not. CUDA targets (and all with ``stage_all``) go through the
-    staging slabs, one call at a time from the first of them on. Any failure (a target that fails to plan, a
-    read) waits for the call in flight before it propagates: nothing reads the maps afterwards.
+    reads)`` (``planning.orchestrate.PlanStream.regions``: each target intersected as it is asked for). A
+    planner thread iterates it and packs the batches while this thread runs the engine on the ones packed
+    (the engine releases the GIL, and its calls stay on the calling thread, where signal handlers run: a
+    KeyboardInterrupt stops a stalled read at once). A batch goes to an idle engine once it holds
+    ``OVERLAP_BYTES`` and was begun ``OVERLAP_SECONDS`` ago, else at ``batch_bytes``. ``overlap`` receives the
+    iterator's time, hidden behind reads or not. With CUDA targets (or ``stage_all``) everything runs on this
+    thread through the staging slabs, one call at a time. Any failure (a target that fails to plan, a read, a
+    signal) stops the planner before it propagates: nothing reads the maps afterwards.
     """
     stats = ExecStats()
-    index = context.index
-    engine = _Engine(threads, backend, stats, progress)
-    stager: LoadStager | None = None
-    batch = Batch(index.locate)
     timing = overlap if overlap is not None else Overlap()
-    started = time.perf_counter()  # when the batch being packed was begun
+    with torch.no_grad():
+        staged = stage_all or any(t.device.type == "cuda" for t in context.targets.values())
+        if staged:
+            _read_staged(
+                regions, context, threads, backend, batch_bytes, staging_bytes, progress, skip, stage_all, stats, timing
+            )
+        else:
+            _read_overlapped(regions, context, threads, backend, batch_bytes, progress, skip, stats, timing)
+        for group, compute in zip(deferred, context.computes, strict=True):
+            before = stats.bytes_read
+            _run_deferred(group, compute, context, legacy, threads, backend, stats, dequant)
+            if progress:
+                progress(stats.bytes_read - before)
+    return stats
+
+
+def _read_overlapped(
+    regions: Iterable[tuple[str, Reads]],
+    context: LoadContext,
+    threads: int | None,
+    backend: str | None,
+    batch_bytes: int,
+    progress: Callable[[int], None] | None,
+    skip: Collection[str],
+    stats: ExecStats,
+    timing: Overlap,
+) -> None:
+    """The region reads of CPU targets: planned and packed on a planner thread, read on this one."""
+    index = context.index
+    handoff: queue.Queue[Any] = queue.Queue(maxsize=1)
+    stop = threading.Event()
+    idle = threading.Event()  # set while this thread waits for a batch
+    steps: list[tuple[float, float]] = []
+    calls: list[tuple[float, float]] = []
+
+    def hand(item: Any) -> None:
+        while not stop.is_set():
+            try:
+                handoff.put(item, timeout=0.05)
+                return
+            except queue.Full:
+                continue
+
+    def plan_and_pack() -> None:
+        try:
+            with torch.no_grad():
+                it = iter(regions)
+                batch, started = Batch(index.locate), time.perf_counter()
+                while not stop.is_set():
+                    a = time.perf_counter()
+                    item = next(it, None)
+                    steps.append((a, time.perf_counter()))
+                    if item is None:
+                        break
+                    name, items = item
+                    if not items or name in skip:
+                        continue
+                    add_target_items(batch, context.target(name), items, None)
+                    if batch.nbytes >= batch_bytes or (
+                        batch.nbytes >= OVERLAP_BYTES
+                        and time.perf_counter() - started >= OVERLAP_SECONDS
+                        and idle.is_set()
+                    ):
+                        hand(batch)
+                        time.sleep(0)  # the GIL to the reading thread now, not at the next switch interval
+                        batch, started = Batch(index.locate), time.perf_counter()
+                hand(batch)
+                hand(_DONE)
+        except BaseException as exc:  # this rank's failure, raised by the reading thread
+            hand(_Failed(exc))
+
+    planner = threading.Thread(target=plan_and_pack, name="hp-fastload-plan", daemon=True)
+    idle.set()  # the engine has nothing yet: the first batch goes at once
+    planner.start()
+    try:
+        while True:
+            idle.set()
+            got = handoff.get()
+            idle.clear()
+            if got is _DONE:
+                break
+            if isinstance(got, _Failed):
+                raise got.error
+            if not (got.count or got.after):
+                continue
+            a = time.perf_counter()
+            got.run(threads, backend, stats)
+            calls.append((a, time.perf_counter()))
+            if progress and got.nbytes:
+                progress(got.nbytes)
+    finally:
+        stop.set()
+        planner.join()
+        timing.add(steps, calls)
+
+
+def _read_staged(
+    regions: Iterable[tuple[str, Reads]],
+    context: LoadContext,
+    threads: int | None,
+    backend: str | None,
+    batch_bytes: int,
+    staging_bytes: int,
+    progress: Callable[[int], None] | None,
+    skip: Collection[str],
+    stage_all: bool,
+    stats: ExecStats,
+    timing: Overlap,
+) -> None:
+    """The region reads through the staging slabs (CUDA targets, or all with ``stage_all``), planned and read
+    on this thread in turn: the slabs are reused batch by batch."""
+    index = context.index
+    stager = LoadStager(staging_bytes)
+    batch = Batch(index.locate)
 
     def flush() -> None:
-        nonlocal batch, started
-        if batch.count or batch.after:
-            engine.submit(batch)
-        if stager is not None:
-            stager.flip()
-        batch, started = Batch(index.locate), time.perf_counter()
+        nonlocal batch
+        done = batch.nbytes
+        batch.run(threads, backend, stats)
+        stager.flip()
+        if progress and done:
+            progress(done)
+        batch = Batch(index.locate)
 
-    try:
-        with torch.no_grad():
-            for name, items in engine.timed(regions, timing):
-                if not items or name in skip:
-                    continue
-                target = context.target(name)
-                local = target.local()
-                stage = stage_all or local.device.type == "cuda"
-                if stage and stager is None:  # the slabs are reused batch by batch: one call at a time
-                    engine.sync()
-                    stager = LoadStager(staging_bytes)
-                if not stage or stager is None:
-                    add_target_items(batch, target, items, stager, local=local)
-                    if batch.nbytes >= batch_bytes or (
-                        engine.pool is not None
-                        and batch.nbytes >= OVERLAP_BYTES
-                        and time.perf_counter() - started >= OVERLAP_SECONDS
-                        and not engine.busy()
-                    ):
-                        flush()
-                    continue
-                for rows, row_items in staging_chunks(local, items, stager.slab_bytes):
-                    if not stager.fits(rows):
-                        flush()
-                    add_target_items(batch, target, row_items, stager, True, rows)
-                    if batch.nbytes >= batch_bytes:
-                        flush()
-            flush()
-            engine.sync()
-            if stager is not None:
-                stats.extra["staging_bytes"] = stager.allocated
-            for group, compute in zip(deferred, context.computes, strict=True):
-                before = stats.bytes_read
-                _run_deferred(group, compute, context, legacy, threads, backend, stats, dequant)
-                if progress:
-                    progress(stats.bytes_read - before)
-        if stager is not None:
-            stager.finish()
-    finally:
-        engine.close()
-    return stats
+    it = iter(regions)
+    while True:
+        a = time.perf_counter()
+        item = next(it, None)
+        timing.exposed += time.perf_counter() - a
+        if item is None:
+            break
+        name, items = item
+        if not items or name in skip:
+            continue
+        target = context.target(name)
+        local = target.local()
+        if not stage_all and local.device.type != "cuda":  # a host target beside device ones: read in place
+            add_target_items(batch, target, items, stager, local=local)
+            if batch.nbytes >= batch_bytes:
+                flush()
+            continue
+        for rows, row_items in staging_chunks(local, items, stager.slab_bytes):
+            if not stager.fits(rows):
+                flush()
+            add_target_items(batch, target, row_items, stager, True, rows)
+            if batch.nbytes >= batch_bytes:
+                flush()
+    flush()
+    stats.extra["staging_bytes"] = stager.allocated
+    stager.finish()
