@@ -139,7 +139,7 @@ def gloo_gbps(nbytes: int = 64 << 20) -> tuple[float, float]:
 
 def _load_rank(rank: int, world: int, root: str, layout: str, mesh: Any, share: str, repeats: int) -> dict[str, Any]:
     """One rank of a measured run: the model laid out on meta, materialized, loaded once to warm the page cache,
-    then ``repeats`` times with the transfer phase timed (``run_job`` for ``job``, ``execute_plan`` for
+    then ``repeats`` times with the transfer phase timed (``run_job`` for ``job``, ``execute_stream`` for
     ``none``, each entered after a barrier) and the job's phases (``DeliveryStats``) kept."""
     import torch
 
@@ -156,7 +156,7 @@ def _load_rank(rank: int, world: int, root: str, layout: str, mesh: Any, share: 
     model.to_empty(device="cpu")
     spans: list[float] = []
     delivered: list[Any] = []
-    name = "run_job" if share == "job" else "execute_plan"
+    name = "run_job" if share == "job" else "execute_stream"
     original = getattr(load_module, name)
 
     def timed(*args: Any, **kwargs: Any) -> Any:

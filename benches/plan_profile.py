@@ -11,6 +11,7 @@ median wall seconds of each planning phase over 5 more plans (index open, target
 from __future__ import annotations
 
 import cProfile
+import inspect
 import pstats
 import statistics
 import sys
@@ -48,8 +49,7 @@ def main() -> None:
 
 def phases(model: Any, checkpoint: str, rank: int) -> None:
     """Median seconds per phase: each planner function wrapped by a timer for the runs, then restored."""
-    from hp_fastload.api import load as load_module
-    from hp_fastload.planning import claims, orchestrate, trace
+    from hp_fastload.planning import claims, front, orchestrate, trace
     from hp_fastload.source import index
 
     spent: dict[str, float] = {}
@@ -65,16 +65,29 @@ def phases(model: Any, checkpoint: str, rank: int) -> None:
             finally:
                 spent[label] = spent.get(label, 0.0) + time.perf_counter() - started
 
-        setattr(owner, name, wrap(run))
+        def steps(*args: Any, **kwargs: Any) -> Any:  # a generator: the time of each step, not of its creation
+            it = inner(*args, **kwargs)
+            while True:
+                started = time.perf_counter()
+                try:
+                    item = next(it)
+                except StopIteration:
+                    return
+                finally:
+                    spent[label] = spent.get(label, 0.0) + time.perf_counter() - started
+                yield item
+
+        setattr(owner, name, wrap(steps if inspect.isgeneratorfunction(inner) else run))
         restore.append((owner, name, original))
 
     restore: list[tuple[Any, str, Any]] = []
     timed(index.CheckpointIndex, "open", "index open", classmethod)
-    timed(load_module, "build_targets", "targets")
+    timed(front, "build_targets", "targets")
     timed(orchestrate, "detect_in_index", "quantization detection")
     timed(orchestrate, "build_groups", "build_groups")
     timed(trace.Tracer, "run", "Tracer.run")
     timed(claims.Claims, "direct", "claims")
+    timed(claims.Claims, "intersected", "claims")  # the regions of what direct claimed (made as a stream asks)
     runs: list[dict[str, float]] = []
     try:
         for _ in range(5):
