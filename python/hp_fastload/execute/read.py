@@ -219,8 +219,8 @@ def execute_plan(
     skip: Collection[str] = frozenset(),
     stage_all: bool = False,
 ) -> ExecStats:
-    """Fill the plan's targets (``context``: the live side ``plan_load`` returned with it). ``progress(nbytes)``
-    is called after each batch.
+    """Fill the plan's targets (``context``: the live side ``planning.front.plan`` returned with it).
+    ``progress(nbytes)`` is called after each batch.
 
     ``skip`` names region targets another replica reads (``share.plan_replicas``); they are left untouched.
     CUDA targets go through the double-buffered ``LoadStager`` (``staging_bytes`` in all); ``stage_all`` sends

@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -164,32 +164,32 @@ def _axis_of(plan: TransferPlan, base: np.ndarray, rows: np.ndarray) -> tuple[np
     return lo, lo + plan.length[rows] * plan.itemsize[key]
 
 
-def pack_message(plan: TransferPlan, base: np.ndarray, msg: int, side: Side, device: torch.device) -> torch.Tensor:
-    """Message ``msg``'s buffer (bytes) from this rank's source shards."""
+def _message_runs(
+    plan: TransferPlan, base: np.ndarray, msg: int, side: Side
+) -> Iterator[tuple[torch.Tensor, int, int, np.ndarray, np.ndarray]]:
+    """Message ``msg``'s pieces on this rank, a group per shard and tensor: the shard's flat view, the group's
+    byte offset in the message, its elements, and its pieces' local starts and lengths."""
     rows = plan.pieces_of(msg)
-    buffer = torch.empty(int(plan.msg_nbytes[msg]), dtype=torch.uint8, device=device)
     lo, hi = _axis_of(plan, base, rows)
     target, local = side.locate(lo, hi)
     length = plan.length[rows]
     offset = plan.offset[rows]
     for a, b in _groups(target * (1 << 32) + plan.key[rows]):
-        flat = side.flats[int(target[a])]
-        out = _typed(buffer, int(offset[a]), int(length[a:b].sum()), flat.dtype)
-        _gather(out, flat, local[a:b], length[a:b])
+        yield side.flats[int(target[a])], int(offset[a]), int(length[a:b].sum()), local[a:b], length[a:b]
+
+
+def pack_message(plan: TransferPlan, base: np.ndarray, msg: int, side: Side, device: torch.device) -> torch.Tensor:
+    """Message ``msg``'s buffer (bytes) from this rank's source shards."""
+    buffer = torch.empty(int(plan.msg_nbytes[msg]), dtype=torch.uint8, device=device)
+    for flat, offset, count, local, length in _message_runs(plan, base, msg, side):
+        _gather(_typed(buffer, offset, count, flat.dtype), flat, local, length)
     return buffer
 
 
 def place_message(plan: TransferPlan, base: np.ndarray, msg: int, side: Side, buffer: torch.Tensor) -> None:
     """Message ``msg``'s buffer scattered into this rank's destination shards."""
-    rows = plan.pieces_of(msg)
-    lo, hi = _axis_of(plan, base, rows)
-    target, local = side.locate(lo, hi)
-    length = plan.length[rows]
-    offset = plan.offset[rows]
-    for a, b in _groups(target * (1 << 32) + plan.key[rows]):
-        flat = side.flats[int(target[a])]
-        data = _typed(buffer, int(offset[a]), int(length[a:b].sum()), flat.dtype)
-        _scatter(flat, data, local[a:b], length[a:b])
+    for flat, offset, count, local, length in _message_runs(plan, base, msg, side):
+        _scatter(flat, _typed(buffer, offset, count, flat.dtype), local, length)
 
 
 def _direct_view(plan: TransferPlan, base: np.ndarray, msg: int, side: Side) -> torch.Tensor:
