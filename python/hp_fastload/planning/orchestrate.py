@@ -328,6 +328,16 @@ class PlanStream:
         """The dequantized keys' layouts (those of the deferred groups all there; the regions' as made)."""
         return self.quant.dequantized
 
+    def target_names(self) -> Iterator[str]:
+        """Every target the stream fills (``plan().target_names()``), known from the claims before any region
+        is made: the region targets (made or queued), then the deferred groups' claimed ones."""
+        yield from self.claims.region_reads
+        for target, _, _ in self.claims.queued:
+            yield target.names[0]
+        for deferred in self.claims.deferred:
+            for target in deferred.claims.values():
+                yield target.names[0]
+
     def regions(self) -> Iterator[tuple[str, Reads]]:
         """Each region target's reads (its scales attached where its keys are dequantized), in claim order;
         a target whose reads fail to plan raises here, from the iteration."""
