@@ -5,8 +5,9 @@ and measured), ``plan_each(model, path, ranks)`` (many ranks planned, the rank-i
 Owns the executed dry run: the model's layout is planned for global rank ``r`` (a virtual rank: the model may
 live on the meta device, under torch's ``fake`` process group of the job's world size), the rank's local shards
 are allocated for real (host memory, or a CUDA device through the pinned stager), the rank's reads run from the
-checkpoint, and the run is measured: bytes, seconds, GB/s, the peak resident set and the open descriptors while
-reading. The model itself is not touched; the filled shards can be returned for checking.
+checkpoint (streamed as ``load`` streams them: the regions intersected while the first ones are read), and the run
+is measured: bytes, seconds, GB/s, the peak resident set and the open descriptors while reading. The model itself
+is not touched; the filled shards can be returned for checking.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from torch import nn
 from hp_fastload.api.load import PhaseClock, as_rank
 from hp_fastload.api.request import plan_request
 from hp_fastload.errors import PlanError
-from hp_fastload.execute.read import execute_plan
+from hp_fastload.execute.read import Overlap, execute_stream
 from hp_fastload.execute.staging import DEFAULT_STAGING_BYTES
 from hp_fastload.execute.threads import threads_per_rank
 from hp_fastload.model.targets import Target, model_tensors
@@ -83,9 +84,13 @@ class Rehearsal:
     ``peak_rss``: the process's peak resident set while reading (``VmHWM`` reset before the reads; mapped
     checkpoint pages included), ``rss_before`` the resident set when the reads started; ``peak_fds``: the most
     open descriptors seen while reading (sampled every 5 ms), ``fds_before`` the count before.
-    ``plan_seconds`` includes the index open (``critical_path.index``); ``critical_path`` is the rank's time to
-    loaded (index, planning, reading, finishing: unmapping the files), without the allocation of its shards
-    (a trainer's model holds them before its load).
+    The rehearsal reads as ``load`` does: the key-level plan first, the region intersections made while the
+    engine reads the first targets. ``plan_seconds`` is the planning on the rank's critical path, the index
+    open included (``critical_path.index + critical_path.planning``: the key-level plan, the intersections no
+    read covered, the plan's totals after reading); ``critical_path.planning_hidden`` is the planning done
+    while the engine read. ``read_seconds`` is ``critical_path.reading``: the engine's wall time, less the
+    exposed planning. ``critical_path`` is the rank's time to loaded (index, planning, reading, finishing:
+    unmapping the files), without the allocation of its shards (a trainer's model holds them before its load).
     """
 
     rank: int
@@ -121,15 +126,20 @@ class Rehearsal:
         out["rss_over_local"] = self.rss_over_local
         return out
 
+    def _phases(self) -> str:
+        """The critical path's phases (its hidden planning is said with the planning time)."""
+        return dataclasses.replace(self.critical_path, planning_hidden=0.0).summary()
+
     def summary(self) -> str:
         return (
-            f"rank {self.rank}: planned in {self.plan_seconds:.3f} s; read {self.bytes_read / 1e9:.3f} GB in "
+            f"rank {self.rank}: planned in {self.plan_seconds:.3f} s (+{self.critical_path.planning_hidden:.3f} s "
+            f"hidden behind the reads); read {self.bytes_read / 1e9:.3f} GB in "
             f"{self.read_seconds:.3f} s ({self.gbps:.2f} GB/s, {self.threads} threads) into "
             f"{self.local_bytes / 1e9:.3f} GB of local shards on {self.device}; peak RSS "
             f"{self.peak_rss / 2**30:.2f} GiB ({self.rss_over_local / 2**30:+.2f} GiB over the shards); open "
             f"descriptors {self.fds_before} -> peak {self.peak_fds}"
             + (f"; pinned staging {self.staging_bytes / 2**20:.0f} MiB" if self.staging_bytes else "")
-            + f"; time to loaded {self.critical_path.total:.3f} s: {self.critical_path.summary()}"
+            + f"; time to loaded {self.critical_path.total:.3f} s: {self._phases()}"
         )
 
 
@@ -201,15 +211,14 @@ def available_bytes(device: torch.device) -> int | None:
 
 
 def _materialize(
-    plan: LoadPlan, targets: Mapping[str, Target], device: torch.device, rank: int
+    filled: Iterable[str], targets: Mapping[str, Target], device: torch.device, rank: int
 ) -> tuple[dict[str, Target], dict[str, torch.Tensor], int]:
-    """Real local shards for every target the plan fills: ``(name -> writable target, name -> shard, bytes)``.
-    Host shards are touched once (zeroed) so that the reads measure reading, not first faults. ``PlanError``
-    before any allocation when they would not fit in the memory ``device`` has available (a rank of a big
-    layout can hold more than one machine: the kernel would kill the process half way instead)."""
-    names = set(plan.region_reads)
-    for deferred in plan.deferred:
-        names.update(deferred.claims.values())
+    """Real local shards for every target named in ``filled`` (those the plan fills, known from its claims
+    before any region is made: ``PlanStream.target_names``): ``(name -> writable target, name -> shard,
+    bytes)``. Host shards are touched once (zeroed) so that the reads measure reading, not first faults.
+    ``PlanError`` before any allocation when they would not fit in the memory ``device`` has available (a rank
+    of a big layout can hold more than one machine: the kernel would kill the process half way instead)."""
+    names = set(filled)
     unique = {id(targets[name]): targets[name] for name in names}
     needed = sum(math.prod(t.region.local_shape) * t.dtype.itemsize for t in unique.values())
     available = available_bytes(device)
@@ -259,7 +268,10 @@ def rehearse(
     keep: bool = False,
 ) -> tuple[Rehearsal, dict[str, torch.Tensor]]:
     """Plan global rank ``rank`` of ``model``'s layout (the model may be on meta; see :func:`as_rank`), allocate
-    its local shards on ``device``, read them from ``path`` and measure the run.
+    its local shards on ``device``, read them from ``path`` and measure the run. As ``load``: the key-level plan
+    (``planning.front.streamed``) names the shards to allocate, and the regions are intersected while the
+    engine reads the first ones (``execute.read.execute_stream``); a failure there raises with the
+    checkpoint's maps released.
 
     Returns the :class:`Rehearsal` and, with ``keep=True``, the filled local shards by target name (else an empty
     dict: the shards are freed before returning). CUDA shards are filled through the pinned double-buffered
@@ -282,28 +294,44 @@ def rehearse(
         external_target_fqns=external_target_fqns,
         view=as_rank(rank),
     )
-    plan, context = front.plan(model, index, request)
+    # the key-level plan (every claim, name and shape): the targets to allocate are known, their regions are
+    # intersected while the engine reads the first ones (as load does)
+    stream = front.streamed(model, index, request)
     clock.lap("planning")
-    plan_seconds = clock.last - clock.start
-    targets, shards, local_bytes = _materialize(plan, context.targets, device, rank)
-    context = dataclasses.replace(context, targets=targets)
+    targets, shards, local_bytes = _materialize(stream.target_names(), stream.context.targets, device, rank)
+    context = dataclasses.replace(stream.context, targets=targets)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     _reset_peak_rss()
     rss_before = _status_bytes("VmRSS")
+    overlap = Overlap()
     with _FdSampler() as fds:
         fds_before = fds.peak
         clock.skip()
         try:
-            stats = execute_plan(plan, context, threads=threads, backend=backend, staging_bytes=staging_bytes)
+            stats = execute_stream(
+                stream.regions(),
+                stream.deferred,
+                context,
+                dequant=stream.dequant,
+                threads=threads,
+                backend=backend,
+                staging_bytes=staging_bytes,
+                overlap=overlap,
+            )
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             clock.lap("reading")
-            read_seconds = clock.spent["reading"]
         finally:
             context.index.release_maps()
             clock.lap("finishing")
     peak = _status_bytes("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # the region planning no engine call covered was on the critical path: planning, not reading
+    clock.moved("reading", "planning", overlap.exposed)
+    plan = stream.plan()  # (every region made: the plan's totals)
+    clock.lap("planning")
+    _, critical_path = clock.done()
+    critical_path = dataclasses.replace(critical_path, planning_hidden=overlap.hidden)
     report = Rehearsal(
         rank=rank,
         world=_world_of(model),
@@ -311,8 +339,8 @@ def rehearse(
         local_bytes=local_bytes,
         bytes_needed=plan.bytes_needed,
         bytes_read=stats.bytes_read,
-        plan_seconds=plan_seconds,
-        read_seconds=read_seconds,
+        plan_seconds=critical_path.index + critical_path.planning,
+        read_seconds=critical_path.reading,
         threads=threads,
         device=str(device),
         rss_before=rss_before,
@@ -320,6 +348,6 @@ def rehearse(
         fds_before=fds_before,
         peak_fds=fds.peak,
         staging_bytes=int(stats.extra.get("staging_bytes", 0)),
-        critical_path=clock.done()[1],
+        critical_path=critical_path,
     )
     return report, (shards if keep else {})
