@@ -258,6 +258,23 @@ def check_nccl_only_default_group(rank: int, world: int) -> dict[str, Any]:
     }
 
 
+def check_ranks_disagreeing_on_the_plan_raise_everywhere(rank: int, world: int) -> dict[str, Any]:
+    """Ranks 2 and 3 say one rank per node, ranks 0 and 1 two: their job plans differ (the digest covers the
+    nodes), so every rank raises ``PlanError`` at the digest's agreement, before any byte is delivered (every
+    shard still as ``_build`` zeroed it) and with no checkpoint file left mapped."""
+    import hp_fastload as hf
+    from hp_fastload.errors import PlanError
+
+    root = Path(os.environ[ROOT_ENV]) / "qwen3_moe"
+    model = _build("qwen3_moe", "hsdp")
+    with pytest.raises(PlanError) as caught:
+        hf.load(model, root, share="job", ranks_per_node=1 if rank >= 2 else 2, share_budget_bytes=BUDGET)
+    untouched = all(not p.to_local().any() for p in model.parameters())
+    with open("/proc/self/maps") as maps:
+        mapped = [line for line in maps if str(root) in line]
+    return {"message": str(caught.value), "untouched": untouched, "mapped": mapped}
+
+
 def check_rank_failing_mid_delivery_is_named(rank: int, world: int) -> str:
     """Rank 3 raises while packing its messages (after the reads were agreed): it raises its own error, the
     others raise naming rank 3 once their wait for it times out (last check: the group is left unusable)."""
@@ -286,6 +303,7 @@ def _all_checks(rank: int, world: int) -> dict[str, Any]:
         check_transient_read_error_is_retried,
         check_permanent_read_error_raises_everywhere,
         check_nccl_only_default_group,
+        check_ranks_disagreeing_on_the_plan_raise_everywhere,
         check_rank_failing_mid_delivery_is_named,  # last: it leaves the group unusable
     ]
     return run_subchecks(rank, world, checks)
@@ -343,6 +361,13 @@ def test_nccl_only_default_group_sends_over_gloo(outcomes: list[dict[str, Any]])
         assert got["made_once"], got  # one gloo group for the default group, reused by the second load
     assert sum(got["seen"]["other"] for got in per_rank) > 0  # hsdp: replicas exchange bytes
     assert sum(got["received"] for got in per_rank) > 0
+
+
+def test_ranks_disagreeing_on_the_plan_raise_everywhere(outcomes: list[dict[str, Any]]) -> None:
+    for got in subcheck_values(outcomes, "check_ranks_disagreeing_on_the_plan_raise_everywhere"):
+        assert "Agreeing on the job-wide plan: the ranks disagree (rank 0 vs ranks [2, 3])" in got["message"], got
+        assert got["untouched"], got  # no byte reached a shard
+        assert got["mapped"] == [], got
 
 
 def test_rank_failing_mid_delivery_is_named(outcomes: list[dict[str, Any]]) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -115,6 +116,62 @@ def test_rounds_keep_each_rank_within_the_budget() -> None:
             got = sum(int(job.rows_bytes(r)[rows].sum()) for p, rows in receives.items() if p != r)
             alone = len(np.flatnonzero(job.chunk_round == rnd)) == 1
             assert alone or staged + sent + got <= budget, (rnd, r, staged, sent, got)
+
+
+@pytest.mark.parametrize(("seed", "budget"), [(3, 5000), (4, 2500), (5, 9000), (6, 700)])
+def test_each_round_closes_only_where_the_next_chunk_would_pass_the_budget(seed: int, budget: int) -> None:
+    """With the test above (rounds within the budget), this pins the rounds to adding the chunks one at a
+    time in axis order: a round ends only where its next chunk would take some rank past the budget."""
+    smap, needs = _random_job(seed, world=5)
+    job = plan_job(needs, smap, ranks_per_node=2, chunk_bytes=600, budget_bytes=budget)
+    nchunks = len(job.chunk_lo)
+    cost = np.zeros((nchunks, job.world), dtype=np.int64)  # each rank's bytes of each chunk: read, sent, received
+    np.add.at(cost, (job.pieces_chunk, job.chunk_reader[job.pieces_chunk]), job.piece_bytes())
+    remote = job.chunk_reader[job.rows_chunk] != job.rows_rank
+    np.add.at(cost, (job.rows_chunk[remote], job.rows_rank[remote]), job.rows_bytes()[remote])
+    np.add.at(cost, (job.rows_chunk[remote], job.chunk_reader[job.rows_chunk[remote]]), job.rows_bytes()[remote])
+    assert (np.diff(job.chunk_round) >= 0).all() and job.rounds > 1
+    for rnd in range(1, job.rounds):
+        chunks = np.flatnonzero(job.chunk_round == rnd - 1)
+        following = int(np.flatnonzero(job.chunk_round == rnd)[0])
+        assert (cost[chunks].sum(axis=0) + cost[following] > budget).any(), (rnd, following)
+
+
+def test_storage_map_of_index_is_every_key_located(tmp_path: Path) -> None:
+    """``StorageMap.of_index`` (each header's records at once) against the map built from ``locate`` of each
+    key: two files, several dtypes, two empty tensors at one offset (ordered by name)."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from hp_fastload.source.index import CheckpointIndex
+
+    first = {
+        "b.weight": torch.ones(3, 5, dtype=torch.bfloat16),
+        "a.empty": torch.empty(0, dtype=torch.float32),
+        "z.empty": torch.empty(0, 4, dtype=torch.float32),
+        "a.bias": torch.arange(7, dtype=torch.float32),
+    }
+    second = {"c.codes": torch.arange(9, dtype=torch.uint8), "c.count": torch.arange(4, dtype=torch.int64)}
+    save_file(first, str(tmp_path / "model-00001-of-00002.safetensors"))
+    save_file(second, str(tmp_path / "model-00002-of-00002.safetensors"))
+    weight_map = {k: "model-00001-of-00002.safetensors" for k in first}
+    weight_map.update({k: "model-00002-of-00002.safetensors" for k in second})
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    index = CheckpointIndex.open(tmp_path)
+    files = list(index.files)
+    rows = []
+    for key in index:
+        entry = index.locate(key)
+        rows.append((key, files.index(entry.file), entry.file.offsets(key)[0], entry.nbytes, entry.dtype.itemsize))
+    reference = StorageMap.build(rows, [(f.path.rsplit("/", 1)[-1], f.file_size) for f in files])
+    fast = StorageMap.of_index(index)
+    assert fast.keys == reference.keys and fast.key_id == reference.key_id
+    assert fast.keys.index("a.empty") < fast.keys.index("z.empty")
+    for name in ("g0", "nbytes", "itemsize", "file_of", "file_g0"):
+        assert np.array_equal(getattr(fast, name), getattr(reference, name)), name
+    assert fast.file_names == reference.file_names and fast.digest() == reference.digest()
 
 
 def test_replicated_needs_are_balanced_over_the_nodes() -> None:
