@@ -14,6 +14,8 @@ import torch
 
 from hp_fastload.api.request import plan_request
 from hp_fastload.model.layouts import apply_layout
+from hp_fastload.model.regions import virtual_rank
+from hp_fastload.planning import front
 from hp_fastload.planning.jobneeds import StorageMap
 from hp_fastload.planning.jobranks import all_rank_needs, rank_needs_by_planning
 from hp_fastload.source.index import CheckpointIndex
@@ -95,3 +97,10 @@ def test_needs_from_the_whole_plan_equal_planning_each_rank(
     assert min(sizes) < index.total_bytes, sizes  # some rank holds less than everything: the layout cuts
     for rank, (got, want) in enumerate(zip(fast, reference, strict=True)):
         assert got == want, (rank, got.nbytes(smap), want.nbytes(smap))
+    # as a job-wide load runs it: the groundwork made for this rank's own plan, used by it, then by the whole plan
+    mine = request.seen_as(virtual_rank(3))
+    targets = front.targets_of(model, mine)
+    work = front.groundwork(model, index, mine, targets)
+    assert work is not None
+    front.plan(model, index, mine, targets=targets, groundwork=work)
+    assert all_rank_needs(model, index, smap, WORLD, request, groundwork=work) == reference

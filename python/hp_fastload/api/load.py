@@ -336,7 +336,9 @@ def load(
         view = clock.agreed("planning", "Naming the PEFT model's base tensors", lambda: _peft_base(peft_model))
         model = view.skeleton
 
-    def planning() -> tuple[PlanRequest, PlanStream]:
+    multi = dist_active() and torch.distributed.get_world_size() > 1
+
+    def planning() -> tuple[PlanRequest, PlanStream, front.Groundwork | None]:
         request = plan_request(
             owner,
             weights_mapping=weights_mapping,
@@ -350,14 +352,18 @@ def load(
             ignore_missing=ignore_missing,
         )
         with _hinted(model, location):
-            return request, front.streamed(model, index, request)
+            if not (sharing in ("job", "auto") and request.trace and multi):
+                return request, front.streamed(model, index, request), None
+            # the job-wide plan's whole plan reuses this plan's groups, traces and quantization scan
+            targets = front.targets_of(model, request)
+            work = front.groundwork(model, index, request, targets)
+            return request, front.streamed(model, index, request, targets=targets, groundwork=work), work
 
     # The key-level plan (every claim, name and shape; the strict check), agreed before any byte is read; the
     # region reads are made while the engine reads the first ones (execute_stream), unless a sharing strategy
     # needs the whole plan first.
-    request, stream = clock.agreed("planning", "Planning the pretrained load", planning)
+    request, stream, work = clock.agreed("planning", "Planning the pretrained load", planning)
     context = stream.context
-    multi = dist_active() and torch.distributed.get_world_size() > 1
     replicated = sharing == "replicated" and request.trace and multi
     job_wide = sharing in ("job", "auto") and request.trace and multi
     load_plan: LoadPlan | None = None
@@ -373,7 +379,9 @@ def load(
     job = None
     if job_wide:  # docs/job-wide.md
         assert load_plan is not None
-        job = agree_job_plan(model, index, load_plan, request, sharing, ranks_per_node, share_budget_bytes)
+        job = agree_job_plan(
+            model, index, load_plan, request, sharing, ranks_per_node, share_budget_bytes, work, clock.lap
+        )
         clock.lap("agreement")
     update, close = _progress_bar(load_plan.bytes_needed if load_plan is not None else 0, progress)
     overlap = Overlap()

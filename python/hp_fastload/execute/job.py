@@ -25,6 +25,7 @@ from hp_fastload.errors import PlanError
 from hp_fastload.execute.deliver import deliver
 from hp_fastload.execute.read import ExecStats, execute_plan
 from hp_fastload.planning.context import LoadContext
+from hp_fastload.planning.front import Groundwork
 from hp_fastload.planning.items import LoadPlan
 from hp_fastload.planning.jobcost import predict
 from hp_fastload.planning.jobneeds import StorageMap, delivered_rows, rank_needs
@@ -64,11 +65,13 @@ def plan_for_load(
     per_node: int,
     budget_bytes: int,
     chunk_bytes: int,
+    groundwork: Groundwork | None = None,
 ) -> JobPlan:
     """The job plan on this rank; ``PlanError`` when this rank's own plan needs other bytes than the plan
-    computed for it (every rank must derive the same layouts)."""
+    computed for it (every rank must derive the same layouts). ``groundwork``: that of this rank's own plan
+    (``planning.front.groundwork``), reused by the whole plan."""
     smap = StorageMap.of_index(index)
-    needs = all_rank_needs(model, index, smap, world, request)
+    needs = all_rank_needs(model, index, smap, world, request, groundwork=groundwork)
     mine = rank_needs(own, smap, packed_keys(own, index))
     if mine != needs[rank]:
         raise PlanError(
@@ -187,26 +190,36 @@ def agree_job_plan(
     sharing: str,
     per_node: int | None,
     budget: int | None,
+    groundwork: Groundwork | None = None,
+    lap: Callable[[str], None] = lambda phase: None,
 ) -> JobPlan | None:
     """The job-wide plan of ``request`` (the load's own), computed on every rank and agreed by its digest (one
     all-gather of a hash); None when ``share="auto"`` prefers every rank reading its own regions (the same
-    choice on every rank)."""
+    choice on every rank). ``groundwork``: that of ``load_plan`` (``planning.front.groundwork``), if made.
+    ``lap``: the load's phase clock (``api.load.PhaseClock.lap``): the plan's making is charged to planning,
+    the wait for the slowest rank to waiting, the digest's agreement to the caller's next lap."""
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     budget_bytes = budget or DEFAULT_BUDGET_BYTES
-    job: JobPlan = agree(
-        "Planning the job-wide reads",
-        lambda: plan_for_load(
-            model,
-            index,
-            load_plan,
-            request,
-            rank,
-            world,
-            per_node=ranks_per_node(per_node, world),
-            budget_bytes=budget_bytes,
-            chunk_bytes=min(DEFAULT_CHUNK_BYTES, budget_bytes // 4),
-        ),
-    )
+
+    def planned() -> JobPlan:
+        try:
+            return plan_for_load(
+                model,
+                index,
+                load_plan,
+                request,
+                rank,
+                world,
+                per_node=ranks_per_node(per_node, world),
+                budget_bytes=budget_bytes,
+                chunk_bytes=min(DEFAULT_CHUNK_BYTES, budget_bytes // 4),
+                groundwork=groundwork,
+            )
+        finally:
+            lap("planning")
+
+    job: JobPlan = agree("Planning the job-wide reads", planned)
+    lap("waiting")
     agree_job_digest(job.digest)
     if sharing == "auto" and not auto_prefers_job(job):
         return None

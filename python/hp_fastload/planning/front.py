@@ -64,12 +64,22 @@ def plan(
 
 
 @gc_paused()
-def streamed(model: Any, index: CheckpointIndex, request: PlanRequest) -> PlanStream:
+def streamed(
+    model: Any,
+    index: CheckpointIndex,
+    request: PlanRequest,
+    *,
+    targets: dict[str, Target] | None = None,
+    groundwork: Groundwork | None = None,
+) -> PlanStream:
     """:func:`plan` whose key-level part only is done (every claim, name and shape checked, the strict check
     passed, the report final; it raises where ``plan`` raises before any byte is read): the region reads are
     made as ``PlanStream.regions`` is iterated, so a load reads the first targets while the rest are
-    intersected; ``PlanStream.plan()`` is ``plan``'s ``LoadPlan``."""
-    return plan_stream(model, index, targets_of(model, request), request)
+    intersected; ``PlanStream.plan()`` is ``plan``'s ``LoadPlan``. ``targets`` and ``groundwork`` as for
+    :func:`plan` (a job-wide load makes the groundwork once for its own plan and the whole plan)."""
+    if targets is None:
+        targets = targets_of(model, request)
+    return plan_stream(model, index, targets, request, groundwork=groundwork)
 
 
 @gc_paused()
@@ -86,11 +96,15 @@ def whole_mesh(mesh: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return (1,) * mesh.ndim, (0,) * mesh.ndim
 
 
-def whole_plan(model: Any, index: CheckpointIndex, request: PlanRequest) -> tuple[LoadPlan, dict[str, Target]]:
+def whole_plan(
+    model: Any, index: CheckpointIndex, request: PlanRequest, *, groundwork: Groundwork | None = None
+) -> tuple[LoadPlan, dict[str, Target]]:
     """The plan of a rank holding every target whole (traced, not strict: the ranks' own plans are checked),
     and its targets (their regions whole, their meshes and placements the model's). Every rank's items are
     the whole plan's cut by that rank's boxes (``planning.jobranks``), for rules and state-dict adapters
-    alike: a trace depends only on the global shapes."""
+    alike: a trace depends only on the global shapes. ``groundwork``: that of a traced plan of the same model,
+    checkpoint and request for any rank (:func:`groundwork`; the groups, traces and quantization scan are then
+    not redone)."""
     whole_request = PlanRequest(
         rules=request.rules,
         adapter=request.adapter,
@@ -103,5 +117,5 @@ def whole_plan(model: Any, index: CheckpointIndex, request: PlanRequest) -> tupl
         view=whole_mesh,
     )
     whole = targets_of(model, whole_request)
-    planned, _ = plan(model, index, whole_request, targets=whole)
+    planned, _ = plan(model, index, whole_request, targets=whole, groundwork=groundwork)
     return planned, whole

@@ -31,7 +31,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from hp_fastload.model.regions import local_region, mesh_coordinates, virtual_rank
 from hp_fastload.model.targets import Target
-from hp_fastload.planning.front import plan, targets_of, whole_plan
+from hp_fastload.planning.front import Groundwork, plan, targets_of, whole_plan
 from hp_fastload.planning.items import LoadPlan, Reads
 from hp_fastload.planning.jobneeds import (
     AXIS_BITS,
@@ -255,11 +255,18 @@ def _scale_rows(
 
 
 def all_rank_needs(
-    model: Any, index: CheckpointIndex, smap: StorageMap, world: int, request: PlanRequest
+    model: Any,
+    index: CheckpointIndex,
+    smap: StorageMap,
+    world: int,
+    request: PlanRequest,
+    *,
+    groundwork: Groundwork | None = None,
 ) -> list[Needs]:
     """Every rank's needs (equal to ``rank_needs`` of each rank's own plan for ``request``), from one whole
-    plan (``planning.front.whole_plan``)."""
-    plan, targets = whole_plan(model, index, request)
+    plan (``planning.front.whole_plan``; ``groundwork``: the rank-independent part of this rank's own plan,
+    reused by it)."""
+    plan, targets = whole_plan(model, index, request, groundwork=groundwork)
     return needs_from_whole_plan(plan, targets, index, smap, world)
 
 
