@@ -5,9 +5,9 @@ tensors dropped and the conversions reverted by transformers' own code, run on m
 shapes, so no data moves), the deterministic file layout (transformers' shard split, safetensors' header and
 data order), the temporary sibling directory and its atomic rename, the choice of one writer per replicated
 region, the write batches (the load plan of each rank's local shards against the virtual checkpoint, handed
-to the engine in the write direction as its regions are made; device shards through pinned double-buffered
-host slabs), the torch fallback for targets whose conversion has no exact region inverse, and the cross-rank
-agreement that makes a failure on any rank leave nothing at ``path``.
+to the engine in the write direction; device shards through pinned double-buffered host slabs), the torch
+fallback for targets whose conversion has no exact region inverse, and the cross-rank agreement that makes a
+failure on any rank leave nothing at ``path``.
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ from hp_fastload.dist.collectives import (
     gather_objects,
 )
 from hp_fastload.errors import PlanError
-from hp_fastload.execute.read import Overlap
 from hp_fastload.execute.staging import DEFAULT_BATCH_BYTES
 from hp_fastload.execute.write import (
     WriteStats,
@@ -69,18 +68,12 @@ from hp_fastload.planning.items import LoadPlan
 from hp_fastload.runtime import gc_paused, is_rank0
 from hp_fastload.source.index import CheckpointIndex
 
-#: False: the whole save plan is made before the first write, and the writes run in one pass on the calling
-#: thread (the order before issue 40; ``benches/save_bench.py --ab`` alternates both in one run).
-STREAM_WRITES = True
-
 
 @dataclass
 class SaveReport:
     """What ``save`` wrote. ``bytes_written``: this rank's positioned writes (tensor data);
     ``bytes_written_by_rank``: every rank's, indexed by rank. ``fallbacks``: checkpoint keys whose conversion
-    had no exact region inverse, computed with torch from the gathered tensor and written by rank 0.
-    ``planning_hidden``: seconds of this rank's region planning (the intersections made while writing) during
-    which the engine was writing, part of ``seconds``."""
+    had no exact region inverse, computed with torch from the gathered tensor and written by rank 0."""
 
     path: str
     files: list[str]
@@ -90,7 +83,6 @@ class SaveReport:
     bytes_written_by_rank: list[int]
     fallbacks: list[str] = field(default_factory=list)
     seconds: float = 0.0
-    planning_hidden: float = 0.0
 
     def summary(self) -> str:
         return (
@@ -245,48 +237,23 @@ def save(
     token, first_path = broadcast_object((secrets.token_hex(6), str(path)))
     tmp = path.with_name(f".{path.name}.hp_save-{token}")
     stats = WriteStats()
-    overlap = Overlap()
     created = done = False
     try:
         created = True
         agree_in_save("Creating the output files", lambda: create_files(tmp, layout) if is_rank0() else None)
         agree_in_save("Finding the output files", lambda: check_visible(tmp, path, first_path))
-        stream: front.PlanStream = agree_in_save(
+        planned_pair: tuple[LoadPlan, LoadContext] = agree_in_save(
             "Planning the save",
-            # a load of the released layout, not strict (ties, the tensors to_hf does not map): its key-level
-            # part (every claim, name and shape), the regions made as they are written
-            lambda: front.streamed(
+            # a load of the released layout, not strict (ties, the tensors to_hf does not map)
+            lambda: front.plan(
                 model,
                 CheckpointIndex.open(tmp),
                 plan_request(model, weights_mapping=rules, state_dict_adapter=adapter, loader="dcp", strict=False),
             ),
         )
-        context = stream.context
+        save_plan, context = planned_pair
         try:
-            agree_in_save("Checking the save plan", lambda: check_coverage(stream.report))
-            # The deferred groups' targets are known now; the other fallbacks (items with a post-op) as they are
-            # made: the writers leave both out. The region writes start while later targets are intersected;
-            # the checks that need every region (writers, fallbacks) follow them: a failure there removes the
-            # temporary directory with what was written (the agreements below raise on every rank).
-            deferred = {context.target(n).names[0] for group in stream.deferred for n in group.claims.values()}
-            # STREAM_WRITES False: the whole plan first, then the writes in one pass (the A/B's old order)
-            save_plan = None if STREAM_WRITES else agree_in_save("Planning the save's regions", stream.plan)
-            regions = stream.regions() if save_plan is None else iter(save_plan.region_reads.items())
-            agree_in_save(
-                "Writing the checkpoint",
-                lambda: write_regions(
-                    regions,
-                    context,
-                    deferred,
-                    threads,
-                    batch_bytes,
-                    stats,
-                    overlap=overlap,
-                    overlapped=STREAM_WRITES,
-                ),
-            )
-            if save_plan is None:
-                save_plan = stream.plan()  # (every region made by now)
+            agree_in_save("Checking the save plan", lambda: check_coverage(save_plan))
             groups, fallback = _fallback_groups(save_plan, context)
             if adapter is not None:
                 agree_in_save("Checking the adapter's save", lambda: _exact_only(groups))
@@ -295,6 +262,10 @@ def save(
             )
             check_writers(planned, layout)  # the same list on every rank: all raise or none
             check_fallbacks_agree(gather_objects([keys for keys, _ in groups]))  # likewise
+            agree_in_save(
+                "Writing the checkpoint",
+                lambda: write_regions(save_plan, context, fallback, threads, batch_bytes, stats),
+            )
             fallbacks = broadcast_object(_run_fallbacks(model, rules, context.index, groups, threads, stats))
             agree_in_save("Syncing the written files", lambda: sync_written(save_plan, stats.files, tmp))
         finally:
@@ -320,7 +291,6 @@ def save(
         bytes_written_by_rank=[int(b) for b in by_rank],
         fallbacks=list(fallbacks),
         seconds=time.perf_counter() - start,
-        planning_hidden=overlap.hidden,
     )
 
 

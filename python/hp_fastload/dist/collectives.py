@@ -16,7 +16,7 @@ from hp_fastload.runtime import dist_active, interrupts_deferred
 
 def check_fallbacks_agree(by_rank: list[list[list[str]]]) -> None:
     """Every rank runs the fallback groups' gathers in the same order: the ranks must have planned the same
-    groups, else they would sit in different collectives (checked before the fallbacks' gathers)."""
+    groups, else they would sit in different collectives (checked before any byte is written)."""
     differing = [rank for rank, groups in enumerate(by_rank) if groups != by_rank[0]]
     if differing:
         raise PlanError(

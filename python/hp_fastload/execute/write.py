@@ -1,17 +1,11 @@
 """The write direction: a save plan's regions written from local shards (or staging) into the output files with
-positioned writes, the region planning of later targets going on while the first are written (as
-``execute.read.execute_stream`` reads), whole tensors for fallback groups, and the output files created,
-finished and synced.
+positioned writes, whole tensors for fallback groups, and the output files created, finished and synced.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import queue
-import threading
-import time
-from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,9 +14,7 @@ import torch
 from torch import nn
 
 from hp_fastload.errors import PlanError
-from hp_fastload.execute import read
 from hp_fastload.execute.batch import Batch
-from hp_fastload.execute.read import Overlap
 from hp_fastload.execute.staging import DEFAULT_STAGING_BYTES, D2HStager, staging_chunks
 from hp_fastload.formats import INDEX_NAME
 from hp_fastload.planning.context import LoadContext
@@ -30,7 +22,7 @@ from hp_fastload.planning.export import (
     ExportLayout,
     mesh_coordinate_writes,
 )
-from hp_fastload.planning.items import LoadPlan, Reads
+from hp_fastload.planning.items import LoadPlan
 from hp_fastload.runtime import is_rank0
 from hp_fastload.source.index import CheckpointIndex
 
@@ -57,139 +49,18 @@ def write_batch(batch: WriteBatch, threads: int | None, stats: WriteStats) -> No
     batch.run(threads, None, stats)
 
 
-def writes(name: str, items: Reads, context: LoadContext, skip: Collection[str]) -> bool:
-    """Whether this rank writes target ``name``'s ``items`` as region writes: not a torch fallback (a deferred
-    group's target, in ``skip``, or items with an elementwise post-op) and this rank the region's writer."""
-    return bool(items) and name not in skip and items.post is None and mesh_coordinate_writes(context.target(name))
-
-
 def write_regions(
-    regions: Iterable[tuple[str, Reads]],
+    save_plan: LoadPlan,
     context: LoadContext,
-    skip: Collection[str],
+    fallback: set[str],
     threads: int | None,
     batch_bytes: int,
     stats: WriteStats,
     staging_bytes: int = DEFAULT_STAGING_BYTES,
     stage_all: bool = False,
-    overlap: Overlap | None = None,
-    overlapped: bool = True,
 ) -> None:
-    """The region writes of this rank (``regions``: ``(target name, reads)`` as ``PlanStream.regions`` makes
-    them, or a finished plan's ``region_reads.items()``), in engine batches of ``batch_bytes``; the targets
-    ``writes`` refuses are left out.
-
-    CPU shards: a planner thread iterates ``regions`` and packs the batches while this thread runs the engine
-    on the ones packed (``execute.read.execute_stream``'s design and batch policy: the engine's calls stay on
-    the calling thread, where signals are handled); ``overlap`` receives the iterator's time, hidden behind
-    writes or not. Device shards (and, with ``stage_all``, CPU ones: the tests' way through this path without
-    a GPU) go through ``D2HStager``, planned and written in turn on this thread, as all targets do with
-    ``overlapped=False``. Any failure stops the planner before it propagates."""
-    timing = overlap if overlap is not None else Overlap()
-    with torch.no_grad():
-        if overlapped and not stage_all and not any(t.device.type == "cuda" for t in context.targets.values()):
-            _write_overlapped(regions, context, skip, threads, batch_bytes, stats, timing)
-        else:
-            _write_in_turn(regions, context, skip, threads, batch_bytes, stats, staging_bytes, stage_all, timing)
-
-
-class _Failed:
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
-
-
-_DONE = object()
-
-
-def _write_overlapped(
-    regions: Iterable[tuple[str, Reads]],
-    context: LoadContext,
-    skip: Collection[str],
-    threads: int | None,
-    batch_bytes: int,
-    stats: WriteStats,
-    timing: Overlap,
-) -> None:
-    """The region writes of CPU shards: planned and packed on a planner thread, written on this one."""
-    index = context.index
-    handoff: queue.Queue[Any] = queue.Queue(maxsize=1)
-    stop = threading.Event()
-    idle = threading.Event()  # set while this thread waits for a batch
-    steps: list[tuple[float, float]] = []
-    calls: list[tuple[float, float]] = []
-
-    def hand(item: Any) -> None:
-        while not stop.is_set():
-            try:
-                handoff.put(item, timeout=0.05)
-                return
-            except queue.Full:
-                continue
-
-    def plan_and_pack() -> None:
-        try:
-            with torch.no_grad():  # (grad mode is per thread)
-                it = iter(regions)
-                batch, started = WriteBatch(index.locate), time.perf_counter()
-                while not stop.is_set():
-                    a = time.perf_counter()
-                    item = next(it, None)
-                    steps.append((a, time.perf_counter()))
-                    if item is None:
-                        break
-                    name, items = item
-                    if not writes(name, items, context, skip):
-                        continue
-                    batch.add_reads(items, context.target(name).local())
-                    if batch.nbytes >= batch_bytes or (
-                        batch.nbytes >= read.OVERLAP_BYTES  # (load's policy, read when used: one knob)
-                        and time.perf_counter() - started >= read.OVERLAP_SECONDS
-                        and idle.is_set()
-                    ):
-                        hand(batch)
-                        time.sleep(0)  # the GIL to the writing thread now, not at the next switch interval
-                        batch, started = WriteBatch(index.locate), time.perf_counter()
-                hand(batch)
-                hand(_DONE)
-        except BaseException as exc:  # this rank's failure, raised by the writing thread
-            hand(_Failed(exc))
-
-    planner = threading.Thread(target=plan_and_pack, name="hp-fastload-plan-save", daemon=True)
-    idle.set()
-    planner.start()
-    try:
-        while True:
-            idle.set()
-            got = handoff.get()
-            idle.clear()
-            if got is _DONE:
-                break
-            if isinstance(got, _Failed):
-                raise got.error
-            if not got.count:
-                continue
-            a = time.perf_counter()
-            write_batch(got, threads, stats)
-            calls.append((a, time.perf_counter()))
-    finally:
-        stop.set()
-        planner.join()
-        timing.add(steps, calls)
-
-
-def _write_in_turn(
-    regions: Iterable[tuple[str, Reads]],
-    context: LoadContext,
-    skip: Collection[str],
-    threads: int | None,
-    batch_bytes: int,
-    stats: WriteStats,
-    staging_bytes: int,
-    stage_all: bool,
-    timing: Overlap,
-) -> None:
-    """Planned and written in turn on this thread: device shards through the double-buffered host slabs (a
-    full slab's batch written once the next slab's copies are queued), CPU shards in place."""
+    """The region writes of this rank, in engine batches of ``batch_bytes``. Device shards (and, with
+    ``stage_all``, CPU ones: the tests' way through this path without a GPU) go through ``D2HStager``."""
     index = context.index
     batch = WriteBatch(index.locate)
     stager: D2HStager | None = None
@@ -215,17 +86,11 @@ def _write_in_turn(
             write_batch(batch, threads, stats)
         batch = WriteBatch(index.locate)
 
-    it = iter(regions)
-    while True:
-        a = time.perf_counter()
-        item = next(it, None)
-        timing.exposed += time.perf_counter() - a
-        if item is None:
-            break
-        name, items = item
-        if not writes(name, items, context, skip):
+    for name, items in save_plan.region_reads.items():
+        target = context.target(name)
+        if not items or name in fallback or not mesh_coordinate_writes(target):
             continue
-        local = context.target(name).local()
+        local = target.local()
         if local.device.type == "cpu" and not stage_all:
             batch.add_reads(items, local)
             if batch.nbytes >= batch_bytes:

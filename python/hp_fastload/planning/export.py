@@ -18,7 +18,7 @@ from hp_fastload.errors import PlanError, TargetError
 from hp_fastload.formats import SAFETENSORS_DTYPE_ORDER, TORCH_TO_SAFETENSORS
 from hp_fastload.model.targets import Target
 from hp_fastload.planning.context import LoadContext
-from hp_fastload.planning.items import LoadPlan, LoadReport
+from hp_fastload.planning.items import LoadPlan
 from hp_fastload.runtime import is_rank0
 
 # where safetensors writes each dtype's data (its enum order, largest first)
@@ -271,8 +271,7 @@ def planned_bytes(
 
 def check_writers(planned: list[int], layout: ExportLayout) -> None:
     """Every data byte has exactly one writer, as far as sums tell: a replica that also writes, or a region no
-    rank writes, changes the sum (checked once every region is planned, after the region writes: they went into
-    the temporary directory, which a failure removes)."""
+    rank writes, changes the sum (checked before any byte is written)."""
     data = sum(f.size - len(f.header) for f in layout.files)
     if sum(planned) != data:
         raise PlanError(
@@ -281,9 +280,8 @@ def check_writers(planned: list[int], layout: ExportLayout) -> None:
         )
 
 
-def check_coverage(report: LoadReport) -> None:
-    """Every model tensor has a place in the released layout and every released tensor a source: the key-level
-    check of a save's plan (its report is final before any region is made), so nothing is written if it fails."""
+def check_coverage(save_plan: LoadPlan) -> None:
+    report = save_plan.report
     if report.missing_keys:
         raise PlanError(
             f"{len(report.missing_keys)} model tensors have no place in the released layout (first: "
