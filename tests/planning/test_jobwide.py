@@ -382,3 +382,35 @@ def test_a_column_slice_stays_in_large_requests() -> None:
     job = plan_job(needs, smap, ranks_per_node=2, chunk_bytes=8 << 20)
     sizes = job.request_sizes()
     assert int(sizes.sum()) == rows * cols * 2 and int(sizes.min()) >= 4 << 20
+
+
+def test_packed_keys_are_the_dequantized_keys_read_as_bytes(tmp_path: Path) -> None:
+    """``packed_keys`` (a bulk query of the stored dtypes, then ``locate``) against ``locate`` of every
+    dequantized key: MXFP4 blocks (U8) are packed, FP8 weights and keys outside the plan's dequant are not."""
+    from types import SimpleNamespace
+
+    import torch
+    from safetensors.torch import save_file
+
+    from hp_fastload.convert.quant import Dequant
+    from hp_fastload.planning.jobranks import packed_keys
+    from hp_fastload.source.index import CheckpointIndex
+
+    tensors = {
+        "e.blocks": torch.arange(32, dtype=torch.uint8).reshape(2, 16),
+        "e.scales": torch.full((2, 1), 127, dtype=torch.uint8),
+        "f.blocks": torch.arange(32, dtype=torch.uint8).reshape(2, 16),
+        "w.weight": torch.ones(4, 4).to(torch.float8_e4m3fn),
+        "w.weight_scale_inv": torch.ones(1, 1),
+        "n.weight": torch.ones(4, dtype=torch.bfloat16),
+    }
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    index = CheckpointIndex.open(tmp_path)
+    dequant = {
+        "e.blocks": Dequant("e.scales", (2, 32), (1, 32)),
+        "w.weight": Dequant("w.weight_scale_inv", (4, 4), (4, 4)),
+    }
+    plan = SimpleNamespace(dequant=dequant)
+    expected = frozenset(k for k in dequant if index.locate(k).dtype == torch.uint8)
+    assert packed_keys(plan, index) == expected == frozenset({"e.blocks"})
+    assert packed_keys(SimpleNamespace(dequant={}), index) == frozenset()

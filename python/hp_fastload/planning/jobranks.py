@@ -29,6 +29,7 @@ import torch
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from hp_fastload.formats import SAFETENSORS_TO_TORCH, SUB_BYTE_BITS
 from hp_fastload.model.regions import local_region, mesh_coordinates, virtual_rank
 from hp_fastload.model.targets import Target
 from hp_fastload.planning.front import Groundwork, plan, targets_of, whole_plan
@@ -57,9 +58,19 @@ __all__ = [
 ]
 
 
+#: Stored dtypes read as themselves, not as bytes: a key of one of them is never packed.
+_UNPACKED = [n for n, d in SAFETENSORS_TO_TORCH.items() if d != torch.uint8 and n not in SUB_BYTE_BITS]
+
+
 def packed_keys(plan: LoadPlan, index: CheckpointIndex) -> frozenset[str]:
-    """The MXFP4 keys a plan dequantizes (their items stay with each rank: ``jobneeds.delivered_rows``)."""
-    return frozenset(k for k in plan.dequant if index.locate(k).dtype == torch.uint8)
+    """The MXFP4 keys a plan dequantizes (their items stay with each rank: ``jobneeds.delivered_rows``): those
+    read as bytes (``locate(k).dtype`` is ``uint8``), asked only of the keys one bulk query of the stored dtypes
+    leaves (``CheckpointIndex.keys_not_stored_as``; DeepSeek-V3's 45k FP8 keys are not located one by one)."""
+    if not plan.dequant:
+        return frozenset()
+    dequant = plan.dequant
+    candidates = [k for k in index.keys_not_stored_as(_UNPACKED) if k in dequant]
+    return frozenset(k for k in candidates if index.locate(k).dtype == torch.uint8)
 
 
 class _Layouts:
