@@ -308,6 +308,47 @@ def test_needs_out_of_axis_order_give_the_same_chunks_and_readers() -> None:
     assert (job.bytes_received() == other.bytes_received()).all()
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_self_read_keys_follow_the_rows(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``self_read_keys`` (one rank's rows and the rows of the chunks it reads) and ``bytes_through_memory``
+    (the shared pairs in a dense table, or a sorted set) against the rule row by row: a (tensor, rank) pair is
+    private when the rank receives none of the tensor from another rank and reads none of it for another."""
+    import hp_fastload.planning.jobwide as jobwide
+
+    rng = random.Random(seed)
+    sizes = [rng.randint(200, 3000) for _ in range(12)]
+    smap = _smap(sizes)
+    world = 4
+    rows: list[list[tuple[int, int, int]]] = [[] for _ in range(world)]
+    for k, n in enumerate(sizes):
+        if k < 8:  # whole tensors of one rank each, and a few cut between ranks
+            owner = k % world
+            rows[owner].append((k, 0, n))
+            if rng.random() < 0.3:
+                rows[(owner + 1) % world].append((k, 0, rng.randint(1, n)))
+        else:  # shared pieces
+            for r in range(world):
+                a = rng.randint(0, n - 1)
+                rows[r].append((k, a, rng.randint(a + 1, n)))
+    needs = [_needs(smap, r) for r in rows]
+    job = plan_job(needs, smap, ranks_per_node=2, chunk_bytes=512, budget_bytes=6000)
+    reader = job.chunk_reader[job.rows_chunk]
+    shared = {(int(k), int(r)) for k, r, d in zip(job.rows_key, job.rows_rank, reader, strict=True) if d != r}
+    shared |= {(int(k), int(d)) for k, r, d in zip(job.rows_key, job.rows_rank, reader, strict=True) if d != r}
+    private = [(int(k), int(r)) not in shared for k, r in zip(job.rows_key, job.rows_rank, strict=True)]
+    for r in range(world):
+        expected = {int(k) for k, rr, p in zip(job.rows_key, job.rows_rank, private, strict=True) if rr == r and p}
+        assert job.self_read_keys(r) == expected, r
+    assert any(job.self_read_keys(r) for r in range(world))
+    through = (job.rows_bytes() * ~np.array(private)).tolist()
+    expected_bytes = [
+        sum(b for b, rr in zip(through, job.rows_rank.tolist(), strict=True) if rr == r) for r in range(4)
+    ]
+    assert job.bytes_through_memory().tolist() == expected_bytes
+    monkeypatch.setattr(jobwide, "DENSE_PAIRS", 0)  # the sorted-set path
+    assert job.bytes_through_memory().tolist() == expected_bytes
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_holder_events_merged_block_by_block_give_the_same_plan(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """The holder events are merged a block of axis positions at a time (bounded temporaries); blocks of a few

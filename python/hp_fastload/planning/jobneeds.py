@@ -36,6 +36,7 @@ __all__ = [
     "rank_axis_bounds",
     "rank_needs",
     "sorted_pieces",
+    "split_at_bounds",
     "union_bytes",
 ]
 
@@ -421,3 +422,44 @@ def union_bytes(needs: Sequence[Needs], smap: StorageMap) -> int:
         return 0
     merged = merge_needs(smap, *(np.concatenate([getattr(n, f) for n in needs]) for f in ("key", "start", "end")))
     return merged.nbytes(smap)
+
+
+def split_at_bounds(
+    smap: StorageMap,
+    bounds: Int64s,
+    key: Int64s,
+    start: Int64s,
+    end: Int64s,
+    *extra: Int64s,
+    axis: tuple[Int64s, Int64s] | None = None,
+) -> tuple[Int64s, ...]:
+    """Intervals ``(key, start, end)`` cut at the chunk boundaries ``bounds`` (sorted axis positions, the
+    chunks' starts), as ``(chunk, key, start, end, *extra)`` (``extra``: columns repeated with their row);
+    every interval lies inside some chunk's range once cut. ``axis``: the intervals' ``g_bounds``, when known."""
+    if not len(key):
+        return tuple(as_int64([]) for _ in range(4 + len(extra)))
+    if axis is None:
+        size = smap.itemsize[key]
+        glo = smap.g0[key] + start * size
+        ghi = smap.g0[key] + end * size
+    else:
+        glo, ghi = axis
+    c0 = np.searchsorted(bounds, glo, "right") - 1
+    nxt = np.append(bounds[1:], np.iinfo(np.int64).max)  # each chunk's end on the axis
+    over = np.flatnonzero(ghi > nxt[c0])  # the intervals that pass their first chunk's end
+    if not len(over):
+        return (as_int64(c0), key, start, end, *extra)
+    count = np.ones(len(glo), dtype=np.int64)
+    count[over] = np.searchsorted(bounds, ghi[over] - 1, "right") - c0[over]
+    first = np.cumsum(count) - count  # each interval's first piece
+    chunk = np.repeat(c0 - first, count)
+    chunk += np.arange(len(chunk), dtype=np.int64)
+    k = np.repeat(key, count)
+    cut_start, cut_end = np.repeat(start, count), np.repeat(end, count)
+    later = np.ones(len(chunk), dtype=bool)
+    later[first] = False
+    later = np.flatnonzero(later)  # pieces after an interval's first: they start at their chunk's start
+    size, base = smap.itemsize[k[later]], smap.g0[k[later]]
+    cut_start[later] = (bounds[chunk[later]] - base) // size
+    cut_end[later - 1] = (bounds[chunk[later]] - base) // size  # ... where the piece before them ends
+    return (as_int64(chunk), as_int64(k), as_int64(cut_start), as_int64(cut_end), *(np.repeat(x, count) for x in extra))

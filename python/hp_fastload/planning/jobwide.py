@@ -30,6 +30,7 @@ from hp_fastload.planning.jobneeds import (
     as_int64,
     needs_of_pieces,
     sorted_pieces,
+    split_at_bounds,
 )
 
 FIELDS = ("key", "start", "end")
@@ -47,6 +48,8 @@ MIN_CHUNK_BYTES = 4096
 HOLDER_RUN_BYTES = 4 << 20
 #: Per-rank memory of one round: chunks read (staging) + messages sent + messages received.
 DEFAULT_BUDGET_BYTES = 512 << 20
+#: ``JobPlan._self_read_rows`` marks the shared (tensor, rank) pairs in a dense table up to this many pairs.
+DENSE_PAIRS = 1 << 27
 
 
 @dataclass(eq=False, frozen=True)
@@ -192,20 +195,31 @@ class JobPlan:
     def _self_read_rows(self) -> np.ndarray:
         """Per row of ``split``: its rank reads it itself and the rank's pairing with the row's tensor is
         private (every byte of that tensor the rank needs it reads itself, and it reads none of that tensor for
-        another rank)."""
+        another rank). The shared (tensor, rank) pairs are flags in one dense table when it is small (tensors x
+        ranks up to ``DENSE_PAIRS``), else a sorted set (``np.isin``: seconds at millions of rows)."""
         reader = self.chunk_reader[self.rows_chunk]
         world = max(1, self.world)
         pair = self.rows_key * world + self.rows_rank
         remote = reader != self.rows_rank
-        shared = np.union1d(pair[remote], self.rows_key[remote] * world + reader[remote])
-        return ~np.isin(pair, shared)
+        others = self.rows_key[remote] * world + reader[remote]
+        size = len(self.smap.keys) * world
+        if size <= DENSE_PAIRS:
+            shared = np.zeros(size, dtype=bool)
+            shared[pair[remote]] = True
+            shared[others] = True
+            return ~shared[pair]
+        return ~np.isin(pair, np.union1d(pair[remote], others))
 
     def self_read_keys(self, rank: int) -> set[int]:
         """Tensors ``rank`` reads for itself alone: it reads every byte of them it needs, and sends none of them
-        (``deliver`` runs their items straight from the file, not from memory)."""
+        (``deliver`` runs their items straight from the file, not from memory). From this rank's rows and the
+        rows of the chunks it reads (``_self_read_rows``' rule for one rank, without every rank's pairs)."""
         b0, b1 = int(self.rank_bounds[rank]), int(self.rank_bounds[rank + 1])
-        rows = self._self_read_rows()[b0:b1]
-        return set(np.unique(self.rows_key[b0:b1][rows]).tolist())
+        keys = self.rows_key[b0:b1]
+        received = self.chunk_reader[self.rows_chunk[b0:b1]] != rank
+        sent = (self.chunk_reader[self.rows_chunk] == rank) & (self.rows_rank != rank)
+        shared = np.union1d(keys[received], self.rows_key[sent])
+        return set(np.setdiff1d(keys, shared).tolist())
 
     def bytes_through_memory(self) -> Int64s:
         """Per rank, the needed bytes that go through host memory (received, or read for itself beside bytes
@@ -236,47 +250,6 @@ class JobPlan:
         )
         firsts = np.flatnonzero(np.concatenate([[True], ~joins]))
         return as_int64(np.add.reduceat(per_chunk[order], firsts))
-
-
-def _split_at_chunks(
-    smap: StorageMap,
-    bounds: Int64s,
-    key: Int64s,
-    start: Int64s,
-    end: Int64s,
-    *extra: Int64s,
-    axis: tuple[Int64s, Int64s] | None = None,
-) -> tuple[Int64s, ...]:
-    """Intervals ``(key, start, end)`` cut at the chunk boundaries ``bounds`` (sorted axis positions, the
-    chunks' starts), as ``(chunk, key, start, end, *extra)`` (``extra``: columns repeated with their row);
-    every interval lies inside some chunk's range once cut. ``axis``: the intervals' ``g_bounds``, when known."""
-    if not len(key):
-        return tuple(as_int64([]) for _ in range(4 + len(extra)))
-    if axis is None:
-        size = smap.itemsize[key]
-        glo = smap.g0[key] + start * size
-        ghi = smap.g0[key] + end * size
-    else:
-        glo, ghi = axis
-    c0 = np.searchsorted(bounds, glo, "right") - 1
-    nxt = np.append(bounds[1:], np.iinfo(np.int64).max)  # each chunk's end on the axis
-    over = np.flatnonzero(ghi > nxt[c0])  # the intervals that pass their first chunk's end
-    if not len(over):
-        return (as_int64(c0), key, start, end, *extra)
-    count = np.ones(len(glo), dtype=np.int64)
-    count[over] = np.searchsorted(bounds, ghi[over] - 1, "right") - c0[over]
-    first = np.cumsum(count) - count  # each interval's first piece
-    chunk = np.repeat(c0 - first, count)
-    chunk += np.arange(len(chunk), dtype=np.int64)
-    k = np.repeat(key, count)
-    cut_start, cut_end = np.repeat(start, count), np.repeat(end, count)
-    later = np.ones(len(chunk), dtype=bool)
-    later[first] = False
-    later = np.flatnonzero(later)  # pieces after an interval's first: they start at their chunk's start
-    size, base = smap.itemsize[k[later]], smap.g0[k[later]]
-    cut_start[later] = (bounds[chunk[later]] - base) // size
-    cut_end[later - 1] = (bounds[chunk[later]] - base) // size  # ... where the piece before them ends
-    return (as_int64(chunk), as_int64(k), as_int64(cut_start), as_int64(cut_end), *(np.repeat(x, count) for x in extra))
 
 
 #: Events merged at a time by ``_holder_cuts`` (bounded temporaries, reused between blocks).
@@ -553,8 +526,8 @@ def plan_job(
     cuts = _holder_cuts(starts, ends, rbits, max(1, min(HOLDER_RUN_BYTES, chunk_bytes // 4)))
     del starts, ends
     bounds = _chunk_bounds(union, smap, chunk_bytes, cuts)
-    pc, pk, ps, pe = _split_at_chunks(smap, bounds, union.key, union.start, union.end)
-    rc, rk, rs, re_, rr = _split_at_chunks(smap, bounds, key, start, end, rank, axis=(glo, ghi))
+    pc, pk, ps, pe = split_at_bounds(smap, bounds, union.key, union.start, union.end)
+    rc, rk, rs, re_, rr = split_at_bounds(smap, bounds, key, start, end, rank, axis=(glo, ghi))
     del glo, ghi
     nchunks = len(bounds)
     sizes = np.zeros(nchunks, dtype=np.int64)
