@@ -193,13 +193,58 @@ pub fn suffix_stems<S: AsRef<str>>(names: &[S], suffix: &str) -> (Vec<usize>, Ve
     let hits: Vec<usize> = (0..names.len())
         .filter(|&i| names[i].as_ref().ends_with(suffix))
         .collect();
+    let stems = stems_of(names, &hits, suffix);
+    (hits, stems)
+}
+
+/// What quantization detection's companion scan asks of a checkpoint's names, in one pass over them.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct CompanionScan {
+    /// Positions of the names ending with one of the suffixes, in order.
+    pub hits: Vec<usize>,
+    /// True when every hit ends with the first suffix and no name contains the marker (block fp8 alone).
+    pub paired: bool,
+    /// When `paired`: `(stem position, hit position)` for each hit whose stem is a name, in the hits' order
+    /// (the stem's first position, as [`suffix_stems`] finds it); empty otherwise.
+    pub pairs: Vec<(usize, usize)>,
+}
+
+/// The companion scan of `names` (see [`CompanionScan`]): `suffixes[0]` is the pairing suffix; `marker`,
+/// when given, is a substring that sends the scan elsewhere (bitsandbytes' `.weight.quant_state.`).
+pub fn companion_scan<S: AsRef<str>>(
+    names: &[S],
+    suffixes: &[&str],
+    marker: Option<&str>,
+) -> CompanionScan {
+    let hits: Vec<usize> = (0..names.len())
+        .filter(|&i| suffixes.iter().any(|x| names[i].as_ref().ends_with(x)))
+        .collect();
+    let first = suffixes.first().copied().unwrap_or("");
+    let paired = hits.iter().all(|&i| names[i].as_ref().ends_with(first))
+        && !marker.is_some_and(|m| names.iter().any(|n| n.as_ref().contains(m)));
+    let pairs = if paired {
+        let stems = stems_of(names, &hits, first);
+        let kept = hits.iter().zip(stems).filter(|(_, s)| *s >= 0);
+        kept.map(|(&h, s)| (s as usize, h)).collect()
+    } else {
+        Vec::new()
+    };
+    CompanionScan {
+        hits,
+        paired,
+        pairs,
+    }
+}
+
+/// The stem position of each of `hits` (names ending with `suffix`) among `names`, or -1 (see
+/// [`suffix_stems`]).
+fn stems_of<S: AsRef<str>>(names: &[S], hits: &[usize], suffix: &str) -> Vec<i64> {
     let stem_of = |i: usize| {
         let name = names[i].as_ref();
         &name[..name.len() - suffix.len()]
     };
     let mut position: Option<HashMap<&str, usize, BuildHasherDefault<WordHasher>>> = None;
-    let stems = hits
-        .iter()
+    hits.iter()
         .map(|&i| {
             let stem = stem_of(i);
             // The neighbour is the stem's first position unless an earlier name is the stem too.
@@ -219,8 +264,7 @@ pub fn suffix_stems<S: AsRef<str>>(names: &[S], suffix: &str) -> (Vec<usize>, Ve
                 i64::try_from(j).expect("fewer than i64::MAX names")
             })
         })
-        .collect();
-    (hits, stems)
+        .collect()
 }
 
 #[cfg(test)]
@@ -326,5 +370,21 @@ mod tests {
         // natural order: each stem just before its suffixed name (no table), and a repeated stem's first
         let (hits, stems) = suffix_stems(&["a", "a_s", "b", "b", "b_s", "c_s"], "_s");
         assert_eq!((hits, stems), (vec![1, 4, 5], vec![0, 2, -1]));
+    }
+
+    #[test]
+    fn companion_scan_pairs_only_a_lone_first_suffix() {
+        let names = ["a.w", "a.w_s", "b.w_s", "b.w_s_s", "c.w_b", "ü.w", "ü.w_s"];
+        let scan = companion_scan(&names[..4], &["_s", "_b"], Some(".q."));
+        assert_eq!((scan.hits, scan.paired), (vec![1, 2, 3], true));
+        assert_eq!(scan.pairs, [(0, 1), (2, 3)]);
+        let scan = companion_scan(&names, &["_s", "_b"], None);
+        assert_eq!((scan.hits, scan.paired), (vec![1, 2, 3, 4, 6], false));
+        assert!(scan.pairs.is_empty());
+        let scan = companion_scan(&names[5..], &["_s"], Some(".q."));
+        assert_eq!((scan.paired, scan.pairs), (true, vec![(0, 1)]));
+        let marked = companion_scan(&["a.w", "a.w_s", "a.weight.q.x"], &["_s"], Some(".q."));
+        assert_eq!((marked.hits, marked.paired), (vec![1], false));
+        assert!(companion_scan::<&str>(&[], &["_s"], Some("m")).paired);
     }
 }

@@ -13,6 +13,8 @@
 //! `KeyboardInterrupt`) stops the workers at their next task and `execute` raises that very exception once
 //! they have stopped and the call's descriptors and maps are dropped.
 
+use std::collections::HashMap;
+use std::hash::BuildHasherDefault;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
@@ -27,7 +29,7 @@ use pyo3::types::{IntoPyDict, PyBytes, PyDict, PyList, PyString, PyTuple};
 use crate::dtype::{Dtype, ALL_DTYPES};
 use crate::error::LoadError;
 use crate::exec::{Backend, ExecOptions, Interrupt};
-use crate::header::Header;
+use crate::header::{Header, WordHasher};
 use crate::records;
 use crate::types::MAX_NDIM;
 
@@ -278,11 +280,8 @@ impl SafetensorsHeader {
         let mut names: Vec<(Dtype, Bound<'py, PyString>)> = Vec::new();
         // One shape tuple per distinct shape (a MoE header repeats a few dozen shapes across 10^4 tensors):
         // tuples are immutable, and sharing them halves the objects built.
-        let mut shapes: std::collections::HashMap<
-            &[u64],
-            Py<PyTuple>,
-            std::hash::BuildHasherDefault<crate::header::WordHasher>,
-        > = Default::default();
+        let mut shapes: HashMap<&[u64], Py<PyTuple>, BuildHasherDefault<WordHasher>> =
+            HashMap::default();
         for (i, t) in self.inner.tensors.iter().enumerate() {
             let dtype = match names.iter().find(|(d, _)| *d == t.dtype) {
                 Some((_, s)) => s.clone(),
@@ -334,11 +333,8 @@ impl SafetensorsHeader {
     }
 
     fn __repr__(&self) -> String {
-        format!(
-            "SafetensorsHeader({:?}, tensors={})",
-            self.inner.path,
-            self.inner.tensors.len()
-        )
+        let (path, n) = (&self.inner.path, self.inner.tensors.len());
+        format!("SafetensorsHeader({path:?}, tensors={n})")
     }
 
     /// The facts id (dtype and shape, process-wide; see [`crate::header::facts_of`]) of every name, each
@@ -359,13 +355,8 @@ impl SafetensorsHeader {
 
     /// The tensor names in file order (new string objects; the caller keeps the list).
     fn names<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        PyList::new(
-            py,
-            self.inner
-                .tensors
-                .iter()
-                .map(|t| PyString::new(py, &t.name)),
-        )
+        let tensors = &self.inner.tensors;
+        PyList::new(py, tensors.iter().map(|t| PyString::new(py, &t.name)))
     }
 
     /// The [`HeaderEntry`] of the tensor called `name`, built now (nothing is kept), or None when the header
@@ -421,13 +412,10 @@ impl HeaderEntry {
     }
 
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        let (d, s) = (self.dtype.bind(py).to_str()?, self.shape.bind(py).repr()?);
+        let (p, b, e) = (self.position, self.begin, self.end);
         Ok(format!(
-            "HeaderEntry(position={}, dtype={}, shape={}, begin={}, end={})",
-            self.position,
-            self.dtype.bind(py).to_str()?,
-            self.shape.bind(py).repr()?,
-            self.begin,
-            self.end
+            "HeaderEntry(position={p}, dtype={d}, shape={s}, begin={b}, end={e})"
         ))
     }
 }
@@ -549,15 +537,26 @@ fn key_templates<'py>(
     )))
 }
 
-/// `(positions of the names ending with suffix, each one's stem position or -1)`: see
-/// [`crate::keys::suffix_stems`].
+/// Names as the caller's own string objects.
+type Names<'py> = Vec<Bound<'py, PyString>>;
+/// `(hits, paired, values, scales)` of [`crate::keys::companion_scan`], as the names' own string objects
+/// (`values` / `scales`: each paired stem and its suffixed name; empty unless `paired`).
 #[pyfunction]
-fn suffix_stems(names: &Bound<'_, PyList>, suffix: &str) -> PyResult<(Vec<usize>, Vec<i64>)> {
+#[pyo3(signature = (names, suffixes, marker=None))]
+fn companion_scan<'py>(
+    names: &Bound<'py, PyList>,
+    suffixes: Vec<PyBackedStr>,
+    marker: Option<&str>,
+) -> PyResult<(Names<'py>, bool, Names<'py>, Names<'py>)> {
     let owned = str_list(names)?;
     let strs: Vec<&str> = owned.iter().map(|s| s.to_str()).collect::<PyResult<_>>()?;
-    Ok(names
-        .py()
-        .detach(|| crate::keys::suffix_stems(&strs, suffix)))
+    let ends: Vec<&str> = suffixes.iter().map(|s| &**s).collect();
+    let py = names.py();
+    let scan = py.detach(|| crate::keys::companion_scan(&strs, &ends, marker));
+    let at = |i: usize| owned[i].clone();
+    let (values, scales) = scan.pairs.iter().map(|&(v, s)| (at(v), at(s))).unzip();
+    let hits = scan.hits.into_iter().map(at).collect();
+    Ok((hits, scan.paired, values, scales))
 }
 
 /// `(level in use, level this CPU supports, level HP_FASTLOAD_SIMD asks for or None)` by name (see
@@ -575,7 +574,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<WeightMap>()?;
     m.add_function(wrap_pyfunction!(execute, m)?)?;
     m.add_function(wrap_pyfunction!(key_templates, m)?)?;
-    m.add_function(wrap_pyfunction!(suffix_stems, m)?)?;
+    m.add_function(wrap_pyfunction!(companion_scan, m)?)?;
     m.add_function(wrap_pyfunction!(simd_levels, m)?)?;
     add_object_functions(m)?;
     m.add("MAX_NDIM", MAX_NDIM)?;

@@ -30,7 +30,7 @@ __all__ = [
     "WeightMap",
     "execute",
     "key_templates",
-    "suffix_stems",
+    "companion_scan",
     "MAX_NDIM",
     "ITEM_WIDTH",
     "COL_FILE",
@@ -145,9 +145,14 @@ def key_templates(names: list[str]) -> tuple[list[str], bytes, bytes, int] | Non
     little-endian uint32, each name's numbers as ``width`` little-endian int64 padded with -1, width)``; None
     when a name contains ``#``."""
 
-def suffix_stems(names: list[str], suffix: str) -> tuple[list[int], list[int]]:
-    """``(positions of the names that end with suffix, in order; for each, the position of its stem, the name
-    without the suffix, among names, the first one, or -1 when none is)`` (``rust/keys.rs``)."""
+def companion_scan(
+    names: list[str], suffixes: tuple[str, ...], marker: str | None = None
+) -> tuple[list[str], bool, list[str], list[str]]:
+    """One pass over ``names`` (``rust/keys.rs``): ``(hits, paired, values, scales)``, ``hits`` the names that
+    end with one of ``suffixes``, in order; ``paired`` whether every hit ends with ``suffixes[0]`` and no name
+    contains ``marker``; then (else empty) each hit whose stem (the name without ``suffixes[0]``) is a name,
+    its stem's first occurrence in ``values`` and the hit in ``scales``, in the hits' order. Every string
+    returned is one of ``names``' own objects. ``UnicodeEncodeError`` for a name that is not valid UTF-8."""
 
 def execute(
     headers: list[SafetensorsHeader],

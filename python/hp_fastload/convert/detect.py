@@ -15,11 +15,12 @@ import math
 import os
 import re
 from collections.abc import Callable, Collection, Container, Iterable, Mapping, Sequence
-from itertools import compress, repeat
+from itertools import compress, filterfalse, repeat
 from typing import Any
 
 import torch
 
+import hp_fastload._core as _core
 from hp_fastload.convert.quant import (
     BLOCK_FP8,
     DEFAULT_BLOCK,
@@ -72,6 +73,24 @@ _SCAN_SUFFIXES = (
 )
 
 
+#: A bitsandbytes 4-bit companion's infix (its name does not end in a fixed suffix).
+_QUANT_STATE = ".weight.quant_state."
+
+
+def _scan_names(keys: list[str]) -> tuple[list[str], bool, tuple[list[str], list[str]] | None]:
+    """``(hits, paired, pairs)``: the keys ending with a companion's suffix (``_SCAN_SUFFIXES``), in order;
+    whether every one is a ``_scale_inv`` and no key is a bitsandbytes ``quant_state`` (the bulk block-fp8
+    path); and then each value present with its scale (``BlockScales``' pairs), else None. One pass in Rust
+    (``_core.companion_scan``); in Python for names that are not valid UTF-8 (a lone surrogate)."""
+    try:
+        hits, paired, values, scales = _core.companion_scan(keys, _SCAN_SUFFIXES, _QUANT_STATE)
+    except UnicodeEncodeError:
+        hits = list(compress(keys, map(str.endswith, keys, repeat(_SCAN_SUFFIXES))))
+        paired = all(map(str.endswith, hits, repeat(SCALE_INV))) and _QUANT_STATE not in "\n".join(keys)
+        return hits, paired, None  # (BlockScales slices the scale names for their values)
+    return hits, paired, (values, scales) if paired else None
+
+
 def _method_of(config: Mapping[str, Any] | None) -> str:
     """The config's ``quant_method`` (or ``format``), "" without one: a config scan runs only with one."""
     return str(config.get("quant_method") or config.get("format") or "") if config else ""
@@ -83,14 +102,15 @@ def detect(
     config: Mapping[str, Any] | None,
     shape_of: Callable[[str], Sequence[int]] | None = None,
     nonfloat: Iterable[str] | None = None,
-    not_stored_as: Callable[[Collection[str]], Iterable[str]] | None = None,
+    stored_as: Callable[[Collection[str]], Iterable[str]] | None = None,
     membership: Container[str] | None = None,
 ) -> QuantInfo:
     """The quantized tensors among ``keys`` (``dtype_of(key)`` / ``shape_of(key)`` give a key's stored dtype
     and shape; without ``shape_of`` nothing is dequantized). ``nonfloat``: the keys whose stored dtype is not
     a float, when the caller has them in bulk (``CheckpointIndex.keys_not_stored_as``); without it the
-    ``quantization_config`` scan asks ``dtype_of`` of every key. ``not_stored_as``: that bulk query itself,
-    for :meth:`QuantInfo.check_claim` (see ``QuantInfo.not_stored_as``). ``membership``: ``key in membership``
+    ``quantization_config`` scan asks ``dtype_of`` of every key. ``stored_as``: the keys stored as the given
+    dtype names, in bulk (``CheckpointIndex.keys_stored_as``), for :meth:`QuantInfo.check_claim` (see
+    ``QuantInfo.stored_as``). ``membership``: ``key in membership``
     for exactly the ``keys`` (a ``CheckpointIndex``'s ``membership``), when the caller has one; otherwise a set
     of them is built.
 
@@ -166,21 +186,21 @@ def detect(
             return None, known.replace("{value}", value).replace("{scale}", scale)
         return Dequant(scale, *known), ""
 
-    # The scan: the keys of a companion's name ending (C-level passes over the names). When every one is a
-    # weight_scale_inv (block fp8, the common case) they are kept in bulk, each value's record made when
+    # The scan: the keys of a companion's name ending (one pass over the names in Rust). When every one is
+    # a weight_scale_inv (block fp8, the common case) they are kept in bulk, each value's record made when
     # asked for (BlockScales); otherwise each is recorded here.
-    hits = list(compress(keys, map(str.endswith, keys, repeat(_SCAN_SUFFIXES))))
+    hits, paired, pairs = _scan_names(keys)
     block: BlockScales | None = None
     present: Container[str]
     scanned: list[str] = []
-    if all(map(str.endswith, hits, repeat(SCALE_INV))) and ".weight.quant_state." not in "\n".join(keys):
+    if paired:
         present = membership if membership is not None else set(keys)
         if hits:
-            # (``keys`` are exactly ``present``'s: the values are paired in Rust, see BlockScales.values)
-            block = BlockScales(hits, present, method or "fp8", keys)
+            # (``keys`` are exactly ``present``'s: the values were paired in Rust, see _scan_names)
+            block = BlockScales(hits, present, method or "fp8", keys if pairs is not None else None, pairs)
     else:  # another format: every companion recorded here, key by key
         present = set(keys)
-        scanned = [k for k in keys if k.endswith(_SCAN_SUFFIXES) or ".weight.quant_state." in k]
+        scanned = [k for k in keys if k.endswith(_SCAN_SUFFIXES) or _QUANT_STATE in k]
     for key in scanned:
         if key.endswith("_scale_inv"):
             value = key[: -len("_scale_inv")]
@@ -231,15 +251,12 @@ def detect(
     if config is not None and method_of_config:
         exclusions = _exclusions(config)
         candidates = keys if listed is None else listed  # (the caller's order)
-        if block is not None:  # the block-fp8 tensors and their scales are not the config's (in bulk: a
-            # candidate not in the checkpoint is dropped below, so the names need no presence test here)
+        if block is not None:  # the block-fp8 tensors and their scales are not the config's: the values
+            # in bulk (one filter in C; the set is the one planning asks), then the few left: a scale (every
+            # key ending so is one, on this path) whose value is present
             cut = len(SCALE_INV)
-            # (the values present: a stem not in the checkpoint is no candidate's, as candidates are keys)
-            names = frozenset(block.values())
-            known = names.intersection(candidates).union(
-                s for s in block.scale_set.intersection(candidates) if s[:-cut] in present
-            )
-            candidates = [k for k in candidates if k not in known]
+            rest = filterfalse(block.value_set.__contains__, candidates)
+            candidates = [k for k in rest if not (k.endswith(SCALE_INV) and k in present and k[:-cut] in present)]
         if listed is not None:
             candidates = list(filter(present.__contains__, candidates))
         for key in candidates:
@@ -255,7 +272,7 @@ def detect(
         dict(config) if config is not None else None,
         QuantTensors(found, spec, block),
         not_float,
-        not_stored_as,
+        stored_as,
     )
 
 
@@ -271,6 +288,6 @@ def detect_in_index(index: Any) -> QuantInfo:
         config,
         lambda k: index.locate(k).shape,
         nonfloat,
-        index.keys_not_stored_as,
+        index.keys_stored_as,
         index.membership,
     )

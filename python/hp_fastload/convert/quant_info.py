@@ -9,7 +9,7 @@ import dataclasses
 import functools
 from collections.abc import Callable, Collection, Container, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import chain, filterfalse, repeat
+from itertools import chain, compress, filterfalse, repeat
 from typing import Any, NamedTuple
 
 import torch
@@ -116,20 +116,28 @@ class QuantTensors(Mapping[str, QuantTensor]):
     def among(self, keys: Iterable[str]) -> list[str]:
         """The quantized ones of ``keys``, in their order (in bulk: a stacked-experts target has 10^3
         sources; no call per key)."""
-        found, block = self._found, self._block
-        if block is None:
-            return [k for k in keys if k in found]
-        if self._quantized is None:  # once (shared by every rank): then one filter in C per call
-            self._quantized = frozenset(found).union(block.values())
-        return list(filter(self._quantized.__contains__, keys))
+        if self._block is None:
+            return [k for k in keys if k in self._found]
+        return list(filter(self.quantized.__contains__, keys))
+
+    @property
+    def quantized(self) -> frozenset[str]:
+        """Every quantized key (the scan's and the bulk block-fp8 ones), made once (shared by every rank):
+        then one filter in C per bulk question (``among``, ``QuantInfo.check_claim``)."""
+        if self._quantized is None:
+            found, block = self._found, self._block
+            if block is None:
+                self._quantized = frozenset(found)
+            else:
+                self._quantized = frozenset(found).union(block.value_set) if found else block.value_set
+        return self._quantized
 
     def companions_of(self, keys: Collection[str]) -> set[str]:
         """The companions of quantized ``keys`` (a block-fp8 tensor's is its name + ``_scale_inv``)."""
         found = self._found
         out = {c for k in keys if k in found for c in found[k].companions} if found else set()
         if self._block is not None:
-            rest = filterfalse(found.__contains__, keys) if found else keys
-            out.update(map(str.__add__, rest, repeat(SCALE_INV)))
+            out.update(self._block.scales_of([k for k in keys if k not in found] if found else keys))
         return out
 
     def built(self) -> list[str]:
@@ -146,10 +154,10 @@ class QuantInfo:
     tensors: QuantTensors  # value key -> its description (built on first access)
     #: the keys whose stored dtype is not a float (None: unknown, ``dtype_of`` is asked)
     nonfloat: Collection[str] | None = None
-    #: the bulk dtype query (``CheckpointIndex.keys_not_stored_as``): ``check_claim`` asks it once per float
+    #: the bulk dtype query (``CheckpointIndex.keys_stored_as``): ``check_claim`` asks it once per float
     #: target dtype instead of each claimed source's dtype (None: ``dtype_of`` is asked)
-    not_stored_as: Callable[[Collection[str]], Iterable[str]] | None = None
-    _other_than: dict[torch.dtype, frozenset[str]] = field(default_factory=dict, repr=False)
+    stored_as: Callable[[Collection[str]], Iterable[str]] | None = None
+    _same_as: dict[torch.dtype, frozenset[str]] = field(default_factory=dict, repr=False)
 
     def __bool__(self) -> bool:
         return bool(self.tensors)
@@ -182,14 +190,17 @@ class QuantInfo:
         layout checked by :meth:`read` for the sources the rank reads."""
         tensors = self.tensors  # (a stacked-experts target has 10^3 sources: no call per source)
         floats = target_dtype in FLOATS
-        other = self._stored_other_than(target_dtype) if floats else None
+        same = self._quantized_stored_as(target_dtype) if floats else None
         claim = (target_name, target_dtype)
         if not isinstance(sources, (list, tuple, set, frozenset)):
             sources = list(sources)
-        if other is not None:  # the quantized sources not stored as the target's dtype
-            if other.isdisjoint(sources):  # (one pass in C: a bf16 checkpoint's weights with scales)
+        if same is not None:  # the quantized sources not stored as the target's dtype
+            quantized = tensors.quantized
+            if quantized.isdisjoint(sources):  # (one pass in C: a target of no quantized source)
                 return
-            differ = tensors.among(filter(other.__contains__, sources))
+            differ = list(filter(quantized.__contains__, sources))
+            if same:  # (a quantized tensor stored as the target's dtype loads raw)
+                differ = list(filterfalse(same.__contains__, differ))
         else:
             differ = [k for k in tensors.among(sources) if dtype_of(k) != target_dtype]
         if floats and not resolve and tensors.has_bulk:
@@ -218,16 +229,18 @@ class QuantInfo:
     def for_rank(self) -> QuantInfo:
         """A copy whose per-rank records (``dequantized``, ``claimed``, ``fallback_keys``) are empty; the tensors
         found, their built layouts and the bulk dtype queries are shared (planning several ranks at once)."""
-        return dataclasses.replace(self, dequantized={}, claimed={}, fallback_keys=set(), _other_than=self._other_than)
+        return dataclasses.replace(self, dequantized={}, claimed={}, fallback_keys=set(), _same_as=self._same_as)
 
-    def _stored_other_than(self, dtype: torch.dtype) -> frozenset[str] | None:
-        """The keys not stored as float ``dtype`` (one bulk query per dtype, kept), None without the query."""
-        if self.not_stored_as is None:
+    def _quantized_stored_as(self, dtype: torch.dtype) -> frozenset[str] | None:
+        """The quantized keys stored as float ``dtype`` (one bulk query per dtype, kept; usually none: a
+        quantized tensor is stored packed), None without the query. (Asked of the keys stored as ``dtype``,
+        not of the ~90k a DeepSeek-V3 checkpoint does not store as bf16.)"""
+        if self.stored_as is None:
             return None
-        other = self._other_than.get(dtype)
-        if other is None:
-            other = self._other_than[dtype] = frozenset(self.not_stored_as((FLOAT_NAMES[dtype],)))
-        return other
+        same = self._same_as.get(dtype)
+        if same is None:
+            same = self._same_as[dtype] = self.tensors.quantized.intersection(self.stored_as((FLOAT_NAMES[dtype],)))
+        return same
 
     def read(self, keys: Iterable[str]) -> None:
         """``keys`` are read by this rank: each one ``claimed`` gets its layout checked and its
@@ -358,26 +371,38 @@ class BlockScales:
     """The block-fp8 tensors of a checkpoint in bulk: the ``X_scale_inv`` keys the companion scan found, ``X``
     quantized when the checkpoint has it (``present``). Each ``X``'s record (``record``) is made when asked
     for; the name -> scale mapping is the name (``X`` + ``_scale_inv``), so nothing is built per tensor at
-    detection, and the present values are listed (``values``) only when every one is asked for."""
+    detection. The present values and their scales (``values``, ``scales_of``) are the index's own string
+    objects, paired by detection's scan in Rust (or here, when first asked for)."""
 
-    def __init__(self, scales: list[str], present: Container[str], method: str, keys: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        scales: list[str],
+        present: Container[str],
+        method: str,
+        keys: list[str] | None = None,
+        pairs: tuple[list[str], list[str]] | None = None,
+    ) -> None:
         self.scales = scales  # in the scan's order
         self.present = present
         self.method = method
         #: the keys ``present`` holds, exactly, in the scan's order (None: not known): ``values`` then pairs
         #: each scale with its value in Rust and takes the values as these keys' own string objects
         self.keys = keys
-        self._scale_set: frozenset[str] | None = None
-        self._values: list[str] | None = None
+        #: ``pairs``: the values and each one's scale, when the scan paired them (``_core.companion_scan``)
+        self._values: list[str] | None = pairs[0] if pairs is not None else None
+        self._value_set: frozenset[str] | None = None
+        #: each value's scale, the scale's own string (made with ``_values``)
+        self._paired: list[str] = pairs[1] if pairs is not None else []
 
     @property
-    def scale_set(self) -> frozenset[str]:
-        if self._scale_set is None:
-            self._scale_set = frozenset(self.scales)
-        return self._scale_set
+    def value_set(self) -> frozenset[str]:
+        """``values()`` as a set (the bulk tensors' membership: ``key in value_set`` is ``key in self``)."""
+        if self._value_set is None:
+            self._value_set = frozenset(self.values())
+        return self._value_set
 
     def __contains__(self, key: object) -> bool:
-        return isinstance(key, str) and key + SCALE_INV in self.scale_set and key in self.present
+        return isinstance(key, str) and key in self.value_set
 
     def values(self) -> list[str]:
         """The quantized tensors, in the scan's order (each scale's value the checkpoint has)."""
@@ -385,12 +410,27 @@ class BlockScales:
             if self.keys is not None:
                 # (slicing 45k scale names and hashing the new strings against the index cost ~6x this;
                 # docs/perf-notes.md, "Session 11")
-                _, stems = _core.suffix_stems(self.keys, SCALE_INV)
-                self._values = list(map(self.keys.__getitem__, filter((-1).__ne__, stems)))
+                _, _, self._values, self._paired = _core.companion_scan(self.keys, (SCALE_INV,))
             else:
                 cut = slice(None, -len(SCALE_INV))
-                self._values = list(filter(self.present.__contains__, map(str.__getitem__, self.scales, repeat(cut))))
+                stems = list(map(str.__getitem__, self.scales, repeat(cut)))
+                kept = list(map(self.present.__contains__, stems))
+                self._values = list(compress(stems, kept))
+                self._paired = list(compress(self.scales, kept))
         return self._values
+
+    def scales_of(self, keys: Collection[str]) -> Iterable[str]:
+        """Each of ``keys``' name + ``_scale_inv`` (in no particular order): a bulk value's is its scale's own
+        string object (whose hash is cached: a DeepSeek-V3 rank asks it for its 45k claimed values, which
+        would otherwise be 45k new strings, each hashed again by the set they go into)."""
+        values = self.values()
+        if 4 * len(keys) < len(values):  # (a few keys: naming them costs less than the pass over every value)
+            return map(str.__add__, keys, repeat(SCALE_INV))
+        within = keys if isinstance(keys, (set, frozenset, dict)) else set(keys)
+        out = list(compress(self._paired, map(within.__contains__, values)))
+        value_set = self.value_set
+        out.extend(map(str.__add__, filterfalse(value_set.__contains__, within), repeat(SCALE_INV)))
+        return out
 
     def any(self) -> bool:
         if self._values is not None:

@@ -243,6 +243,14 @@ class CheckpointIndex:
             out.extend(found)
         return out
 
+    def keys_stored_as(self, dtype_names: Collection[str]) -> list[str]:
+        """The keys whose stored safetensors dtype name is in ``dtype_names``, in no particular order: the
+        complement of :meth:`keys_not_stored_as` (every header's dtype is one of ``_core.DTYPE_CODES``; an
+        unknown one is refused when the header is parsed). Quantization planning asks it for the target's
+        float dtype: a few hundred bf16 keys of DeepSeek-V3, against the ~90k it does not store as bf16."""
+        wanted = frozenset(dtype_names)
+        return self.keys_not_stored_as([name for name in _core.DTYPE_CODES if name not in wanted])
+
     def _locate_new(self, key: str) -> TensorEntry:
         file = self._files.get(key)
         if file is None:
