@@ -209,15 +209,16 @@ class MemoryStorage:
         self.offset = np.zeros(len(needs.key), dtype=np.int64)
         self.key_rows: dict[int, tuple[int, int]] = {}
         self.key_bytes: dict[int, int] = {}
-        if len(needs.key):
+        if len(needs.key):  # each tensor's rows are consecutive: offsets are running sums restarted per tensor
             change = np.flatnonzero(np.diff(needs.key)) + 1
             firsts = np.concatenate([[0], change])
             lasts = np.concatenate([change, [len(needs.key)]])
-            for a, b in zip(firsts.tolist(), lasts.tolist(), strict=True):
-                k = int(needs.key[a])
-                self.offset[a:b] = np.concatenate([[0], np.cumsum(nbytes[a : b - 1])])
-                self.key_rows[k] = (a, b)
-                self.key_bytes[k] = int(nbytes[a:b].sum())
+            running = np.cumsum(nbytes)
+            before = np.concatenate([[0], running[lasts[:-1] - 1]])  # bytes of the tensors before each one
+            self.offset = running - nbytes - np.repeat(before, lasts - firsts)
+            keys = needs.key[firsts].tolist()
+            self.key_rows = dict(zip(keys, zip(firsts.tolist(), lasts.tolist(), strict=True), strict=True))
+            self.key_bytes = dict(zip(keys, (running[lasts - 1] - before).tolist(), strict=True))
         self.buffers: dict[int, torch.Tensor] = {}
         self.dtypes: dict[int, torch.dtype] = {}  # the dtype each tensor is read as
 
