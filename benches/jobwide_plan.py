@@ -1,7 +1,9 @@
 """Where a ``load(..., share="job")`` rank's time goes before its first delivery round, at full size: one rank
 of a job planned in this process as ``load`` plans it (its own plan with the groundwork made once, the
-``StorageMap``, every rank's needs from the whole plan, the check of its own needs, ``plan_job``), on the
-checkpoint's model built on meta and laid out under torch's fake process group (headers only; nothing is read).
+``StorageMap``, every rank's needs from the whole plan, the check of its own needs, ``plan_job``), then what
+``run_job`` and ``deliver`` compute before the first reads (the tensors the rank reads for itself alone, its
+received bytes' tables, round 1's messages), on the checkpoint's model built on meta and laid out under torch's
+fake process group (headers only; nothing is read, no collective).
 
     python benches/jobwide_plan.py CHECKPOINT [--layout 2d] [--world 256] [--mesh 32x8] [--repeat 3]
 
@@ -40,7 +42,9 @@ def main() -> None:
     from hp_fastload.source.index import CheckpointIndex
 
     mesh = tuple(int(x) for x in args.mesh.lower().split("x")) if args.mesh else None
-    steps = ("own plan", "StorageMap", "needs", "check", "plan_job")
+    from hp_fastload.execute.deliver import MemoryStorage
+
+    steps = ("own plan", "StorageMap", "needs", "check", "plan_job", "before round 1")
     spent: dict[str, list[float]] = {s: [] for s in (*steps, "total")}
     digests = set()
     gc.disable()  # as load runs it (gc_paused)
@@ -56,12 +60,17 @@ def main() -> None:
             marks.append(time.perf_counter())
             smap = StorageMap.of_index(index)
             marks.append(time.perf_counter())
-            needs = all_rank_needs(model, index, smap, args.world, request, groundwork=work)
+            extra = {} if work is None else {"groundwork": work}  # (--no-groundwork runs on older trees too)
+            needs = all_rank_needs(model, index, smap, args.world, request, **extra)
             marks.append(time.perf_counter())
             if rank_needs(own, smap, packed_keys(own, index)) != needs[args.rank]:
                 raise SystemExit("the rank's own plan differs from the job plan's needs for it")
             marks.append(time.perf_counter())
             job = plan_job(needs, smap, ranks_per_node=args.ranks_per_node)
+            marks.append(time.perf_counter())
+            job.self_read_keys(args.rank)
+            MemoryStorage(job, job.needs[args.rank])
+            job.messages(args.rank, 0)
             marks.append(time.perf_counter())
             for i, step in enumerate(steps):
                 spent[step].append(marks[i + 1] - marks[i])
@@ -71,7 +80,7 @@ def main() -> None:
             gc.collect()
     print(f"{description}, rank {args.rank}: {_digest_line(digests)}; medians of {args.repeat} runs, s")
     for step, values in spent.items():
-        print(f"  {step:12s} {statistics.median(values):7.3f}")
+        print(f"  {step:15s} {statistics.median(values):7.3f}")
 
 
 def _digest_line(digests: set[str]) -> str:
