@@ -3,7 +3,8 @@
 bit-exact against transformers' ``from_pretrained`` cut with torch's ``distribute_tensor``; storage bytes
 read once per job (T1) and each rank receiving about its own shard (T2); faults: a transient read error
 retried, a permanent one raised on every rank naming the file and byte range, a rank failing mid-delivery
-named by the others.
+named by the others, ranks whose job plans differ raising before any byte; ``share="auto"`` choosing by the
+cost model.
 
 One spawn runs every check; each rank builds each family's model once and loads deep copies. Which bytes
 each rank needs, on every layout and both families, is tested without a spawn (tests/planning/
@@ -258,6 +259,23 @@ def check_nccl_only_default_group(rank: int, world: int) -> dict[str, Any]:
     }
 
 
+def check_auto_follows_the_cost_model(rank: int, world: int) -> dict[str, Any]:
+    """``share="auto"`` on the HSDP layout (replicas on both nodes): a slow storage and a fast network make the
+    job plan the faster (each byte read once), a fast storage and a slow network every rank reading alone;
+    the values are exact either way."""
+    from hp_fastload.execute import job
+
+    out: dict[str, Any] = {}
+    for name, storage, network in (("slow storage", "0.001", "1000"), ("slow network", "1000", "0.001")):
+        os.environ[job.STORAGE_GBPS_ENV], os.environ[job.NETWORK_GBPS_ENV] = storage, network
+        try:
+            bad, report = _load("qwen3_moe", "hsdp", "auto")
+        finally:
+            del os.environ[job.STORAGE_GBPS_ENV], os.environ[job.NETWORK_GBPS_ENV]
+        out[name] = {"bad": bad, "share": report.share}
+    return out
+
+
 def check_ranks_disagreeing_on_the_plan_raise_everywhere(rank: int, world: int) -> dict[str, Any]:
     """Ranks 2 and 3 say one rank per node, ranks 0 and 1 two: their job plans differ (the digest covers the
     nodes), so every rank raises ``PlanError`` at the digest's agreement, before any byte is delivered (every
@@ -303,6 +321,7 @@ def _all_checks(rank: int, world: int) -> dict[str, Any]:
         check_transient_read_error_is_retried,
         check_permanent_read_error_raises_everywhere,
         check_nccl_only_default_group,
+        check_auto_follows_the_cost_model,
         check_ranks_disagreeing_on_the_plan_raise_everywhere,
         check_rank_failing_mid_delivery_is_named,  # last: it leaves the group unusable
     ]
@@ -361,6 +380,12 @@ def test_nccl_only_default_group_sends_over_gloo(outcomes: list[dict[str, Any]])
         assert got["made_once"], got  # one gloo group for the default group, reused by the second load
     assert sum(got["seen"]["other"] for got in per_rank) > 0  # hsdp: replicas exchange bytes
     assert sum(got["received"] for got in per_rank) > 0
+
+
+def test_auto_follows_the_cost_model(outcomes: list[dict[str, Any]]) -> None:
+    for got in subcheck_values(outcomes, "check_auto_follows_the_cost_model"):
+        assert got["slow storage"] == {"bad": [], "share": "job"}, got
+        assert got["slow network"] == {"bad": [], "share": "none"}, got
 
 
 def test_ranks_disagreeing_on_the_plan_raise_everywhere(outcomes: list[dict[str, Any]]) -> None:
