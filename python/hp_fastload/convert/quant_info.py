@@ -195,10 +195,9 @@ class QuantInfo:
         if not isinstance(sources, (list, tuple, set, frozenset)):
             sources = list(sources)
         if same is not None:  # the quantized sources not stored as the target's dtype
-            quantized = tensors.quantized
-            if quantized.isdisjoint(sources):  # (one pass in C: a target of no quantized source)
+            differ = list(filter(tensors.quantized.__contains__, sources))  # (one pass in C)
+            if not differ:  # (a target of no quantized source)
                 return
-            differ = list(filter(quantized.__contains__, sources))
             if same:  # (a quantized tensor stored as the target's dtype loads raw)
                 differ = list(filterfalse(same.__contains__, differ))
         else:
@@ -258,7 +257,8 @@ class QuantInfo:
         """The companions of the claimed and dequantized tensors (read with them, so not unexpected)."""
         out = self.tensors.companions_of(self.claimed)
         out.update(self.tensors.companions_of(self.dequantized))
-        return out | self.fallback_keys
+        out.update(self.fallback_keys)  # (``out`` is new: no copy of its 45k names)
+        return out
 
     def _mxfp4_targets(
         self, missing: Collection[str], unclaimed: Collection[str], dtype_of_target: Callable[[str], torch.dtype]
