@@ -573,3 +573,27 @@ def test_from_pretrained_model_factory_refuses_what_applies_config_json(root: Pa
         hf.from_pretrained(root / "llama3", model_factory=cfg, state_dict_adapter=adapter)
     with pytest.raises(TypeError, match="returned dict"):
         hf.from_pretrained(root / "llama3", model_factory=dict, state_dict_adapter=adapter)
+
+
+@pytest.mark.parametrize("name", titan.NAMES)
+def test_own_state_dict_hooks_found_as_the_canonical_walk_finds_them(name: str) -> None:
+    """``has_own_state_dict_hooks`` (one walk without names, asked by every plan) answers as the walk of
+    ``canonical_modules`` over the hooks of each non-wrapper module; llama3's fused ``wqkv`` has such a hook, and
+    a module without hooks has none."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from hp_fastload.convert.adapter import _own_hook, canonical_modules, has_own_state_dict_hooks
+
+    def canonical(model: torch.nn.Module) -> bool:
+        return any(_own_hook(h) for _, m in canonical_modules(model) for h in m._state_dict_hooks.values())
+
+    model, _ = _model(name)
+    found = has_own_state_dict_hooks(model)
+    assert found == canonical(model)
+    assert found or name != "llama3"  # the fused wqkv's hook presents q/k/v
+    wrapped = torch.nn.Sequential(checkpoint_wrapper(model))
+    assert has_own_state_dict_hooks(wrapped) == canonical(wrapped) == found
+    plain = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    assert not has_own_state_dict_hooks(plain) and not canonical(plain)
+    plain[0]._register_state_dict_hook(lambda *a: None)  # a hook of this (non-torch) test module
+    assert has_own_state_dict_hooks(plain) and canonical(plain)

@@ -178,12 +178,31 @@ def loaded_regions(
     return trace_by_structure(convert, leaves, memo=memo)
 
 
+def has_own_state_dict_hooks(model: nn.Module) -> bool:
+    """Whether some module of ``model`` (each once; forwarding wrappers skipped, as :func:`canonical_modules`
+    skips them) has a ``state_dict`` post-hook of the model's own code. One walk of the module tree without
+    building names: planning asks it of every model, and almost none has such a hook."""
+    seen: set[int] = set()
+    stack = [model]
+    while stack:
+        module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        children = module._modules
+        hooks = module._state_dict_hooks
+        if hooks and WRAPPED_CHILDREN.isdisjoint(children) and any(map(_own_hook, hooks.values())):
+            return True
+        stack.extend(c for c in children.values() if c is not None)
+    return False
+
+
 def hook_renamed(model: nn.Module, tensors: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> list[str]:
     """Model tensors that the model's own ``state_dict`` post-hooks present under other names or layouts
     (torchtitan's fused ``wqkv``, shown as ``wq`` / ``wk`` / ``wv``): a checkpoint holds the hooks' view, and only
     the hooks (through a ``state_dict_adapter``) know how it maps to the tensor. Empty when no module has such a
     hook (nothing is traced then)."""
-    if not any(_own_hook(h) for _, m in canonical_modules(model) for h in m._state_dict_hooks.values()):
+    if not has_own_state_dict_hooks(model):
         return []
     state: dict[str, Any] = {name: RegionTensor.leaf(name, shape, dtype) for name, (shape, dtype) in tensors.items()}
     try:

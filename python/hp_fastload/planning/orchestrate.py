@@ -12,7 +12,7 @@ from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from hp_fastload.convert.adapter import hook_renamed
+from hp_fastload.convert.adapter import has_own_state_dict_hooks, hook_renamed
 from hp_fastload.convert.detect import detect_in_index
 from hp_fastload.convert.groups import LoadGroup, build_groups
 from hp_fastload.convert.quant import Dequant
@@ -109,7 +109,11 @@ def groundwork_of(
 def _hooked(model: Any, targets: dict[str, Target], shared: Groundwork | None) -> list[str]:
     if shared is not None and shared.hooked is not None:
         return shared.hooked
-    hooked = hook_renamed(model, {n: (tuple(t.global_shape), t.dtype) for n, t in targets.items()})
+    hooked = (
+        hook_renamed(model, {n: (tuple(t.global_shape), t.dtype) for n, t in targets.items()})
+        if has_own_state_dict_hooks(model)
+        else []
+    )
     if shared is not None:
         shared.hooked = hooked
     return hooked
