@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -28,25 +27,10 @@ from hp_fastload.execute import read as read_module
 from hp_fastload.execute.batch import Batch
 from hp_fastload.planning import claims as claims_module
 from tests.helpers.dist import run_distributed
+from tests.helpers.opened import open_under
 from tests.helpers.tiny_models import tiny_model
 
 LAST_LAYER = "model.layers.1."  # the tiny llama has two layers
-
-
-def _open_in(root: str) -> dict[str, list[str]]:
-    """This process's descriptors and maps of files under ``root``, and its planner threads."""
-    fds = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith(root):
-            fds.append(target)
-    with open("/proc/self/maps") as maps:
-        mapped = sorted({line.split()[-1] for line in maps if root in line})
-    readers = [t.name for t in threading.enumerate() if t.name.startswith("hp-fastload-plan")]
-    return {"fds": fds, "maps": mapped, "readers": readers}
 
 
 class _Counted:
@@ -105,7 +89,7 @@ def _body(rank: int, world_size: int, base: str) -> dict[str, Any]:
     out["equal"] = all(torch.equal(t, reference[n]) for n, t in model.state_dict().items())
     out["calls"] = counted.done
     out["phases_add_up"] = abs(report.critical_path.total - report.seconds) < 1e-9
-    out["after_success"] = _open_in(base)
+    out["after_success"] = open_under(base)
 
     # 2. key-level failure on rank 1 (a model tensor no checkpoint holds, strict): nothing read on any rank
     model = tiny_model("llama", seed=1)
@@ -126,7 +110,7 @@ def _body(rank: int, world_size: int, base: str) -> dict[str, Any]:
         out["late_plan"] = _attempt(tiny_model("llama", seed=1), root)
     finally:
         claims_module.region_items = real_items
-    out["after_late_plan"] = _open_in(base)
+    out["after_late_plan"] = open_under(base)
 
     # 4. rank 1's last shard truncated once the plan is agreed: the reads of its late targets fail
     real_streamed = load_module.front.streamed
@@ -143,7 +127,7 @@ def _body(rank: int, world_size: int, base: str) -> dict[str, Any]:
         out["late_read"] = _attempt(tiny_model("llama", seed=1), root)
     finally:
         load_module.front.streamed = real_streamed
-    out["after_late_read"] = _open_in(base)
+    out["after_late_read"] = open_under(base)
     return out
 
 
@@ -195,6 +179,6 @@ def test_a_late_failure_raises_on_every_rank_with_nothing_left_open(outcomes, sc
     for rank, out in enumerate(outcomes):
         assert out[scenario]["error"], rank
         left = out[f"after_{scenario}"]
-        assert left["maps"] == [] and left["readers"] == [], (rank, left)
+        assert left["maps"] == [] and left["planners"] == [], (rank, left)
         # descriptors: none beyond what a finished load keeps
         assert sorted(left["fds"]) == sorted(out["after_success"]["fds"]), (rank, left, out["after_success"])

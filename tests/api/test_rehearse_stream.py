@@ -29,6 +29,7 @@ from hp_fastload.execute.batch import Batch
 from hp_fastload.planning import claims as claims_module
 from hp_fastload.planning import front
 from hp_fastload.source.index import CheckpointIndex
+from tests.helpers.opened import open_under
 from tests.helpers.tiny_models import model_class, tiny_config, tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -107,22 +108,6 @@ class _Timeline:
         return sum(kind == "call" for kind, _ in self.events)
 
 
-def _open_under(root: Path) -> dict[str, list[str]]:
-    """This process's descriptors and maps of files under ``root``, and its planner threads."""
-    fds = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith(str(root)):
-            fds.append(target)
-    with open("/proc/self/maps") as maps:
-        mapped = sorted({line.split()[-1] for line in maps if str(root) in line})
-    planners = [t.name for t in threading.enumerate() if t.name.startswith("hp-fastload-plan")]
-    return {"fds": sorted(fds), "maps": mapped, "planners": planners}
-
-
 def _unstreamed(model: Any, root: Path, rank: int) -> dict[str, torch.Tensor]:
     """The rank's shards as the rehearsal read them before it streamed: the whole plan first
     (``planning.front.plan``), then ``execute_plan``."""
@@ -176,12 +161,12 @@ def test_a_late_planning_failure_raises_with_nothing_left_open(
     raises it, with no map of the checkpoint, no descriptor beyond a finished rehearsal's and no planner left."""
     model = laid_out
     hf.rehearse(model, saved, rank=1, threads=2)
-    after_success = _open_under(saved)
+    after_success = open_under(saved)
     timeline = _Timeline(monkeypatch, fail=LAST_LAYER)
     with pytest.raises(hf.errors.PlanError, match="injected late planning failure"):
         hf.rehearse(model, saved, rank=1, threads=2)
     assert timeline.calls >= 1, timeline.events  # reads had begun: the failure was late
-    left = _open_under(saved)
+    left = open_under(saved)
     assert left["maps"] == [] and left["planners"] == [], left
     assert left["fds"] == after_success["fds"], (left, after_success)
 

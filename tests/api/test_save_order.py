@@ -24,6 +24,7 @@ import torch
 from hp_fastload.errors import PlanError
 from tests.helpers.dist import run_distributed
 from tests.helpers.layouts import torch_fsdp
+from tests.helpers.opened import open_under
 from tests.helpers.tiny_models import tiny_model
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
@@ -31,21 +32,6 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 SHARD = 4000  # several files for the tiny models
 LAST_LAYER = "model.layers.1."  # the tiny models have two layers
 FAMILIES = ["llama", "mixtral"]
-
-
-def _open_in(root: str) -> dict[str, list[str]]:
-    """This process's descriptors and maps of files under ``root``."""
-    fds = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith(root):
-            fds.append(target)
-    with open("/proc/self/maps") as maps:
-        mapped = sorted({line.split()[-1] for line in maps if root in line})
-    return {"fds": fds, "maps": mapped}
 
 
 class _Logged:
@@ -129,15 +115,15 @@ def _body(rank: int, world: int, base: str) -> dict[str, Any]:
             "bytes": report.bytes_written,
             "by_rank": report.bytes_written_by_rank,
         }
-    out["after_success"] = _open_in(base)
+    out["after_success"] = open_under(base)
 
     # 2. rank 1's model has a tensor the released layout (rank 0's files) has no place for
     out["key_level"] = _attempt(_model("llama", extra=rank == 1), root / "key-level", _Logged())
-    out["after_key_level"] = _open_in(base)
+    out["after_key_level"] = open_under(base)
 
     # 3. the last layer's targets fail to plan on rank 1
     out["late_plan"] = _attempt(_model("llama"), root / "late-plan", _Logged(fail_plan=rank == 1))
-    out["after_late_plan"] = _open_in(base)
+    out["after_late_plan"] = open_under(base)
 
     # 4. the writers' check: rank 1 claims 8 bytes more than it writes
     real_planned = save_mod.planned_bytes
@@ -147,12 +133,12 @@ def _body(rank: int, world: int, base: str) -> dict[str, Any]:
         out["writers"] = _attempt(_model("llama"), root / "writers", _Logged())
     finally:
         save_mod.planned_bytes = real_planned
-    out["after_writers"] = _open_in(base)
+    out["after_writers"] = open_under(base)
 
     # 5. rank 1's third write call fails, after two that wrote (a batch per target: batch_bytes=1)
     log = _Logged(fail_write_after=2 if rank == 1 else None)
     out["late_write"] = _attempt(_model("llama"), root / "late-write", log, batch_bytes=1)
-    out["after_late_write"] = _open_in(base)
+    out["after_late_write"] = open_under(base)
     return out
 
 
