@@ -183,20 +183,6 @@ fn part<S: AsRef<str>>(names: &[S]) -> Option<Part> {
     Some(out)
 }
 
-/// The names of `names` that end with `suffix` (positions, in order), each with the position of its stem
-/// (the name without the suffix) among `names`, or `-1` when no name is the stem (the first position when
-/// several are). A block-fp8 checkpoint pairs each `X_scale_inv` with its `X` this way: the caller takes
-/// the stems as its own string objects (whose hashes are cached) instead of slicing and hashing new ones.
-/// Names in natural order have a stem just before its suffixed name (`X` < `X_scale_inv`): that neighbour
-/// is compared first, and a table of every name's position is built only when one is not there.
-pub fn suffix_stems<S: AsRef<str>>(names: &[S], suffix: &str) -> (Vec<usize>, Vec<i64>) {
-    let hits: Vec<usize> = (0..names.len())
-        .filter(|&i| names[i].as_ref().ends_with(suffix))
-        .collect();
-    let stems = stems_of(names, &hits, suffix);
-    (hits, stems)
-}
-
 /// What quantization detection's companion scan asks of a checkpoint's names, in one pass over them.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct CompanionScan {
@@ -204,8 +190,10 @@ pub struct CompanionScan {
     pub hits: Vec<usize>,
     /// True when every hit ends with the first suffix and no name contains the marker (block fp8 alone).
     pub paired: bool,
-    /// When `paired`: `(stem position, hit position)` for each hit whose stem is a name, in the hits' order
-    /// (the stem's first position, as [`suffix_stems`] finds it); empty otherwise.
+    /// When `paired`: `(stem position, hit position)` for each hit whose stem (the name without the suffix)
+    /// is a name, in the hits' order (the stem's first position when several names are it); empty otherwise.
+    /// A block-fp8 checkpoint pairs each `X_scale_inv` with its `X` this way: the caller takes both as its
+    /// own string objects (whose hashes are cached) instead of slicing and hashing new ones.
     pub pairs: Vec<(usize, usize)>,
 }
 
@@ -224,8 +212,8 @@ pub fn companion_scan<S: AsRef<str>>(
         && !marker.is_some_and(|m| names.iter().any(|n| n.as_ref().contains(m)));
     let pairs = if paired {
         let stems = stems_of(names, &hits, first);
-        let kept = hits.iter().zip(stems).filter(|(_, s)| *s >= 0);
-        kept.map(|(&h, s)| (s as usize, h)).collect()
+        let kept = hits.iter().zip(stems);
+        kept.filter_map(|(&h, s)| s.map(|s| (s, h))).collect()
     } else {
         Vec::new()
     };
@@ -236,9 +224,10 @@ pub fn companion_scan<S: AsRef<str>>(
     }
 }
 
-/// The stem position of each of `hits` (names ending with `suffix`) among `names`, or -1 (see
-/// [`suffix_stems`]).
-fn stems_of<S: AsRef<str>>(names: &[S], hits: &[usize], suffix: &str) -> Vec<i64> {
+/// The stem position of each of `hits` (names ending with `suffix`) among `names`, None when no name is the
+/// stem. Names in natural order have a stem just before its suffixed name (`X` < `X_scale_inv`): that
+/// neighbour is compared first, and a table of every name's position is built only when one is not there.
+fn stems_of<S: AsRef<str>>(names: &[S], hits: &[usize], suffix: &str) -> Vec<Option<usize>> {
     let stem_of = |i: usize| {
         let name = names[i].as_ref();
         &name[..name.len() - suffix.len()]
@@ -250,7 +239,7 @@ fn stems_of<S: AsRef<str>>(names: &[S], hits: &[usize], suffix: &str) -> Vec<i64
             // The neighbour is the stem's first position unless an earlier name is the stem too.
             let neighbour = i > 0 && names[i - 1].as_ref() == stem;
             if neighbour && (i < 2 || names[i - 2].as_ref() != stem) {
-                return i64::try_from(i - 1).expect("fewer than i64::MAX names");
+                return Some(i - 1);
             }
             let table = position.get_or_insert_with(|| {
                 let mut table: HashMap<&str, usize, BuildHasherDefault<WordHasher>> =
@@ -260,9 +249,7 @@ fn stems_of<S: AsRef<str>>(names: &[S], hits: &[usize], suffix: &str) -> Vec<i64
                 }
                 table
             });
-            table.get(stem).map_or(-1, |&j| {
-                i64::try_from(j).expect("fewer than i64::MAX names")
-            })
+            table.get(stem).copied()
         })
         .collect()
 }
@@ -353,7 +340,7 @@ mod tests {
     }
 
     #[test]
-    fn suffix_stems_pair_each_name_with_its_stem() {
+    fn companion_scan_pairs_each_name_with_its_stem() {
         let names = [
             "a.w_scale_inv",
             "a.w",
@@ -363,13 +350,17 @@ mod tests {
             "c.w_scale_inv",
             "a.w",
         ];
-        let (hits, stems) = suffix_stems(&names, "_scale_inv");
-        assert_eq!(hits, [0, 2, 3, 5]);
-        assert_eq!(stems, [1, -1, -1, 4]);
-        assert_eq!(suffix_stems(&["x", "y"], "_s"), (vec![], vec![]));
+        let scan = companion_scan(&names, &["_scale_inv"], None);
+        assert_eq!(scan.hits, [0, 2, 3, 5]);
+        assert_eq!(scan.pairs, [(1, 0), (4, 5)]); // "b.w" and "" are no name: hits 2 and 3 unpaired
+        let none = companion_scan(&["x", "y"], &["_s"], None);
+        assert_eq!((none.hits, none.pairs), (vec![], vec![]));
         // natural order: each stem just before its suffixed name (no table), and a repeated stem's first
-        let (hits, stems) = suffix_stems(&["a", "a_s", "b", "b", "b_s", "c_s"], "_s");
-        assert_eq!((hits, stems), (vec![1, 4, 5], vec![0, 2, -1]));
+        let scan = companion_scan(&["a", "a_s", "b", "b", "b_s", "c_s"], &["_s"], None);
+        assert_eq!(
+            (scan.hits, scan.pairs),
+            (vec![1, 4, 5], vec![(0, 1), (2, 4)])
+        );
     }
 
     #[test]
