@@ -454,13 +454,11 @@ def gather_digests(stage: str, digest: bytes) -> list[bytes]:
     return [bytes(t.cpu().tolist()) for t in out]
 
 
-def agree_digest(stage: str, digest: str, hint: str) -> None:
-    """Every rank compares ``digest`` (one all-gather of a short string): a ``PlanError`` on every rank naming
-    the ranks whose value differs from rank 0's, followed by ``hint``."""
-    if not dist_active():
-        return
-    digests: list[Any] = [None] * torch.distributed.get_world_size()
-    _waiting(stage, lambda: torch.distributed.all_gather_object(digests, digest))
+def agree_digest(stage: str, digest: bytes, hint: str) -> None:
+    """Every rank compares ``digest`` (the same length on every rank: one fixed-size all-gather,
+    ``gather_digests``): a ``PlanError`` on every rank naming the ranks whose value differs from rank 0's,
+    followed by ``hint``."""
+    digests = gather_digests(stage, digest)
     differing = [r for r, d in enumerate(digests) if d != digests[0]]
     if differing:
         raise errors.PlanError(f"{stage}: the ranks disagree (rank 0 vs ranks {differing[:8]}): {hint}")

@@ -3,7 +3,7 @@
 Owns the number of ranks per node (``ranks_per_node``, else ``$LOCAL_WORLD_SIZE`` as torchrun sets it, else the
 whole world is one node), the job plan of a load (every rank's needs from ``planning.jobranks`` for the load's
 own ``PlanRequest``, this rank's own plan checked against the one computed for it, the plan's digest agreed in
-one fixed-size all-gather, ``agree_job_digest``; ``share="auto"``'s choice through the cost model), and running
+one fixed-size all-gather, ``dist.agree.agree_digest``; ``share="auto"``'s choice through the cost model), and running
 it: MXFP4 items and deferred groups read by each rank itself, everything else delivered (``execute.deliver``).
 
 Choosing the strategy (``share=``) is the API's (``api.request.resolve_share``); the checks and the report
@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hp_fastload.dist.agree import agree, gather_digests, gather_floats
+from hp_fastload.dist.agree import agree, agree_digest, gather_floats
 from hp_fastload.dist.groups import host_message_group
 from hp_fastload.errors import PlanError
 from hp_fastload.execute.deliver import deliver
@@ -220,21 +220,11 @@ def agree_job_plan(
 
     job: JobPlan = agree("Planning the job-wide reads", planned)
     lap("waiting")
-    agree_job_digest(job.digest)
+    agree_digest(
+        "Agreeing on the job-wide plan",
+        bytes.fromhex(job.digest),
+        "the model's layout or the checkpoint differs between ranks; use share='none'",
+    )
     if sharing == "auto" and not auto_prefers_job(job):
         return None
     return job
-
-
-def agree_job_digest(digest: str) -> None:
-    """Every rank raises ``PlanError`` unless every rank's job plan has the same ``digest`` (a 32-digit hex
-    string): one all-gather of its 16 bytes (a fixed-size collective, polled as an agreement is), not an object
-    all-gather (sizes, then pickles); the message names the ranks that differ from rank 0."""
-    stage = "Agreeing on the job-wide plan"
-    digests = gather_digests(stage, bytes.fromhex(digest))
-    differing = [r for r, d in enumerate(digests) if d != digests[0]]
-    if differing:
-        raise PlanError(
-            f"{stage}: the ranks disagree (rank 0 vs ranks {differing[:8]}): the model's layout or the checkpoint "
-            "differs between ranks; use share='none'"
-        )
