@@ -113,10 +113,11 @@ class Claims:
         a packed layout has other shapes than the float tensor it encodes). A supported format into a float
         target is dequantized: its layout is checked, and its ``Dequant`` built, for the keys this rank's reads
         use (``QuantInfo.read`` after ``region_items``), not for every source of the target."""
-        target = self.targets.get(name)
-        if target is None or id(target) in self.claimed or self.quant is None:
+        if self.quant is None or not self._unclaimed(name):
             return
-        self.quant.check_claim(name, target.dtype, sources, lambda k: self.index.locate(k).dtype, resolve=False)
+        self.quant.check_claim(
+            name, self.targets[name].dtype, sources, lambda k: self.index.locate(k).dtype, resolve=False
+        )
 
     def add_deferred(self, pending: PendingGroup | None) -> None:
         if pending is not None and pending.claims:
