@@ -56,6 +56,7 @@ class PhaseClock:
     def __init__(self) -> None:
         self.start = self.last = time.perf_counter()
         self.spent = dict.fromkeys(PHASES, 0.0)
+        self.hidden = 0.0  # region planning done while an engine call read (``overlapped``)
 
     def lap(self, phase: str) -> None:
         now = time.perf_counter()
@@ -84,6 +85,13 @@ class PhaseClock:
         self.spent[source] -= seconds
         self.spent[phase] += seconds
 
+    def overlapped(self, overlap: Overlap) -> None:
+        """The region planning made while reading (``execute_stream``'s ``overlap``): what no engine call
+        covered was on the critical path, re-charged from reading to planning; the rest is reported as
+        ``CriticalPath.planning_hidden``."""
+        self.moved("reading", "planning", overlap.exposed)
+        self.hidden += overlap.hidden
+
     def skip(self) -> None:
         """Charge the time since the last lap to nothing (work that is not the load's, as a rehearsal's
         allocation of the shards a model would already hold)."""
@@ -91,7 +99,7 @@ class PhaseClock:
 
     def done(self) -> tuple[float, CriticalPath]:
         """The seconds charged (since the start, less what was skipped) and the phases."""
-        return sum(self.spent.values()), CriticalPath(**self.spent)
+        return sum(self.spent.values()), CriticalPath(**self.spent, planning_hidden=self.hidden)
 
 
 def _progress_wanted(enabled: bool | None) -> bool:
@@ -429,8 +437,7 @@ def load(
         close()
         context.index.release_maps()  # a finished load keeps no page tables of the checkpoint mapped
         clock.lap("finishing")
-    # the region planning done while reading: what no engine call covered was on the critical path
-    clock.moved("reading", "planning", overlap.exposed)
+    clock.overlapped(overlap)
     if load_plan is None:
         load_plan = stream.plan()  # (every region made: the plan's totals)
         clock.lap("planning")
@@ -448,7 +455,6 @@ def load(
     unfilled = recreate_buffers(owner) if finalize else [name for name, _ in non_persistent_buffers(owner)]
     clock.lap("finishing")
     seconds, critical_path = clock.done()
-    critical_path = dataclasses.replace(critical_path, planning_hidden=overlap.hidden)
     # The plan's report (keys, checkpoint bytes, the loader) with what executing it measured.
     report = dataclasses.replace(
         load_plan.report,

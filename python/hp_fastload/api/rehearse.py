@@ -326,12 +326,10 @@ def rehearse(
             context.index.release_maps()
             clock.lap("finishing")
     peak = _status_bytes("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    # the region planning no engine call covered was on the critical path: planning, not reading
-    clock.moved("reading", "planning", overlap.exposed)
+    clock.overlapped(overlap)
     plan = stream.plan()  # (every region made: the plan's totals)
     clock.lap("planning")
     _, critical_path = clock.done()
-    critical_path = dataclasses.replace(critical_path, planning_hidden=overlap.hidden)
     report = Rehearsal(
         rank=rank,
         world=_world_of(model),
